@@ -1,0 +1,98 @@
+"""The driver seam: choosing and holding the backend every other layer talks to.
+
+``driver()`` returns the backend in use, choosing it on first call from
+``AIOCUDA_BACKEND``:
+
+* ``cuda`` -- the real driver; fails with :class:`~aiocuda.errors.NoDeviceError` if there
+  is none.
+* ``sim`` -- the simulated driver (``AIOCUDA_SIM_DEVICES`` sets its device count).
+* ``auto`` (the default) -- the real driver where it reports a device, otherwise the
+  simulated one, with a one-line notice on stderr. Never sim where a GPU exists.
+
+:func:`use_backend` switches explicitly (tests do this). Objects created under one backend
+must not be used after switching to another.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from ..errors import BackendError, NoDeviceError
+from ._fork import check_not_forked
+from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
+
+__all__ = [
+    "Doorbell",
+    "Driver",
+    "Handle",
+    "KernelParams",
+    "PoolProps",
+    "backend_generation",
+    "driver",
+    "use_backend",
+]
+
+BACKENDS = ("cuda", "sim", "auto")
+
+_current: Driver | None = None
+_generation = 0
+
+
+def _make(name: str, options: dict[str, Any]) -> Driver:
+    if name == "cuda":
+        from .cuda import CudaDriver
+
+        real = CudaDriver()
+        real.init()
+        return real
+    if name == "sim":
+        from .sim import SimDriver
+
+        if "devices" not in options and os.environ.get("AIOCUDA_SIM_DEVICES"):
+            options = {**options, "devices": int(os.environ["AIOCUDA_SIM_DEVICES"])}
+        sim = SimDriver(**options)
+        sim.init()
+        return sim
+    if name == "auto":
+        try:
+            return _make("cuda", {})
+        except NoDeviceError as exc:
+            print(f"aiocuda: no usable GPU ({exc.name or exc}); using the simulated backend", file=sys.stderr)
+            return _make("sim", options)
+    raise BackendError(f"unknown aiocuda backend {name!r}: choose one of {', '.join(BACKENDS)}")
+
+
+def use_backend(name: str, **options: Any) -> Driver:
+    """Select the backend explicitly and return it.
+
+    ``options`` go to the simulated backend (``devices=N``, ...). Switching invalidates
+    every device, stream and buffer created before.
+    """
+    global _current, _generation
+    check_not_forked()
+    if name not in BACKENDS:
+        raise BackendError(f"unknown aiocuda backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    new = _make(name, dict(options))
+    old, _current = _current, new
+    _generation += 1
+    if old is not None and old is not new:
+        shutdown = getattr(old, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+    return new
+
+
+def driver() -> Driver:
+    """The backend in use, chosen from ``AIOCUDA_BACKEND`` on first call."""
+    if _current is None:
+        use_backend(os.environ.get("AIOCUDA_BACKEND", "auto").strip().lower() or "auto")
+    check_not_forked()
+    assert _current is not None
+    return _current
+
+
+def backend_generation() -> int:
+    """Incremented on every switch; caches keyed on it drop stale handles."""
+    return _generation

@@ -1,0 +1,263 @@
+"""The driver seam: the small interface both backends implement.
+
+Everything above ``aiocuda._driver`` talks to CUDA only through an object satisfying
+:class:`Driver`. Two implementations exist: ``cuda`` (``cuda.bindings.driver``, the real
+thing) and ``sim`` (a simulated driver on the CPU). They must agree on semantics, which
+are those of the CUDA Driver API; where the simulation departs from it the departure is
+documented on the sim class.
+
+Conventions:
+
+* Handles (devices, contexts, streams, events, pools, modules, functions) are opaque
+  objects owned by the backend. Above the seam they are stored and passed back, never
+  inspected; ``handle_value`` turns one into the integer other libraries exchange.
+* Device and host pointers are plain ``int`` addresses.
+* Every call is checked: a failure raises :class:`aiocuda.errors.CudaError` (the most
+  specific subclass, via :func:`aiocuda.errors.error_for_code`). ``NOT_READY`` from a
+  query is not a failure: queries return ``False``.
+* Calls that need a current context (creating streams, allocating, loading modules,
+  launching) use whatever context the calling thread has current; binding it is the
+  device layer's job (:meth:`Driver.set_current`).
+* Stream-ordered calls (``*_async``, ``launch_*``, ``event_record``) only enqueue work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+Handle = Any
+"""An opaque backend handle (CUstream, CUevent, a sim object, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolProps:
+    """Properties of a new memory pool (``cuMemPoolCreate``)."""
+
+    device_ordinal: int
+    max_size: int = 0
+    """Upper bound of the pool's reserved memory in bytes; 0 means no bound."""
+
+
+class KernelParams(Protocol):
+    """Kernel arguments packed once for both backends.
+
+    ``address`` is the address of a ``void*[]`` array pointing at each argument's bytes
+    (what ``cuLaunchKernel`` takes as ``kernelParams``); it must stay valid until the
+    launch call returns. ``values`` are the same arguments as Python values, for the
+    simulated backend (device pointers as ``int``).
+    """
+
+    @property
+    def address(self) -> int: ...
+
+    @property
+    def values(self) -> tuple[Any, ...]: ...
+
+
+@runtime_checkable
+class Doorbell(Protocol):
+    """A wake-up that GPU work can ring without running Python on the driver's thread.
+
+    ``Driver.launch_doorbell(stream, bell)`` enqueues a host function that rings the
+    bell when the stream reaches that point. Ringing is a plain C call (``sem_post``) on
+    the real driver, so it never needs the GIL and cannot deadlock against a thread that
+    holds the GIL while it waits on the driver.
+    """
+
+    def ring(self) -> None: ...
+
+    @property
+    def c_function(self) -> int: ...
+
+    @property
+    def c_argument(self) -> int: ...
+
+
+class Driver(Protocol):
+    """The operations aiocuda needs from a CUDA driver. See the module docstring."""
+
+    name: str
+    """``"cuda"`` or ``"sim"``."""
+
+    # -- process, devices, contexts -------------------------------------------------------
+    def init(self) -> None:
+        """Initialise the driver (idempotent). Raises NoDeviceError without a driver."""
+
+    def driver_version(self) -> int: ...
+
+    def device_count(self) -> int: ...
+
+    def device_get(self, ordinal: int) -> Handle:
+        """The device handle; ArgumentError when ``ordinal`` is out of range."""
+
+    def device_name(self, dev: Handle) -> str: ...
+
+    def device_uuid(self, dev: Handle) -> str:
+        """``"GPU-xxxxxxxx-xxxx-..."`` as nvidia-smi prints it."""
+
+    def device_pci_bus_id(self, dev: Handle) -> str: ...
+
+    def device_total_mem(self, dev: Handle) -> int: ...
+
+    def device_attribute(self, dev: Handle, attribute: str) -> int:
+        """A ``CU_DEVICE_ATTRIBUTE_*`` value by its lowercase suffix, e.g.
+        ``"max_threads_per_block"``. ArgumentError for an unknown name."""
+
+    def device_attribute_names(self) -> Sequence[str]:
+        """Every attribute name ``device_attribute`` accepts."""
+
+    def device_can_access_peer(self, dev: Handle, peer: Handle) -> bool: ...
+
+    def primary_context_retain(self, dev: Handle) -> Handle: ...
+
+    def primary_context_release(self, dev: Handle) -> None: ...
+
+    def set_current(self, ctx: Handle) -> None:
+        """Make ``ctx`` current on the calling thread (cheap when it already is)."""
+
+    def enable_peer_access(self, peer_ctx: Handle) -> None:
+        """Let the current context access ``peer_ctx``'s memory; idempotent."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """``(free, total)`` bytes of the current context's device."""
+
+    # -- streams and events ----------------------------------------------------------------
+    def stream_create(self, non_blocking: bool, priority: int) -> Handle: ...
+
+    def stream_destroy(self, stream: Handle) -> None: ...
+
+    def stream_from_value(self, value: int) -> Handle:
+        """Wrap a foreign stream's raw handle (no ownership taken)."""
+
+    def handle_value(self, handle: Handle) -> int:
+        """The raw integer behind a stream/event/context handle (0 for the null stream)."""
+
+    def stream_query(self, stream: Handle) -> bool:
+        """True when all work enqueued so far has completed."""
+
+    def stream_synchronize(self, stream: Handle) -> None:
+        """Block the calling thread (GIL released) until the stream is idle."""
+
+    def stream_wait_event(self, stream: Handle, event: Handle) -> None:
+        """Make future work on ``stream`` wait for ``event`` on the GPU (no host wait)."""
+
+    def stream_priority_range(self) -> tuple[int, int]:
+        """``(least, greatest)``; numerically lower is higher priority, as in CUDA."""
+
+    def stream_device_ordinal(self, stream: Handle) -> int:
+        """The ordinal of the device a stream belongs to (foreign streams included)."""
+
+    def event_create(self, timing: bool, blocking_sync: bool) -> Handle: ...
+
+    def event_destroy(self, event: Handle) -> None: ...
+
+    def event_record(self, event: Handle, stream: Handle) -> None: ...
+
+    def event_query(self, event: Handle) -> bool:
+        """True once the recorded work finished; raises the context's sticky error."""
+
+    def event_synchronize(self, event: Handle) -> None: ...
+
+    def event_elapsed_ms(self, start: Handle, end: Handle) -> float: ...
+
+    def new_doorbell(self) -> Doorbell:
+        """A fresh :class:`Doorbell` this backend can ring from a stream."""
+
+    def launch_doorbell(self, stream: Handle, bell: Doorbell) -> None:
+        """Enqueue a host function that rings ``bell`` when the stream gets there."""
+
+    # -- memory ---------------------------------------------------------------------------
+    def mempool_default(self, dev: Handle) -> Handle: ...
+
+    def mempool_create(self, props: PoolProps) -> Handle: ...
+
+    def mempool_destroy(self, pool: Handle) -> None: ...
+
+    def mempool_set_attribute(self, pool: Handle, attribute: str, value: int) -> None:
+        """``attribute`` is a ``CU_MEMPOOL_ATTR_*`` lowercase suffix, e.g.
+        ``"release_threshold"``, ``"reserved_mem_current"``, ``"used_mem_high"``."""
+
+    def mempool_get_attribute(self, pool: Handle, attribute: str) -> int: ...
+
+    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None: ...
+
+    def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
+        """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
+
+    def mem_alloc_async(self, size: int, pool: Handle, stream: Handle) -> int:
+        """``cuMemAllocFromPoolAsync``; OutOfMemoryError when the pool cannot grow."""
+
+    def mem_free_async(self, ptr: int, stream: Handle) -> None: ...
+
+    def mem_host_alloc(self, size: int) -> int:
+        """Page-locked host memory, portable across contexts."""
+
+    def mem_host_free(self, ptr: int) -> None: ...
+
+    def mem_host_register(self, ptr: int, size: int) -> None: ...
+
+    def mem_host_unregister(self, ptr: int) -> None: ...
+
+    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Handle) -> None: ...
+
+    def memcpy_dtoh_async(self, dst: int, src: int, size: int, stream: Handle) -> None: ...
+
+    def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Handle) -> None: ...
+
+    def memcpy_peer_async(
+        self, dst: int, dst_ctx: Handle, src: int, src_ctx: Handle, size: int, stream: Handle
+    ) -> None: ...
+
+    def memset_d8_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
+
+    def memset_d32_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
+
+    def pointer_device_ordinal(self, ptr: int) -> int:
+        """The device that owns a device pointer (for foreign arrays); ArgumentError
+        when ``ptr`` is not device memory."""
+
+    # -- modules and kernels --------------------------------------------------------------
+    def module_load_data(self, image: bytes) -> Handle:
+        """Load PTX, cubin or fatbin into the current context; the JIT log is in the
+        error's message on failure."""
+
+    def module_unload(self, module: Handle) -> None: ...
+
+    def module_get_function(self, module: Handle, name: str) -> Handle: ...
+
+    def function_get_attribute(self, func: Handle, attribute: str) -> int:
+        """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix, e.g. ``"num_regs"``."""
+
+    def function_set_attribute(self, func: Handle, attribute: str, value: int) -> None: ...
+
+    def occupancy_max_active_blocks(self, func: Handle, block_size: int, dynamic_smem: int) -> int: ...
+
+    def occupancy_max_potential_block_size(self, func: Handle, dynamic_smem: int) -> tuple[int, int]:
+        """``(min_grid_size, block_size)``."""
+
+    def launch_kernel(
+        self,
+        func: Handle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Handle,
+        params: KernelParams,
+    ) -> None:
+        """``cuLaunchKernel``: the hot path; implementations keep it to one driver call."""
+
+    def launch_kernel_ex(
+        self,
+        func: Handle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Handle,
+        params: KernelParams,
+        *,
+        cooperative: bool = False,
+        cluster: tuple[int, int, int] | None = None,
+    ) -> None:
+        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes."""

@@ -1,0 +1,15 @@
+"""The real backend: ``cuda.bindings.driver``."""
+
+from __future__ import annotations
+
+from ._core import CudaCore
+from ._memory import CudaMemory
+from ._modules import CudaModules
+
+__all__ = ["CudaDriver"]
+
+
+class CudaDriver(CudaCore, CudaMemory, CudaModules):
+    """The CUDA Driver API behind the seam's protocol."""
+
+    name = "cuda"

@@ -1,0 +1,15 @@
+"""The simulated backend: a CUDA driver imitated on the CPU, for tests and CPU-only machines."""
+
+from __future__ import annotations
+
+from ._core import SimCore
+from ._memory import SimMemory
+from ._modules import SimModules
+
+__all__ = ["SimDriver"]
+
+
+class SimDriver(SimCore, SimMemory, SimModules):
+    """A simulated CUDA driver; see ``_core.SimCore`` for its controls."""
+
+    name = "sim"

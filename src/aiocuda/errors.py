@@ -1,0 +1,207 @@
+"""Exceptions raised by aiocuda.
+
+Every failure reported by the CUDA driver becomes a :class:`CudaError` carrying the
+driver's result code (``.code``), its symbolic name (``.name``, e.g.
+``"CUDA_ERROR_OUT_OF_MEMORY"``) and the driver's own description. Subclasses exist only
+for the situations callers branch on:
+
+* :class:`OutOfMemoryError` -- an allocation could not be satisfied (also a
+  :class:`MemoryError`).
+* :class:`ContextPoisonedError` -- a *sticky* error (illegal address, kernel assert, ...)
+  has corrupted a device's context. Every later call on that device fails; the only
+  cure is a new process.
+* :class:`NoDeviceError` -- no usable driver or no device. The message says what to do.
+* :class:`ArgumentError` -- the driver (or aiocuda, before calling it) rejected a value:
+  a device ordinal out of range, an unknown handle, a bad size. Also a :class:`ValueError`.
+* :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
+  wrong argument count or type, a missing kernel image).
+
+This module imports nothing from aiocuda so that every layer, the driver seam
+included, may raise these.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArgumentError",
+    "BackendError",
+    "ContextPoisonedError",
+    "CudaError",
+    "LaunchError",
+    "NoDeviceError",
+    "OutOfMemoryError",
+    "ResultCode",
+    "error_for_code",
+]
+
+
+class ResultCode:
+    """The CUresult values aiocuda refers to by name (the driver's own numbering)."""
+
+    SUCCESS = 0
+    INVALID_VALUE = 1
+    OUT_OF_MEMORY = 2
+    NOT_INITIALIZED = 3
+    DEINITIALIZED = 4
+    STUB_LIBRARY = 34
+    INSUFFICIENT_DRIVER = 35
+    NO_DEVICE = 100
+    INVALID_DEVICE = 101
+    DEVICE_NOT_LICENSED = 102
+    INVALID_IMAGE = 200
+    INVALID_CONTEXT = 201
+    NO_BINARY_FOR_GPU = 209
+    ECC_UNCORRECTABLE = 214
+    PEER_ACCESS_UNSUPPORTED = 217
+    INVALID_PTX = 218
+    UNSUPPORTED_PTX_VERSION = 222
+    INVALID_SOURCE = 300
+    FILE_NOT_FOUND = 301
+    INVALID_HANDLE = 400
+    NOT_FOUND = 500
+    NOT_READY = 600
+    ILLEGAL_ADDRESS = 700
+    LAUNCH_OUT_OF_RESOURCES = 701
+    LAUNCH_TIMEOUT = 702
+    PEER_ACCESS_ALREADY_ENABLED = 704
+    PEER_ACCESS_NOT_ENABLED = 705
+    CONTEXT_IS_DESTROYED = 709
+    ASSERT = 710
+    HOST_MEMORY_ALREADY_REGISTERED = 712
+    HOST_MEMORY_NOT_REGISTERED = 713
+    HARDWARE_STACK_ERROR = 714
+    ILLEGAL_INSTRUCTION = 715
+    MISALIGNED_ADDRESS = 716
+    INVALID_ADDRESS_SPACE = 717
+    INVALID_PC = 718
+    LAUNCH_FAILED = 719
+    COOPERATIVE_LAUNCH_TOO_LARGE = 720
+    NOT_PERMITTED = 800
+    NOT_SUPPORTED = 801
+    UNKNOWN = 999
+
+
+#: Errors after which the context is unusable until the process exits.
+STICKY_CODES = frozenset(
+    {
+        ResultCode.ECC_UNCORRECTABLE,
+        ResultCode.ILLEGAL_ADDRESS,
+        ResultCode.LAUNCH_TIMEOUT,
+        ResultCode.ASSERT,
+        ResultCode.HARDWARE_STACK_ERROR,
+        ResultCode.ILLEGAL_INSTRUCTION,
+        ResultCode.MISALIGNED_ADDRESS,
+        ResultCode.INVALID_ADDRESS_SPACE,
+        ResultCode.INVALID_PC,
+        ResultCode.LAUNCH_FAILED,
+        ResultCode.UNKNOWN,
+    }
+)
+
+_NO_DEVICE_CODES = frozenset(
+    {
+        ResultCode.NO_DEVICE,
+        ResultCode.STUB_LIBRARY,
+        ResultCode.INSUFFICIENT_DRIVER,
+        ResultCode.DEVICE_NOT_LICENSED,
+    }
+)
+
+_ARGUMENT_CODES = frozenset(
+    {
+        ResultCode.INVALID_VALUE,
+        ResultCode.INVALID_DEVICE,
+        ResultCode.INVALID_HANDLE,
+        ResultCode.INVALID_CONTEXT,
+        ResultCode.NOT_FOUND,
+        ResultCode.PEER_ACCESS_UNSUPPORTED,
+        ResultCode.HOST_MEMORY_ALREADY_REGISTERED,
+        ResultCode.HOST_MEMORY_NOT_REGISTERED,
+    }
+)
+
+_LAUNCH_CODES = frozenset(
+    {
+        ResultCode.LAUNCH_OUT_OF_RESOURCES,
+        ResultCode.COOPERATIVE_LAUNCH_TOO_LARGE,
+        ResultCode.NO_BINARY_FOR_GPU,
+        ResultCode.INVALID_IMAGE,
+        ResultCode.INVALID_PTX,
+        ResultCode.UNSUPPORTED_PTX_VERSION,
+        ResultCode.INVALID_SOURCE,
+    }
+)
+
+
+class CudaError(Exception):
+    """A failure reported by the CUDA driver (or diagnosed by aiocuda on its behalf).
+
+    Attributes:
+        code: the CUresult value, or ``None`` when no driver call was involved.
+        name: the symbolic name, e.g. ``"CUDA_ERROR_INVALID_VALUE"``.
+        description: the driver's own explanation.
+        call: the driver entry point that failed (``"cuMemAllocAsync"``), when known.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        name: str = "",
+        description: str = "",
+        call: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.name = name
+        self.description = description
+        self.call = call
+
+
+class OutOfMemoryError(CudaError, MemoryError):
+    """Device (or pinned host) memory could not be allocated, even after releasing caches."""
+
+
+class ContextPoisonedError(CudaError):
+    """A sticky error has poisoned the device's context; nothing more will run on it.
+
+    Raised for the failing operation itself and for every later call or pending await on
+    the same device. Restarting the process is the only way to use the device again.
+    """
+
+
+class NoDeviceError(CudaError):
+    """No CUDA driver could be loaded, or it reports no usable device."""
+
+
+class ArgumentError(CudaError, ValueError):
+    """A value was rejected: an out-of-range ordinal, a stale handle, a bad size."""
+
+
+class LaunchError(CudaError):
+    """A kernel could not be launched, or its arguments do not match its signature."""
+
+
+class BackendError(ValueError):
+    """An unknown or unusable driver backend was requested (``AIOCUDA_BACKEND``)."""
+
+
+def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:
+    """Build the most specific :class:`CudaError` subclass for a driver result code."""
+    cls: type[CudaError]
+    if code == ResultCode.OUT_OF_MEMORY:
+        cls = OutOfMemoryError
+    elif code in STICKY_CODES:
+        cls = ContextPoisonedError
+    elif code in _NO_DEVICE_CODES:
+        cls = NoDeviceError
+    elif code in _ARGUMENT_CODES:
+        cls = ArgumentError
+    elif code in _LAUNCH_CODES:
+        cls = LaunchError
+    else:
+        cls = CudaError
+    where = f"{call}: " if call else ""
+    message = f"{where}{name} ({code}): {description}" if description else f"{where}{name} ({code})"
+    return cls(message, code=code, name=name, description=description, call=call)

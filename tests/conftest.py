@@ -1,0 +1,75 @@
+"""Shared fixtures: the driver ``backend`` and the async ``anyio_backend`` matrix.
+
+* ``backend``: ``sim`` always (two simulated devices), ``cuda`` where a real GPU is
+  present (skipped otherwise, and marked ``gpu`` so ``-m gpu`` selects it).
+* ``anyio_backend``: asyncio, asyncio + uvloop and trio, through anyio's pytest plugin.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aiocuda import _driver
+from aiocuda.errors import NoDeviceError
+
+
+@functools.cache
+def real_gpu_count() -> int:
+    """How many real GPUs the driver reports (0 without a driver)."""
+    try:
+        from aiocuda._driver.cuda import CudaDriver
+
+        real = CudaDriver()
+        real.init()
+        return real.device_count()
+    except (NoDeviceError, ImportError):
+        return 0
+
+
+def _async_backends() -> list[Any]:
+    params: list[Any] = [pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio")]
+    uvloop_missing = importlib.util.find_spec("uvloop") is None
+    params.append(
+        pytest.param(
+            ("asyncio", {"use_uvloop": True}),
+            id="uvloop",
+            marks=pytest.mark.skipif(uvloop_missing, reason="uvloop not installed"),
+        )
+    )
+    trio_missing = importlib.util.find_spec("trio") is None
+    params.append(
+        pytest.param("trio", id="trio", marks=pytest.mark.skipif(trio_missing, reason="trio not installed"))
+    )
+    return params
+
+
+@pytest.fixture(params=_async_backends())
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    return request.param
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("sim", id="sim"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+    ]
+)
+def backend(request: pytest.FixtureRequest) -> Iterator[_driver.Driver]:
+    """The driver backend under test, freshly selected for each test."""
+    if request.param == "cuda":
+        if real_gpu_count() == 0:
+            pytest.skip("no real GPU")
+        yield _driver.use_backend("cuda")
+    else:
+        yield _driver.use_backend("sim", devices=2)
+
+
+@pytest.fixture
+def sim_backend() -> Iterator[_driver.Driver]:
+    """The simulated backend alone, for tests of sim-only controls (hold, faults)."""
+    yield _driver.use_backend("sim", devices=2)
