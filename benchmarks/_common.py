@@ -1,0 +1,93 @@
+"""Shared helpers for the benchmark programs: timing statistics and the results file.
+
+Every benchmark writes ``benchmarks/results/<name>.json``::
+
+    {"bench": ..., "device": ..., "date": ..., "backend": ...,
+     "metrics": {...}, "baselines": {...}, "targets": [{"name", "value", "limit", "op", "met"}]}
+
+Ratios are taken from numbers measured in the same run; absolute times drift between
+machines and are only reported as baselines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import operator
+import os
+import pathlib
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+_OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+
+
+def median_us(samples_s: Sequence[float]) -> float:
+    """Median of samples given in seconds, in microseconds."""
+    return statistics.median(samples_s) * 1e6
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    """A parser with the flags every benchmark takes."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="few repetitions (smoke run, e.g. on the simulator)")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="results file (default benchmarks/results/NAME.json)")
+    return p
+
+
+@dataclass
+class Result:
+    """Collects one benchmark's figures and writes them in the shared format."""
+
+    bench: str
+    metrics: dict[str, float] = field(default_factory=dict)
+    baselines: dict[str, float] = field(default_factory=dict)
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def target(self, name: str, value: float, limit: float, op: str) -> None:
+        """Record ``metrics[name] = value`` and whether ``value op limit`` holds."""
+        value = round(float(value), 4)
+        self.metrics[name] = value
+        self.targets.append({"name": name, "value": value, "limit": limit, "op": op, "met": _OPS[op](value, limit)})
+
+    def write(self, out: pathlib.Path | None = None) -> pathlib.Path:
+        from aiocuda import _driver
+        from aiocuda.device import Device
+
+        backend = _driver.driver()
+        doc = {
+            "bench": self.bench,
+            "device": Device(0).name,
+            "devices": backend.device_count(),
+            "backend": backend.name,
+            "date": datetime.date.today().isoformat(),
+            "metrics": self.metrics,
+            "baselines": self.baselines,
+            "targets": self.targets,
+            **self.extra,
+        }
+        path = out or RESULTS / f"{self.bench}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        out_dir = os.environ.get("OUT")
+        if out_dir:
+            pathlib.Path(out_dir, path.name).write_text(path.read_text())
+        self.print_summary(sys.stdout)
+        return path
+
+    def print_summary(self, stream: Any) -> None:
+        print(f"== {self.bench}", file=stream)
+        for t in self.targets:
+            mark = "ok " if t["met"] else "MISS"
+            print(f"  [{mark}] {t['name']} = {t['value']} ({t['op']} {t['limit']})", file=stream)
+        for k, v in self.metrics.items():
+            if not any(t["name"] == k for t in self.targets):
+                print(f"        {k} = {v}", file=stream)
+        for k, v in self.baselines.items():
+            print(f"  base  {k} = {v}", file=stream)

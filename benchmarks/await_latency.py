@@ -1,0 +1,276 @@
+"""Await latency, throughput and idle cost: ``await stream`` against today's ways to wait.
+
+Measured in one process, on asyncio, uvloop and trio (through anyio), for a tiny GPU
+operation (a 4-byte memset):
+
+* ``block_sync``  -- ``cuStreamSynchronize`` inside the coroutine: blocks the loop; the floor.
+* ``to_thread``   -- ``await to_thread.run_sync(synchronize)``: a worker thread per wait.
+* ``event_poll``  -- record an event, ``sleep(0)`` until ``cuEventQuery`` says done.
+* ``numba``       -- numba-cuda's ``Stream.async_done()`` where it works (asyncio only).
+* ``aiocuda``     -- ``await stream``.
+
+Then 64 streams with a task each doing 100 awaits (throughput), and one task awaiting a
+200 ms kernel while a 1 ms ticker runs on the same loop (CPU fraction, worst loop gap).
+
+    PYTHONPATH=src python3 benchmarks/await_latency.py [--quick]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+
+
+from aiocuda import _driver
+from aiocuda._driver.cuda import _core as cuda_core
+from aiocuda.device import Device
+from aiocuda.event import EventPool
+from aiocuda.stream import Stream
+
+try:
+    from benchmarks._common import Result, median_us, parser
+except ImportError:  # run as a script from the benchmarks folder
+    from _common import Result, median_us, parser  # type: ignore[no-redef]
+
+SPIN_SRC = r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+class Rig:
+    """The tiny operation, the long kernel and the raw handles the baselines need."""
+
+    def __init__(self) -> None:
+        self.backend = _driver.driver()
+        self.device = Device(0)
+        self.device.make_current()
+        self.real = self.backend.name == "cuda"
+        probe = Stream(self.device)
+        if self.real:
+            drv = cuda_core.drv
+            self.scratch = cuda_core.check(drv.cuMemAlloc(1 << 20), "cuMemAlloc")
+            self._memset = drv.cuMemsetD8Async
+            self._spin = self._compile_spin()
+            self.clock_khz = self.device.attribute("clock_rate")
+        else:
+            pool = self.backend.mempool_default(self.device._handle)
+            self.scratch = self.backend.mem_alloc_async(1 << 20, pool, probe.handle)
+        probe.synchronize()
+
+    def _compile_spin(self) -> Any:
+        from cuda.bindings import nvrtc
+
+        major, minor = self.device.compute_capability
+        prog = cuda_core.check(nvrtc.nvrtcCreateProgram(SPIN_SRC.encode(), b"spin.cu", 0, [], []), "nvrtc")
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise RuntimeError(f"spin kernel failed to compile: {res}")
+        size = nvrtc.nvrtcGetCUBINSize(prog)[1]
+        image = b" " * size
+        nvrtc.nvrtcGetCUBIN(prog, image)
+        drv = cuda_core.drv
+        module = cuda_core.check(drv.cuModuleLoadData(image), "cuModuleLoadData")
+        return cuda_core.check(drv.cuModuleGetFunction(module, b"spin"), "cuModuleGetFunction")
+
+    def tiny(self, stream: Stream) -> None:
+        if self.real:
+            self._memset(self.scratch, 1, 4, stream.handle)
+        else:
+            self.backend.memset_d8_async(self.scratch, 1, 4, stream.handle)
+
+    def long_kernel(self, stream: Stream, seconds: float) -> None:
+        if self.real:
+            cycles = int(seconds * self.clock_khz * 1e3)
+            params = ((cycles,), (ctypes.c_longlong,))
+            cuda_core.check(
+                cuda_core.drv.cuLaunchKernel(self._spin, 1, 1, 1, 1, 1, 1, 0, stream.handle, params, 0), "launch"
+            )
+        else:
+            self.backend._enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
+
+    def sync(self, stream: Stream) -> None:
+        self.backend.stream_synchronize(stream.handle)
+
+
+Waiter = Callable[[Stream], Awaitable[None]]
+
+
+def make_waiters(rig: Rig, library: str) -> dict[str, Waiter]:
+    backend = rig.backend
+    pool = EventPool.for_device(rig.device)
+    checkpoint: Callable[[], Awaitable[None]]
+    if library == "trio":
+        import trio
+
+        checkpoint = trio.lowlevel.checkpoint
+    else:
+        import asyncio
+
+        def checkpoint() -> Awaitable[None]:
+            return asyncio.sleep(0)
+
+    async def block_sync(s: Stream) -> None:
+        rig.sync(s)
+
+    async def to_thread(s: Stream) -> None:
+        await anyio.to_thread.run_sync(rig.sync, s)
+
+    poll_events: dict[int, Any] = {}
+
+    async def event_poll(s: Stream) -> None:
+        ev = poll_events.get(id(s))
+        if ev is None:
+            ev = poll_events[id(s)] = pool.acquire()
+        backend.event_record(ev, s.handle)
+        while not backend.event_query(ev):
+            await checkpoint()
+
+    async def aiocuda_await(s: Stream) -> None:
+        await s
+
+    waiters: dict[str, Waiter] = {
+        "block_sync": block_sync,
+        "to_thread": to_thread,
+        "event_poll": event_poll,
+        "aiocuda": aiocuda_await,
+    }
+    if rig.real and library == "asyncio" and importlib.util.find_spec("numba_cuda"):
+        waiters["numba_async_done"] = _numba_waiter()
+    return waiters
+
+
+def _numba_waiter() -> Waiter:
+    from numba import cuda as nb
+
+    streams: dict[int, Any] = {}
+
+    async def numba_async_done(s: Stream) -> None:
+        ns = streams.get(id(s))
+        if ns is None:
+            ns = streams[id(s)] = nb.external_stream(int(s))
+        await ns.async_done()
+
+    return numba_async_done
+
+
+async def latency(rig: Rig, wait: Waiter, stream: Stream, n: int) -> list[float]:
+    for _ in range(min(200, n)):
+        rig.tiny(stream)
+        await wait(stream)
+    out = []
+    perf = time.perf_counter
+    for _ in range(n):
+        t = perf()
+        rig.tiny(stream)
+        await wait(stream)
+        out.append(perf() - t)
+    return out
+
+
+async def throughput(rig: Rig, wait: Waiter, streams: list[Stream], per_task: int) -> float:
+    async def worker(s: Stream) -> None:
+        for _ in range(per_task):
+            rig.tiny(s)
+            await wait(s)
+
+    t = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for s in streams:
+            tg.start_soon(worker, s)
+    return len(streams) * per_task / (time.perf_counter() - t)
+
+
+async def long_wait(rig: Rig, wait: Waiter, stream: Stream, seconds: float) -> dict[str, float]:
+    gaps: list[float] = []
+    done = anyio.Event()
+
+    async def ticker() -> None:
+        while not done.is_set():
+            t = time.perf_counter()
+            await anyio.sleep(0.001)
+            gaps.append(time.perf_counter() - t)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await anyio.sleep(0.005)
+        c0, t0 = time.process_time(), time.perf_counter()
+        rig.long_kernel(stream, seconds)
+        await wait(stream)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        done.set()
+    return {"cpu_fraction": cpu / wall, "wall_s": wall, "max_gap_ms": max(gaps) * 1e3}
+
+
+async def suite(rig: Rig, library: str, quick: bool) -> dict[str, dict[str, Any]]:
+    n = 300 if quick else 3000
+    per_task = 20 if quick else 100
+    n_streams = 8 if quick else 64
+    streams = [Stream(rig.device) for _ in range(n_streams)]
+    rows: dict[str, dict[str, Any]] = {}
+    for name, wait in make_waiters(rig, library).items():
+        try:
+            row: dict[str, Any] = {"latency_us": median_us(await latency(rig, wait, streams[0], n))}
+            if name != "block_sync":
+                row["awaits_per_s"] = await throughput(rig, wait, streams, per_task)
+            if name in ("aiocuda", "block_sync") or not quick:
+                row.update(await long_wait(rig, wait, streams[1], 0.05 if quick else 0.2))
+        except Exception as exc:  # a baseline that does not work here is reported, not fatal
+            row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        rows[name] = row
+        print(library, name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    for s in streams:
+        s.close()
+    return rows
+
+
+def main() -> None:
+    args = parser(__doc__ or "").parse_args()
+    rig = Rig()
+    libraries: list[tuple[str, str, dict[str, Any]]] = [("asyncio", "asyncio", {})]
+    if importlib.util.find_spec("uvloop"):
+        libraries.append(("uvloop", "asyncio", {"use_uvloop": True}))
+    if importlib.util.find_spec("trio"):
+        libraries.append(("trio", "trio", {}))
+    results = {}
+    for label, lib, options in libraries:
+        results[label] = anyio.run(suite, rig, "trio" if lib == "trio" else "asyncio", args.quick,
+                                   backend=lib, backend_options=options)
+
+    res = Result("await_latency")
+    for label, rows in results.items():
+        for name, row in rows.items():
+            for key, value in row.items():
+                if isinstance(value, float):
+                    res.baselines[f"{label}.{name}.{key}"] = round(value, 3)
+                else:
+                    res.extra.setdefault("errors", {})[f"{label}.{name}"] = value
+    for label, limit in (("asyncio", 2.0), ("uvloop", 1.5), ("trio", None)):
+        rows = results.get(label)
+        if not rows or "latency_us" not in rows.get("aiocuda", {}):
+            continue
+        ours = rows["aiocuda"]
+        ratio = ours["latency_us"] / rows["block_sync"]["latency_us"]
+        tput = ours["awaits_per_s"] / rows["event_poll"]["awaits_per_s"]
+        if limit is None:
+            res.metrics[f"latency_ratio_{label}"] = round(ratio, 3)
+            res.metrics[f"throughput_ratio_{label}"] = round(tput, 3)
+        else:
+            res.target(f"latency_ratio_{label}", ratio, limit, "<=")
+            res.target(f"throughput_ratio_{label}", tput, 1.0, ">=")
+    ours = results["asyncio"]["aiocuda"]
+    res.target("cpu_fraction_long_wait", ours["cpu_fraction"], 0.05, "<=")
+    res.target("loop_max_gap_ms", ours["max_gap_ms"], 5.0, "<=")
+    res.write(args.out)
+
+
+if __name__ == "__main__":
+    main()

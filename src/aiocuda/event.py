@@ -1,0 +1,150 @@
+"""Awaitable CUDA events, and the per-device pool that keeps hot paths event-free.
+
+An :class:`Event` marks a point in a stream. ``await event`` resumes once all work
+enqueued on that stream before :meth:`Event.record` has finished; ``event.query()`` asks
+without waiting. Events made with ``timing=True`` measure GPU time between two points:
+``end.elapsed_ms(since=start)``.
+
+Creating a CUDA event costs a driver call; :meth:`Stream.record` and every internal use
+(``await stream``, ``stream.hold``) draw timing-less events from :class:`EventPool`
+and give them back when done, so steady-state code creates no events at all.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any
+
+from . import _completion
+from .device import Device
+from .errors import ArgumentError
+
+if TYPE_CHECKING:
+    from .stream import Stream
+
+__all__ = ["Event", "EventPool"]
+
+
+class EventPool:
+    """Reusable timing-less event handles of one device (not thread-safe per call,
+    but list ``append``/``pop`` are atomic under the GIL, which is all it needs)."""
+
+    __slots__ = ("_device", "_free", "acquire", "release")
+
+    def __init__(self, device: Device) -> None:
+        self._device = device
+        self._free: list[Any] = []
+        self.release = self._free.append
+        """Give a handle back (bound method: cheap on hot paths)."""
+        self.acquire = self._acquire
+
+    def _acquire(self) -> Any:
+        try:
+            return self._free.pop()
+        except IndexError:
+            self._device.make_current()
+            return self._device._driver.event_create(False, False)
+
+    @staticmethod
+    def for_device(device: Device) -> EventPool:
+        pool = _pools.get(device)
+        if pool is None:
+            pool = _pools[device] = EventPool(device)
+        return pool
+
+
+_pools: weakref.WeakKeyDictionary[Device, EventPool] = weakref.WeakKeyDictionary()
+
+
+def _dispose(driver: Any, handle: Any, pool: EventPool | None) -> None:
+    if pool is not None:
+        pool.release(handle)
+        return
+    try:
+        driver.event_destroy(handle)
+    except Exception:  # a poisoned or torn-down context: nothing left to free
+        pass
+
+
+class Event:
+    """A point in a stream that can be awaited, queried and timed.
+
+    Args:
+        device: the device (or ordinal) the event belongs to; default device 0.
+        timing: record timestamps so :meth:`elapsed_ms` works (costs a little on record).
+        blocking_sync: make :meth:`synchronize` sleep instead of spinning.
+
+    An event that was never recorded counts as complete, as in CUDA.
+    """
+
+    __slots__ = ("__weakref__", "_device", "_driver", "_finalizer", "_handle", "_stream_handle", "blocking_sync", "timing")
+
+    def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
+        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev.make_current()
+        self._device = dev
+        self._driver = dev._driver
+        self.timing = timing
+        self.blocking_sync = blocking_sync
+        self._handle = self._driver.event_create(timing, blocking_sync)
+        self._stream_handle: Any = None
+        self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
+
+    @classmethod
+    def _pooled(cls, device: Device, handle: Any, stream_handle: Any) -> Event:
+        """An Event over a pooled handle, returned to the pool when collected."""
+        self = object.__new__(cls)
+        self._device = device
+        self._driver = device._driver
+        self.timing = False
+        self.blocking_sync = False
+        self._handle = handle
+        self._stream_handle = stream_handle
+        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, EventPool.for_device(device))
+        return self
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def handle(self) -> Any:
+        """The backend's event handle (``int(event.handle)`` is the raw CUevent)."""
+        return self._handle
+
+    def record(self, stream: Stream) -> Event:
+        """Mark the current end of ``stream``'s work; returns ``self``."""
+        self._driver.event_record(self._handle, stream.handle)
+        self._stream_handle = stream.handle
+        return self
+
+    def query(self) -> bool:
+        """True once the recorded work has finished (raises a poisoned context's error)."""
+        return self._driver.event_query(self._handle)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the event completes (for synchronous code)."""
+        self._driver.event_synchronize(self._handle)
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        if self._stream_handle is None:
+            return  # never recorded: complete
+        yield from _completion.engine().wait(self._handle, self._stream_handle)
+
+    def elapsed_ms(self, since: Event) -> float:
+        """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and
+        must have completed."""
+        if not (self.timing and since.timing):
+            raise ArgumentError(
+                "elapsed_ms needs two events created with timing=True", name="CUDA_ERROR_INVALID_HANDLE"
+            )
+        return self._driver.event_elapsed_ms(since._handle, self._handle)
+
+    def close(self) -> None:
+        """Release the event now instead of when it is garbage-collected."""
+        self._finalizer()
+
+    def __repr__(self) -> str:
+        state = "unrecorded" if self._stream_handle is None else "recorded"
+        return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"

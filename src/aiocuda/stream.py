@@ -1,0 +1,302 @@
+"""Awaitable CUDA streams.
+
+``await stream`` resumes the task once everything enqueued on the stream before the
+``await`` has finished; the event loop keeps running meanwhile and a waiting task costs
+no CPU (see :mod:`aiocuda._completion` for how). Work enqueued by other tasks after the
+``await`` began is not waited for.
+
+Ordering between streams is done on the GPU: ``consumer.wait(producer)`` makes the
+consumer's future work wait for everything enqueued on the producer so far, without
+blocking any host thread.
+
+Lifetime: :meth:`Stream.hold` keeps Python objects (host buffers, arrays) alive until the
+work enqueued so far has completed -- even if the stream is closed or collected, or the
+awaiting task is cancelled, in the meantime. That is how every aiocuda operation keeps
+the memory the GPU still reads or writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections import deque
+from collections.abc import Generator, Iterator
+from typing import Any
+
+from . import _completion
+from .device import Device
+from .errors import ArgumentError, CudaError
+from .event import Event, EventPool
+
+__all__ = ["Stream", "current_stream", "use_stream"]
+
+_Holds = deque[tuple[Any, tuple[Any, ...]]]
+
+# Holds of streams that were closed or collected while work was still in flight.
+_orphans: list[tuple[Any, EventPool, _Holds]] = []
+
+
+def _release_finished(driver: Any, pool: EventPool, holds: _Holds) -> None:
+    """Drop the references of holds whose point has completed (they complete in order)."""
+    query = driver.event_query
+    while holds:
+        event = holds[0][0]
+        if not query(event):
+            return
+        holds.popleft()
+        pool.release(event)
+
+
+def _sweep_orphans() -> None:
+    for entry in list(_orphans):
+        driver, pool, holds = entry
+        try:
+            _release_finished(driver, pool, holds)
+        except CudaError:
+            holds.clear()  # poisoned context: the GPU will never touch them again
+        if not holds:
+            _orphans.remove(entry)
+
+
+def _retire(driver: Any, handle: Any, owned: bool, pool: EventPool, holds: _Holds) -> None:
+    if holds:
+        _orphans.append((driver, pool, holds))
+    if owned:
+        try:
+            driver.stream_destroy(handle)  # the driver finishes pending work first
+        except CudaError:
+            pass
+
+
+def _foreign_handle(obj: Any) -> tuple[int, Any]:
+    """(raw handle, owner to keep alive) of a foreign stream object or raw int."""
+    if isinstance(obj, int) and not isinstance(obj, bool):
+        return obj, None
+    proto = getattr(obj, "__cuda_stream__", None)
+    if proto is not None:
+        version, value = proto() if callable(proto) else proto
+        return int(value), obj
+    for attr in ("cuda_stream", "ptr"):  # PyTorch, CuPy
+        value = getattr(obj, attr, None)
+        if isinstance(value, int):
+            return value, obj
+    handle = getattr(obj, "handle", None)  # numba: .handle is a ctypes c_void_p or CUstream
+    if handle is not None:
+        value = getattr(handle, "value", handle)
+        try:
+            return int(value or 0), obj
+        except TypeError:
+            pass
+    raise TypeError(
+        f"cannot use {type(obj).__name__} as a CUDA stream: expected an aiocuda Stream, an object "
+        f"with __cuda_stream__, a CuPy/PyTorch/Numba stream, or a raw stream handle (int)"
+    )
+
+
+class Stream:
+    """An ordered queue of GPU work on one device, awaitable from asyncio and trio.
+
+    Args:
+        device: a :class:`Device` or ordinal (default 0).
+        non_blocking: do not synchronise with the legacy default stream (recommended).
+        priority: lower numbers run first when the GPU has a choice; clamped by the
+            driver to its range (``Stream.priority_range()``).
+
+    Use as a context manager, or call :meth:`close`, to destroy it promptly; otherwise it
+    is destroyed when collected. Closing never cancels work already enqueued.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_driver",
+        "_engine",
+        "_finalizer",
+        "_handle",
+        "_holds",
+        "_owner",
+        "_pool",
+        "device",
+        "owned",
+    )
+
+    def __init__(self, device: Device | int | None = None, *, non_blocking: bool = True, priority: int = 0):
+        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev.make_current()
+        self._setup(dev, dev._driver.stream_create(non_blocking, priority), owned=True, owner=None)
+
+    def _setup(self, device: Device, handle: Any, *, owned: bool, owner: Any) -> None:
+        self.device = device
+        self._driver = device._driver
+        self._handle = handle
+        self.owned = owned
+        self._owner = owner
+        self._closed = False
+        self._pool = EventPool.for_device(device)
+        self._holds: _Holds = deque()
+        self._engine = _completion.engine()
+        self._finalizer = weakref.finalize(self, _retire, self._driver, handle, owned, self._pool, self._holds)
+
+    @classmethod
+    def wrap(cls, obj: Any, device: Device | int | None = None) -> Stream:
+        """Use a foreign stream (CuPy, PyTorch, Numba, cuda.core, ``__cuda_stream__``, or
+        a raw handle) without taking ownership: closing the wrapper never destroys it.
+
+        The foreign object is kept alive as long as the wrapper.
+        """
+        if isinstance(obj, Stream):
+            return obj
+        value, owner = _foreign_handle(obj)
+        if device is None:
+            backend = Device(0)._driver
+            dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value else Device(0)
+        else:
+            dev = device if isinstance(device, Device) else Device(device)
+        self = object.__new__(cls)
+        self._setup(dev, dev._driver.stream_from_value(value), owned=False, owner=owner)
+        return self
+
+    @staticmethod
+    def priority_range(device: Device | int | None = None) -> tuple[int, int]:
+        """``(least, greatest)`` priority; numerically lower is more urgent."""
+        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev.make_current()
+        return dev._driver.stream_priority_range()
+
+    @property
+    def handle(self) -> Any:
+        """The backend handle, for seam calls."""
+        if self._closed:
+            raise ArgumentError("the stream is closed", name="CUDA_ERROR_INVALID_HANDLE")
+        return self._handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(0, raw CUstream)``."""
+        return (0, self._driver.handle_value(self.handle))
+
+    def __int__(self) -> int:
+        return self._driver.handle_value(self.handle)
+
+    # -- waiting ----------------------------------------------------------------------------
+    def __await__(self) -> Generator[Any, Any, None]:
+        if self._holds:
+            _release_finished(self._driver, self._pool, self._holds)
+        if _orphans:
+            _sweep_orphans()
+        event = self._pool.acquire()
+        try:
+            self._driver.event_record(event, self.handle)
+        except BaseException:
+            self._pool.release(event)
+            raise
+        return self._engine.wait(event, self._handle, self._pool.release)
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the stream is idle. For synchronous code only:
+        in a coroutine, ``await stream`` instead."""
+        self._driver.stream_synchronize(self.handle)
+        if self._holds:
+            _release_finished(self._driver, self._pool, self._holds)
+
+    def query(self) -> bool:
+        """True when all work enqueued so far has completed."""
+        return self._driver.stream_query(self.handle)
+
+    # -- ordering and events ----------------------------------------------------------------
+    def record(self, event: Event | None = None, *, timing: bool = False) -> Event:
+        """Mark the current end of this stream's work and return the Event.
+
+        Without ``event`` a pooled event is used (no driver allocation) unless
+        ``timing=True`` asks for a timing event.
+        """
+        if event is not None:
+            return event.record(self)
+        if timing:
+            return Event(self.device, timing=True).record(self)
+        handle = self._pool.acquire()
+        self._driver.event_record(handle, self.handle)
+        return Event._pooled(self.device, handle, self._handle)
+
+    def wait(self, other: Event | Stream) -> None:
+        """Make this stream's future work wait, on the GPU, for ``other``: an Event, or
+        everything enqueued so far on another Stream. No host thread blocks."""
+        if isinstance(other, Event):
+            self._driver.stream_wait_event(self.handle, other.handle)
+            return
+        if not isinstance(other, Stream):
+            raise TypeError(f"Stream.wait takes an Event or a Stream, not {type(other).__name__}")
+        event = other._pool.acquire()
+        other._driver.event_record(event, other.handle)
+        try:
+            self._driver.stream_wait_event(self.handle, event)
+        finally:
+            # The wait captured the event's current point; re-recording it later cannot
+            # affect the wait (CUDA semantics), so the event can be reused at once.
+            other._pool.release(event)
+
+    def hold(self, *objs: Any) -> None:
+        """Keep ``objs`` alive until all work enqueued on this stream so far completes.
+
+        Costs one pooled event record. References are dropped lazily, on later holds,
+        awaits and synchronizes of this stream.
+        """
+        if self._holds:
+            _release_finished(self._driver, self._pool, self._holds)
+        event = self._pool.acquire()
+        self._driver.event_record(event, self.handle)
+        self._holds.append((event, objs))
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the stream (if owned). Enqueued work still runs to completion, and
+        objects held for it stay alive until it has."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Stream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"handle={self._driver.handle_value(self._handle):#x}"
+        kind = "" if self.owned else " foreign"
+        return f"<Stream{kind} device={self.device.ordinal} {state} holds={len(self._holds)}>"
+
+
+_current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("aiocuda_current_stream", default=None)
+_defaults: weakref.WeakKeyDictionary[Device, Stream] = weakref.WeakKeyDictionary()
+
+
+def current_stream(device: Device | int | None = None) -> Stream:
+    """The task's current stream (set with :func:`use_stream`) if it is on ``device``;
+    otherwise the device's default aiocuda stream (non-blocking, created on first use)."""
+    chosen = _current.get()
+    if chosen is not None and (device is None or chosen.device is _as_device(device)):
+        return chosen
+    dev = _as_device(device if device is not None else 0)
+    stream = _defaults.get(dev)
+    if stream is None or stream.closed:
+        stream = _defaults[dev] = Stream(dev)
+    return stream
+
+
+def _as_device(device: Device | int) -> Device:
+    return device if isinstance(device, Device) else Device(device)
+
+
+@contextlib.contextmanager
+def use_stream(stream: Stream) -> Iterator[Stream]:
+    """Make ``stream`` the current stream of this task (and tasks it spawns) inside the block."""
+    token = _current.set(stream)
+    try:
+        yield stream
+    finally:
+        _current.reset(token)
