@@ -1,9 +1,512 @@
-"""Simulated memory operations (see _driver/_protocol.py)."""
+"""Simulated memory: pools, device and pinned host allocations, copies and memsets.
+
+"Device memory" here is ordinary host memory owned by the simulator (numpy byte
+arrays), so device pointers are genuine addresses and copies are ``ctypes.memmove``
+calls run on the stream's worker thread. Every device-side range is validated against
+the allocation table before it is touched -- at enqueue time (a bad pointer raises
+:class:`~aiocuda.errors.ArgumentError` ``INVALID_VALUE`` at once, as the driver does
+for ranges it can check) and again when the operation runs (memory freed meanwhile
+poisons the context with ``ILLEGAL_ADDRESS``, as a real use-after-free would) -- so no
+mistake above the seam can crash the process.
+
+Departures from the driver, kept on purpose:
+
+* A pool reuses a freed block only for an allocation of exactly the same size, and
+  memory freed with ``mem_free_async`` becomes reusable when the free *runs* on its
+  stream (the driver may reuse it earlier on the same stream). The pool never trims
+  itself to satisfy an allocation: when it cannot grow it fails with
+  ``OUT_OF_MEMORY``, which is what the layer above must handle (release, retry).
+* The release threshold is applied when a free runs, not at synchronisation points.
+* Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
+  "not null, not inside device memory": pass only addresses of live host buffers.
+"""
 
 from __future__ import annotations
 
-__all__ = ["SimMemory"]
+import bisect
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..._driver._protocol import PoolProps
+from ...errors import CudaError, ResultCode, error_for_code
+
+__all__ = ["SimMemory", "SimPool"]
+
+_ALIGN = 256
+"""Alignment of simulated device allocations (the driver guarantees at least 256)."""
+
+_POOL_ATTRIBUTES = (
+    "release_threshold",
+    "reserved_mem_current",
+    "reserved_mem_high",
+    "used_mem_current",
+    "used_mem_high",
+    "reuse_follow_event_dependencies",
+    "reuse_allow_opportunistic",
+    "reuse_allow_internal_dependencies",
+)
+
+
+def _invalid(call: str, description: str) -> CudaError:
+    return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
+
+
+def _aligned_bytes(size: int) -> np.ndarray:
+    """A zeroed byte array whose data address is a multiple of ``_ALIGN``."""
+    raw = np.zeros(size + _ALIGN, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % _ALIGN
+    return raw[offset : offset + size]
+
+
+class SimPool:
+    """A simulated ``CUmemoryPool`` on one device."""
+
+    __slots__ = (
+        "access",
+        "cached",
+        "cached_bytes",
+        "destroyed",
+        "is_default",
+        "max_size",
+        "ordinal",
+        "release_threshold",
+        "reserved",
+        "reserved_high",
+        "used",
+        "used_high",
+    )
+
+    def __init__(self, ordinal: int, max_size: int, is_default: bool) -> None:
+        self.ordinal = ordinal
+        self.max_size = max_size
+        self.is_default = is_default
+        self.release_threshold = 0
+        self.used = 0
+        self.used_high = 0
+        self.reserved = 0
+        self.reserved_high = 0
+        self.cached: dict[int, list[np.ndarray]] = {}
+        self.cached_bytes = 0
+        self.destroyed = False
+        self.access: set[int] = {ordinal}
+
+    def __repr__(self) -> str:
+        return f"<SimPool device={self.ordinal} used={self.used} reserved={self.reserved}>"
+
+
+class _Block:
+    """One entry of the allocation table: a device or pinned-host range."""
+
+    __slots__ = ("array", "kind", "ordinal", "pool", "size", "start")
+
+    def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
+        self.start = start
+        self.size = size
+        self.array = array
+        self.kind = kind  # "device", "host" (mem_host_alloc) or "registered"
+        self.ordinal = ordinal
+        self.pool = pool
 
 
 class SimMemory:
-    """Mixin of SimDriver: memory operations."""
+    """Mixin of SimDriver: memory operations (see the module docstring)."""
+
+    # Provided by SimCore.
+    _enqueue: Callable[..., None]
+    _api: Callable[..., None]
+    _stream_ordinal: Callable[[Any], int]
+    _device_of_current: Callable[[], int]
+
+    # -- state ------------------------------------------------------------------------------
+    def _mem(self) -> _MemoryState:
+        try:
+            return self._sim_memory  # type: ignore[has-type, no-any-return]
+        except AttributeError:
+            self._sim_memory = _MemoryState(self.device_count())  # type: ignore[attr-defined]
+            return self._sim_memory
+
+    def _device_capacity(self, ordinal: int) -> int:
+        return int(self.device_total_mem(self.device_get(ordinal)))  # type: ignore[attr-defined]
+
+    def _device_ordinal_of(self, dev: Any) -> int:
+        return int(getattr(dev, "ordinal", dev))
+
+    # -- pools ------------------------------------------------------------------------------
+    def mempool_default(self, dev: Any) -> SimPool:
+        ordinal = self._device_ordinal_of(dev)
+        self._api("mempool_default", ordinal)
+        return self._mem().default_pool(ordinal)
+
+    def mempool_create(self, props: PoolProps) -> SimPool:
+        self._api("mempool_create", props.device_ordinal)
+        if not 0 <= props.device_ordinal < self.device_count():  # type: ignore[attr-defined]
+            raise error_for_code(
+                ResultCode.INVALID_DEVICE,
+                "CUDA_ERROR_INVALID_DEVICE",
+                f"no device {props.device_ordinal}",
+                "cuMemPoolCreate",
+            )
+        if props.max_size < 0:
+            raise _invalid("cuMemPoolCreate", f"max_size must be >= 0, got {props.max_size}")
+        return SimPool(props.device_ordinal, props.max_size, is_default=False)
+
+    def mempool_destroy(self, pool: SimPool) -> None:
+        self._api("mempool_destroy", pool.ordinal)
+        state = self._mem()
+        with state.lock:
+            self._check_pool(pool, "cuMemPoolDestroy")
+            if pool.is_default:
+                raise _invalid("cuMemPoolDestroy", "the default pool cannot be destroyed")
+            pool.destroyed = True
+            state.release_cached(pool, 0)
+
+    def mempool_set_attribute(self, pool: SimPool, attribute: str, value: int) -> None:
+        self._api("mempool_set_attribute", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolSetAttribute")
+        if attribute == "release_threshold":
+            pool.release_threshold = int(value)
+        elif attribute in ("reserved_mem_high", "used_mem_high"):
+            if value != 0:
+                raise _invalid("cuMemPoolSetAttribute", f"{attribute} can only be reset to 0")
+            with self._mem().lock:
+                if attribute == "used_mem_high":
+                    pool.used_high = pool.used
+                else:
+                    pool.reserved_high = pool.reserved
+        elif attribute not in _POOL_ATTRIBUTES or attribute.endswith("_current"):
+            raise _invalid("cuMemPoolSetAttribute", f"pool attribute {attribute!r} cannot be set")
+
+    def mempool_get_attribute(self, pool: SimPool, attribute: str) -> int:
+        self._api("mempool_get_attribute", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolGetAttribute")
+        values = {
+            "release_threshold": pool.release_threshold,
+            "reserved_mem_current": pool.reserved,
+            "reserved_mem_high": pool.reserved_high,
+            "used_mem_current": pool.used,
+            "used_mem_high": pool.used_high,
+        }
+        if attribute in values:
+            return values[attribute]
+        if attribute in _POOL_ATTRIBUTES:
+            return 1
+        raise _invalid("cuMemPoolGetAttribute", f"unknown pool attribute {attribute!r}")
+
+    def mempool_trim_to(self, pool: SimPool, min_bytes_to_keep: int) -> None:
+        self._api("mempool_trim_to", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolTrimTo")
+        state = self._mem()
+        with state.lock:
+            state.release_cached(pool, max(0, int(min_bytes_to_keep)))
+
+    def mempool_set_access(self, pool: SimPool, peer_ordinal: int) -> None:
+        self._api("mempool_set_access", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolSetAccess")
+        if not 0 <= peer_ordinal < self.device_count():  # type: ignore[attr-defined]
+            raise error_for_code(
+                ResultCode.INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", f"no device {peer_ordinal}", "cuMemPoolSetAccess"
+            )
+        pool.access.add(peer_ordinal)
+
+    def _check_pool(self, pool: Any, call: str) -> None:
+        if not isinstance(pool, SimPool) or pool.destroyed:
+            raise error_for_code(ResultCode.INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "not a live memory pool", call)
+
+    # -- device allocation ------------------------------------------------------------------
+    def mem_alloc_async(self, size: int, pool: SimPool, stream: Any) -> int:
+        self._api("mem_alloc_async", pool.ordinal)
+        self._check_pool(pool, "cuMemAllocFromPoolAsync")
+        if size <= 0:
+            raise _invalid("cuMemAllocFromPoolAsync", f"size must be > 0, got {size}")
+        if self._stream_ordinal(stream) != pool.ordinal:
+            raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
+        state = self._mem()
+        with state.lock:
+            array = state.take_cached(pool, size)
+            if array is None:
+                in_use = state.device_reserved[pool.ordinal]
+                capacity = self._device_capacity(pool.ordinal)
+                over_pool = pool.max_size and pool.reserved + size > pool.max_size
+                if over_pool or in_use + size > capacity:
+                    raise error_for_code(
+                        ResultCode.OUT_OF_MEMORY,
+                        "CUDA_ERROR_OUT_OF_MEMORY",
+                        "out of memory",
+                        "cuMemAllocFromPoolAsync",
+                    )
+                array = _aligned_bytes(size)
+                pool.reserved += size
+                pool.reserved_high = max(pool.reserved_high, pool.reserved)
+                state.device_reserved[pool.ordinal] += size
+            pool.used += size
+            pool.used_high = max(pool.used_high, pool.used)
+            start = array.ctypes.data
+            state.insert(_Block(start, size, array, "device", pool.ordinal, pool))
+        return start
+
+    def mem_free_async(self, ptr: int, stream: Any) -> None:
+        self._api("mem_free_async", self._stream_ordinal(stream))
+        state = self._mem()
+        with state.lock:
+            block = state.blocks.get(ptr)
+            if block is None or block.kind != "device" or block.start in state.freeing:
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+            state.freeing.add(ptr)
+
+        def free() -> None:
+            with state.lock:
+                state.freeing.discard(ptr)
+                state.remove(ptr)
+                pool = block.pool
+                assert pool is not None and block.array is not None
+                pool.used -= block.size
+                if pool.destroyed:
+                    pool.reserved -= block.size
+                    state.device_reserved[pool.ordinal] -= block.size
+                    return
+                pool.cached.setdefault(block.size, []).append(block.array)
+                pool.cached_bytes += block.size
+                if pool.reserved > pool.release_threshold:
+                    state.release_cached(pool, pool.release_threshold)
+
+        self._enqueue(stream, free, "mem_free_async")
+
+    def pointer_device_ordinal(self, ptr: int) -> int:
+        self._api("pointer_device_ordinal")
+        block = self._mem().find(ptr, 1)
+        if block is None or block.kind != "device":
+            raise _invalid("cuPointerGetAttribute", f"0x{ptr:x} is not a device pointer")
+        return block.ordinal
+
+    # -- host memory --------------------------------------------------------------------------
+    def mem_host_alloc(self, size: int) -> int:
+        self._api("mem_host_alloc")
+        if size <= 0:
+            raise _invalid("cuMemHostAlloc", f"size must be > 0, got {size}")
+        array = _aligned_bytes(size)
+        state = self._mem()
+        with state.lock:
+            state.insert(_Block(array.ctypes.data, size, array, "host", -1, None))
+        return int(array.ctypes.data)
+
+    def mem_host_free(self, ptr: int) -> None:
+        self._api("mem_host_free")
+        state = self._mem()
+        with state.lock:
+            block = state.blocks.get(ptr)
+            if block is None or block.kind != "host":
+                raise _invalid("cuMemFreeHost", f"0x{ptr:x} was not allocated with cuMemHostAlloc")
+            state.remove(ptr)
+
+    def mem_host_register(self, ptr: int, size: int) -> None:
+        self._api("mem_host_register")
+        if not ptr or size <= 0:
+            raise _invalid("cuMemHostRegister", "a null pointer or an empty range cannot be registered")
+        state = self._mem()
+        with state.lock:
+            if state.overlaps(ptr, size):
+                raise error_for_code(
+                    ResultCode.HOST_MEMORY_ALREADY_REGISTERED,
+                    "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+                    "part of the range is already registered or allocated",
+                    "cuMemHostRegister",
+                )
+            state.insert(_Block(ptr, size, None, "registered", -1, None))
+
+    def mem_host_unregister(self, ptr: int) -> None:
+        self._api("mem_host_unregister")
+        state = self._mem()
+        with state.lock:
+            block = state.blocks.get(ptr)
+            if block is None or block.kind != "registered":
+                raise error_for_code(
+                    ResultCode.HOST_MEMORY_NOT_REGISTERED,
+                    "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+                    f"0x{ptr:x} is not the start of a registered range",
+                    "cuMemHostUnregister",
+                )
+            state.remove(ptr)
+
+    # -- copies and memsets --------------------------------------------------------------------
+    def _device_range(self, ptr: int, size: int, call: str) -> None:
+        block = self._mem().find(ptr, size)
+        if block is None or block.kind != "device":
+            raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
+
+    def _host_range(self, ptr: int, size: int, call: str) -> None:
+        if not ptr:
+            raise _invalid(call, "null host pointer")
+        block = self._mem().find(ptr, 1)
+        if block is not None and block.kind == "device":
+            raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
+
+    def _enqueue_checked(
+        self, stream: Any, name: str, call: str, device_ranges: tuple[tuple[int, int], ...], action: Callable[[], None]
+    ) -> None:
+        """Enqueue ``action``, re-validating the device ranges when it runs."""
+        state = self._mem()
+
+        def run() -> None:
+            for ptr, size in device_ranges:
+                block = state.find(ptr, size)
+                if block is None or block.kind != "device":
+                    raise error_for_code(
+                        ResultCode.ILLEGAL_ADDRESS,
+                        "CUDA_ERROR_ILLEGAL_ADDRESS",
+                        f"{call} touched freed device memory [0x{ptr:x}, +{size})",
+                        call,
+                    )
+            action()
+
+        self._enqueue(stream, run, name)
+
+    def _check_size(self, size: int, call: str) -> None:
+        if size < 0:
+            raise _invalid(call, f"size must be >= 0, got {size}")
+
+    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._api("memcpy_htod_async", self._stream_ordinal(stream))
+        self._check_size(size, "cuMemcpyHtoDAsync")
+        if size == 0:
+            return
+        self._device_range(dst, size, "cuMemcpyHtoDAsync")
+        self._host_range(src, size, "cuMemcpyHtoDAsync")
+        self._enqueue_checked(
+            stream, "memcpy_htod_async", "cuMemcpyHtoDAsync", ((dst, size),), lambda: ctypes.memmove(dst, src, size)
+        )
+
+    def memcpy_dtoh_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._api("memcpy_dtoh_async", self._stream_ordinal(stream))
+        self._check_size(size, "cuMemcpyDtoHAsync")
+        if size == 0:
+            return
+        self._device_range(src, size, "cuMemcpyDtoHAsync")
+        self._host_range(dst, size, "cuMemcpyDtoHAsync")
+        self._enqueue_checked(
+            stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync", ((src, size),), lambda: ctypes.memmove(dst, src, size)
+        )
+
+    def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._api("memcpy_dtod_async", self._stream_ordinal(stream))
+        self._check_size(size, "cuMemcpyDtoDAsync")
+        if size == 0:
+            return
+        self._device_range(dst, size, "cuMemcpyDtoDAsync")
+        self._device_range(src, size, "cuMemcpyDtoDAsync")
+        self._enqueue_checked(
+            stream,
+            "memcpy_dtod_async",
+            "cuMemcpyDtoDAsync",
+            ((dst, size), (src, size)),
+            lambda: ctypes.memmove(dst, src, size),
+        )
+
+    def memcpy_peer_async(self, dst: int, dst_ctx: Any, src: int, src_ctx: Any, size: int, stream: Any) -> None:
+        self._api("memcpy_peer_async", self._stream_ordinal(stream))
+        self._check_size(size, "cuMemcpyPeerAsync")
+        if size == 0:
+            return
+        self._device_range(dst, size, "cuMemcpyPeerAsync")
+        self._device_range(src, size, "cuMemcpyPeerAsync")
+        self._enqueue_checked(
+            stream,
+            "memcpy_peer_async",
+            "cuMemcpyPeerAsync",
+            ((dst, size), (src, size)),
+            lambda: ctypes.memmove(dst, src, size),
+        )
+
+    def memset_d8_async(self, dst: int, value: int, count: int, stream: Any) -> None:
+        self._api("memset_d8_async", self._stream_ordinal(stream))
+        self._check_size(count, "cuMemsetD8Async")
+        if count == 0:
+            return
+        self._device_range(dst, count, "cuMemsetD8Async")
+        byte = int(value) & 0xFF
+        self._enqueue_checked(
+            stream, "memset_d8_async", "cuMemsetD8Async", ((dst, count),), lambda: ctypes.memset(dst, byte, count)
+        )
+
+    def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
+        self._api("memset_d32_async", self._stream_ordinal(stream))
+        self._check_size(count, "cuMemsetD32Async")
+        if count == 0:
+            return
+        if dst % 4:
+            raise _invalid("cuMemsetD32Async", f"0x{dst:x} is not 4-byte aligned")
+        self._device_range(dst, count * 4, "cuMemsetD32Async")
+        word = int(value) & 0xFFFFFFFF
+
+        def fill() -> None:
+            target = (ctypes.c_uint32 * count).from_address(dst)
+            np.frombuffer(target, dtype=np.uint32)[:] = word
+
+        self._enqueue_checked(stream, "memset_d32_async", "cuMemsetD32Async", ((dst, count * 4),), fill)
+
+
+class _MemoryState:
+    """The allocation table and pools of one simulated driver (guarded by ``lock``)."""
+
+    def __init__(self, device_count: int) -> None:
+        self.lock = threading.RLock()
+        self.blocks: dict[int, _Block] = {}
+        self.starts: list[int] = []
+        self.freeing: set[int] = set()
+        self.defaults: dict[int, SimPool] = {}
+        self.device_reserved = [0] * device_count
+
+    def default_pool(self, ordinal: int) -> SimPool:
+        with self.lock:
+            pool = self.defaults.get(ordinal)
+            if pool is None:
+                pool = self.defaults[ordinal] = SimPool(ordinal, 0, is_default=True)
+            return pool
+
+    def insert(self, block: _Block) -> None:
+        self.blocks[block.start] = block
+        bisect.insort(self.starts, block.start)
+
+    def remove(self, start: int) -> None:
+        del self.blocks[start]
+        del self.starts[bisect.bisect_left(self.starts, start)]
+
+    def find(self, ptr: int, size: int) -> _Block | None:
+        """The block wholly containing ``[ptr, ptr + size)``, or None."""
+        with self.lock:
+            i = bisect.bisect_right(self.starts, ptr) - 1
+            if i < 0:
+                return None
+            block = self.blocks[self.starts[i]]
+            if ptr + size <= block.start + block.size:
+                return block
+            return None
+
+    def overlaps(self, ptr: int, size: int) -> bool:
+        i = bisect.bisect_right(self.starts, ptr + size - 1) - 1
+        if i < 0:
+            return False
+        block = self.blocks[self.starts[i]]
+        return block.start + block.size > ptr
+
+    def take_cached(self, pool: SimPool, size: int) -> np.ndarray | None:
+        arrays = pool.cached.get(size)
+        if not arrays:
+            return None
+        pool.cached_bytes -= size
+        return arrays.pop()
+
+    def release_cached(self, pool: SimPool, keep: int) -> None:
+        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left."""
+        for size in sorted(pool.cached, reverse=True):
+            arrays = pool.cached[size]
+            while arrays and pool.reserved > keep:
+                arrays.pop()
+                pool.cached_bytes -= size
+                pool.reserved -= size
+                self.device_reserved[pool.ordinal] -= size
+            if not arrays:
+                del pool.cached[size]

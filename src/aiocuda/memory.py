@@ -1,0 +1,469 @@
+"""Stream-ordered device memory: pools and buffers.
+
+Every device allocation comes from a ``cuMemPool`` through ``cuMemAllocFromPoolAsync``
+on a stream, and goes back with ``cuMemFreeAsync`` on the stream of its *last use*. Both
+calls only enqueue: allocating and freeing are ordered with the work that uses the memory,
+so neither needs a synchronisation, and a buffer dropped while a kernel or a copy still
+uses it is freed only after that work (the free is queued behind it).
+
+Lifetime rules (what makes cancellation safe):
+
+* A :class:`DeviceBuffer` is freed when :meth:`DeviceBuffer.free` is called or when the
+  last reference goes away, whichever comes first -- always stream-ordered, on the
+  stream recorded by the last :meth:`DeviceBuffer._used_on`. Cancelling a task that
+  awaits a copy into a buffer therefore never frees memory the copy still writes.
+* Using a buffer on a second stream records an event on the first; the eventual free
+  waits for it on the GPU, so a free on stream B cannot overtake work still queued on A.
+* Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
+  (see :mod:`aiocuda.stream`), not by the buffer.
+
+Out of memory: an allocation that fails releases the pool's cached memory
+(``cuMemPoolTrimTo``), retries once, then raises :class:`~aiocuda.errors.OutOfMemoryError`
+saying what was asked, what the pool uses and what the device has free. The pool stays
+usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
+timeout, for memory to be freed: back-pressure for services.
+
+The allocate/free path is deliberately tiny (a driver call, a slots object, a weak
+reference): it must stay within half a microsecond of calling the driver directly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from . import _driver
+from .device import Device
+from .errors import CudaError, OutOfMemoryError, ResultCode
+from .stream import Stream, current_stream
+
+__all__ = ["DEFAULT_RELEASE_THRESHOLD", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
+
+DEFAULT_RELEASE_THRESHOLD = 2**63 - 1
+"""Pools keep freed memory cached across synchronisations (like PyTorch and CuPy do);
+:meth:`MemoryPool.trim` or an out-of-memory recovery gives it back. A threshold of 0
+would return memory to the OS at every synchronisation and make allocation slow."""
+
+_ref = weakref.ref
+
+# Live buffers: weak reference -> [pool, ptr, last-use stream, events to wait for].
+# A dict entry plus a C-level weak reference is a third of the cost of weakref.finalize
+# and lets free() cancel the finaliser by popping the entry.
+_live: dict[weakref.ref[DeviceBuffer], list[Any]] = {}
+
+
+def _on_buffer_collected(ref: weakref.ref[DeviceBuffer]) -> None:
+    entry = _live.pop(ref, None)
+    if entry is not None:
+        try:
+            entry[0]._release(entry)
+        except Exception:  # noqa: BLE001 - a finaliser cannot raise; a dead context freed it
+            pass
+
+
+@atexit.register
+def _forget_buffers() -> None:
+    """At exit the process's memory goes with its contexts; skip per-buffer frees."""
+    _live.clear()
+
+
+def _format_bytes(n: int) -> str:
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exponent:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    """A snapshot of a pool (:meth:`MemoryPool.statistics`).
+
+    Byte figures come from the driver's pool attributes, so they include memory
+    allocated from the same pool by other libraries; counts are this process's
+    allocations through aiocuda.
+    """
+
+    used_bytes: int
+    """Bytes in allocations not yet freed (``used_mem_current``)."""
+    used_bytes_peak: int
+    """High-water mark of ``used_bytes`` since creation or :meth:`MemoryPool.reset_peaks`."""
+    reserved_bytes: int
+    """Bytes the pool holds from the device, used or cached (``reserved_mem_current``)."""
+    reserved_bytes_peak: int
+    """High-water mark of ``reserved_bytes``."""
+    allocations: int
+    """Successful allocations so far."""
+    frees: int
+    """Buffers freed so far (explicitly or by collection)."""
+    live_buffers: int
+    """``allocations - frees``."""
+    out_of_memory_recoveries: int
+    """Allocations that succeeded only after releasing cached memory."""
+    release_threshold: int
+    max_size: int
+    """The pool's size limit in bytes; 0 for none."""
+
+
+class MemoryPool:
+    """A stream-ordered memory pool on one device.
+
+    Obtain with :meth:`for_device` (the pool aiocuda allocates from by default: the
+    device's default pool, configured with :data:`DEFAULT_RELEASE_THRESHOLD`),
+    :meth:`default` (the driver's default pool itself) or :meth:`create` (a new pool,
+    optionally with a size limit). Pools are shared across threads and event loops.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_allocs",
+        "_alloc_fn",
+        "_driver",
+        "_frees",
+        "_handle",
+        "_owned",
+        "_recoveries",
+        "device",
+        "max_size",
+    )
+
+    _current: dict[tuple[int, int], MemoryPool] = {}
+    _defaults: dict[tuple[int, int], MemoryPool] = {}
+
+    def __init__(self, device: Device, handle: Any, *, owned: bool, max_size: int = 0) -> None:
+        self.device = device
+        self._driver = device._driver
+        self._handle = handle
+        self._owned = owned
+        self.max_size = max_size
+        self._alloc_fn = self._driver.mem_alloc_async
+        self._allocs = 0
+        self._frees = 0
+        self._recoveries = 0
+
+    # -- obtaining pools ----------------------------------------------------------------------
+    @classmethod
+    def default(cls, device: Device | int | None = None) -> MemoryPool:
+        """The driver's default pool of ``device`` (``cuDeviceGetDefaultMemPool``), with
+        its release threshold raised to :data:`DEFAULT_RELEASE_THRESHOLD` on first use."""
+        dev = _as_device(device)
+        key = (_driver.backend_generation(), dev.ordinal)
+        pool = cls._defaults.get(key)
+        if pool is None:
+            dev.make_current()
+            pool = cls(dev, dev._driver.mempool_default(dev._handle), owned=False)
+            pool.release_threshold = DEFAULT_RELEASE_THRESHOLD
+            cls._defaults[key] = pool
+        return pool
+
+    @classmethod
+    def for_device(cls, device: Device | int | None = None) -> MemoryPool:
+        """The pool aiocuda allocates from on ``device`` unless told otherwise: the
+        default pool, or the one last passed to :meth:`set_for_device`."""
+        dev = _as_device(device)
+        pool = cls._current.get((_driver.backend_generation(), dev.ordinal))
+        return pool if pool is not None else cls.default(dev)
+
+    @classmethod
+    def set_for_device(cls, pool: MemoryPool) -> None:
+        """Make ``pool`` the one :meth:`for_device` returns for its device."""
+        cls._current[(_driver.backend_generation(), pool.device.ordinal)] = pool
+
+    @classmethod
+    def create(
+        cls,
+        device: Device | int | None = None,
+        *,
+        max_size: int = 0,
+        release_threshold: int = DEFAULT_RELEASE_THRESHOLD,
+    ) -> MemoryPool:
+        """A new pool (``cuMemPoolCreate``) on ``device``.
+
+        Args:
+            max_size: upper bound of the memory the pool may reserve, in bytes (0: the
+                device's memory). Allocations beyond it raise OutOfMemoryError.
+            release_threshold: cached bytes kept across synchronisations.
+        """
+        if max_size < 0:
+            raise _argument(f"max_size must be >= 0, got {max_size}")
+        dev = _as_device(device)
+        dev.make_current()
+        handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
+        pool = cls(dev, handle, owned=True, max_size=max_size)
+        weakref.finalize(pool, _destroy_pool, dev._driver, handle)
+        pool.release_threshold = release_threshold
+        return pool
+
+    # -- allocation (the hot path) ----------------------------------------------------------
+    def allocate(self, nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
+        """Allocate ``nbytes`` stream-ordered on ``stream`` (default: the current stream).
+
+        The memory may be used by work enqueued on ``stream`` after this call; using it
+        on another stream first needs ``other.wait(stream)``. A size of 0 gives an empty
+        buffer with a null pointer. Raises :class:`OutOfMemoryError` (after releasing
+        cached memory and retrying once) or :class:`~aiocuda.errors.ArgumentError`.
+        """
+        if stream is None:
+            stream = current_stream(self.device)
+        if nbytes <= 0:
+            return self._empty(nbytes, stream)
+        self.device.make_current()
+        try:
+            ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
+        except OutOfMemoryError as exc:
+            ptr = self._recover(nbytes, stream, exc)
+        self._allocs += 1
+        buf = _new_buffer(DeviceBuffer)
+        buf._ptr = ptr
+        buf.size = nbytes
+        buf.pool = self
+        entry = buf._entry = [self, ptr, stream, None]
+        ref = buf._ref = _ref(buf, _on_buffer_collected)
+        _live[ref] = entry
+        return buf
+
+    def _release(self, entry: list[Any]) -> None:
+        """Free an entry of ``_live`` on its last-use stream (after its pending waits)."""
+        stream: Stream = entry[2]
+        waits = entry[3]
+        self.device.make_current()
+        if waits:
+            for event in waits:
+                stream.wait(event)
+        self._driver.mem_free_async(entry[1], stream.handle)
+        self._frees += 1
+
+    def _empty(self, nbytes: int, stream: Stream) -> DeviceBuffer:
+        if nbytes < 0 or not isinstance(nbytes, int):
+            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
+        buf = _new_buffer(DeviceBuffer)
+        buf._ptr = 0
+        buf.size = 0
+        buf.pool = self
+        buf._entry = [self, 0, stream, None]
+        buf._ref = None
+        return buf
+
+    def _recover(self, nbytes: int, stream: Stream, exc: OutOfMemoryError) -> int:
+        """Out of memory: release cached memory, retry once, else raise a clear error."""
+        self.trim(0)
+        try:
+            ptr: int = self._alloc_fn(nbytes, self._handle, stream.handle)
+        except OutOfMemoryError:
+            raise self._oom_error(nbytes) from exc
+        self._recoveries += 1
+        return ptr
+
+    def _oom_error(self, nbytes: int) -> OutOfMemoryError:
+        stats = self.statistics()
+        try:
+            free, total = self.device.memory_info()
+            device_part = f"{_format_bytes(free)} free of {_format_bytes(total)} on the device"
+        except CudaError:
+            device_part = "the device's free memory is unknown"
+        limit = f", pool limit {_format_bytes(self.max_size)}" if self.max_size else ""
+        return OutOfMemoryError(
+            f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
+            f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
+            f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
+            f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
+            code=ResultCode.OUT_OF_MEMORY,
+            name="CUDA_ERROR_OUT_OF_MEMORY",
+            call="cuMemAllocFromPoolAsync",
+        )
+
+    async def allocate_wait(
+        self, nbytes: int, stream: Stream | None = None, *, timeout: float | None = None
+    ) -> DeviceBuffer:
+        """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
+
+        Retries with a growing back-off (0.5 ms up to 20 ms) until the allocation succeeds
+        or ``timeout`` seconds have passed, then raises :class:`OutOfMemoryError`
+        (``TimeoutError`` semantics are deliberately not used: callers branch on one
+        type). Memory freed stream-ordered becomes available once its stream reaches the
+        free. Cancellable at every wait.
+        """
+        deadline = None if timeout is None else anyio.current_time() + timeout
+        delay = 0.0005
+        while True:
+            try:
+                return self.allocate(nbytes, stream)
+            except OutOfMemoryError:
+                if deadline is not None and anyio.current_time() + delay > deadline:
+                    raise
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 0.02)
+
+    # -- management ------------------------------------------------------------------------
+    @property
+    def handle(self) -> Any:
+        """The backend's pool handle."""
+        return self._handle
+
+    @property
+    def release_threshold(self) -> int:
+        """Cached bytes the pool keeps across synchronisations before giving memory back."""
+        return self._driver.mempool_get_attribute(self._handle, "release_threshold")
+
+    @release_threshold.setter
+    def release_threshold(self, value: int) -> None:
+        if value < 0:
+            raise _argument(f"release_threshold must be >= 0, got {value}")
+        self._driver.mempool_set_attribute(self._handle, "release_threshold", value)
+
+    def trim(self, keep_bytes: int = 0) -> None:
+        """Give cached memory back to the device until at most ``keep_bytes`` stay
+        reserved (memory in use is never released). Memory freed stream-ordered counts as
+        in use until its stream has reached the free."""
+        self.device.make_current()
+        self._driver.mempool_trim_to(self._handle, keep_bytes)
+
+    def statistics(self) -> PoolStatistics:
+        """Current and peak usage (see :class:`PoolStatistics`)."""
+        get = self._driver.mempool_get_attribute
+        h = self._handle
+        return PoolStatistics(
+            used_bytes=get(h, "used_mem_current"),
+            used_bytes_peak=get(h, "used_mem_high"),
+            reserved_bytes=get(h, "reserved_mem_current"),
+            reserved_bytes_peak=get(h, "reserved_mem_high"),
+            allocations=self._allocs,
+            frees=self._frees,
+            live_buffers=self._allocs - self._frees,
+            out_of_memory_recoveries=self._recoveries,
+            release_threshold=get(h, "release_threshold"),
+            max_size=self.max_size,
+        )
+
+    def reset_peaks(self) -> None:
+        """Reset ``used_bytes_peak`` and ``reserved_bytes_peak`` to the current values."""
+        self._driver.mempool_set_attribute(self._handle, "used_mem_high", 0)
+        self._driver.mempool_set_attribute(self._handle, "reserved_mem_high", 0)
+
+    def grant_access(self, peer: Device | int) -> None:
+        """Let kernels on ``peer`` read and write this pool's memory
+        (``cuMemPoolSetAccess``). Peer copies do not need it."""
+        peer_dev = _as_device(peer)
+        if peer_dev is not self.device and not peer_dev.can_access_peer(self.device):
+            raise _argument(
+                f"device {peer_dev.ordinal} cannot access device {self.device.ordinal}'s memory "
+                "(cuDeviceCanAccessPeer says no)",
+                code=ResultCode.PEER_ACCESS_UNSUPPORTED,
+            )
+        self._driver.mempool_set_access(self._handle, peer_dev.ordinal)
+
+    def __repr__(self) -> str:
+        kind = "created" if self._owned else "default"
+        return (
+            f"<MemoryPool {kind} device={self.device.ordinal} live_buffers={self._allocs - self._frees} "
+            f"allocations={self._allocs}>"
+        )
+
+
+def _destroy_pool(driver: Any, handle: Any) -> None:
+    try:
+        driver.mempool_destroy(handle)
+    except CudaError:
+        pass  # buffers still allocated from it, or a dead context: the driver keeps it
+
+
+class DeviceBuffer:
+    """A range of device memory from a :class:`MemoryPool`.
+
+    ``ptr`` (an ``int``) raises :class:`~aiocuda.errors.ArgumentError` once the buffer is
+    freed, so a stale pointer is never handed to the GPU. Freed by :meth:`free`, a
+    ``with`` block, or when collected; each time stream-ordered on the last-use stream.
+    """
+
+    __slots__ = ("__weakref__", "_entry", "_ptr", "_ref", "pool", "size")
+
+    _ptr: int
+    _entry: list[Any]
+    _ref: weakref.ref[DeviceBuffer] | None
+    pool: MemoryPool
+    size: int
+
+    def __init__(self) -> None:
+        raise TypeError("DeviceBuffers come from MemoryPool.allocate() or aiocuda.empty()")
+
+    @property
+    def ptr(self) -> int:
+        """The device address (raises ArgumentError after :meth:`free`)."""
+        if self._ref is None and self._ptr:
+            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+        return self._ptr
+
+    @property
+    def device(self) -> Device:
+        return self.pool.device
+
+    @property
+    def stream(self) -> Stream:
+        """The stream of the buffer's last recorded use: where it will be freed."""
+        stream: Stream = self._entry[2]
+        return stream
+
+    @property
+    def freed(self) -> bool:
+        return self._ref is None and self._ptr != 0
+
+    def _used_on(self, stream: Stream) -> None:
+        """Record that work on ``stream`` uses the buffer (call when enqueuing it).
+
+        Moving to another stream records an event on the previous one, so the free --
+        enqueued later on the last stream -- waits for that stream's work too.
+        """
+        entry = self._entry
+        previous: Stream = entry[2]
+        if stream is previous:
+            return
+        waits = entry[3]
+        if waits is None:
+            waits = entry[3] = []
+        elif len(waits) >= 8:
+            waits[:] = [event for event in waits if not event.query()]
+        waits.append(previous.record())
+        entry[2] = stream
+
+    def free(self, stream: Stream | None = None) -> None:
+        """Free now (stream-ordered): on ``stream`` if given -- which must be ordered after
+        every use -- else on the last-use stream. Idempotent."""
+        ref = self._ref
+        if ref is None:
+            return
+        entry = _live.pop(ref, None)
+        self._ref = None
+        if entry is None:
+            return
+        if stream is not None:
+            self._used_on(stream)
+        self.pool._release(entry)
+
+    def __enter__(self) -> DeviceBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self.freed else f"ptr={self._ptr:#x}"
+        return f"<DeviceBuffer {state} size={self.size} device={self.pool.device.ordinal}>"
+
+
+_new_buffer = object.__new__
+
+
+def _as_device(device: Device | int | None) -> Device:
+    if isinstance(device, Device):
+        return device
+    return Device(device or 0)
+
+
+def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:
+    from .errors import ArgumentError
+
+    return ArgumentError(message, code=code, name="CUDA_ERROR_INVALID_VALUE")
