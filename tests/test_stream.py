@@ -1,0 +1,224 @@
+"""Awaitable streams and events: waiting, ordering, timing, cancellation, lifetime."""
+
+from __future__ import annotations
+
+import gc
+import time
+import weakref
+
+import anyio
+import pytest
+
+from aiocuda import _driver
+from aiocuda.device import Device
+from aiocuda.errors import ArgumentError
+from aiocuda.event import Event
+from aiocuda.stream import Stream, current_stream, use_stream
+
+from ._workload import slow_op
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_await_idle_stream_returns(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        await s
+        assert s.query()
+
+
+async def test_await_waits_for_enqueued_work(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        slow_op(s, 0.05)
+        t = time.perf_counter()
+        await s
+        assert time.perf_counter() - t >= 0.03
+        assert s.query()
+
+
+async def test_await_keeps_the_loop_running(backend: _driver.Driver, anyio_backend: object) -> None:
+    ticks = 0
+    with Stream(0) as s:
+        slow_op(s, 0.15)
+        async with anyio.create_task_group() as tg:
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while True:
+                    await anyio.sleep(0.002)
+                    ticks += 1
+
+            tg.start_soon(ticker)
+            await s
+            tg.cancel_scope.cancel()
+    assert ticks >= 20
+
+
+async def test_event_await_query_and_timing(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        start = s.record(timing=True)
+        slow_op(s, 0.03)
+        end = s.record(timing=True)
+        plain = s.record()
+        assert not plain.query()
+        await end
+        await plain
+        assert plain.query() and end.query()
+        assert end.elapsed_ms(since=start) >= 20
+        with pytest.raises(ArgumentError):
+            plain.elapsed_ms(since=start)
+
+
+async def test_unrecorded_event_is_complete(backend: _driver.Driver, anyio_backend: object) -> None:
+    ev = Event(0)
+    assert ev.query()
+    await ev
+    ev.close()
+
+
+async def test_wait_orders_streams_on_the_gpu(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as producer, Stream(0) as consumer:
+        slow_op(producer, 0.08)
+        consumer.wait(producer)
+        after = consumer.record()
+        assert not after.query(), "the consumer must wait for the producer"
+        await consumer
+        assert producer.query()
+
+
+async def test_wait_on_event(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as producer, Stream(0) as consumer:
+        slow_op(producer, 0.05)
+        ev = producer.record()
+        consumer.wait(ev)
+        assert not consumer.query()
+        await consumer
+        assert ev.query()
+        with pytest.raises(TypeError):
+            consumer.wait(42)  # type: ignore[arg-type]
+
+
+async def test_cancel_scope_detaches_and_leaves_work_running(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        slow_op(s, 0.2)
+        with anyio.move_on_after(0.02) as scope:
+            await s
+        assert scope.cancelled_caught
+        assert not s.query(), "cancelling the waiter must not touch the GPU work"
+        await s
+        assert s.query()
+
+
+async def test_fail_after_raises_timeout(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        slow_op(s, 0.2)
+        with pytest.raises(TimeoutError):
+            with anyio.fail_after(0.02):
+                await s
+        await s
+
+
+async def test_many_streams_many_waiters(backend: _driver.Driver, anyio_backend: object) -> None:
+    streams = [Stream(0) for _ in range(32)]
+    finished = 0
+
+    async def work(i: int, s: Stream) -> None:
+        nonlocal finished
+        for _ in range(5):
+            slow_op(s, 0.001 * (i % 4))
+            await s
+        finished += 1
+
+    async with anyio.create_task_group() as tg:
+        for i, s in enumerate(streams):
+            tg.start_soon(work, i, s)
+    assert finished == 32
+    for s in streams:
+        s.close()
+
+
+async def test_hold_keeps_objects_until_the_work_is_done(backend: _driver.Driver, anyio_backend: object) -> None:
+    class Payload:
+        pass
+
+    with Stream(0) as s:
+        slow_op(s, 0.1)
+        payload = Payload()
+        ref = weakref.ref(payload)
+        s.hold(payload)
+        del payload
+        gc.collect()
+        assert ref() is not None, "held while the GPU may still use it"
+        await s
+        s.hold()  # releases finished holds
+        gc.collect()
+        assert ref() is None
+
+
+async def test_closing_a_stream_keeps_held_objects_alive(backend: _driver.Driver, anyio_backend: object) -> None:
+    class Payload:
+        pass
+
+    s = Stream(0)
+    slow_op(s, 0.1)
+    payload = Payload()
+    ref = weakref.ref(payload)
+    s.hold(payload)
+    del payload
+    s.close()
+    del s
+    gc.collect()
+    assert ref() is not None
+    await anyio.sleep(0.15)
+    with Stream(0) as other:
+        await other  # sweeps orphaned holds
+    gc.collect()
+    assert ref() is None
+
+
+def test_closed_stream_is_rejected(backend: _driver.Driver) -> None:
+    s = Stream(0)
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(ArgumentError):
+        s.record()
+    assert "closed" in repr(s)
+
+
+def test_wrap_foreign_stream_without_ownership(backend: _driver.Driver) -> None:
+    owner = Stream(0)
+    raw = owner.__cuda_stream__()[1]
+    foreign = Stream.wrap(raw)
+    assert not foreign.owned
+    assert foreign.device is Device(0)
+    assert foreign.__cuda_stream__() == (0, raw)
+    foreign.close()
+    owner.record().synchronize()  # the original still works
+    wrapped_proto = Stream.wrap(owner)
+    assert wrapped_proto is owner
+
+    class Foreign:
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, raw)
+
+    assert int(Stream.wrap(Foreign(), device=0)) == raw
+    with pytest.raises(TypeError):
+        Stream.wrap("not a stream")
+    owner.close()
+
+
+def test_current_stream_is_task_local(backend: _driver.Driver) -> None:
+    default = current_stream()
+    assert current_stream(0) is default
+    with Stream(0) as s:
+        with use_stream(s):
+            assert current_stream() is s
+        assert current_stream() is default
+
+
+def test_priority_range_and_synchronize(backend: _driver.Driver) -> None:
+    least, greatest = Stream.priority_range(0)
+    assert greatest <= least
+    with Stream(0, priority=greatest) as s:
+        slow_op(s, 0.01)
+        s.synchronize()
+        assert s.query()
