@@ -33,6 +33,7 @@ import numpy as np
 
 from ..._driver._protocol import PoolProps
 from ...errors import CudaError, ResultCode, error_for_code
+from ._objects import SimDevice
 
 __all__ = ["SimMemory", "SimPool"]
 
@@ -119,37 +120,30 @@ class SimMemory:
     _enqueue: Callable[..., None]
     _api: Callable[..., None]
     _stream_ordinal: Callable[[Any], int]
-    _device_of_current: Callable[[], int]
+    _device: Callable[[Any], SimDevice]
+    _devices: tuple[SimDevice, ...]
 
     # -- state ------------------------------------------------------------------------------
     def _mem(self) -> _MemoryState:
         try:
             return self._sim_memory  # type: ignore[has-type, no-any-return]
         except AttributeError:
-            self._sim_memory = _MemoryState(self.device_count())  # type: ignore[attr-defined]
+            self._sim_memory = _MemoryState(self._devices)
             return self._sim_memory
 
-    def _device_capacity(self, ordinal: int) -> int:
-        return int(self.device_total_mem(self.device_get(ordinal)))  # type: ignore[attr-defined]
-
-    def _device_ordinal_of(self, dev: Any) -> int:
-        return int(getattr(dev, "ordinal", dev))
+    def _check_ordinal(self, ordinal: int, call: str) -> None:
+        if not 0 <= ordinal < len(self._devices):
+            raise error_for_code(ResultCode.INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", f"no device {ordinal}", call)
 
     # -- pools ------------------------------------------------------------------------------
     def mempool_default(self, dev: Any) -> SimPool:
-        ordinal = self._device_ordinal_of(dev)
+        ordinal = self._device(dev).ordinal
         self._api("mempool_default", ordinal)
         return self._mem().default_pool(ordinal)
 
     def mempool_create(self, props: PoolProps) -> SimPool:
+        self._check_ordinal(props.device_ordinal, "cuMemPoolCreate")
         self._api("mempool_create", props.device_ordinal)
-        if not 0 <= props.device_ordinal < self.device_count():  # type: ignore[attr-defined]
-            raise error_for_code(
-                ResultCode.INVALID_DEVICE,
-                "CUDA_ERROR_INVALID_DEVICE",
-                f"no device {props.device_ordinal}",
-                "cuMemPoolCreate",
-            )
         if props.max_size < 0:
             raise _invalid("cuMemPoolCreate", f"max_size must be >= 0, got {props.max_size}")
         return SimPool(props.device_ordinal, props.max_size, is_default=False)
@@ -206,10 +200,7 @@ class SimMemory:
     def mempool_set_access(self, pool: SimPool, peer_ordinal: int) -> None:
         self._api("mempool_set_access", pool.ordinal)
         self._check_pool(pool, "cuMemPoolSetAccess")
-        if not 0 <= peer_ordinal < self.device_count():  # type: ignore[attr-defined]
-            raise error_for_code(
-                ResultCode.INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", f"no device {peer_ordinal}", "cuMemPoolSetAccess"
-            )
+        self._check_ordinal(peer_ordinal, "cuMemPoolSetAccess")
         pool.access.add(peer_ordinal)
 
     def _check_pool(self, pool: Any, call: str) -> None:
@@ -228,10 +219,9 @@ class SimMemory:
         with state.lock:
             array = state.take_cached(pool, size)
             if array is None:
-                in_use = state.device_reserved[pool.ordinal]
-                capacity = self._device_capacity(pool.ordinal)
+                device = self._devices[pool.ordinal]
                 over_pool = pool.max_size and pool.reserved + size > pool.max_size
-                if over_pool or in_use + size > capacity:
+                if over_pool or device.used_bytes + size > device.total_mem:
                     raise error_for_code(
                         ResultCode.OUT_OF_MEMORY,
                         "CUDA_ERROR_OUT_OF_MEMORY",
@@ -241,7 +231,7 @@ class SimMemory:
                 array = _aligned_bytes(size)
                 pool.reserved += size
                 pool.reserved_high = max(pool.reserved_high, pool.reserved)
-                state.device_reserved[pool.ordinal] += size
+                device.used_bytes += size
             pool.used += size
             pool.used_high = max(pool.used_high, pool.used)
             start = array.ctypes.data
@@ -266,7 +256,7 @@ class SimMemory:
                 pool.used -= block.size
                 if pool.destroyed:
                     pool.reserved -= block.size
-                    state.device_reserved[pool.ordinal] -= block.size
+                    state.devices[pool.ordinal].used_bytes -= block.size
                     return
                 pool.cached.setdefault(block.size, []).append(block.array)
                 pool.cached_bytes += block.size
@@ -451,13 +441,14 @@ class SimMemory:
 class _MemoryState:
     """The allocation table and pools of one simulated driver (guarded by ``lock``)."""
 
-    def __init__(self, device_count: int) -> None:
+    def __init__(self, devices: tuple[SimDevice, ...]) -> None:
         self.lock = threading.RLock()
         self.blocks: dict[int, _Block] = {}
         self.starts: list[int] = []
         self.freeing: set[int] = set()
         self.defaults: dict[int, SimPool] = {}
-        self.device_reserved = [0] * device_count
+        self.devices = devices
+        """Their ``used_bytes`` counts the bytes pools reserve (what ``mem_get_info`` sees)."""
 
     def default_pool(self, ordinal: int) -> SimPool:
         with self.lock:
@@ -507,6 +498,6 @@ class _MemoryState:
                 arrays.pop()
                 pool.cached_bytes -= size
                 pool.reserved -= size
-                self.device_reserved[pool.ordinal] -= size
+                self.devices[pool.ordinal].used_bytes -= size
             if not arrays:
                 del pool.cached[size]

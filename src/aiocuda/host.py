@@ -1,0 +1,193 @@
+"""Page-locked (pinned) host memory: arrays for users, and a registry of pinned ranges.
+
+Copies between the GPU and pinned memory run at full DMA speed and truly asynchronously;
+copies from ordinary (pageable) memory are staged by aiocuda through pooled pinned
+chunks (:mod:`aiocuda._staging`). Two ways to get pinned numpy arrays:
+
+* :func:`pinned_empty` / :func:`pinned_zeros` -- a new numpy array in ``cuMemHostAlloc``
+  memory (portable across devices). The memory is freed when the array and every view
+  of it are gone.
+* :func:`register_host` -- pin an existing numpy array in place (``cuMemHostRegister``)
+  for the life of the returned :class:`HostRegistration` (a context manager).
+
+Pitfalls: pinning is expensive (milliseconds per call) and pinned memory is taken from
+the OS for good while pinned, so pin big, long-lived buffers, not per request.
+aiocuda's copies hold a reference to the pinned owner while the DMA is in flight, so
+unregistering or dropping an array mid-copy is safe.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .device import Device
+from .errors import ArgumentError, CudaError, ResultCode
+
+__all__ = ["HostRegistration", "is_pinned", "pinned_empty", "pinned_zeros", "register_host"]
+
+
+class _PinnedRanges:
+    """Address ranges known to be page-locked, each with the object that owns it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: list[int] = []
+        self._entries: dict[int, tuple[int, weakref.ref[Any]]] = {}
+
+    def add(self, start: int, size: int, owner: Any) -> None:
+        with self._lock:
+            bisect.insort(self._starts, start)
+            self._entries[start] = (size, weakref.ref(owner))
+
+    def remove(self, start: int) -> None:
+        with self._lock:
+            if self._entries.pop(start, None) is not None:
+                del self._starts[bisect.bisect_left(self._starts, start)]
+
+    def owner(self, ptr: int, size: int) -> Any:
+        """The owner of a pinned range wholly containing ``[ptr, ptr + size)``, or None."""
+        with self._lock:
+            i = bisect.bisect_right(self._starts, ptr) - 1
+            if i < 0:
+                return None
+            start = self._starts[i]
+            extent, ref = self._entries[start]
+            if ptr + size <= start + extent:
+                return ref()
+            return None
+
+
+pinned_ranges = _PinnedRanges()
+
+
+class _PinnedAllocation:
+    """Owner of one ``cuMemHostAlloc`` block; numpy arrays over it keep it alive."""
+
+    __slots__ = ("__weakref__", "ptr", "size")
+
+    def __init__(self, device: Device, size: int) -> None:
+        device.make_current()
+        self.ptr = device._driver.mem_host_alloc(size)
+        self.size = size
+        pinned_ranges.add(self.ptr, size, self)
+        weakref.finalize(self, _free_pinned, device._driver, self.ptr)
+
+
+def _free_pinned(driver: Any, ptr: int) -> None:
+    pinned_ranges.remove(ptr)
+    try:
+        driver.mem_host_free(ptr)
+    except CudaError:
+        pass  # a torn-down backend took the memory with it
+
+
+def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """A numpy array over ``ptr`` whose base keeps ``owner`` alive."""
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
+    raw._aiocuda_owner = owner  # type: ignore[attr-defined]
+    return np.frombuffer(raw, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+
+
+def _shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise ArgumentError(f"negative dimension in shape {dims}", code=ResultCode.INVALID_VALUE)
+    return dims
+
+
+def pinned_empty(
+    shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32, *, device: Device | int | None = None
+) -> npt.NDArray[Any]:
+    """A new C-contiguous numpy array in page-locked memory (contents undefined).
+
+    ``device`` only chooses which context performs the allocation; the memory is
+    portable, usable with every device.
+    """
+    dims = _shape_tuple(shape)
+    dt = np.dtype(dtype)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    dev = device if isinstance(device, Device) else Device(device or 0)
+    owner = _PinnedAllocation(dev, max(nbytes, 1))
+    return _array_over(owner, owner.ptr, dims, dt)
+
+
+def pinned_zeros(
+    shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32, *, device: Device | int | None = None
+) -> npt.NDArray[Any]:
+    """Like :func:`pinned_empty`, filled with zeros."""
+    array = pinned_empty(shape, dtype, device=device)
+    array.fill(0)
+    return array
+
+
+class HostRegistration:
+    """An existing host array pinned in place; unpinned by :meth:`close`, on leaving a
+    ``with`` block, or when collected.
+
+    Keep the array alive and do not resize it while registered.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "array", "ptr", "size")
+
+    def __init__(self, array: npt.NDArray[Any], device: Device | int | None = None) -> None:
+        if not isinstance(array, np.ndarray):
+            raise TypeError(f"register_host takes a numpy array, not {type(array).__name__}")
+        if not array.flags.c_contiguous and not array.flags.f_contiguous:
+            raise ArgumentError("only a contiguous array can be registered", code=ResultCode.INVALID_VALUE)
+        if array.nbytes == 0:
+            raise ArgumentError("an empty array cannot be registered", code=ResultCode.INVALID_VALUE)
+        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev.make_current()
+        self.array = array
+        self.ptr = int(array.ctypes.data)
+        self.size = int(array.nbytes)
+        dev._driver.mem_host_register(self.ptr, self.size)
+        pinned_ranges.add(self.ptr, self.size, self)
+        self._finalizer = weakref.finalize(self, _unregister, dev._driver, self.ptr)
+
+    def close(self) -> None:
+        """Unpin now. Await the copies that use the array first: unlike dropping the
+        last reference (which in-flight copies prevent), closing does not wait for them."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> HostRegistration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"ptr={self.ptr:#x}"
+        return f"<HostRegistration {state} size={self.size}>"
+
+
+def _unregister(driver: Any, ptr: int) -> None:
+    pinned_ranges.remove(ptr)
+    try:
+        driver.mem_host_unregister(ptr)
+    except CudaError:
+        pass
+
+
+def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:
+    """Pin ``array``'s memory in place (``cuMemHostRegister``, portable); see
+    :class:`HostRegistration`."""
+    return HostRegistration(array, device)
+
+
+def is_pinned(array: npt.NDArray[Any]) -> bool:
+    """Whether aiocuda knows ``array``'s memory to be page-locked (allocated by
+    :func:`pinned_empty` or registered with :func:`register_host`)."""
+    return pinned_ranges.owner(int(array.ctypes.data), max(int(array.nbytes), 1)) is not None
