@@ -20,7 +20,7 @@ from aiocuda.stream import Stream
 from ._workload import poison_op, slow_op
 
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
-TESTS = str(pathlib.Path(__file__).resolve().parents[1])
+TESTS = str(pathlib.Path(__file__).resolve().parent)
 
 
 def run_script(code: str, backend_name: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

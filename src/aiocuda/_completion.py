@@ -4,10 +4,13 @@ An await goes through up to three phases, cheapest first:
 
 1. **Already done.** ``cuEventQuery`` says the recorded point has completed: the await
    returns at once, without suspending.
-2. **About to finish.** If no other GPU waiter is pending on this loop, the task spins on
-   the query for a few tens of microseconds (an adaptive budget learned from recent
-   waits). That matches a blocking ``cuStreamSynchronize`` for tiny operations while
-   blocking the loop for less than a scheduling quantum.
+2. **About to finish.** If no other task on this loop is waiting for the GPU, the task
+   spins on the query for a few tens of microseconds (an adaptive budget learned from
+   recent waits). That matches a blocking ``cuStreamSynchronize`` for tiny operations
+   while blocking the loop for less than a scheduling quantum. On asyncio, a task that
+   did not spin first gives up one loop iteration with a bare ``yield`` (the cheapest
+   reschedule there is) and queries again: with many tasks in flight that is all most
+   waits need.
 3. **Poll, then doorbell.** Otherwise the waiter joins the loop's *poller*: one callback
    per loop iteration queries every pending event and resolves the finished ones, so
    many completions in one iteration cost one pass. A waiter still pending after
@@ -78,11 +81,15 @@ class _Waiter:
 class _LoopAdapter:
     """What the engine needs from an event loop: schedule, suspend, resume."""
 
-    __slots__ = ("pending", "poll_scheduled")
+    __slots__ = ("pending", "poll_scheduled", "waiting")
+
+    bare_yield = False
+    """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
 
     def __init__(self) -> None:
         self.pending: list[_Waiter] = []
         self.poll_scheduled = False
+        self.waiting = 0
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         raise NotImplementedError
@@ -100,6 +107,8 @@ class _LoopAdapter:
 
 class _AsyncioAdapter(_LoopAdapter):
     __slots__ = ("loop",)
+
+    bare_yield = True
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
@@ -231,36 +240,46 @@ class CompletionEngine:
         (completion, error, cancellation); streams use it to give pooled events back.
         """
         query = self._query
+        waiter: _Waiter | None = None
         try:
             if query(event):
-                if on_finish is not None:
-                    on_finish(event)
                 return
             adapter = _current_adapter()
-            if not adapter.pending:
-                start = _perf()
-                deadline = start + self.spin_budget
-                while True:
+            if not adapter.waiting and self._spin(event):
+                return
+            adapter.waiting += 1
+            try:
+                if adapter.bare_yield:
+                    # One loop iteration for free: the cheapest reschedule asyncio has.
+                    yield
                     if query(event):
-                        self._learn(_perf() - start)
-                        if on_finish is not None:
-                            on_finish(event)
                         return
-                    if _perf() > deadline:
-                        break
-        except BaseException:
-            if on_finish is not None:
+                waiter = _Waiter(event, stream, adapter, on_finish)
+                if self._ewma_wait > POLL_WINDOW:
+                    self._to_doorbell(waiter)
+                else:
+                    adapter.pending.append(waiter)
+                    if not adapter.poll_scheduled:
+                        adapter.poll_scheduled = True
+                        adapter.call_soon(lambda: self._poll(adapter))
+                yield from adapter.suspend(waiter)
+            finally:
+                adapter.waiting -= 1
+        finally:
+            if waiter is None and on_finish is not None:
                 on_finish(event)
-            raise
-        waiter = _Waiter(event, stream, adapter, on_finish)
-        if self._ewma_wait > POLL_WINDOW:
-            self._to_doorbell(waiter)
-        else:
-            adapter.pending.append(waiter)
-            if not adapter.poll_scheduled:
-                adapter.poll_scheduled = True
-                adapter.call_soon(lambda: self._poll(adapter))
-        yield from adapter.suspend(waiter)
+
+    def _spin(self, event: Any) -> bool:
+        """Query in a tight loop for up to the spin budget; True if the event completed."""
+        query = self._query
+        start = _perf()
+        deadline = start + self.spin_budget
+        while True:
+            if query(event):
+                self._learn(_perf() - start)
+                return True
+            if _perf() > deadline:
+                return False
 
     def _learn(self, waited: float) -> None:
         self._ewma_wait += 0.125 * (waited - self._ewma_wait)
