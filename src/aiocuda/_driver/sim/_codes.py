@@ -1,0 +1,151 @@
+"""Result-code names and descriptions for errors raised by the simulated driver.
+
+The names come from :class:`aiocuda.errors.ResultCode` (``INVALID_VALUE`` becomes
+``"CUDA_ERROR_INVALID_VALUE"``); the descriptions are the strings the real driver's
+``cuGetErrorString`` returns, so messages read the same on both backends.
+"""
+
+from __future__ import annotations
+
+from ...errors import CudaError, ResultCode, error_for_code
+
+__all__ = ["code_name", "cu_call", "sim_error"]
+
+_NAMES: dict[int, str] = {
+    value: "CUDA_SUCCESS" if attr == "SUCCESS" else f"CUDA_ERROR_{attr}"
+    for attr, value in vars(ResultCode).items()
+    if isinstance(value, int)
+}
+
+_DESCRIPTIONS: dict[int, str] = {
+    ResultCode.SUCCESS: "no error",
+    ResultCode.INVALID_VALUE: "invalid argument",
+    ResultCode.OUT_OF_MEMORY: "out of memory",
+    ResultCode.NOT_INITIALIZED: "initialization error",
+    ResultCode.DEINITIALIZED: "driver shutting down",
+    ResultCode.STUB_LIBRARY: "CUDA driver is a stub library",
+    ResultCode.INSUFFICIENT_DRIVER: "CUDA driver version is insufficient for CUDA runtime version",
+    ResultCode.NO_DEVICE: "no CUDA-capable device is detected",
+    ResultCode.INVALID_DEVICE: "invalid device ordinal",
+    ResultCode.DEVICE_NOT_LICENSED: "device doesn't have valid Grid license",
+    ResultCode.INVALID_IMAGE: "device kernel image is invalid",
+    ResultCode.INVALID_CONTEXT: "invalid device context",
+    ResultCode.NO_BINARY_FOR_GPU: "no kernel image is available for execution on the device",
+    ResultCode.ECC_UNCORRECTABLE: "uncorrectable ECC error encountered",
+    ResultCode.PEER_ACCESS_UNSUPPORTED: "peer access is not supported between these two devices",
+    ResultCode.INVALID_PTX: "a PTX JIT compilation failed",
+    ResultCode.UNSUPPORTED_PTX_VERSION: "the provided PTX was compiled with an unsupported toolchain.",
+    ResultCode.INVALID_SOURCE: "device kernel image is invalid",
+    ResultCode.FILE_NOT_FOUND: "file not found",
+    ResultCode.INVALID_HANDLE: "invalid resource handle",
+    ResultCode.NOT_FOUND: "named symbol not found",
+    ResultCode.NOT_READY: "device not ready",
+    ResultCode.ILLEGAL_ADDRESS: "an illegal memory access was encountered",
+    ResultCode.LAUNCH_OUT_OF_RESOURCES: "too many resources requested for launch",
+    ResultCode.LAUNCH_TIMEOUT: "the launch timed out and was terminated",
+    ResultCode.PEER_ACCESS_ALREADY_ENABLED: "peer access is already enabled",
+    ResultCode.PEER_ACCESS_NOT_ENABLED: "peer access has not been enabled",
+    ResultCode.CONTEXT_IS_DESTROYED: "context is destroyed",
+    ResultCode.ASSERT: "device-side assert triggered",
+    ResultCode.HOST_MEMORY_ALREADY_REGISTERED: "part or all of the requested memory range is already mapped",
+    ResultCode.HOST_MEMORY_NOT_REGISTERED: "pointer does not correspond to a registered memory region",
+    ResultCode.HARDWARE_STACK_ERROR: "hardware stack error",
+    ResultCode.ILLEGAL_INSTRUCTION: "an illegal instruction was encountered",
+    ResultCode.MISALIGNED_ADDRESS: "misaligned address",
+    ResultCode.INVALID_ADDRESS_SPACE: "operation not supported on global/shared address space",
+    ResultCode.INVALID_PC: "invalid program counter",
+    ResultCode.LAUNCH_FAILED: "unspecified launch failure",
+    ResultCode.COOPERATIVE_LAUNCH_TOO_LARGE: "too many blocks in cooperative launch",
+    ResultCode.NOT_PERMITTED: "operation not permitted",
+    ResultCode.NOT_SUPPORTED: "operation not supported",
+    ResultCode.UNKNOWN: "unknown error",
+}
+
+_CU_CALLS: dict[str, str] = {
+    # core
+    "init": "cuInit",
+    "driver_version": "cuDriverGetVersion",
+    "device_count": "cuDeviceGetCount",
+    "device_get": "cuDeviceGet",
+    "device_name": "cuDeviceGetName",
+    "device_uuid": "cuDeviceGetUuid",
+    "device_pci_bus_id": "cuDeviceGetPCIBusId",
+    "device_total_mem": "cuDeviceTotalMem",
+    "device_attribute": "cuDeviceGetAttribute",
+    "device_can_access_peer": "cuDeviceCanAccessPeer",
+    "primary_context_retain": "cuDevicePrimaryCtxRetain",
+    "primary_context_release": "cuDevicePrimaryCtxRelease",
+    "set_current": "cuCtxSetCurrent",
+    "enable_peer_access": "cuCtxEnablePeerAccess",
+    "mem_get_info": "cuMemGetInfo",
+    "stream_create": "cuStreamCreateWithPriority",
+    "stream_destroy": "cuStreamDestroy",
+    "stream_query": "cuStreamQuery",
+    "stream_synchronize": "cuStreamSynchronize",
+    "stream_wait_event": "cuStreamWaitEvent",
+    "stream_priority_range": "cuCtxGetStreamPriorityRange",
+    "stream_device_ordinal": "cuStreamGetCtx",
+    "event_create": "cuEventCreate",
+    "event_destroy": "cuEventDestroy",
+    "event_record": "cuEventRecord",
+    "event_query": "cuEventQuery",
+    "event_synchronize": "cuEventSynchronize",
+    "event_elapsed_ms": "cuEventElapsedTime",
+    "launch_doorbell": "cuLaunchHostFunc",
+    # memory
+    "mempool_default": "cuDeviceGetDefaultMemPool",
+    "mempool_create": "cuMemPoolCreate",
+    "mempool_destroy": "cuMemPoolDestroy",
+    "mempool_set_attribute": "cuMemPoolSetAttribute",
+    "mempool_get_attribute": "cuMemPoolGetAttribute",
+    "mempool_trim_to": "cuMemPoolTrimTo",
+    "mempool_set_access": "cuMemPoolSetAccess",
+    "mem_alloc_async": "cuMemAllocFromPoolAsync",
+    "mem_free_async": "cuMemFreeAsync",
+    "mem_host_alloc": "cuMemHostAlloc",
+    "mem_host_free": "cuMemFreeHost",
+    "mem_host_register": "cuMemHostRegister",
+    "mem_host_unregister": "cuMemHostUnregister",
+    "memcpy_htod_async": "cuMemcpyHtoDAsync",
+    "memcpy_dtoh_async": "cuMemcpyDtoHAsync",
+    "memcpy_dtod_async": "cuMemcpyDtoDAsync",
+    "memcpy_peer_async": "cuMemcpyPeerAsync",
+    "memset_d8_async": "cuMemsetD8Async",
+    "memset_d32_async": "cuMemsetD32Async",
+    "pointer_device_ordinal": "cuPointerGetAttribute",
+    # modules
+    "module_load_data": "cuModuleLoadData",
+    "module_unload": "cuModuleUnload",
+    "module_get_function": "cuModuleGetFunction",
+    "function_get_attribute": "cuFuncGetAttribute",
+    "function_set_attribute": "cuFuncSetAttribute",
+    "occupancy_max_active_blocks": "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    "occupancy_max_potential_block_size": "cuOccupancyMaxPotentialBlockSize",
+    "launch_kernel": "cuLaunchKernel",
+    "launch_kernel_ex": "cuLaunchKernelEx",
+}
+
+
+def code_name(code: int) -> str:
+    """``"CUDA_ERROR_..."`` for a result code (``"CUresult N"`` for one aiocuda does not name)."""
+    return _NAMES.get(code, f"CUresult {code}")
+
+
+def cu_call(seam_name: str) -> str:
+    """The driver entry point behind a seam method name (``"event_query"`` -> ``"cuEventQuery"``).
+
+    Names the table does not know are returned unchanged.
+    """
+    return _CU_CALLS.get(seam_name, seam_name)
+
+
+def sim_error(code: int, call: str, detail: str = "") -> CudaError:
+    """The exception the real driver would produce for ``code``, raised by the sim.
+
+    ``call`` is a seam method name (translated with :func:`cu_call`) or a ``cu*`` name.
+    ``detail`` -- what exactly was wrong -- is appended to the driver's description.
+    """
+    description = _DESCRIPTIONS.get(code, "")
+    if detail:
+        description = f"{description}: {detail}" if description else detail
+    return error_for_code(code, code_name(code), description, cu_call(call))

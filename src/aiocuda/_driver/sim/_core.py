@@ -1,0 +1,533 @@
+"""Simulated core: devices, contexts, streams, events, doorbells, faults -- and the hooks
+the other sim mixins build on.
+
+Semantics follow the CUDA Driver API; departures are listed here.
+
+Devices and contexts
+    ``SimDriver(devices=1, total_memory=16 << 30)`` makes that many identical H100-like
+    devices. Each has exactly one (primary) context, created with the device and never
+    destroyed; ``primary_context_release`` only counts down. The current context is
+    per thread (``set_current``); a thread that never set one works on device 0 rather
+    than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). Stream workers
+    have their stream's context current. Every pair of distinct devices can be peers.
+
+Streams
+    Each stream runs its operations in order on its own worker thread (see
+    ``_worker.py``). Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
+    legacy null stream, with the legacy synchronisation: work on it waits for all work
+    already enqueued on the device's blocking streams, and work on a blocking stream
+    waits for the null stream's work already enqueued. Stream priorities are recorded
+    (clamped to ``(0, -5)``) but do not change scheduling.
+
+Events
+    ``event_record`` captures the point after everything enqueued so far on the stream;
+    re-recording moves the event; a never-recorded event is complete. Recording into a
+    stream of another device is ``CUDA_ERROR_INVALID_HANDLE`` (as on the real driver);
+    ``stream_wait_event`` across devices is allowed. Timestamps are ``perf_counter``
+    readings taken when the stream reaches the recorded point.
+
+Errors and poisoning
+    Every public method starts with :meth:`SimCore._api`, which counts the call for
+    fault injection and raises the device's error. Device queries (name, attributes,
+    ...) need no context and keep working on a poisoned device, as with the real
+    driver; everything that uses a context raises ``ContextPoisonedError``. A sticky
+    injected fault poisons the device of the call it fires on, whichever call that is
+    (the real driver only returns sticky codes from a poisoned context). See
+    ``_worker.py`` for errors raised by enqueued operations. A wait for work on a
+    poisoned device ends at once: with ``ContextPoisonedError`` for host waits; a
+    ``stream_wait_event`` in another device's stream just stops waiting (that device is
+    not poisoned, and no further ordering is promised).
+
+Hooks for the other mixins (their public methods call ``_api`` first, then do the work
+directly or through ``_enqueue``; they must not call other public methods, which would
+count those calls twice for fault injection):
+
+* ``_api(name, device_ordinal=None)``, ``_enqueue(stream, fn, name)``,
+  ``_device_of_current()``, ``_stream_ordinal(stream)``, ``_resolve_stream(stream)``;
+* ``self._devices[i]`` (:class:`SimDevice`: ``used_bytes``, ``peers``, ``context``);
+* ``_objects.next_handle_value()`` for their own handles, ``_codes.sim_error`` for errors.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ...errors import STICKY_CODES, ResultCode
+from .._doorbell import SemaphoreDoorbell
+from ._attributes import H100_ATTRIBUTES
+from ._codes import sim_error
+from ._faults import FaultPlan
+from ._objects import SimContext, SimDevice, SimEvent, SimPoint, next_handle_value
+from ._worker import Engine, SimStream
+
+__all__ = ["SimCore"]
+
+_SIM_DRIVER_VERSION = 13000
+_PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
+_LEGACY_STREAM_VALUES = (0, 1)  # 0: the null stream; 1: CU_STREAM_LEGACY
+_SHUTDOWN_JOIN_S = 2.0
+_UUID_NAMESPACE = uuid.UUID("6b3c1f3e-5a0e-4d4e-9a57-a10c0da51a70")
+
+
+class SimCore:
+    """Mixin of SimDriver: the core of the Driver protocol, simulated, plus test controls.
+
+    Test controls (not seam calls; they never count for fault injection):
+    :meth:`hold` / :meth:`release`, :meth:`inject_fault`, :meth:`poison`,
+    :meth:`set_latency`, :meth:`shutdown`.
+    """
+
+    def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
+        if devices < 1:
+            raise ValueError(f"a simulated driver needs at least one device, got devices={devices}")
+        if total_memory <= 0:
+            raise ValueError(f"total_memory must be positive, got {total_memory}")
+        self._tls = threading.local()
+        self._engine = Engine(self._bind_context)
+        self._faults = FaultPlan()
+        self._closed = False
+        self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
+        for device in self._devices:
+            device.null_stream = SimStream(self._engine, device, 0, non_blocking=False, priority=0)
+        self._streams: dict[int, SimStream] = {}
+        self._events: dict[int, SimEvent] = {}
+        super().__init__()
+
+    def __repr__(self) -> str:
+        poisoned = [d.ordinal for d in self._devices if d.poison is not None]
+        return (
+            f"<SimDriver devices={len(self._devices)} streams={len(self._streams)} "
+            f"events={len(self._events)} poisoned={poisoned}{' closed' if self._closed else ''}>"
+        )
+
+    # -- hooks for the other mixins --------------------------------------------------------
+    def _api(self, name: str, device_ordinal: int | None = None) -> None:
+        """Start of every public sim method: fault injection, then the device's error.
+
+        ``name`` is the seam method's name (``"launch_kernel"``), which is what
+        ``inject_fault(call=...)`` matches. ``device_ordinal`` is the device the call
+        works on; None means the calling thread's current device. Raises the injected
+        fault if one falls due (poisoning the device first when its code is sticky),
+        ``ContextPoisonedError`` if the device is poisoned, a pending asynchronous error
+        of the device once, or ``CUDA_ERROR_DEINITIALIZED`` after :meth:`shutdown`.
+        """
+        if self._closed or self._faults.armed:
+            self._api_slow_path(name, device_ordinal)
+        device = self._devices[self._device_of_current() if device_ordinal is None else device_ordinal]
+        if device.poison is not None or device.async_error is not None:
+            error = device.take_error(name)
+            if error is not None:
+                raise error
+
+    def _api_slow_path(self, name: str, device_ordinal: int | None) -> None:
+        if self._closed:
+            raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+        code = self._faults.take(name)
+        if code is None:
+            return
+        error = sim_error(code, name, "fault injected by SimDriver.inject_fault")
+        if code in STICKY_CODES:
+            ordinal = self._device_of_current() if device_ordinal is None else device_ordinal
+            self._devices[ordinal].poison_with(code, f"fault injected into {name}", error)
+        raise error
+
+    def _counted(self, name: str) -> None:
+        """Start of a device query that needs no context: fault injection only."""
+        if self._closed or self._faults.armed:
+            self._api_slow_path(name, 0)
+
+    def _device_of_current(self) -> int:
+        """The ordinal of the calling thread's current context; 0 when it has none."""
+        ctx: SimContext | None = getattr(self._tls, "ctx", None)
+        return 0 if ctx is None else ctx.device_ordinal
+
+    def _bind_context(self, ctx: SimContext | None) -> None:
+        self._tls.ctx = ctx
+
+    def _resolve_stream(self, stream: Any) -> SimStream:
+        """The live :class:`SimStream` for a stream handle or raw value; else ArgumentError."""
+        if type(stream) is SimStream:
+            if stream.destroyed:
+                raise sim_error(
+                    ResultCode.INVALID_HANDLE, "stream", f"stream {stream.value:#x} was destroyed"
+                )
+            return stream
+        if isinstance(stream, int) and not isinstance(stream, bool):
+            if stream in _LEGACY_STREAM_VALUES:
+                return self._devices[self._device_of_current()].null_stream
+            found = self._streams.get(stream)
+            if found is not None:
+                return found
+            raise sim_error(ResultCode.INVALID_HANDLE, "stream", f"no simulated stream has value {stream:#x}")
+        raise sim_error(ResultCode.INVALID_HANDLE, "stream", f"not a simulated stream: {stream!r}")
+
+    def _stream_ordinal(self, stream: Any) -> int:
+        """The ordinal of a stream's device (ArgumentError for a bad handle)."""
+        return self._resolve_stream(stream).device.ordinal
+
+    def _enqueue(self, stream: Any, fn: Callable[[], object], name: str) -> None:
+        """Run ``fn()`` on ``stream``'s worker after everything enqueued on it before.
+
+        ``name`` labels the operation in errors and is what :meth:`set_latency` matches.
+        ``fn`` runs on another thread with the stream's context current; it must not
+        call public sim methods. If it raises, see ``_worker.py`` for what happens to the
+        device. Does not call :meth:`_api`: the public method calling this already did.
+        """
+        self._submit(self._resolve_stream(stream), fn, name)
+
+    def _submit(self, stream: SimStream, fn: Callable[[], object], name: str) -> int:
+        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs."""
+        null = stream.device.null_stream
+        if stream is null:
+            for other in stream.device.streams():
+                if other is not null and not other.non_blocking and other.finished < other.submitted:
+                    stream.submit(
+                        _Waiter(SimPoint(other, other.submitted), stream.device), "stream_wait_event"
+                    )
+        elif not stream.non_blocking and null.finished < null.submitted:
+            stream.submit(_Waiter(SimPoint(null, null.submitted), stream.device), "stream_wait_event")
+        return stream.submit(fn, name)
+
+    def _device(self, dev: Any) -> SimDevice:
+        if type(dev) is SimDevice and dev.ordinal < len(self._devices) and self._devices[dev.ordinal] is dev:
+            return dev
+        raise sim_error(
+            ResultCode.INVALID_DEVICE, "device", f"not a device of this simulated driver: {dev!r}"
+        )
+
+    def _event(self, event: Any) -> SimEvent:
+        if type(event) is SimEvent and not event.destroyed:
+            return event
+        raise sim_error(ResultCode.INVALID_HANDLE, "event", f"not a live simulated event: {event!r}")
+
+    # -- test controls ---------------------------------------------------------------------
+    def hold(self, stream: Any) -> None:
+        """Stop ``stream`` from starting any more operations until :meth:`release`.
+
+        Operations enqueued meanwhile queue up; one already running finishes. Host
+        waits on a held stream (``stream_synchronize``) block until it is released --
+        do not synchronize a held stream from the thread that will release it.
+        """
+        self._resolve_stream(stream).hold()
+
+    def release(self, stream: Any) -> None:
+        """Let a held stream run its queued operations again."""
+        self._resolve_stream(stream).release()
+
+    def inject_fault(self, code: int, *, at_call: int = 1, call: str | None = None) -> None:
+        """Make the ``at_call``-th seam call from now raise ``error_for_code(code, ...)``.
+
+        With ``call`` (a seam method name such as ``"launch_kernel"`` or
+        ``"event_query"``) only calls of that name count. The failing call raises
+        before doing anything; a sticky ``code`` also poisons the device that call
+        works on. Several faults may be armed at once; each counts on its own.
+        """
+        self._faults.add(code, at_call, call)
+
+    def poison(self, device_ordinal: int, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
+        """Poison a device's context now, as a faulting kernel would.
+
+        From then on every call using the device raises ``ContextPoisonedError``,
+        pending host waits on its streams and events wake up and raise it, queued
+        operations are dropped, and host functions (doorbells) never run again. An
+        operation already running when this is called finishes.
+        """
+        if code not in STICKY_CODES:
+            raise ValueError(f"poison needs a sticky result code (errors.STICKY_CODES), got {code}")
+        self._devices[device_ordinal].poison_with(code, "poisoned by SimDriver.poison()")
+
+    def set_latency(self, name: str, seconds: float) -> None:
+        """Make every operation named ``name`` take ``seconds`` on its stream (0 removes).
+
+        The worker sleeps before running the operation, so events recorded around it
+        measure at least that long. Names are the ones operations are enqueued under:
+        ``"event_record"``, ``"stream_wait_event"``, ``"launch_doorbell"`` here; the
+        memory and module mixins document theirs.
+        """
+        if seconds < 0:
+            raise ValueError(f"latency must be >= 0 seconds, got {seconds}")
+        if seconds:
+            self._engine.latency[name] = seconds
+        else:
+            self._engine.latency.pop(name, None)
+
+    def shutdown(self) -> None:
+        """Stop every worker promptly; afterwards every seam call raises DEINITIALIZED.
+
+        Queued operations are dropped, host waits in progress end with
+        ``CUDA_ERROR_DEINITIALIZED``. Called by ``use_backend`` when switching away.
+        """
+        self._closed = True
+        self._engine.stopping.set()
+        streams = [stream for device in self._devices for stream in device.streams()]
+        for stream in streams:
+            stream.wake()
+        deadline = time.monotonic() + _SHUTDOWN_JOIN_S
+        for stream in streams:
+            stream.join(max(0.0, deadline - time.monotonic()))
+
+    # -- process, devices, contexts --------------------------------------------------------
+    def init(self) -> None:
+        self._counted("init")
+
+    def driver_version(self) -> int:
+        self._counted("driver_version")
+        return _SIM_DRIVER_VERSION
+
+    def device_count(self) -> int:
+        self._counted("device_count")
+        return len(self._devices)
+
+    def device_get(self, ordinal: int) -> SimDevice:
+        self._counted("device_get")
+        count = len(self._devices)
+        if not 0 <= ordinal < count:
+            raise sim_error(
+                ResultCode.INVALID_DEVICE,
+                "device_get",
+                f"device ordinal {ordinal} is out of range: the simulated driver has {count} "
+                f"device(s) (ordinals 0..{count - 1})",
+            )
+        return self._devices[ordinal]
+
+    def device_name(self, dev: Any) -> str:
+        self._counted("device_name")
+        return f"aiocuda simulated GPU {self._device(dev).ordinal}"
+
+    def device_uuid(self, dev: Any) -> str:
+        self._counted("device_uuid")
+        return f"GPU-{uuid.uuid5(_UUID_NAMESPACE, str(self._device(dev).ordinal))}"
+
+    def device_pci_bus_id(self, dev: Any) -> str:
+        self._counted("device_pci_bus_id")
+        return f"0000:{self._device(dev).ordinal:02x}:00.0"
+
+    def device_total_mem(self, dev: Any) -> int:
+        self._counted("device_total_mem")
+        return self._device(dev).total_mem
+
+    def device_attribute(self, dev: Any, attribute: str) -> int:
+        self._counted("device_attribute")
+        device = self._device(dev)
+        if attribute == "pci_bus_id":
+            return device.ordinal
+        value = H100_ATTRIBUTES.get(attribute)
+        if value is None:
+            raise sim_error(
+                ResultCode.INVALID_VALUE, "device_attribute", f"unknown device attribute {attribute!r}"
+            )
+        return value
+
+    def device_attribute_names(self) -> Sequence[str]:
+        self._counted("device_attribute_names")
+        return sorted([*H100_ATTRIBUTES, "pci_bus_id"])
+
+    def device_can_access_peer(self, dev: Any, peer: Any) -> bool:
+        self._counted("device_can_access_peer")
+        return self._device(dev) is not self._device(peer)
+
+    def primary_context_retain(self, dev: Any) -> SimContext:
+        device = self._device(dev)
+        self._api("primary_context_retain", device.ordinal)
+        device.context.retain_count += 1
+        return device.context
+
+    def primary_context_release(self, dev: Any) -> None:
+        device = self._device(dev)
+        self._api("primary_context_release", device.ordinal)
+        if device.context.retain_count == 0:
+            raise sim_error(
+                ResultCode.INVALID_CONTEXT,
+                "primary_context_release",
+                f"device {device.ordinal}'s primary context is not retained",
+            )
+        device.context.retain_count -= 1
+
+    def set_current(self, ctx: Any) -> None:
+        if ctx is not None and (type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices)):
+            raise sim_error(ResultCode.INVALID_CONTEXT, "set_current", f"not a simulated context: {ctx!r}")
+        self._counted("set_current")
+        self._tls.ctx = ctx
+
+    def enable_peer_access(self, peer_ctx: Any) -> None:
+        if type(peer_ctx) is not SimContext or peer_ctx.device_ordinal >= len(self._devices):
+            raise sim_error(
+                ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}"
+            )
+        ordinal = self._device_of_current()
+        self._api("enable_peer_access", ordinal)
+        if peer_ctx.device_ordinal == ordinal:
+            raise sim_error(
+                ResultCode.INVALID_DEVICE,
+                "enable_peer_access",
+                f"device {ordinal} cannot enable peer access to its own context",
+            )
+        self._devices[ordinal].peers.add(peer_ctx.device_ordinal)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        self._api("mem_get_info")
+        device = self._devices[self._device_of_current()]
+        return device.total_mem - device.used_bytes, device.total_mem
+
+    # -- streams ---------------------------------------------------------------------------
+    def stream_create(self, non_blocking: bool, priority: int) -> SimStream:
+        ordinal = self._device_of_current()
+        self._api("stream_create", ordinal)
+        clamped = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
+        stream = SimStream(self._engine, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
+        self._streams[stream.value] = stream
+        return stream
+
+    def stream_destroy(self, stream: Any) -> None:
+        """Queued work still completes (as with ``cuStreamDestroy``); the handle dies now."""
+        sim = self._resolve_stream(stream)
+        self._api("stream_destroy", sim.device.ordinal)
+        if sim.value in _LEGACY_STREAM_VALUES:
+            raise sim_error(
+                ResultCode.INVALID_HANDLE, "stream_destroy", "the null stream cannot be destroyed"
+            )
+        self._streams.pop(sim.value, None)
+        sim.destroy()
+
+    def stream_from_value(self, value: int) -> SimStream:
+        """The live sim stream with that value; 0 or 1 is the current device's null stream."""
+        self._counted("stream_from_value")
+        return self._resolve_stream(int(value))
+
+    def handle_value(self, handle: Any) -> int:
+        """The ``value`` of any sim handle (streams, events, contexts, devices, pools, ...)."""
+        value = getattr(handle, "value", None)
+        if not isinstance(value, int):
+            raise sim_error(ResultCode.INVALID_HANDLE, "handle_value", f"not a simulated handle: {handle!r}")
+        return value
+
+    def stream_query(self, stream: Any) -> bool:
+        sim = self._resolve_stream(stream)
+        self._api("stream_query", sim.device.ordinal)
+        return sim.finished >= sim.submitted
+
+    def stream_synchronize(self, stream: Any) -> None:
+        sim = self._resolve_stream(stream)
+        self._api("stream_synchronize", sim.device.ordinal)
+        target = sim.submitted
+        self._wait_for(SimPoint(sim, target), "stream_synchronize")
+
+    def stream_wait_event(self, stream: Any, event: Any) -> None:
+        sim = self._resolve_stream(stream)
+        ev = self._event(event)
+        self._api("stream_wait_event", sim.device.ordinal)
+        point = ev.point
+        if point is not None and not point.reached():
+            self._submit(sim, _Waiter(point, sim.device), "stream_wait_event")
+
+    def stream_priority_range(self) -> tuple[int, int]:
+        self._api("stream_priority_range")
+        return _PRIORITY_LEAST, _PRIORITY_GREATEST
+
+    def stream_device_ordinal(self, stream: Any) -> int:
+        sim = self._resolve_stream(stream)
+        self._api("stream_device_ordinal", sim.device.ordinal)
+        return sim.device.ordinal
+
+    def _wait_for(self, point: SimPoint, call: str) -> None:
+        """Block the calling thread until ``point`` is reached, then report the device's error.
+
+        Like ``cuStreamSynchronize``, the wait also returns errors of the work it waited
+        for: a poison (even one raised by the very last operation) or a pending
+        asynchronous error.
+        """
+        if not point.reached():
+            point.stream.wait_until(point.reached)
+        error = point.stream.device.take_error(call)
+        if error is not None:
+            raise error
+        if not point.reached():
+            raise sim_error(ResultCode.DEINITIALIZED, call, "the simulated driver was shut down")
+
+    # -- events ----------------------------------------------------------------------------
+    def event_create(self, timing: bool, blocking_sync: bool) -> SimEvent:
+        ordinal = self._device_of_current()
+        self._api("event_create", ordinal)
+        event = SimEvent(ordinal, timing, blocking_sync)
+        self._events[event.value] = event
+        return event
+
+    def event_destroy(self, event: Any) -> None:
+        """The handle dies now; a pending record still completes for waiters already queued."""
+        ev = self._event(event)
+        self._api("event_destroy", ev.device_ordinal)
+        ev.destroyed = True
+        self._events.pop(ev.value, None)
+
+    def event_record(self, event: Any, stream: Any) -> None:
+        ev = self._event(event)
+        sim = self._resolve_stream(stream)
+        self._api("event_record", sim.device.ordinal)
+        if ev.device_ordinal != sim.device.ordinal:
+            raise sim_error(
+                ResultCode.INVALID_HANDLE,
+                "event_record",
+                f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
+            )
+        point = SimPoint(sim, 0)
+        point.seq = self._submit(sim, point.stamp, "event_record")
+        ev.point = point
+
+    def event_query(self, event: Any) -> bool:
+        ev = self._event(event)
+        self._api("event_query", ev.device_ordinal)
+        return ev.point is None or ev.point.reached()
+
+    def event_synchronize(self, event: Any) -> None:
+        ev = self._event(event)
+        self._api("event_synchronize", ev.device_ordinal)
+        if ev.point is not None:
+            self._wait_for(ev.point, "event_synchronize")
+
+    def event_elapsed_ms(self, start: Any, end: Any) -> float:
+        first, last = self._event(start), self._event(end)
+        self._api("event_elapsed_ms", first.device_ordinal)
+        for ev in (first, last):
+            if not ev.timing:
+                raise sim_error(
+                    ResultCode.INVALID_HANDLE,
+                    "event_elapsed_ms",
+                    f"event {ev.value:#x} was created without timing",
+                )
+            if ev.point is None:
+                raise sim_error(
+                    ResultCode.INVALID_HANDLE, "event_elapsed_ms", f"event {ev.value:#x} was never recorded"
+                )
+        assert first.point is not None and last.point is not None
+        if not (first.point.reached() and last.point.reached()):
+            raise sim_error(ResultCode.NOT_READY, "event_elapsed_ms", "an event has not completed yet")
+        assert first.point.time is not None and last.point.time is not None
+        return (last.point.time - first.point.time) * 1000.0
+
+    # -- doorbells -------------------------------------------------------------------------
+    def new_doorbell(self) -> SemaphoreDoorbell:
+        self._counted("new_doorbell")
+        return SemaphoreDoorbell()
+
+    def launch_doorbell(self, stream: Any, bell: Any) -> None:
+        """Enqueue ``bell.ring()``; never run once the device is poisoned (as on CUDA)."""
+        sim = self._resolve_stream(stream)
+        self._api("launch_doorbell", sim.device.ordinal)
+        self._submit(sim, bell.ring, "launch_doorbell")
+
+
+class _Waiter:
+    """The operation behind ``stream_wait_event``: the worker waits for ``point``."""
+
+    __slots__ = ("device", "point")
+
+    def __init__(self, point: SimPoint, device: SimDevice) -> None:
+        self.point = point
+        self.device = device
+
+    def __call__(self) -> None:
+        self.point.stream.wait_until(self.point.reached, also=self.device)
