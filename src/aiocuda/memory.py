@@ -412,10 +412,11 @@ class DeviceBuffer:
         return self._ref is None and self._ptr != 0
 
     def _used_on(self, stream: Stream) -> None:
-        """Record that work on ``stream`` uses the buffer (call when enqueuing it).
+        """Record that work about to be enqueued on ``stream`` (same device) uses the buffer.
 
-        Moving to another stream records an event on the previous one, so the free --
-        enqueued later on the last stream -- waits for that stream's work too.
+        Moving to another stream records an event on the previous one and makes
+        ``stream`` wait for it on the GPU: work on the buffer stays ordered after the work
+        before, and the free -- enqueued later on the last stream -- waits for it too.
         """
         entry = self._entry
         previous: Stream = entry[2]
@@ -426,7 +427,9 @@ class DeviceBuffer:
             waits = entry[3] = []
         elif len(waits) >= 8:
             waits[:] = [event for event in waits if not event.query()]
-        waits.append(previous.record())
+        event = previous.record()
+        stream.wait(event)
+        waits.append(event)
         entry[2] = stream
 
     def free(self, stream: Stream | None = None) -> None:
