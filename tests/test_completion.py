@@ -70,6 +70,10 @@ async def main():
         await busy
     except ContextPoisonedError as exc:
         print("POISONED", round((time.perf_counter() - t) * 1e3, 1), exc.name)
+        try:
+            Stream(0).record()
+        except ContextPoisonedError as later:
+            print("LATER CALLS FAIL", later.name)
     else:
         print("NOT POISONED")
 
@@ -91,6 +95,7 @@ def test_real_sticky_error_fails_pending_await(lib: str) -> None:
     assert "POISONED" in proc.stdout, proc.stdout + proc.stderr
     ms = float(proc.stdout.split()[1])
     assert ms < 100, proc.stdout
+    assert "LATER CALLS FAIL" in proc.stdout, proc.stdout + proc.stderr
 
 
 GIL_SCRIPT = """
