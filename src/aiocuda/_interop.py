@@ -1,0 +1,323 @@
+"""Zero-copy exchange of device arrays: ``__cuda_array_interface__`` v3 and DLPack.
+
+Export (``DeviceArray.__cuda_array_interface__`` / ``__dlpack__``):
+
+* The array interface names the *producer's* stream (the array's last-use stream,
+  never 0: the legacy stream is reported as 1), so the consumer orders its reads after
+  the producer's writes.
+* ``__dlpack__(stream=s)`` honours the *consumer's* stream: ``s`` is made to wait, on
+  the GPU, for the array's pending work (``None`` means the legacy default stream, 1;
+  ``-1`` asks for no synchronisation). The capsule keeps the array -- hence its memory
+  -- alive until the consumer's deleter runs. Legacy (unversioned) ``"dltensor"``
+  capsules are produced; every consumer accepts them.
+
+Import (:func:`as_device_array`): DLPack first, then the array interface, then Numba's
+``__cuda_array_interface__`` via the same path. The foreign memory stays owned by its
+library; aiocuda keeps the foreign object alive until work it enqueued on the memory has
+completed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .array import DeviceArray, _byte_span, _c_strides
+from .device import Device
+from .errors import ArgumentError, ResultCode
+from .stream import Stream, current_stream
+
+__all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
+
+DLPACK_CPU = 1
+DLPACK_CUDA = 2
+DLPACK_CUDA_HOST = 3
+DLPACK_CUDA_MANAGED = 13
+
+_DL_INT, _DL_UINT, _DL_FLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 5, 6
+_KIND_TO_DL = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "c": _DL_COMPLEX, "b": _DL_BOOL}
+_DL_TO_KIND = {v: k for k, v in _KIND_TO_DL.items()}
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+
+_CAPSULE_NAME = b"dltensor"
+_USED_CAPSULE_NAME = b"used_dltensor"
+
+_capi = ctypes.pythonapi
+_capi.PyCapsule_New.restype = ctypes.py_object
+_capi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+_capi.PyCapsule_IsValid.restype = ctypes.c_int
+_capi.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capi.PyCapsule_GetPointer.restype = ctypes.c_void_p
+_capi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capi.PyCapsule_SetName.restype = ctypes.c_int
+_capi.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+# Exported tensors still owned by a capsule or a consumer: address -> (struct, shape
+# and strides storage, the array).
+_exports: dict[int, tuple[Any, ...]] = {}
+_exports_lock = threading.Lock()
+
+
+def _argument(message: str) -> ArgumentError:
+    return ArgumentError(message, code=ResultCode.INVALID_VALUE, name="CUDA_ERROR_INVALID_VALUE")
+
+
+# -- export -----------------------------------------------------------------------------------
+
+
+def _stream_value(stream: Stream) -> int:
+    value = stream.device._driver.handle_value(stream.handle)
+    return value or 1  # CAI v3 forbids 0; 1 is the legacy default stream
+
+
+def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
+    """The ``__cuda_array_interface__`` (version 3) of ``array``."""
+    return {
+        "shape": array.shape,
+        "typestr": array.dtype.str,
+        "descr": [("", array.dtype.str)],
+        "data": (array.ptr, False),
+        "strides": None if array.is_c_contiguous else array.strides,
+        "version": 3,
+        "stream": _stream_value(array.stream),
+    }
+
+
+@_DELETER
+def _deleter(managed: Any) -> None:
+    with _exports_lock:
+        _exports.pop(ctypes.addressof(managed.contents), None)
+
+
+# The capsule destructor receives a capsule that is being deallocated: it must not be
+# turned into a Python reference, so these prototypes take the raw address.
+_capsule_is_valid_raw = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi)
+)
+_capsule_pointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi)
+)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _capsule_destructor(capsule_address: int) -> None:
+    if _capsule_is_valid_raw(capsule_address, _CAPSULE_NAME):  # never consumed: still ours
+        address = _capsule_pointer_raw(capsule_address, _CAPSULE_NAME)
+        with _exports_lock:
+            _exports.pop(address, None)
+
+
+def _order_consumer(array: DeviceArray, stream: int | None) -> None:
+    if stream == -1:
+        return
+    producer = array.stream
+    value = 1 if stream is None else stream
+    try:
+        consumer = Stream.wrap(value, device=array.device)
+        consumer.wait(producer)
+    except ArgumentError:  # a stream value this backend cannot wrap: wait on the host
+        producer.synchronize()
+
+
+def to_dlpack(
+    array: DeviceArray, *, stream: int | None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = None
+) -> Any:
+    """A ``"dltensor"`` capsule for ``array``, ordered before work on the consumer's stream."""
+    if copy:
+        raise BufferError("aiocuda exports device arrays without copying (copy=True is not supported)")
+    if dl_device is not None and tuple(dl_device) != (DLPACK_CUDA, array.device.ordinal):
+        raise BufferError(f"cannot export to DLPack device {dl_device}: the array is on {(DLPACK_CUDA, array.device.ordinal)}")
+    code = _KIND_TO_DL.get(array.dtype.kind)
+    if code is None or array.dtype.byteorder == ">":
+        raise BufferError(f"dtype {array.dtype} has no DLPack equivalent")
+    _order_consumer(array, stream)
+    ndim = array.ndim
+    shape = (ctypes.c_int64 * max(ndim, 1))(*array.shape)
+    strides = (ctypes.c_int64 * max(ndim, 1))(*(s // array.itemsize for s in array.strides))
+    managed = _DLManagedTensor()
+    tensor = managed.dl_tensor
+    tensor.data = array.ptr
+    tensor.device = _DLDevice(DLPACK_CUDA, array.device.ordinal)
+    tensor.ndim = ndim
+    tensor.dtype = _DLDataType(code, array.itemsize * 8, 1)
+    tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    tensor.byte_offset = 0
+    managed.deleter = _deleter
+    address = ctypes.addressof(managed)
+    with _exports_lock:
+        _exports[address] = (managed, shape, strides, array)
+    return _capi.PyCapsule_New(address, _CAPSULE_NAME, ctypes.cast(_capsule_destructor, ctypes.c_void_p))
+
+
+# -- import -----------------------------------------------------------------------------------
+
+
+class ForeignBuffer:
+    """Device memory owned by another library, seen through aiocuda.
+
+    Keeps ``owner`` alive; when collected, ``owner`` is handed to the last-use stream's
+    ``hold`` so the other library cannot reuse the memory before aiocuda's work on it is
+    done. :meth:`free` only drops the reference.
+    """
+
+    __slots__ = ("__weakref__", "_state", "device", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, device: Device, stream: Stream, owner: Any) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.device = device
+        self._state = [stream, owner]
+        weakref.finalize(self, _hand_over, self._state)
+
+    @property
+    def stream(self) -> Stream:
+        stream: Stream = self._state[0]
+        return stream
+
+    def _used_on(self, stream: Stream) -> None:
+        previous: Stream = self._state[0]
+        if stream is not previous:
+            stream.wait(previous)
+            self._state[0] = stream
+
+    def free(self) -> None:
+        """Forget the foreign memory (its owner is held until aiocuda's work completes)."""
+
+    def __repr__(self) -> str:
+        return f"<ForeignBuffer ptr={self.ptr:#x} size={self.size} owner={type(self._state[1]).__name__}>"
+
+
+def _hand_over(state: list[Any]) -> None:
+    stream, owner = state
+    try:
+        stream.hold(owner)
+    except Exception:  # noqa: BLE001 - the stream or context is gone; nothing is in flight
+        pass
+
+
+def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
+    address = _capi.PyCapsule_GetPointer(capsule, _CAPSULE_NAME)
+    if not address:
+        raise _argument("not a DLPack capsule (or one already consumed)")
+    managed = _DLManagedTensor.from_address(address)
+    tensor = managed.dl_tensor
+    if tensor.device.device_type not in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
+        raise _argument(f"DLPack device type {tensor.device.device_type} is not CUDA memory")
+    kind = _DL_TO_KIND.get(tensor.dtype.code)
+    if kind is None or tensor.dtype.lanes != 1:
+        raise _argument(f"unsupported DLPack dtype code {tensor.dtype.code} with {tensor.dtype.lanes} lanes")
+    dtype = np.dtype("?" if kind == "b" else f"{kind}{tensor.dtype.bits // 8}")
+    ndim = tensor.ndim
+    shape = tuple(tensor.shape[i] for i in range(ndim))
+    if tensor.strides:
+        strides = tuple(tensor.strides[i] * dtype.itemsize for i in range(ndim))
+    else:
+        strides = None
+    _capi.PyCapsule_SetName(capsule, _USED_CAPSULE_NAME)
+    keeper = _CapsuleKeeper(managed)
+    ptr = int(tensor.data or 0) + int(tensor.byte_offset)
+    return _wrap(ptr, shape, dtype, strides, Device(int(tensor.device.device_id)), stream, (owner, keeper))
+
+
+class _CapsuleKeeper:
+    """Calls a consumed DLPack tensor's deleter when aiocuda no longer needs it."""
+
+    def __init__(self, managed: Any) -> None:
+        weakref.finalize(self, _call_deleter, ctypes.addressof(managed), managed.deleter)
+
+
+def _call_deleter(address: int, deleter: Any) -> None:
+    if deleter:
+        deleter(ctypes.cast(address, ctypes.POINTER(_DLManagedTensor)))
+
+
+def _wrap(
+    ptr: int,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    strides: tuple[int, ...] | None,
+    device: Device,
+    stream: Stream,
+    owner: Any,
+) -> DeviceArray:
+    byte_strides = strides if strides is not None else _c_strides(shape, dtype.itemsize)
+    lo, hi = _byte_span(shape, byte_strides, dtype.itemsize)
+    buffer = ForeignBuffer(ptr + lo, hi - lo, device, stream, owner)
+    return DeviceArray(shape, dtype, byte_strides, buffer=buffer, offset=-lo)
+
+
+def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
+    cai = obj.__cuda_array_interface__
+    ptr, _readonly = cai["data"]
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(int(d) for d in cai["shape"])
+    strides = tuple(int(s) for s in cai["strides"]) if cai.get("strides") else None
+    if ptr:
+        probe_driver = Device(0)._driver
+        device = Device(probe_driver.pointer_device_ordinal(int(ptr)))
+    else:
+        device = Device(0)
+    target = stream if stream is not None else current_stream(device)
+    foreign = cai.get("stream")
+    if foreign:  # the producer's stream: order our work after its pending writes
+        target.wait(Stream.wrap(int(foreign), device=device))
+    return _wrap(int(ptr), shape, dtype, strides, device, target, obj)
+
+
+def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
+    """A zero-copy :class:`DeviceArray` over another library's device array.
+
+    Accepts anything exporting ``__dlpack__`` with a CUDA device (PyTorch, CuPy, JAX,
+    cuda.core) or ``__cuda_array_interface__`` (CuPy, Numba, PyTorch). ``stream`` (default:
+    the current stream of the object's device) is where aiocuda's subsequent work on the
+    array will go; the producer is told to order its pending work before it.
+    """
+    if isinstance(obj, DeviceArray):
+        return obj
+    dlpack_device = getattr(obj, "__dlpack_device__", None)
+    if dlpack_device is not None and hasattr(obj, "__dlpack__"):
+        device_type, device_id = dlpack_device()
+        if int(device_type) in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
+            device = Device(int(device_id))
+            target = stream if stream is not None else current_stream(device)
+            value = _stream_value(target)
+            capsule = obj.__dlpack__(stream=value)
+            return _from_capsule(capsule, obj, target)
+    if hasattr(obj, "__cuda_array_interface__"):
+        return _from_cai(obj, stream)
+    raise TypeError(
+        f"cannot use {type(obj).__name__} as a device array: it has neither a CUDA __dlpack__ nor "
+        "__cuda_array_interface__"
+    )
