@@ -178,3 +178,75 @@ def test_interpreter_exit_with_work_in_flight(backend: _driver.Driver) -> None:
     assert "EXITING" in proc.stdout
     noise = [line for line in proc.stderr.splitlines() if not line.startswith("aiocuda: no usable GPU")]
     assert not noise, proc.stderr
+
+
+@pytest.mark.anyio
+async def test_many_completions_cost_one_wakeup(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twenty long waits that finish together reach the loop in one batched wake-up."""
+    from aiocuda import _completion
+
+    wakeups = 0
+    for adapter_cls in (_completion._AsyncioAdapter, _completion._TrioAdapter):
+        original = adapter_cls.call_soon_threadsafe
+
+        def counting(self: object, fn: object, _original: object = original) -> bool:
+            nonlocal wakeups
+            wakeups += 1
+            return _original(self, fn)  # type: ignore[operator]
+
+        monkeypatch.setattr(adapter_cls, "call_soon_threadsafe", counting)
+    with Stream(0) as s:
+        sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+        slow_op(s, 0.001)
+        finished = 0
+
+        async def waiter() -> None:
+            nonlocal finished
+            await s
+            finished += 1
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(20):
+                tg.start_soon(waiter)
+            await anyio.sleep(0.05)  # every waiter is now with the doorbell
+            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+    assert finished == 20
+    assert wakeups <= 3, f"{wakeups} wake-ups for 20 completions"
+
+
+BINDINGS_HOSTFN_SCRIPT = """
+import ctypes, time
+from cuda.bindings import driver as drv
+from aiocuda.stream import Stream
+from _workload import slow_op
+
+s = Stream(0)
+slow_op(s, 0.05)
+CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda _: None)
+fn = drv.CUhostFn(ctypes.cast(CALLBACK, ctypes.c_void_p).value)
+drv.cuLaunchHostFunc(s.handle, fn, 0)
+libcuda = ctypes.PyDLL("libcuda.so.1")
+libcuda.cuStreamSynchronize.argtypes = [ctypes.c_void_p]
+print("WAITING", flush=True)
+rc = libcuda.cuStreamSynchronize(int(s))
+print("SYNCED", rc)
+"""
+
+
+@pytest.mark.gpu
+def test_control_bindings_host_function_deadlocks_where_the_doorbell_does_not() -> None:
+    """The control for the test above: the same GIL-holding wait with a host function
+    launched through cuda-bindings' wrapper (which takes the GIL on the driver's thread)."""
+    from .conftest import real_gpu_count
+
+    if real_gpu_count() == 0:
+        pytest.skip("no real GPU")
+    try:
+        proc = run_script(BINDINGS_HOSTFN_SCRIPT, "cuda", timeout=10)
+    except subprocess.TimeoutExpired:
+        return  # deadlocked, as expected: this is what the doorbell avoids
+    if "SYNCED" in proc.stdout:
+        pytest.xfail("this cuda-bindings release no longer deadlocks here")
+    pytest.fail(proc.stdout + proc.stderr)
