@@ -1,0 +1,200 @@
+"""Memory pools and device buffers: allocation, statistics, lifetime, out of memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import time
+
+import anyio
+import pytest
+
+from aiocuda import _driver
+from aiocuda.errors import ArgumentError, OutOfMemoryError
+from aiocuda.memory import DEFAULT_RELEASE_THRESHOLD, MemoryPool, PoolStatistics
+from aiocuda.stream import Stream
+
+from ._workload import slow_op
+
+pytestmark = pytest.mark.anyio
+
+MiB = 1 << 20
+
+
+async def test_allocate_free_and_statistics(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.for_device(0)
+    with Stream(0) as s:
+        await s
+        before = pool.statistics()
+        buf = pool.allocate(MiB, s)
+        assert buf.ptr != 0 and buf.size == MiB and buf.device.ordinal == 0 and buf.stream is s
+        during = pool.statistics()
+        assert during.used_bytes >= before.used_bytes + MiB
+        assert during.allocations == before.allocations + 1
+        assert during.live_buffers == before.live_buffers + 1
+        buf.free()
+        buf.free()  # idempotent
+        await s
+        after = pool.statistics()
+        assert after.used_bytes == before.used_bytes
+        assert after.frees == before.frees + 1
+        assert after.used_bytes_peak >= before.used_bytes + MiB
+        assert after.reserved_bytes >= after.used_bytes
+        assert after.release_threshold > 0
+
+
+async def test_dropping_the_last_reference_frees_stream_ordered(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.for_device(0)
+    with Stream(0) as s:
+        await s
+        before = pool.statistics()
+        for _ in range(50):
+            pool.allocate(64 * 1024, s)  # dropped at once
+        with pool.allocate(4096, s):
+            pass
+        gc.collect()
+        await s
+        after = pool.statistics()
+        assert after.used_bytes == before.used_bytes
+        assert after.live_buffers == before.live_buffers
+
+
+async def test_statistics_is_a_frozen_dataclass(backend: _driver.Driver, anyio_backend: object) -> None:
+    stats = MemoryPool.for_device(0).statistics()
+    assert isinstance(stats, PoolStatistics)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stats.used_bytes = 1  # type: ignore[misc]
+
+
+async def test_bad_sizes_and_freed_buffers_raise_typed_errors(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.for_device(0)
+    with Stream(0) as s:
+        with pytest.raises(ArgumentError, match="non-negative"):
+            pool.allocate(-1, s)
+        empty = pool.allocate(0, s)
+        assert empty.ptr == 0 and empty.size == 0
+        buf = pool.allocate(256, s)
+        buf.free()
+        assert buf.freed
+        with pytest.raises(ArgumentError, match="freed"):
+            _ = buf.ptr
+        with pytest.raises(ArgumentError):
+            MemoryPool.create(0, max_size=-5)
+        await s
+
+
+async def test_release_threshold_and_trim(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.create(0)
+    assert pool.release_threshold == DEFAULT_RELEASE_THRESHOLD
+    pool.release_threshold = 32 * MiB
+    assert pool.release_threshold == 32 * MiB
+    with Stream(0) as s:
+        pool.allocate(8 * MiB, s).free()
+        await s
+        assert pool.statistics().reserved_bytes >= 8 * MiB
+        s.synchronize()
+        pool.trim(0)
+        assert pool.statistics().reserved_bytes == 0
+        pool.reset_peaks()
+        assert pool.statistics().used_bytes_peak == 0
+
+
+async def test_out_of_memory_releases_cache_then_raises_clearly(backend: _driver.Driver, anyio_backend: object) -> None:
+    limit = 256 * MiB
+    pool = MemoryPool.create(0, max_size=limit)
+    with Stream(0) as s:
+        pool.allocate(160 * MiB, s).free()
+        await s
+        s.synchronize()
+        second = pool.allocate(128 * MiB, s)  # needs the cached 160 MiB released (sim) or reused
+        if backend.name == "sim":
+            assert pool.statistics().out_of_memory_recoveries == 1
+        with pytest.raises(OutOfMemoryError) as info:
+            pool.allocate(200 * MiB, s)
+        message = str(info.value)
+        assert "asked for 200.0 MiB" in message
+        assert "in use" in message and "free" in message and "limit 256.0 MiB" in message
+        assert isinstance(info.value, MemoryError) and info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
+        second.free()
+        await s
+        s.synchronize()
+        third = pool.allocate(200 * MiB, s)  # the pool is still usable
+        third.free()
+        await s
+
+
+async def test_allocate_wait_applies_back_pressure(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.create(0, max_size=64 * MiB)
+    with Stream(0) as s:
+        hog = pool.allocate(48 * MiB, s)
+        with pytest.raises(OutOfMemoryError):
+            await pool.allocate_wait(48 * MiB, s, timeout=0.05)
+
+        async def release_later() -> None:
+            await anyio.sleep(0.05)
+            hog.free()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_later)
+            t = time.perf_counter()
+            got = await pool.allocate_wait(48 * MiB, s, timeout=5)
+            assert time.perf_counter() - t >= 0.03
+        got.free()
+        await s
+
+
+async def test_allocate_wait_is_cancellable(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.create(0, max_size=64 * MiB)
+    with Stream(0) as s:
+        hog = pool.allocate(48 * MiB, s)
+        with anyio.move_on_after(0.05) as scope:
+            await pool.allocate_wait(48 * MiB, s)
+        assert scope.cancelled_caught
+        hog.free()
+        await s
+
+
+async def test_free_waits_for_work_on_every_stream_that_used_it(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    pool = MemoryPool.for_device(0)
+    a, b = Stream(0), Stream(0)
+    await a
+    before = pool.statistics().used_bytes
+    buf = pool.allocate(MiB, a)
+    sim_backend.hold(a.handle)  # type: ignore[attr-defined]
+    slow_op(a, 0.0)  # queued behind the hold: "work on a" that uses buf
+    buf._used_on(b)
+    buf.free()  # enqueued on b, which must wait for a
+    await anyio.sleep(0.05)
+    assert pool.statistics().used_bytes == before + MiB
+    sim_backend.release(a.handle)  # type: ignore[attr-defined]
+    await a
+    await b
+    assert pool.statistics().used_bytes == before
+    a.close()
+    b.close()
+
+
+async def test_pool_per_device_and_peer_access(backend: _driver.Driver, anyio_backend: object) -> None:
+    if backend.device_count() < 2:
+        pytest.skip("needs two devices")
+    p0, p1 = MemoryPool.for_device(0), MemoryPool.for_device(1)
+    assert p0 is not p1 and p0.device.ordinal == 0 and p1.device.ordinal == 1
+    assert MemoryPool.for_device(0) is p0
+    if p1.device.can_access_peer(p0.device):
+        p0.grant_access(1)
+    else:
+        with pytest.raises(ArgumentError):
+            p0.grant_access(1)
+
+
+async def test_set_for_device_switches_the_pool(backend: _driver.Driver, anyio_backend: object) -> None:
+    custom = MemoryPool.create(0)
+    MemoryPool.set_for_device(custom)
+    try:
+        assert MemoryPool.for_device(0) is custom
+    finally:
+        MemoryPool.set_for_device(MemoryPool.default(0))
+    assert MemoryPool.for_device(0) is MemoryPool.default(0)
+    assert "MemoryPool" in repr(custom)
