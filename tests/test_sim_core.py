@@ -6,6 +6,7 @@ the ``sim_backend`` fixture or build a ``SimDriver`` directly.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -391,9 +392,24 @@ def test_sticky_injected_fault_poisons_the_device(sim: SimDriver) -> None:
     assert not bell.wait(0.02)
 
 
-def test_inject_fault_validates_at_call(sim: SimDriver) -> None:
+def test_inject_fault_validates_its_arguments(sim: SimDriver) -> None:
     with pytest.raises(ValueError):
         sim.inject_fault(ResultCode.INVALID_VALUE, at_call=0)
+    with pytest.raises(ValueError, match="cuLaunchKernel"):
+        sim.inject_fault(ResultCode.INVALID_VALUE, call="cuLaunchKernel")
+    sim.inject_fault(ResultCode.INVALID_VALUE, call="launch_kernel")  # a seam name of another mixin
+
+
+def test_two_faults_due_on_the_same_call_fire_one_after_the_other(sim: SimDriver) -> None:
+    stream = sim.stream_create(non_blocking=True, priority=0)
+    sim.inject_fault(ResultCode.INVALID_VALUE)
+    sim.inject_fault(ResultCode.NOT_SUPPORTED)
+    with pytest.raises(CudaError) as first:
+        sim.stream_query(stream)
+    with pytest.raises(CudaError) as second:
+        sim.stream_query(stream)
+    assert (first.value.code, second.value.code) == (ResultCode.INVALID_VALUE, ResultCode.NOT_SUPPORTED)
+    assert sim.stream_query(stream)
 
 
 # -- poisoning --------------------------------------------------------------------------------
@@ -493,9 +509,76 @@ def test_non_sticky_operation_error_surfaces_once_at_the_next_call(sim: SimDrive
     assert sim.stream_query(stream)
 
 
-def test_poison_needs_a_sticky_code(sim: SimDriver) -> None:
+def test_poison_needs_a_sticky_code_and_a_device(sim: SimDriver) -> None:
     with pytest.raises(ValueError):
         sim.poison(0, code=ResultCode.INVALID_VALUE)
+    with pytest.raises(ValueError):
+        sim.poison(2)
+
+
+def test_cross_device_wait_ends_when_the_other_device_is_poisoned(sim: SimDriver) -> None:
+    source = sim.stream_create(non_blocking=True, priority=0)
+    event = sim.event_create(timing=False, blocking_sync=False)
+    sim.hold(source)
+    sim.event_record(event, source)
+    on_device(sim, 1)
+    waiting = sim.stream_create(non_blocking=True, priority=0)
+    sim.stream_wait_event(waiting, event)
+    bell = sim.new_doorbell()
+    sim.launch_doorbell(waiting, bell)
+    assert not bell.wait(0.02)
+    sim.poison(0)
+    assert bell.wait(WAIT)  # device 1 is healthy and goes on
+    sim.stream_synchronize(waiting)
+    with pytest.raises(ContextPoisonedError):
+        sim.event_query(event)
+
+
+def test_streams_accept_raw_values(sim: SimDriver) -> None:
+    log, op = recorder()
+    stream = sim.stream_create(non_blocking=True, priority=0)
+    sim._enqueue(stream.value, op("by value"), "op")
+    sim._enqueue(0, op("null stream"), "op")
+    sim.stream_synchronize(stream.value)
+    sim.stream_synchronize(0)
+    assert sorted(log) == ["by value", "null stream"]
+    assert sim._stream_ordinal(0) == 0
+    with pytest.raises(ArgumentError):
+        sim._enqueue(2, op("per-thread stream"), "op")  # CU_STREAM_PER_THREAD: not simulated
+    with pytest.raises(ArgumentError):
+        sim._enqueue("stream", op("nonsense"), "op")
+
+
+def test_concurrent_producers_keep_their_own_order(sim: SimDriver) -> None:
+    stream = sim.stream_create(non_blocking=True, priority=0)
+    log: list[tuple[int, int]] = []
+
+    def produce(producer: int) -> None:
+        for i in range(300):
+            sim._enqueue(stream, functools.partial(log.append, (producer, i)), "op")
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    sim.stream_synchronize(stream)
+    for producer in range(4):
+        assert [i for p, i in log if p == producer] == list(range(300))
+
+
+def test_waiting_host_thread_does_not_starve_the_worker(sim: SimDriver) -> None:
+    """A host wait releases the GIL and the stream's lock: the worker keeps running."""
+    stream = sim.stream_create(non_blocking=True, priority=0)
+    bell = sim.new_doorbell()
+    sim.set_latency("kernel", 0.02)
+    for _ in range(5):
+        sim._enqueue(stream, lambda: None, "kernel")
+    sim.launch_doorbell(stream, bell)
+    started = time.perf_counter()
+    sim.stream_synchronize(stream)
+    assert 0.1 <= time.perf_counter() - started < WAIT
+    assert bell.wait(0)
 
 
 # -- lifecycle --------------------------------------------------------------------------------
@@ -543,6 +626,21 @@ def test_shutdown_wakes_host_waits(fresh: SimDriver) -> None:
     thread.join(WAIT)
     assert not thread.is_alive()
     assert [getattr(e, "code", None) for e in errors] == [ResultCode.DEINITIALIZED]
+
+
+def test_idle_workers_leave_and_come_back(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiocuda._driver.sim import _worker
+
+    monkeypatch.setattr(_worker, "_IDLE_EXIT_S", 0.01)
+    baseline = threading.active_count()
+    stream = fresh.stream_create(non_blocking=True, priority=0)
+    log, op = recorder()
+    fresh._enqueue(stream, op(1), "op")
+    fresh.stream_synchronize(stream)
+    assert wait_until(lambda: threading.active_count() == baseline)
+    fresh._enqueue(stream, op(2), "op")
+    fresh.stream_synchronize(stream)
+    assert log == [1, 2]
 
 
 def test_switching_backend_shuts_the_old_one_down() -> None:

@@ -58,6 +58,7 @@ from typing import Any
 
 from ...errors import STICKY_CODES, ResultCode
 from .._doorbell import SemaphoreDoorbell
+from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
@@ -225,7 +226,11 @@ class SimCore:
         ``"event_query"``) only calls of that name count. The failing call raises
         before doing anything; a sticky ``code`` also poisons the device that call
         works on. Several faults may be armed at once; each counts on its own.
+        A ``call`` that is not a method of the ``Driver`` protocol is a ValueError (a
+        misspelt name would otherwise never fire).
         """
+        if call is not None and (call.startswith("_") or not callable(getattr(Driver, call, None))):
+            raise ValueError(f"inject_fault(call={call!r}): not a method of the Driver protocol")
         self._faults.add(code, at_call, call)
 
     def poison(self, device_ordinal: int, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
@@ -238,6 +243,8 @@ class SimCore:
         """
         if code not in STICKY_CODES:
             raise ValueError(f"poison needs a sticky result code (errors.STICKY_CODES), got {code}")
+        if not 0 <= device_ordinal < len(self._devices):
+            raise ValueError(f"poison: no simulated device {device_ordinal} (there are {len(self._devices)})")
         self._devices[device_ordinal].poison_with(code, "poisoned by SimDriver.poison()")
 
     def set_latency(self, name: str, seconds: float) -> None:

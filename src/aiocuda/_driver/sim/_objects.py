@@ -134,14 +134,14 @@ class SimDevice:
         """
         poison = self.poison
         if poison is not None:
-            error = sim_error(
+            sticky = sim_error(
                 poison.code, call, f"device {self.ordinal}'s context is poisoned ({poison.detail})"
             )
-            error.__cause__ = poison.cause
-            return error
+            sticky.__cause__ = poison.cause
+            return sticky
         with self._lock:
-            error, self.async_error = self.async_error, None
-        return error
+            pending, self.async_error = self.async_error, None
+        return pending
 
 
 class SimPoint:
