@@ -31,6 +31,7 @@ import anyio.to_thread
 import numpy as np
 import numpy.typing as npt
 
+from . import _driver
 from .device import Device
 from .host import _PinnedAllocation, pinned_ranges
 from .stream import Stream
@@ -123,9 +124,19 @@ class _StagingPool:
             self._cond.notify_all()
 
 
-_pool = _StagingPool()
+_pools: dict[int, _StagingPool] = {}
 _copiers: ThreadPoolExecutor | None = None
 _copiers_lock = threading.Lock()
+
+
+def _staging_pool() -> _StagingPool:
+    """The staging pool of the backend in use (slots hold that backend's memory)."""
+    generation = _driver.backend_generation()
+    pool = _pools.get(generation)
+    if pool is None:
+        _pools.clear()
+        pool = _pools[generation] = _StagingPool()
+    return pool
 
 
 def _host_copy(dst: int, src: int, nbytes: int) -> None:
@@ -203,7 +214,8 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         stream.hold(owner, host)
         return
     if nbytes <= INLINE_LIMIT:
-        slot = _pool.try_acquire_ready(device)
+        pool = _staging_pool()
+        slot = pool.try_acquire_ready(device)
         if slot is not None:
             try:
                 device.make_current()
@@ -211,7 +223,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
                 device._driver.memcpy_htod_async(dst, slot.ptr, nbytes, stream.handle)
                 slot.mark(device, stream.handle)
             finally:
-                _pool.release([slot])
+                pool.release([slot])
             return
     await _in_worker(_pipeline_h2d, device, stream, dst, src, nbytes)
 
@@ -236,7 +248,8 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
         await stream.record()
         return
     if nbytes <= INLINE_LIMIT:
-        slot = _pool.try_acquire_ready(device)
+        pool = _staging_pool()
+        slot = pool.try_acquire_ready(device)
         if slot is not None:
             try:
                 device.make_current()
@@ -245,17 +258,18 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
                 await stream.record()
                 _memmove(dst, slot.ptr, nbytes)
             finally:
-                _pool.release([slot])
+                pool.release([slot])
             return
     await _in_worker(_pipeline_d2h, device, stream, dst, src, nbytes)
 
 
 async def _in_worker(pipeline: Any, device: Device, stream: Stream, dst: int, src: int, nbytes: int) -> None:
     wanted = min(PIPELINE_SLOTS, -(-nbytes // CHUNK))
-    slots = await anyio.to_thread.run_sync(_pool.acquire, device, wanted)
+    pool = _staging_pool()
+    slots = await anyio.to_thread.run_sync(pool.acquire, device, wanted)
     try:
         # Not abandoned on cancellation: the thread must finish touching the host array.
         await anyio.to_thread.run_sync(pipeline, device, stream.handle, dst, src, nbytes, slots)
     finally:
-        _pool.release(slots)
+        pool.release(slots)
 

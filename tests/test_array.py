@@ -1,0 +1,220 @@
+"""DeviceArray: transfers, views, fill, device-to-device and peer copies, cancellation."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aiocuda.array as ga
+from aiocuda import _driver, _staging
+from aiocuda.errors import ArgumentError
+from aiocuda.host import is_pinned, pinned_empty, pinned_zeros, register_host
+from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
+
+from ._workload import slow_op
+
+pytestmark = pytest.mark.anyio
+
+rng = np.random.default_rng(1234)
+
+
+def _random(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.integers(0, 2, shape).astype(bool)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
+    if dt.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dt)
+    return rng.standard_normal(shape).astype(dt)
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint16, np.int64, np.complex64, np.bool_])
+async def test_round_trip_dtypes(backend: _driver.Driver, anyio_backend: object, dtype: Any) -> None:
+    with Stream(0) as s:
+        host = _random((33, 17), dtype)
+        dev = await ga.to_device(host, stream=s)
+        assert dev.shape == host.shape and dev.dtype == host.dtype and dev.is_c_contiguous
+        np.testing.assert_array_equal(await dev.to_host(stream=s), host)
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (5, 0, 3), (1,), (7, 1, 5)])
+async def test_round_trip_odd_shapes(backend: _driver.Driver, anyio_backend: object, shape: tuple[int, ...]) -> None:
+    host = _random(shape, np.float32)
+    dev = await ga.to_device(host)
+    np.testing.assert_array_equal(await dev.to_host(), host)
+
+
+async def test_large_pageable_and_pinned_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
+    nbytes = 2 * _staging.CHUNK + 12345  # the pipelined, multi-chunk path
+    host = rng.integers(0, 256, nbytes, dtype=np.uint8)
+    with Stream(0) as s:
+        dev = await ga.to_device(host, stream=s)
+        back = await dev.to_host(stream=s)
+        assert _digest(back) == _digest(host)
+        pinned = pinned_empty(nbytes, np.uint8)
+        assert is_pinned(pinned) and not is_pinned(host)
+        await dev.to_host(out=pinned, stream=s)
+        assert _digest(pinned) == _digest(host)
+        dev2 = await ga.to_device(pinned, stream=s)
+        assert _digest(await dev2.to_host(stream=s)) == _digest(host)
+
+
+async def test_registered_host_array(backend: _driver.Driver, anyio_backend: object) -> None:
+    host = _random((1000,), np.float64)
+    with register_host(host) as reg:
+        assert is_pinned(host) and not reg.closed
+        with pytest.raises(ArgumentError):
+            register_host(host)  # already registered
+        dev = await ga.to_device(host)
+        out = np.empty_like(host)
+        with register_host(out):
+            await dev.to_host(out=out)
+        np.testing.assert_array_equal(out, host)
+    assert reg.closed and not is_pinned(host)
+    assert (pinned_zeros((4, 4), np.int32) == 0).all()
+
+
+async def test_non_contiguous_input_and_output(backend: _driver.Driver, anyio_backend: object) -> None:
+    base = _random((20, 30), np.float32)
+    dev = await ga.to_device(base[::2, 1::3])
+    np.testing.assert_array_equal(await dev.to_host(), base[::2, 1::3])
+    out = np.zeros((30, 20), np.float32).T  # Fortran-ordered target
+    dev_full = await ga.to_device(base)
+    await dev_full.to_host(out=out)
+    np.testing.assert_array_equal(out, base)
+
+
+async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_backend: object) -> None:
+    host = np.arange(4 * 6 * 5, dtype=np.int32).reshape(4, 6, 5)
+    dev = await ga.to_device(host)
+    cases = [
+        (dev[1], host[1]),
+        (dev[1:3, ::2], host[1:3, ::2]),
+        (dev[..., 3], host[..., 3]),
+        (dev[::-1, 2:5, -1], host[::-1, 2:5, -1]),
+        (dev[None, 2, :, 1:2], host[None, 2, :, 1:2]),
+        (dev[2:2], host[2:2]),
+        (dev.reshape(-1, 10)[3], host.reshape(-1, 10)[3]),
+        (dev.view(np.uint32)[0, 0], host.view(np.uint32)[0, 0]),
+    ]
+    for view, expected in cases:
+        assert view.buffer is dev.buffer
+        assert view.shape == expected.shape
+        np.testing.assert_array_equal(await view.to_host(), expected)
+    with pytest.raises(IndexError):
+        dev[4]
+    with pytest.raises(TypeError):
+        dev[[0, 1]]
+    with pytest.raises(ArgumentError):
+        dev[:, ::2].reshape(-1)
+    with pytest.raises(ArgumentError):
+        dev.view(np.int16)
+
+
+async def test_fill(backend: _driver.Driver, anyio_backend: object) -> None:
+    for dtype, value in [(np.uint8, 7), (np.float32, 1.5), (np.int16, -3), (np.float64, 0.1), (np.int64, 0), (np.complex64, 1 + 2j)]:
+        dev = ga.empty((37, 3), dtype)
+        await dev.fill(value)
+        np.testing.assert_array_equal(await dev.to_host(), np.full((37, 3), value, dtype))
+    z = await ga.zeros(10, np.float32)
+    assert not (await z.to_host()).any()
+
+
+async def test_device_to_device_copy(backend: _driver.Driver, anyio_backend: object) -> None:
+    host = _random((256, 3), np.float32)
+    src = await ga.to_device(host)
+    dst = ga.empty((256, 3), np.float32)
+    await ga.copy(dst, src)
+    np.testing.assert_array_equal(await dst.to_host(), host)
+    clone = await src.copy()
+    assert clone.ptr != src.ptr
+    np.testing.assert_array_equal(await clone.to_host(), host)
+    await dst.copy_from(host[::-1].copy())
+    np.testing.assert_array_equal(await dst.to_host(), host[::-1])
+
+
+async def test_peer_copy_between_devices(backend: _driver.Driver, anyio_backend: object) -> None:
+    if backend.device_count() < 2:
+        pytest.skip("needs two devices")
+    host = _random((1000,), np.float64)
+    on0 = await ga.to_device(host, device=0)
+    on1 = await on0.copy(device=1)
+    assert on1.device.ordinal == 1
+    np.testing.assert_array_equal(await on1.to_host(), host)
+    back = ga.empty(1000, np.float64, device=0)
+    await ga.copy(back, on1)
+    np.testing.assert_array_equal(await back.to_host(), host)
+
+
+async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_backend: object) -> None:
+    dev = await ga.to_device(np.zeros((4, 4), np.float32))
+    with pytest.raises(ArgumentError, match="shape"):
+        await dev.to_host(out=np.empty((4, 5), np.float32))
+    with pytest.raises(ArgumentError, match="dtype"):
+        await dev.to_host(out=np.empty((4, 4), np.float64))
+    with pytest.raises(ArgumentError, match="read-only"):
+        ro = np.empty((4, 4), np.float32)
+        ro.flags.writeable = False
+        await dev.to_host(out=ro)
+    with pytest.raises(ArgumentError, match="mismatched"):
+        await ga.copy(ga.empty(3, np.float32), dev)
+    with pytest.raises(ArgumentError):
+        ga.empty((-1, 2))
+    with pytest.raises(ArgumentError, match="objects"):
+        await ga.to_device(np.array([object()]))
+    freed = ga.empty(16, np.uint8)
+    freed.buffer.free()
+    with pytest.raises(ArgumentError, match="freed"):
+        await freed.to_host()
+
+
+async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.for_device(0)
+    host = rng.integers(0, 256, 3 << 20, dtype=np.uint8)
+    digest = _digest(host)
+    with Stream(0) as s:
+        src = await ga.to_device(host, stream=s)
+        await s
+        s.synchronize()
+        used_before = pool.statistics().used_bytes
+        dst = ga.empty(host.shape, np.uint8, stream=s)
+        for _ in range(3):
+            slow_op(s, 0.1)  # keep the copies below in flight while we cancel
+            with anyio.move_on_after(0.02) as scope:
+                await ga.copy(dst, src, stream=s)
+            assert scope.cancelled_caught
+            with anyio.move_on_after(0.02) as scope:
+                await ga.to_device(host, stream=s)  # result dropped while in flight
+            assert scope.cancelled_caught
+        gc.collect()
+        await s
+        assert _digest(await dst.to_host(stream=s)) == digest
+        assert _digest(await src.to_host(stream=s)) == digest
+        del dst
+        gc.collect()
+        await s
+        s.synchronize()
+        assert pool.statistics().used_bytes == used_before
+
+
+async def test_work_on_two_streams_is_ordered(backend: _driver.Driver, anyio_backend: object) -> None:
+    host = _random((1 << 16,), np.float32)
+    a, b = Stream(0), Stream(0)
+    dev = ga.empty(host.shape, np.float32, stream=a)
+    slow_op(a, 0.05)
+    await dev.copy_from(host, stream=a)
+    np.testing.assert_array_equal(await dev.to_host(stream=b), host)
+    a.close()
+    b.close()
