@@ -1,0 +1,157 @@
+"""Interoperability: __cuda_array_interface__ v3, DLPack export/import, CuPy and PyTorch."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import importlib.util
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocuda.array as ga
+from aiocuda import _driver, _interop
+from aiocuda._interop import DLPACK_CUDA, as_device_array
+from aiocuda.stream import Stream
+
+pytestmark = pytest.mark.anyio
+
+
+class _DLPackOnly:
+    """Exposes only the DLPack protocol of the wrapped object."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.streams: list[Any] = []
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        self.streams.append(kwargs.get("stream"))
+        return self.inner.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
+
+
+class _CAIOnly:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return self.inner.__cuda_array_interface__  # type: ignore[no-any-return]
+
+
+async def test_cuda_array_interface_v3(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        host = np.arange(60, dtype=np.float32).reshape(6, 10)
+        dev = await ga.to_device(host, stream=s)
+        cai = dev.__cuda_array_interface__
+        assert cai["version"] == 3 and cai["shape"] == (6, 10) and cai["typestr"] == "<f4"
+        assert cai["data"] == (dev.ptr, False) and cai["strides"] is None
+        assert cai["stream"] == int(s) and cai["stream"] != 0
+        view = dev[1:5, ::-3]
+        vcai = view.__cuda_array_interface__
+        assert vcai["strides"] == (40, -12) and vcai["data"][0] == view.ptr
+
+
+async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_backend: object) -> None:
+    host = np.arange(24, dtype=np.int16).reshape(4, 6)
+    dev = await ga.to_device(host)
+    view = dev[:, 1::2]
+    assert view.__dlpack_device__() == (DLPACK_CUDA, 0)
+    capsule = view.__dlpack__(stream=-1)
+    address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
+    tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
+    assert tensor.data == view.ptr and tensor.ndim == 2
+    assert (tensor.device.device_type, tensor.device.device_id) == (DLPACK_CUDA, 0)
+    assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (0, 16, 1)
+    assert [tensor.shape[i] for i in range(2)] == [4, 3]
+    assert [tensor.strides[i] for i in range(2)] == [6, 2]  # in elements
+    assert len(_interop._exports) >= 1
+    del capsule, tensor
+    gc.collect()
+    assert all(entry[3] is not view for entry in _interop._exports.values())
+    with pytest.raises(BufferError):
+        view.__dlpack__(copy=True)
+    with pytest.raises(BufferError):
+        view.__dlpack__(dl_device=(DLPACK_CUDA, 5))
+
+
+@pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly])
+async def test_zero_copy_import_round_trip(backend: _driver.Driver, anyio_backend: object, wrapper: type) -> None:
+    host = np.arange(120, dtype=np.float64).reshape(10, 12)
+    dev = await ga.to_device(host)
+    view = dev[2:9, ::-5]
+    with Stream(0) as consumer:
+        foreign = wrapper(view)
+        imported = as_device_array(foreign, stream=consumer)
+        assert imported.ptr == view.ptr and imported.shape == view.shape and imported.strides == view.strides
+        np.testing.assert_array_equal(await imported.to_host(stream=consumer), host[2:9, ::-5])
+        if isinstance(foreign, _DLPackOnly):
+            assert foreign.streams == [int(consumer)]
+        del imported
+        gc.collect()
+        await consumer
+
+
+async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
+    with pytest.raises(TypeError):
+        as_device_array(np.zeros(3))
+    dev = ga.empty(4, np.float32)
+    assert as_device_array(dev) is dev
+
+
+# -- real libraries, on the GPU machine ---------------------------------------------------------
+
+_have_cupy = importlib.util.find_spec("cupy") is not None
+_have_torch = importlib.util.find_spec("torch") is not None
+
+
+def _real_only(backend: _driver.Driver) -> None:
+    if backend.name != "cuda":
+        pytest.skip("CuPy/PyTorch round trips need the real driver")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
+async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
+    _real_only(backend)
+    import torch
+
+    host = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
+    dev = await ga.to_device(host)
+    via_dlpack = torch.from_dlpack(dev)
+    assert via_dlpack.data_ptr() == dev.ptr
+    np.testing.assert_array_equal(via_dlpack.cpu().numpy(), host)
+    via_cai = torch.as_tensor(dev, device="cuda")
+    np.testing.assert_array_equal(via_cai.cpu().numpy(), host)
+
+    t = torch.arange(1000, device="cuda", dtype=torch.float64).reshape(40, 25)[:, ::2]
+    imported = as_device_array(t)
+    assert imported.ptr == t.data_ptr()
+    np.testing.assert_array_equal(await imported.to_host(), t.cpu().numpy())
+    imported2 = as_device_array(_CAIOnly(t))
+    np.testing.assert_array_equal(await imported2.to_host(), t.cpu().numpy())
+    contiguous = as_device_array(torch.zeros(100, device="cuda", dtype=torch.int32))
+    await contiguous.fill(7)
+    torch.cuda.synchronize()
+    assert int(torch.from_dlpack(contiguous).sum()) == 700
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")
+async def test_cupy_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
+    _real_only(backend)
+    import cupy
+
+    host = np.arange(3000, dtype=np.int32).reshape(60, 50)
+    dev = await ga.to_device(host)
+    via_cai = cupy.asarray(dev)
+    assert via_cai.data.ptr == dev.ptr
+    np.testing.assert_array_equal(cupy.asnumpy(via_cai), host)
+    via_dlpack = cupy.from_dlpack(dev)
+    np.testing.assert_array_equal(cupy.asnumpy(via_dlpack), host)
+    strided = cupy.arange(500, dtype=cupy.float32).reshape(20, 25)[::3, 1::4]
+    imported = as_device_array(strided)
+    np.testing.assert_array_equal(await imported.to_host(), cupy.asnumpy(strided))
