@@ -25,7 +25,6 @@ from typing import Any
 
 import anyio
 
-
 from aiocuda import _driver
 from aiocuda._driver.cuda import _core as cuda_core
 from aiocuda.device import Device

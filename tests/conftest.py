@@ -18,7 +18,6 @@ from hypothesis import settings
 from aiocuda import _driver
 from aiocuda.errors import NoDeviceError
 
-
 # Property tests run on shared, sometimes slow machines: no per-example deadline.
 settings.register_profile("aiocuda", deadline=None, max_examples=60)
 settings.load_profile("aiocuda")

@@ -121,7 +121,12 @@ def test_error_classes_follow_result_codes() -> None:
     assert isinstance(error_for_code(1, "CUDA_ERROR_INVALID_VALUE", ""), ValueError)
     generic = error_for_code(12345, "CUDA_ERROR_SOMETHING", "why", "cuFoo")
     assert type(generic) is CudaError
-    assert (generic.code, generic.name, generic.description, generic.call) == (12345, "CUDA_ERROR_SOMETHING", "why", "cuFoo")
+    assert (generic.code, generic.name, generic.description, generic.call) == (
+        12345,
+        "CUDA_ERROR_SOMETHING",
+        "why",
+        "cuFoo",
+    )
     assert "cuFoo" in str(generic) and "why" in str(generic)
 
 
@@ -136,7 +141,7 @@ def test_fork_child_gets_a_clear_error(backend: _driver.Driver) -> None:
             message = b"no error"
         except NoDeviceError as exc:
             message = str(exc).encode()
-        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+        except BaseException as exc:
             message = f"wrong error {type(exc).__name__}: {exc}".encode()
         os.write(write_end, message)
         os._exit(0)

@@ -172,7 +172,7 @@ class _TrioAdapter(_LoopAdapter):
             waiter.finish()
             return trio.lowlevel.Abort.SUCCEEDED
 
-        return (yield from trio.lowlevel.wait_task_rescheduled(abort).__await__())
+        return (yield from trio.lowlevel.wait_task_rescheduled(abort).__await__())  # noqa: ASYNC105
 
     def resume(self, waiter: _Waiter, error: BaseException | None) -> None:
         import outcome

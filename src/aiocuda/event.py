@@ -78,7 +78,16 @@ class Event:
     An event that was never recorded counts as complete, as in CUDA.
     """
 
-    __slots__ = ("__weakref__", "_device", "_driver", "_finalizer", "_handle", "_stream_handle", "blocking_sync", "timing")
+    __slots__ = (
+        "__weakref__",
+        "_device",
+        "_driver",
+        "_finalizer",
+        "_handle",
+        "_stream_handle",
+        "blocking_sync",
+        "timing",
+    )
 
     def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
         dev = device if isinstance(device, Device) else Device(device or 0)

@@ -75,7 +75,7 @@ def _foreign_handle(obj: Any) -> tuple[int, Any]:
         return obj, None
     proto = getattr(obj, "__cuda_stream__", None)
     if proto is not None:
-        version, value = proto() if callable(proto) else proto
+        _, value = proto() if callable(proto) else proto
         return int(value), obj
     for attr in ("cuda_stream", "ptr"):  # PyTorch, CuPy
         value = getattr(obj, attr, None)
