@@ -124,7 +124,14 @@ async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_back
 
 
 async def test_fill(backend: _driver.Driver, anyio_backend: object) -> None:
-    for dtype, value in [(np.uint8, 7), (np.float32, 1.5), (np.int16, -3), (np.float64, 0.1), (np.int64, 0), (np.complex64, 1 + 2j)]:
+    for dtype, value in [
+        (np.uint8, 7),
+        (np.float32, 1.5),
+        (np.int16, -3),
+        (np.float64, 0.1),
+        (np.int64, 0),
+        (np.complex64, 1 + 2j),
+    ]:
         dev = ga.empty((37, 3), dtype)
         await dev.fill(value)
         np.testing.assert_array_equal(await dev.to_host(), np.full((37, 3), value, dtype))

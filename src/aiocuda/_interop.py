@@ -19,6 +19,7 @@ completed.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 import weakref
@@ -157,7 +158,9 @@ def to_dlpack(
     if copy:
         raise BufferError("aiocuda exports device arrays without copying (copy=True is not supported)")
     if dl_device is not None and tuple(dl_device) != (DLPACK_CUDA, array.device.ordinal):
-        raise BufferError(f"cannot export to DLPack device {dl_device}: the array is on {(DLPACK_CUDA, array.device.ordinal)}")
+        raise BufferError(
+            f"cannot export to DLPack device {dl_device}: the array is on {(DLPACK_CUDA, array.device.ordinal)}"
+        )
     code = _KIND_TO_DL.get(array.dtype.kind)
     if code is None or array.dtype.byteorder == ">":
         raise BufferError(f"dtype {array.dtype} has no DLPack equivalent")
@@ -221,10 +224,8 @@ class ForeignBuffer:
 
 def _hand_over(state: list[Any]) -> None:
     stream, owner = state
-    try:
+    with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
         stream.hold(owner)
-    except Exception:  # noqa: BLE001 - the stream or context is gone; nothing is in flight
-        pass
 
 
 def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:

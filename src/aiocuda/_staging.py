@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio.to_thread
-import numpy as np
 import numpy.typing as npt
 
 from . import _driver
@@ -272,4 +271,3 @@ async def _in_worker(pipeline: Any, device: Device, stream: Stream, dst: int, sr
         await anyio.to_thread.run_sync(pipeline, device, stream.handle, dst, src, nbytes, slots)
     finally:
         pool.release(slots)
-

@@ -49,8 +49,8 @@ def _byte_span(shape: Shape, strides: Shape, itemsize: int) -> tuple[int, int]:
     """``(lo, hi)``: the byte range, relative to the first element, that the view touches."""
     if any(d == 0 for d in shape):
         return 0, 0
-    lo = sum(s * (d - 1) for d, s in zip(shape, strides) if s < 0)
-    hi = sum(s * (d - 1) for d, s in zip(shape, strides) if s > 0) + itemsize
+    lo = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s < 0)
+    hi = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s > 0) + itemsize
     return lo, hi
 
 
@@ -136,7 +136,9 @@ class DeviceArray:
     @property
     def is_c_contiguous(self) -> bool:
         return self.size == 0 or all(
-            s == c for s, c, d in zip(self.strides, _c_strides(self.shape, self.itemsize), self.shape) if d != 1
+            s == c
+            for s, c, d in zip(self.strides, _c_strides(self.shape, self.itemsize), self.shape, strict=True)
+            if d != 1
         )
 
     def __len__(self) -> int:
@@ -256,7 +258,9 @@ class DeviceArray:
             return
         host = np.asarray(source)
         if host.shape != self.shape or host.dtype != self.dtype:
-            raise _argument(f"source has shape {host.shape} and dtype {host.dtype}; expected {self.shape} and {self.dtype}")
+            raise _argument(
+                f"source has shape {host.shape} and dtype {host.dtype}; expected {self.shape} and {self.dtype}"
+            )
         if not self.is_c_contiguous:
             raise _argument("copying into a non-contiguous DeviceArray is not supported")
         s = self._stream_for(stream)
@@ -397,9 +401,7 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     or between two (a peer copy, which needs no peer access). ``stream`` defaults to the
     current stream of ``src``'s device."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise _argument(
-            f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}"
-        )
+        raise _argument(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
     if not (dst.is_c_contiguous and src.is_c_contiguous):
         raise _argument("copy() needs C-contiguous arrays")
     s = stream if stream is not None else current_stream(src.device)
@@ -415,4 +417,3 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
     await s.record()
-

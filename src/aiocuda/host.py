@@ -22,7 +22,7 @@ import bisect
 import ctypes
 import threading
 import weakref
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
@@ -128,6 +128,7 @@ def pinned_zeros(
     return array
 
 
+@final
 class HostRegistration:
     """An existing host array pinned in place; unpinned by :meth:`close`, on leaving a
     ``with`` block, or when collected.

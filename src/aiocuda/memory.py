@@ -30,10 +30,11 @@ reference): it must stay within half a microsecond of calling the driver directl
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, final
 
 import anyio
 
@@ -60,10 +61,9 @@ _live: dict[weakref.ref[DeviceBuffer], list[Any]] = {}
 def _on_buffer_collected(ref: weakref.ref[DeviceBuffer]) -> None:
     entry = _live.pop(ref, None)
     if entry is not None:
-        try:
+        # A finaliser cannot raise; a dead or torn-down context has freed the memory.
+        with contextlib.suppress(Exception):
             entry[0]._release(entry)
-        except Exception:  # noqa: BLE001 - a finaliser cannot raise; a dead context freed it
-            pass
 
 
 @atexit.register
@@ -120,8 +120,8 @@ class MemoryPool:
 
     __slots__ = (
         "__weakref__",
-        "_allocs",
         "_alloc_fn",
+        "_allocs",
         "_driver",
         "_frees",
         "_handle",
@@ -130,9 +130,6 @@ class MemoryPool:
         "device",
         "max_size",
     )
-
-    _current: dict[tuple[int, int], MemoryPool] = {}
-    _defaults: dict[tuple[int, int], MemoryPool] = {}
 
     def __init__(self, device: Device, handle: Any, *, owned: bool, max_size: int = 0) -> None:
         self.device = device
@@ -152,12 +149,12 @@ class MemoryPool:
         its release threshold raised to :data:`DEFAULT_RELEASE_THRESHOLD` on first use."""
         dev = _as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
-        pool = cls._defaults.get(key)
+        pool = _default_pools.get(key)
         if pool is None:
             dev.make_current()
             pool = cls(dev, dev._driver.mempool_default(dev._handle), owned=False)
             pool.release_threshold = DEFAULT_RELEASE_THRESHOLD
-            cls._defaults[key] = pool
+            _default_pools[key] = pool
         return pool
 
     @classmethod
@@ -165,13 +162,13 @@ class MemoryPool:
         """The pool aiocuda allocates from on ``device`` unless told otherwise: the
         default pool, or the one last passed to :meth:`set_for_device`."""
         dev = _as_device(device)
-        pool = cls._current.get((_driver.backend_generation(), dev.ordinal))
+        pool = _current_pools.get((_driver.backend_generation(), dev.ordinal))
         return pool if pool is not None else cls.default(dev)
 
     @classmethod
     def set_for_device(cls, pool: MemoryPool) -> None:
         """Make ``pool`` the one :meth:`for_device` returns for its device."""
-        cls._current[(_driver.backend_generation(), pool.device.ordinal)] = pool
+        _current_pools[(_driver.backend_generation(), pool.device.ordinal)] = pool
 
     @classmethod
     def create(
@@ -277,7 +274,11 @@ class MemoryPool:
         )
 
     async def allocate_wait(
-        self, nbytes: int, stream: Stream | None = None, *, timeout: float | None = None
+        self,
+        nbytes: int,
+        stream: Stream | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 - OOM, not Cancelled, on expiry
     ) -> DeviceBuffer:
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
@@ -364,6 +365,10 @@ class MemoryPool:
         )
 
 
+_default_pools: dict[tuple[int, int], MemoryPool] = {}
+_current_pools: dict[tuple[int, int], MemoryPool] = {}
+
+
 def _destroy_pool(driver: Any, handle: Any) -> None:
     try:
         driver.mempool_destroy(handle)
@@ -371,6 +376,7 @@ def _destroy_pool(driver: Any, handle: Any) -> None:
         pass  # buffers still allocated from it, or a dead context: the driver keeps it
 
 
+@final
 class DeviceBuffer:
     """A range of device memory from a :class:`MemoryPool`.
 
