@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import operator
+import reprlib
 import struct
 import threading
 from collections.abc import Callable
@@ -95,25 +96,61 @@ class ParamBuffer:
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
     return [
         to_pointer(a, stream) if p.code == "Q" and a.__class__ is not int else a
-        for p, a in zip(signature, args)
+        for p, a in zip(signature, args, strict=True)
     ]
 
 
 def to_pointer(arg: Any, stream: Any) -> int:
-    """The device address behind a pointer argument; marks aiocuda buffers used on ``stream``."""
-    ptr = getattr(arg, "ptr", None)
-    if ptr.__class__ is int:
-        used_on = getattr(arg, "_used_on", None)
-        if used_on is not None:
-            used_on(stream)
-        return ptr  # type: ignore[no-any-return]
-    cai = getattr(arg, "__cuda_array_interface__", None)
-    if cai is not None:
-        return int(cai["data"][0])
-    if arg is None:
-        return 0
-    if isinstance(arg, (int, np.integer)) and not isinstance(arg, (bool, np.bool_)):
-        return operator.index(arg)
+    """The device address behind a pointer argument; marks aiocuda buffers used on ``stream``.
+
+    The way to read an address is decided once per argument type and cached.
+    """
+    convert = _converters.get(arg.__class__)
+    if convert is None:
+        convert = _converters[arg.__class__] = _converter_for(arg.__class__)
+    return convert(arg, stream)
+
+
+def _buffer_pointer(arg: Any, stream: Any) -> int:
+    if stream is not None:
+        arg._used_on(stream)
+    return arg.ptr  # type: ignore[no-any-return]
+
+
+def _array_pointer(arg: Any, stream: Any) -> int:
+    buffer = arg.buffer
+    if stream is not None and getattr(buffer, "device", None) is stream.device:
+        buffer._used_on(stream)
+    return arg.ptr  # type: ignore[no-any-return]
+
+
+def _cai_pointer(arg: Any, stream: Any) -> int:
+    return int(arg.__cuda_array_interface__["data"][0])
+
+
+def _index_pointer(arg: Any, stream: Any) -> int:
+    return operator.index(arg)
+
+
+def _null_pointer(arg: Any, stream: Any) -> int:
+    return 0
+
+
+def _converter_for(cls: type) -> Callable[[Any, Any], int]:
+    if hasattr(cls, "ptr") and hasattr(cls, "_used_on"):
+        return _buffer_pointer
+    if hasattr(cls, "ptr") and hasattr(cls, "buffer"):
+        return _array_pointer
+    if hasattr(cls, "__cuda_array_interface__"):
+        return _cai_pointer
+    if cls is type(None):
+        return _null_pointer
+    if issubclass(cls, (int, np.integer)) and not issubclass(cls, (bool, np.bool_)):
+        return _index_pointer
+    return _not_a_pointer
+
+
+def _not_a_pointer(arg: Any, stream: Any) -> int:
     if hasattr(arg, "__array_interface__") or isinstance(arg, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"a host {type(arg).__name__} was passed where a device pointer is expected: "
@@ -125,6 +162,9 @@ def to_pointer(arg: Any, stream: Any) -> int:
     )
 
 
+_converters: dict[type, Callable[[Any, Any], int]] = {}
+
+
 def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> LaunchError:
     """The LaunchError that says which argument does not fit ``signature`` and why."""
     where = f"kernel {kernel!r}" if kernel else "the kernel"
@@ -134,7 +174,7 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
             f"{where} takes {len(signature)} argument(s) ({declared}), got {len(args)}",
             name="AIOCUDA_BAD_ARGUMENT",
         )
-    for index, (param, arg) in enumerate(zip(signature, args)):
+    for index, (param, arg) in enumerate(zip(signature, args, strict=True)):
         try:
             value = to_pointer(arg, None) if param.code == "Q" and arg.__class__ is not int else arg
             if param.code == "Q" and not param.pointer and arg.__class__ is not int:
@@ -142,7 +182,8 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
-                f"{where}: argument {index} ({param.describe()}) cannot take {type(arg).__name__} {arg!r:.60}: {exc}",
+                f"{where}: argument {index} ({param.describe()}) "
+                f"cannot take {type(arg).__name__} {reprlib.repr(arg)}: {exc}",
                 name="AIOCUDA_BAD_ARGUMENT",
             )
     return LaunchError(f"{where}: arguments do not match ({declared})", name="AIOCUDA_BAD_ARGUMENT")
@@ -157,14 +198,15 @@ def build_launcher(
 ) -> Callable[..., None]:
     """A function ``launch(*args)`` that packs ``args`` into ``buffer`` and launches.
 
-    ``prepared`` is the backend's ``(fn, args, fail)`` for exactly this buffer;
+    ``prepared`` is the backend's ``(fn, args, fail)`` for exactly this buffer, except
+    that ``fail`` is called as ``fail(err, args)`` (so that it may retry the launch);
     ``contended(args)`` is called instead when another thread is using the buffer.
     """
     signature = buffer.signature
     names = [f"a{i}" for i in range(len(signature))]
     values = ", ".join(
         f"({n} if {n}.__class__ is int else to_pointer({n}, stream))" if p.code == "Q" else n
-        for n, p in zip(names, signature)
+        for n, p in zip(names, signature, strict=True)
     )
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
     pack = f"pack_into(storage, 0, {values})" if names else "pass"
@@ -182,7 +224,7 @@ def launch(*args):
     finally:
         release()
     if err:
-        fail(err)
+        fail(err, args)
 """
     lock = threading.Lock()
     fn, fn_args, fail = prepared
@@ -202,7 +244,7 @@ def launch(*args):
         "fail": fail,
         "buffer": buffer,
     }
-    exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)  # noqa: S102 - generated from a signature, no user text
+    exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]
     launch.__qualname__ = launch.__name__ = f"launch_{kernel}"
     return launch

@@ -85,9 +85,7 @@ _STRUCT_CODES: dict[str, str] = {
     "float64": "d",
 }
 
-_QUALIFIERS = re.compile(
-    r"\b(?:const|volatile|__restrict__|__restrict|restrict|struct|std::)\b|__align__\(\d+\)"
-)
+_QUALIFIERS = re.compile(r"\b(?:const|volatile|__restrict__|__restrict|restrict|struct|std::)\b|__align__\(\d+\)")
 _POINTER_WORDS = {"ptr", "pointer", "void*"}
 
 
@@ -247,9 +245,7 @@ def _parse_params(params: str, types: dict[str, str]) -> Signature | None:
 
 
 _PTX_ENTRY = re.compile(r"\.entry\s+(?P<name>[\w$]+)\s*\((?P<params>[^)]*)\)", re.DOTALL)
-_PTX_PARAM = re.compile(
-    r"\.param\s+(?:\.align\s+\d+\s+)?\.(?P<type>[a-z]\d+)\s+(?P<name>[\w$]+)(?P<array>\[\d+\])?"
-)
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(?P<type>[a-z]\d+)\s+(?P<name>[\w$]+)(?P<array>\[\d+\])?")
 _PTX_TYPES = {
     "u8": "uint8", "s8": "int8", "b8": "uint8",
     "u16": "uint16", "s16": "int16", "b16": "uint16", "f16": "float16",

@@ -31,6 +31,7 @@ looked up under the full name expression (``"axpy<float>"``) first, then the bar
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,14 +40,15 @@ from typing import Any
 import numpy as np
 
 from ...errors import LaunchError, ResultCode
-from .._signature import ptx_signatures
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._objects import next_handle_value
 
-__all__ = ["SIM_IMAGE_MAGIC", "SimFunction", "SimLaunch", "SimModule", "SimModules"]
+__all__ = ["SIM_IMAGE_MAGIC", "SimFunction", "SimLaunch", "SimModule", "SimModules", "register_kernel"]
 
 SIM_IMAGE_MAGIC = b"AIOCUDA-SIM-MODULE 1\n"
+
+_PTX_ENTRY = re.compile(r"\.entry\s+([\w$]+)")
 
 KernelImpl = Callable[..., object]
 _registry: dict[str, KernelImpl] = {}
@@ -128,8 +130,17 @@ def _image_names(image: bytes) -> frozenset[str]:
         return frozenset(line for line in image[len(SIM_IMAGE_MAGIC) :].decode().splitlines() if line)
     head = image[:4096]
     if b".entry" in image and (b".version" in head or b".target" in head):
-        return frozenset(ptx_signatures(image.decode(errors="replace")))
+        return frozenset(_PTX_ENTRY.findall(image.decode(errors="replace")))
     return frozenset()
+
+
+def register_kernel(name: str, impl: KernelImpl | None) -> None:
+    """Run ``impl(launch, *args)`` for launches of kernel ``name`` (None unregisters)."""
+    with _registry_lock:
+        if impl is None:
+            _registry.pop(name, None)
+        else:
+            _registry[name] = impl
 
 
 def _implementation(name: str) -> KernelImpl | None:
@@ -155,11 +166,7 @@ class SimModules:
         Process-wide: every SimDriver sees it. See the module docstring for the calling
         convention.
         """
-        with _registry_lock:
-            if impl is None:
-                _registry.pop(name, None)
-            else:
-                _registry[name] = impl
+        register_kernel(name, impl)
 
     # -- modules ------------------------------------------------------------------------------
     def module_load_data(self, image: bytes) -> SimModule:
@@ -199,18 +206,14 @@ class SimModules:
         fn = self._function(func, "function_get_attribute")
         self._api("function_get_attribute", fn.module.device_ordinal)
         if attribute not in fn.attributes:
-            raise sim_error(
-                ResultCode.INVALID_VALUE, "function_get_attribute", f"unknown attribute {attribute!r}"
-            )
+            raise sim_error(ResultCode.INVALID_VALUE, "function_get_attribute", f"unknown attribute {attribute!r}")
         return fn.attributes[attribute]
 
     def function_set_attribute(self, func: Any, attribute: str, value: int) -> None:
         fn = self._function(func, "function_set_attribute")
         self._api("function_set_attribute", fn.module.device_ordinal)
         if attribute not in _SETTABLE:
-            raise sim_error(
-                ResultCode.INVALID_VALUE, "function_set_attribute", f"{attribute!r} cannot be set"
-            )
+            raise sim_error(ResultCode.INVALID_VALUE, "function_set_attribute", f"{attribute!r} cannot be set")
         if attribute == "max_dynamic_shared_size_bytes":
             limit = H100_ATTRIBUTES["max_shared_memory_per_block_optin"] - fn.attributes["shared_size_bytes"]
             if not 0 <= value <= limit:
@@ -355,12 +358,10 @@ def _check_config(
     a = H100_ATTRIBUTES
     limits_grid = (a["max_grid_dim_x"], a["max_grid_dim_y"], a["max_grid_dim_z"])
     limits_block = (a["max_block_dim_x"], a["max_block_dim_y"], a["max_block_dim_z"])
-    if any(not 1 <= g <= m for g, m in zip(grid, limits_grid)) or any(
-        not 1 <= b <= m for b, m in zip(block, limits_block)
+    if any(not 1 <= g <= m for g, m in zip(grid, limits_grid, strict=True)) or any(
+        not 1 <= b <= m for b, m in zip(block, limits_block, strict=True)
     ):
-        raise sim_error(
-            ResultCode.INVALID_VALUE, call, f"grid {grid} / block {block} outside the device's limits"
-        )
+        raise sim_error(ResultCode.INVALID_VALUE, call, f"grid {grid} / block {block} outside the device's limits")
     threads = block[0] * block[1] * block[2]
     if threads > fn.attributes["max_threads_per_block"]:
         raise sim_error(
@@ -384,7 +385,7 @@ def _check_config(
             )
     if cluster is not None:
         size = cluster[0] * cluster[1] * cluster[2]
-        if any(c < 1 for c in cluster) or size > 8 or any(g % c for g, c in zip(grid, cluster)):
+        if any(c < 1 for c in cluster) or size > 8 or any(g % c for g, c in zip(grid, cluster, strict=True)):
             raise sim_error(
                 ResultCode.INVALID_VALUE,
                 call,
@@ -395,7 +396,7 @@ def _check_config(
 def _typed_arguments(state: Any, signature: Any, values: tuple[Any, ...], kernel: str) -> list[Any]:
     """Pointers -> numpy views of the simulated device memory; scalars -> numpy scalars."""
     out: list[Any] = []
-    for param, value in zip(signature, values):
+    for param, value in zip(signature, values, strict=True):
         if not param.pointer:
             out.append(param.dtype.type(value))
         elif value == 0:

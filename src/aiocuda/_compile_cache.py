@@ -1,0 +1,120 @@
+"""The on-disk cache of compiled kernels, so that a service's second start compiles nothing.
+
+An entry is keyed by the SHA-256 of everything that determines NVRTC's output: the
+source, the options (sorted, so their order does not matter), the name expressions, the
+target architecture, the compiler's version and this cache's format version. It stores
+the image (cubin or PTX), its kind and the lowered (mangled) names of the name
+expressions, in one file written atomically (a temporary file in the same directory,
+then ``os.replace``), so concurrent processes never read a half-written entry. A file
+that cannot be read or decoded counts as a miss and is overwritten.
+
+Location: ``$AIOCUDA_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocuda``, else
+``~/.cache/aiocuda``. Set ``AIOCUDA_CACHE_DIR=off`` to disable it. Delete the folder to
+clear it; nothing else refers to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["CachedImage", "CompileCache", "cache_key", "default_cache"]
+
+FORMAT_VERSION = 1
+_HEADER_END = b"\n"
+
+
+@dataclass(frozen=True, slots=True)
+class CachedImage:
+    """A compiled module image and what is needed to use it."""
+
+    image: bytes
+    kind: str
+    """``"cubin"``, ``"ptx"`` or ``"sim"``."""
+    lowered_names: dict[str, str]
+    """Name expression (``"axpy<float>"``) -> the symbol the module exports."""
+    log: str = ""
+    """The compiler's warnings, if any."""
+
+
+def cache_key(
+    source: str, options: Sequence[str], name_expressions: Sequence[str], arch: str, compiler_version: str
+) -> str:
+    """The hex SHA-256 identifying one compilation."""
+    doc = {
+        "format": FORMAT_VERSION,
+        "source": source,
+        "options": sorted(options),
+        "names": sorted(name_expressions),
+        "arch": arch,
+        "compiler": compiler_version,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+class CompileCache:
+    """A folder of compiled images, one file per key."""
+
+    __slots__ = ("directory",)
+
+    def __init__(self, directory: os.PathLike[str] | str) -> None:
+        self.directory = pathlib.Path(directory)
+
+    def __repr__(self) -> str:
+        return f"<CompileCache {str(self.directory)!r}>"
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / key[:2] / f"{key}.bin"
+
+    def get(self, key: str) -> CachedImage | None:
+        """The entry for ``key``, or None (missing, unreadable or corrupt)."""
+        try:
+            data = self._path(key).read_bytes()
+            header, _, image = data.partition(_HEADER_END)
+            meta = json.loads(header)
+            if meta.get("format") != FORMAT_VERSION or meta.get("size") != len(image):
+                return None
+            return CachedImage(image, str(meta["kind"]), dict(meta["lowered_names"]), str(meta.get("log", "")))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: str, entry: CachedImage) -> None:
+        """Store ``entry`` atomically; failures (read-only disk, full disk) are ignored --
+        the cache is an optimisation, never a reason to fail a compile."""
+        meta = {
+            "format": FORMAT_VERSION,
+            "kind": entry.kind,
+            "lowered_names": entry.lowered_names,
+            "log": entry.log,
+            "size": len(entry.image),
+        }
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".bin")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(json.dumps(meta).encode() + _HEADER_END + entry.image)
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except OSError:
+            return
+
+
+def default_cache() -> CompileCache | None:
+    """The cache at the configured location, or None when ``AIOCUDA_CACHE_DIR=off``."""
+    configured = os.environ.get("AIOCUDA_CACHE_DIR", "").strip()
+    if configured.lower() in ("off", "0", "none", "disabled"):
+        return None
+    if configured:
+        return CompileCache(configured)
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
+    return CompileCache(base / "aiocuda")

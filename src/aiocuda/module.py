@@ -1,0 +1,155 @@
+"""Modules: compiled code (PTX, cubin, fatbin), loaded lazily on each device that uses it.
+
+A :class:`Module` holds an image, not a driver handle: the image is loaded into a
+device's context (``cuModuleLoadData``) the first time a kernel of it is used on that
+device, so one module serves every GPU of its architecture. Loading failures carry the
+driver's JIT log in the message.
+
+``unload()`` (or collecting the module) unloads it from every device. Pitfall: kernels
+and launchers keep their module alive, but an explicit ``unload()`` while launchers of
+it are still used makes those launches fail -- unload only what you are done with.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from . import _driver
+from ._signature import Signature, ptx_signatures
+from .device import Device
+from .errors import ArgumentError, CudaError
+
+if TYPE_CHECKING:
+    from .kernel import Kernel
+
+__all__ = ["Module"]
+
+_KINDS = ("ptx", "cubin", "fatbin", "sim")
+
+
+def _unload_all(handles: dict[tuple[int, int], tuple[Any, Any]]) -> None:
+    for backend, handle in handles.values():
+        try:
+            backend.module_unload(handle)
+        except CudaError:
+            pass  # a dead context or a switched backend: nothing left to unload
+    handles.clear()
+
+
+def _guess_kind(image: bytes) -> str:
+    if image.startswith(b"\x7fELF"):
+        return "cubin"
+    if image[:4] == b"\x50\xed\x55\xba":  # fatbin magic (little endian 0xBA55ED50)
+        return "fatbin"
+    return "ptx"
+
+
+class Module:
+    """A loadable image and what is known about its kernels.
+
+    Prefer the factories: :meth:`from_file`, :meth:`from_bytes`, or
+    :meth:`aiocuda.Program.compile`.
+
+    Args:
+        image: PTX (text, NUL-terminated or not), cubin or fatbin bytes.
+        kind: ``"ptx"``, ``"cubin"``, ``"fatbin"`` (or ``"sim"``); guessed when None.
+        signatures: kernel name -> :data:`Signature` (None if unknown), used when a kernel
+            is fetched without a declared signature. PTX images supply their own.
+        lowered_names: name expression -> exported symbol (template kernels).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_finalizer",
+        "_handles",
+        "_lock",
+        "image",
+        "kind",
+        "log",
+        "lowered_names",
+        "name",
+        "signatures",
+    )
+
+    def __init__(
+        self,
+        image: bytes,
+        *,
+        kind: str | None = None,
+        signatures: Mapping[str, Signature | None] | None = None,
+        lowered_names: Mapping[str, str] | None = None,
+        name: str = "",
+        log: str = "",
+    ) -> None:
+        image = bytes(image)
+        if not image:
+            raise ArgumentError("a module image cannot be empty", name="CUDA_ERROR_INVALID_IMAGE")
+        self.kind = kind or _guess_kind(image)
+        if self.kind not in _KINDS:
+            raise ArgumentError(f"unknown module kind {self.kind!r}: one of {_KINDS}")
+        if self.kind == "ptx" and not image.endswith(b"\0"):
+            image += b"\0"  # the driver reads PTX as a C string
+        self.image = image
+        known = dict(ptx_signatures(image.decode(errors="replace"))) if self.kind == "ptx" else {}
+        known.update(signatures or {})
+        self.signatures: dict[str, Signature | None] = known
+        self.lowered_names = dict(lowered_names or {})
+        self.name = name
+        self.log = log
+        self._lock = threading.Lock()
+        self._handles: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._finalizer = weakref.finalize(self, _unload_all, self._handles)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], *, kind: str | None = None, **kwargs: Any) -> Module:
+        """Load ``.ptx``, ``.cubin`` or ``.fatbin`` from disk (kind from the suffix or contents)."""
+        p = pathlib.Path(path)
+        suffix = p.suffix.lstrip(".").lower()
+        return cls(p.read_bytes(), kind=kind or (suffix if suffix in _KINDS else None), name=p.name, **kwargs)
+
+    @classmethod
+    def from_bytes(cls, image: bytes | str, *, kind: str | None = None, **kwargs: Any) -> Module:
+        """An image in memory; ``str`` is taken as PTX text."""
+        if isinstance(image, str):
+            return cls(image.encode(), kind=kind or "ptx", **kwargs)
+        return cls(image, kind=kind, **kwargs)
+
+    def __repr__(self) -> str:
+        loaded = sorted(ordinal for _, ordinal in self._handles)
+        return f"<Module {self.name or self.kind!r} {len(self.image)} bytes, loaded on devices {loaded}>"
+
+    def kernel(self, name: str, *, signature: str | Any = None) -> Kernel:
+        """The kernel ``name`` (a plain name or a compiled name expression such as
+        ``"axpy<float>"``). ``signature`` declares its parameters (see
+        :func:`aiocuda._signature.parse_signature`); without it the signature parsed from
+        the source or PTX is used, if any. The function is looked up on first use."""
+        from .kernel import Kernel
+
+        return Kernel(self, name, signature)
+
+    def symbol(self, name: str) -> str:
+        """The exported symbol of kernel ``name`` (mangled for name expressions)."""
+        return self.lowered_names.get(name, name)
+
+    def handle(self, device: Device) -> Any:
+        """The module loaded on ``device`` (loading it now if needed)."""
+        key = (_driver.backend_generation(), device.ordinal)
+        found = self._handles.get(key)
+        if found is not None:
+            return found[1]
+        with self._lock:
+            found = self._handles.get(key)
+            if found is None:
+                device.make_current()
+                found = self._handles[key] = (device._driver, device._driver.module_load_data(self.image))
+        return found[1]
+
+    def unload(self) -> None:
+        """Unload from every device it was loaded on (it reloads if used again)."""
+        with self._lock:
+            _unload_all(self._handles)
