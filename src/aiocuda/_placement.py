@@ -1,0 +1,86 @@
+"""Placing chunks on devices: round-robin or least-loaded, never beyond a device's budget.
+
+A device accepts a chunk while it has fewer than its ``max_chunks`` in flight and the
+bytes reserved for its chunks stay within its memory budget (an idle device accepts any
+chunk, so one oversized chunk still runs -- and fails with OutOfMemoryError if it truly
+does not fit). When no device accepts, :meth:`Admission.admit` waits until a chunk
+finishes somewhere: that wait is the executor's memory-aware back-pressure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal, Protocol, TypeVar
+
+import anyio
+
+__all__ = ["Admission", "Loaded", "PlacementName", "choose"]
+
+PlacementName = Literal["round_robin", "least_loaded"]
+
+
+class Loaded(Protocol):
+    """What placement needs to know about a device's load."""
+
+    chunks: int
+    reserved: int
+    max_chunks: int
+    budget: int
+
+
+L = TypeVar("L", bound=Loaded)
+
+
+def _fits(lane: Loaded, nbytes: int) -> bool:
+    if lane.chunks >= lane.max_chunks:
+        return False
+    return lane.chunks == 0 or lane.reserved + nbytes <= lane.budget
+
+
+def choose(policy: PlacementName, lanes: Sequence[L], nbytes: int, cursor: int) -> tuple[L | None, int]:
+    """The device for a chunk of ``nbytes`` and the next round-robin cursor.
+
+    ``round_robin`` takes the first device at or after ``cursor`` (in executor order)
+    that accepts; ``least_loaded`` the one with the fewest reserved bytes, then chunks,
+    then the cursor order (so equal devices still alternate).
+    """
+    n = len(lanes)
+    order = [lanes[(cursor + k) % n] for k in range(n)]
+    fitting = [lane for lane in order if _fits(lane, nbytes)]
+    if not fitting:
+        return None, cursor
+    if policy == "round_robin":
+        chosen = fitting[0]
+    elif policy == "least_loaded":
+        chosen = min(fitting, key=lambda lane: (lane.reserved, lane.chunks))
+    else:
+        raise ValueError(f"unknown placement {policy!r}: expected 'round_robin' or 'least_loaded'")
+    return chosen, (lanes.index(chosen) + 1) % n
+
+
+class Admission:
+    """Reserves device capacity for chunks; shared by every pipeline of an executor."""
+
+    def __init__(self) -> None:
+        self._changed: anyio.Event | None = None
+
+    async def admit(self, policy: PlacementName, lanes: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
+        """Wait until a device accepts ``nbytes``; reserve it there. Returns the device
+        and the next cursor."""
+        while True:
+            lane, cursor = choose(policy, lanes, nbytes, cursor)
+            if lane is not None:
+                lane.chunks += 1
+                lane.reserved += nbytes
+                return lane, cursor
+            if self._changed is None:
+                self._changed = anyio.Event()
+            await self._changed.wait()
+
+    def release(self, lane: Loaded, nbytes: int) -> None:
+        """A chunk admitted with ``nbytes`` finished (or failed) on ``lane``."""
+        lane.chunks -= 1
+        lane.reserved -= nbytes
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()

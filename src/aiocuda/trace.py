@@ -1,0 +1,331 @@
+"""Timelines of GPU work from event timings: Chrome / Perfetto traces and overlap summaries.
+
+A :class:`Trace` collects *spans*: one operation (a copy, a stage's kernels) on one
+engine of one device, with its start and end measured on the GPU by timing events
+recorded around it on its stream. The executor records them when created with
+``Executor(trace=True)``; :meth:`Trace.span` lets any code do the same.
+
+Engines are what runs concurrently on a GPU: ``h2d`` and ``d2h`` (the two copy engines),
+``compute`` (the SMs), ``p2p`` (GPU-to-GPU copies). :meth:`Trace.summary` reports, per
+device and engine, the busy time (the union of its spans), and compares the wall time
+with the *bound*: what a perfect pipeline would take, the busiest engine's busy time plus
+one fill and one drain (the mean span of every other engine). ``overlap_ratio = wall /
+bound`` is 1.0 for perfect overlap; a single stream doing everything in turn approaches
+``serial / bound``.
+
+Pitfalls:
+
+* An event recorded on a stream completes when the stream *reaches* it, so a span's
+  start includes time the stream spent waiting (``stream.wait``) for another engine;
+  record the start after the wait, as the executor does.
+* Times of different devices come from different GPU clocks; they are aligned by the
+  host time at which each device's origin event was recorded (accurate to a few
+  microseconds on an idle device).
+* Timing events cost a record each (about two per span); they are pooled per device, so
+  steady-state tracing creates none.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .device import Device
+from .stream import Stream
+
+__all__ = ["ENGINES", "EngineSummary", "Span", "Trace", "TraceSummary"]
+
+ENGINES = ("h2d", "compute", "d2h", "p2p")
+"""Engine names, in the order traces show them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """One traced operation; times in milliseconds since the trace began."""
+
+    device: int
+    engine: str
+    track: int
+    """Which stream of the engine (several compute streams overlap in time)."""
+    name: str
+    chunk: int | None
+    start_ms: float
+    end_ms: float
+
+    @property
+    def duration_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSummary:
+    """Busy time of one engine of one device."""
+
+    device: int
+    engine: str
+    busy_ms: float
+    """Union of the engine's spans: time during which at least one of them ran."""
+    spans: int
+    mean_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class TraceSummary:
+    """What a trace says about overlap (see the module docstring)."""
+
+    wall_ms: float
+    """From the first span's start to the last span's end, over every device."""
+    bound_ms: float
+    """The slowest device's busiest engine, plus one fill and drain."""
+    serial_ms: float
+    """Sum of every span: the time with no overlap at all, on one device."""
+    overlap_ratio: float
+    """``wall_ms / bound_ms``: 1.0 is perfect."""
+    engines: tuple[EngineSummary, ...]
+    devices: tuple[int, ...]
+
+    def busy_ms(self, device: int, engine: str) -> float:
+        """Busy time of one engine (0.0 when it did nothing)."""
+        return next((e.busy_ms for e in self.engines if e.device == device and e.engine == engine), 0.0)
+
+    def table(self) -> str:
+        """A plain-text table, one row per device and engine, then the totals."""
+        lines = [f"{'device':>6} {'engine':<8} {'spans':>6} {'busy ms':>10} {'mean ms':>9} {'busy %':>7}"]
+        for e in self.engines:
+            share = 100.0 * e.busy_ms / self.wall_ms if self.wall_ms else 0.0
+            lines.append(
+                f"{e.device:>6} {e.engine:<8} {e.spans:>6} {e.busy_ms:>10.3f} {e.mean_ms:>9.3f} {share:>6.1f}%"
+            )
+        lines.append(
+            f"wall {self.wall_ms:.3f} ms, bound {self.bound_ms:.3f} ms, overlap ratio {self.overlap_ratio:.3f} "
+            f"(1.0 is perfect), serial {self.serial_ms:.3f} ms"
+        )
+        return "\n".join(lines)
+
+
+def _union_ms(intervals: Iterable[tuple[float, float]]) -> float:
+    total = 0.0
+    end = float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+class _Clock:
+    """One device's origin event and its pool of timing events."""
+
+    __slots__ = ("device", "driver", "free", "origin", "origin_host_ms")
+
+    def __init__(self, device: Device, stream: Stream) -> None:
+        self.device = device
+        self.driver = device._driver
+        self.free: list[Any] = []
+        self.origin = self.acquire()
+        self.driver.event_record(self.origin, stream.handle)
+        self.origin_host_ms = time.perf_counter() * 1e3
+
+    def acquire(self) -> Any:
+        try:
+            return self.free.pop()
+        except IndexError:
+            self.device.make_current()
+            return self.driver.event_create(True, False)
+
+    def mark(self, stream: Stream) -> Any:
+        handle = self.acquire()
+        self.driver.event_record(handle, stream.handle)
+        return handle
+
+    def close(self) -> None:
+        for handle in (*self.free, self.origin):
+            try:
+                self.driver.event_destroy(handle)
+            except Exception:
+                pass
+        self.free.clear()
+
+
+class PendingSpan:
+    """A span whose events may not have completed yet; :meth:`Trace.resolve` reads it."""
+
+    __slots__ = ("chunk", "clock", "end", "engine", "name", "start", "track")
+
+    def __init__(self, clock: _Clock, engine: str, track: int, name: str, chunk: int | None, start: Any) -> None:
+        self.clock = clock
+        self.engine = engine
+        self.track = track
+        self.name = name
+        self.chunk = chunk
+        self.start = start
+        self.end: Any = None
+
+
+class Trace:
+    """Spans of GPU work on several devices (see the module docstring).
+
+    Usage outside the executor::
+
+        trace = Trace()
+        trace.begin(stream)                    # once per device: the origin
+        pending = trace.start(stream, "compute", "my_kernel")
+        kernel.launch(..., stream=stream)
+        trace.stop(pending, stream)
+        await stream
+        trace.resolve(pending)                 # after its work completed
+        trace.write_chrome("trace.json")
+    """
+
+    def __init__(self) -> None:
+        self._clocks: dict[int, _Clock] = {}
+        self._spans: list[Span] = []
+        self._host_origin_ms: float | None = None
+
+    # -- recording ------------------------------------------------------------------------
+    def begin(self, stream: Stream) -> None:
+        """Start the device's clock on ``stream`` (idempotent per device)."""
+        ordinal = stream.device.ordinal
+        if ordinal not in self._clocks:
+            clock = self._clocks[ordinal] = _Clock(stream.device, stream)
+            if self._host_origin_ms is None:
+                self._host_origin_ms = clock.origin_host_ms
+
+    def start(self, stream: Stream, engine: str, name: str, *, chunk: int | None = None, track: int = 0) -> PendingSpan:
+        """Record the start of an operation about to be enqueued on ``stream``."""
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+        clock = self._clocks.get(stream.device.ordinal)
+        if clock is None:
+            self.begin(stream)
+            clock = self._clocks[stream.device.ordinal]
+        return PendingSpan(clock, engine, track, name, chunk, clock.mark(stream))
+
+    @staticmethod
+    def stop(pending: PendingSpan, stream: Stream) -> None:
+        """Record the end of the operation, on the stream it was enqueued on."""
+        pending.end = pending.clock.mark(stream)
+
+    def resolve(self, *pending: PendingSpan) -> None:
+        """Turn spans whose work has completed into :class:`Span` s and recycle their
+        events. Call only after awaiting work enqueued after every span's end."""
+        for p in pending:
+            clock = p.clock
+            if p.end is None:
+                self.discard(p)
+                continue
+            elapsed = clock.driver.event_elapsed_ms
+            shift = clock.origin_host_ms - (self._host_origin_ms or clock.origin_host_ms)
+            start = elapsed(clock.origin, p.start) + shift
+            end = elapsed(clock.origin, p.end) + shift
+            self._spans.append(Span(clock.device.ordinal, p.engine, p.track, p.name, p.chunk, start, end))
+            self.discard(p)
+
+    @staticmethod
+    def discard(*pending: PendingSpan) -> None:
+        """Give the events of spans that will never be resolved (cancelled, failed) back.
+        Re-recording a pending event later is safe: the new record replaces the old."""
+        for p in pending:
+            free = p.clock.free
+            for handle in (p.start, p.end):
+                if handle is not None:
+                    free.append(handle)
+            p.start = p.end = None
+
+    def close(self) -> None:
+        """Destroy the timing events (the spans stay readable)."""
+        for clock in self._clocks.values():
+            clock.close()
+        self._clocks.clear()
+
+    def clear(self) -> None:
+        """Forget the spans collected so far (clocks keep running)."""
+        self._spans.clear()
+
+    # -- reading --------------------------------------------------------------------------
+    @property
+    def spans(self) -> tuple[Span, ...]:
+        return tuple(self._spans)
+
+    def summary(self) -> TraceSummary:
+        """Busy time per device and engine, wall time, bound and overlap ratio."""
+        spans = self._spans
+        if not spans:
+            return TraceSummary(0.0, 0.0, 0.0, 0.0, (), ())
+        engines: list[EngineSummary] = []
+        bound = 0.0
+        devices = sorted({s.device for s in spans})
+        for device in devices:
+            mine = [s for s in spans if s.device == device]
+            rows = []
+            for engine in ENGINES:
+                own = [s for s in mine if s.engine == engine]
+                if own:
+                    busy = _union_ms((s.start_ms, s.end_ms) for s in own)
+                    mean = sum(s.duration_ms for s in own) / len(own)
+                    rows.append(EngineSummary(device, engine, busy, len(own), mean))
+            busiest = max(rows, key=lambda e: e.busy_ms)
+            fill_drain = sum(e.mean_ms for e in rows if e is not busiest)
+            bound = max(bound, busiest.busy_ms + fill_drain)
+            engines.extend(rows)
+        wall = max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
+        serial = sum(s.duration_ms for s in spans)
+        ratio = wall / bound if bound > 0 else 0.0
+        return TraceSummary(wall, bound, serial, ratio, tuple(engines), tuple(devices))
+
+    def to_chrome(self) -> dict[str, Any]:
+        """The trace in Chrome's trace-event format (JSON-ready; Perfetto reads it):
+        one complete event (``"ph": "X"``, microseconds) per span, ``pid`` = device,
+        ``tid`` = engine track, named by metadata events."""
+        events: list[dict[str, Any]] = []
+        tracks: set[tuple[int, str, int]] = set()
+        for s in self._spans:
+            tid = _tid(s.engine, s.track)
+            tracks.add((s.device, s.engine, s.track))
+            args: dict[str, Any] = {"engine": s.engine}
+            if s.chunk is not None:
+                args["chunk"] = s.chunk
+            events.append(
+                {
+                    "name": s.name,
+                    "cat": s.engine,
+                    "ph": "X",
+                    "ts": round(s.start_ms * 1e3, 3),
+                    "dur": round(s.duration_ms * 1e3, 3),
+                    "pid": s.device,
+                    "tid": tid,
+                    "args": args,
+                }
+            )
+        for device in sorted({d for d, _, _ in tracks}):
+            events.append(
+                {"name": "process_name", "ph": "M", "pid": device, "tid": 0, "args": {"name": f"GPU {device}"}}
+            )
+        for device, engine, track in sorted(tracks):
+            label = engine if track == 0 else f"{engine} {track}"
+            tid = _tid(engine, track)
+            events.append({"name": "thread_name", "ph": "M", "pid": device, "tid": tid, "args": {"name": label}})
+            events.append(
+                {"name": "thread_sort_index", "ph": "M", "pid": device, "tid": tid, "args": {"sort_index": tid}}
+            )
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write_chrome(self, path: str | pathlib.Path) -> pathlib.Path:
+        """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev or chrome://tracing)."""
+        target = pathlib.Path(path)
+        target.write_text(json.dumps(self.to_chrome()))
+        return target
+
+    def __repr__(self) -> str:
+        return f"<Trace spans={len(self._spans)} devices={sorted(self._clocks)}>"
+
+
+def _tid(engine: str, track: int) -> int:
+    """Track ids: h2d 1, compute 2, 10, 11, ... for further compute streams, d2h 3, p2p 4."""
+    base = ENGINES.index(engine) + 1
+    return base if track == 0 else 10 * base + track
