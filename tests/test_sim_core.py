@@ -354,6 +354,21 @@ def test_doorbell_rings_from_the_stream(sim: SimDriver) -> None:
     assert bell.wait(WAIT)
 
 
+def test_doorbell_behind_an_event_completes_with_it(sim: SimDriver) -> None:
+    """``await stream`` records an event then rings: once the event is seen, the stream is idle."""
+    stream = sim.stream_create(non_blocking=True, priority=0)
+    event = sim.event_create(timing=False, blocking_sync=False)
+    bell = sim.new_doorbell()
+    for _ in range(50):
+        sim._enqueue(stream, lambda: None, "op")
+        sim.event_record(event, stream)
+        sim.launch_doorbell(stream, bell)
+        while not sim.event_query(event):
+            pass
+        assert sim.stream_query(stream)
+    assert bell.wait(0)
+
+
 # -- faults -----------------------------------------------------------------------------------
 def test_inject_fault_at_the_nth_call(sim: SimDriver) -> None:
     stream = sim.stream_create(non_blocking=True, priority=0)
@@ -666,9 +681,7 @@ _actions = st.lists(
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(actions=_actions, held=st.sets(st.integers(0, 2)))
-def test_random_programs_keep_stream_order_and_waits(
-    sim: SimDriver, actions: list[Any], held: set[int]
-) -> None:
+def test_random_programs_keep_stream_order_and_waits(sim: SimDriver, actions: list[Any], held: set[int]) -> None:
     streams = [sim.stream_create(non_blocking=True, priority=0) for _ in range(3)]
     events = [sim.event_create(timing=False, blocking_sync=False) for _ in range(3)]
     lock = threading.Lock()

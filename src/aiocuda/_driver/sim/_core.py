@@ -63,7 +63,7 @@ from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
 from ._objects import SimContext, SimDevice, SimEvent, SimPoint, next_handle_value
-from ._worker import Engine, SimStream
+from ._worker import HOST_FUNCTION, Engine, SimStream
 
 __all__ = ["SimCore"]
 
@@ -153,9 +153,7 @@ class SimCore:
         """The live :class:`SimStream` for a stream handle or raw value; else ArgumentError."""
         if type(stream) is SimStream:
             if stream.destroyed:
-                raise sim_error(
-                    ResultCode.INVALID_HANDLE, "stream", f"stream {stream.value:#x} was destroyed"
-                )
+                raise sim_error(ResultCode.INVALID_HANDLE, "stream", f"stream {stream.value:#x} was destroyed")
             return stream
         if isinstance(stream, int) and not isinstance(stream, bool):
             if stream in _LEGACY_STREAM_VALUES:
@@ -186,9 +184,7 @@ class SimCore:
         if stream is null:
             for other in stream.device.streams():
                 if other is not null and not other.non_blocking and other.finished < other.submitted:
-                    stream.submit(
-                        _Waiter(SimPoint(other, other.submitted), stream.device), "stream_wait_event"
-                    )
+                    stream.submit(_Waiter(SimPoint(other, other.submitted), stream.device), "stream_wait_event")
         elif not stream.non_blocking and null.finished < null.submitted:
             stream.submit(_Waiter(SimPoint(null, null.submitted), stream.device), "stream_wait_event")
         return stream.submit(fn, name)
@@ -196,9 +192,7 @@ class SimCore:
     def _device(self, dev: Any) -> SimDevice:
         if type(dev) is SimDevice and dev.ordinal < len(self._devices) and self._devices[dev.ordinal] is dev:
             return dev
-        raise sim_error(
-            ResultCode.INVALID_DEVICE, "device", f"not a device of this simulated driver: {dev!r}"
-        )
+        raise sim_error(ResultCode.INVALID_DEVICE, "device", f"not a device of this simulated driver: {dev!r}")
 
     def _event(self, event: Any) -> SimEvent:
         if type(event) is SimEvent and not event.destroyed:
@@ -324,9 +318,7 @@ class SimCore:
             return device.ordinal
         value = H100_ATTRIBUTES.get(attribute)
         if value is None:
-            raise sim_error(
-                ResultCode.INVALID_VALUE, "device_attribute", f"unknown device attribute {attribute!r}"
-            )
+            raise sim_error(ResultCode.INVALID_VALUE, "device_attribute", f"unknown device attribute {attribute!r}")
         return value
 
     def device_attribute_names(self) -> Sequence[str]:
@@ -362,9 +354,7 @@ class SimCore:
 
     def enable_peer_access(self, peer_ctx: Any) -> None:
         if type(peer_ctx) is not SimContext or peer_ctx.device_ordinal >= len(self._devices):
-            raise sim_error(
-                ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}"
-            )
+            raise sim_error(ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}")
         ordinal = self._device_of_current()
         self._api("enable_peer_access", ordinal)
         if peer_ctx.device_ordinal == ordinal:
@@ -394,9 +384,7 @@ class SimCore:
         sim = self._resolve_stream(stream)
         self._api("stream_destroy", sim.device.ordinal)
         if sim.value in _LEGACY_STREAM_VALUES:
-            raise sim_error(
-                ResultCode.INVALID_HANDLE, "stream_destroy", "the null stream cannot be destroyed"
-            )
+            raise sim_error(ResultCode.INVALID_HANDLE, "stream_destroy", "the null stream cannot be destroyed")
         self._streams.pop(sim.value, None)
         sim.destroy()
 
@@ -524,7 +512,7 @@ class SimCore:
         """Enqueue ``bell.ring()``; never run once the device is poisoned (as on CUDA)."""
         sim = self._resolve_stream(stream)
         self._api("launch_doorbell", sim.device.ordinal)
-        self._submit(sim, bell.ring, "launch_doorbell")
+        self._submit(sim, bell.ring, HOST_FUNCTION)
 
 
 class _Waiter:

@@ -134,9 +134,7 @@ class SimDevice:
         """
         poison = self.poison
         if poison is not None:
-            sticky = sim_error(
-                poison.code, call, f"device {self.ordinal}'s context is poisoned ({poison.detail})"
-            )
+            sticky = sim_error(poison.code, call, f"device {self.ordinal}'s context is poisoned ({poison.detail})")
             sticky.__cause__ = poison.cause
             return sticky
         with self._lock:

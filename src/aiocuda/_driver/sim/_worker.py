@@ -34,12 +34,15 @@ from ._codes import sim_error
 if TYPE_CHECKING:
     from ._objects import SimContext, SimDevice
 
-__all__ = ["Engine", "SimStream"]
+__all__ = ["HOST_FUNCTION", "Engine", "SimStream"]
 
 _IDLE_EXIT_S = 1.0
 """How long an idle worker thread lingers before leaving (a new operation restarts it)."""
 
 Operation = Callable[[], object]
+
+HOST_FUNCTION = "launch_doorbell"
+"""The name doorbell operations are enqueued under (they never block and never fail)."""
 
 
 class Engine:
@@ -80,9 +83,7 @@ class SimStream:
         "value",
     )
 
-    def __init__(
-        self, engine: Engine, device: SimDevice, value: int, non_blocking: bool, priority: int
-    ) -> None:
+    def __init__(self, engine: Engine, device: SimDevice, value: int, non_blocking: bool, priority: int) -> None:
         self.value = value
         self.device = device
         self.non_blocking = non_blocking
@@ -180,10 +181,28 @@ class SimStream:
                     return
             if not self._execute(*job):
                 continue  # dropped: the device was poisoned or the driver stopped meanwhile
+            done = 1
+            while (bell := self._doorbell_at(done)) is not None and self._execute(*bell):
+                done += 1
             with self._cond:
-                self._ops.popleft()
-                self.finished += 1
+                for _ in range(done):
+                    self._ops.popleft()
+                self.finished += done
                 self._cond.notify_all()
+
+    def _doorbell_at(self, index: int) -> tuple[Operation, str] | None:
+        """The queued operation at ``index`` if it is a doorbell that may run now.
+
+        Doorbells right behind an operation run before that operation is reported
+        finished. CUDA leaves the gap between an event completing and the next host
+        function running unspecified; on a GPU it is microseconds, while here a waiter
+        woken by the event could otherwise run first for a whole GIL switch interval
+        and see ``stream_query`` report the stream busy right after ``await stream``.
+        """
+        with self._cond:
+            if self._held or len(self._ops) <= index or self._ops[index][1] != HOST_FUNCTION:
+                return None
+            return self._ops[index]
 
     def _next_job(self) -> tuple[Operation, str] | None:
         """The next operation to run, or None when the worker should leave (lock held)."""
@@ -219,6 +238,4 @@ class SimStream:
                 return
             self.device.poison_with(exc.code, f"{where} failed: {exc}", exc)
             return
-        self.device.poison_with(
-            ResultCode.ILLEGAL_ADDRESS, f"{where} raised {type(exc).__name__}: {exc}", exc
-        )
+        self.device.poison_with(ResultCode.ILLEGAL_ADDRESS, f"{where} raised {type(exc).__name__}: {exc}", exc)
