@@ -226,7 +226,7 @@ class SimStream:
             return False
         try:
             fn()
-        except Exception as exc:  # noqa: BLE001 -- any failure of an operation is the device's, as on a GPU
+        except Exception as exc:  # any failure of an operation is the device's, as on a GPU
             self._fail(name, exc)
         return True
 
