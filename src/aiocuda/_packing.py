@@ -107,7 +107,9 @@ def to_pointer(arg: Any, stream: Any) -> int:
     """
     convert = _converters.get(arg.__class__)
     if convert is None:
-        convert = _converters[arg.__class__] = _converter_for(arg.__class__)
+        convert = _converter_for(arg)
+        if convert is not _not_a_pointer:  # failures are not cached: another instance may differ
+            _converters[arg.__class__] = convert
     return convert(arg, stream)
 
 
@@ -136,14 +138,15 @@ def _null_pointer(arg: Any, stream: Any) -> int:
     return 0
 
 
-def _converter_for(cls: type) -> Callable[[Any, Any], int]:
+def _converter_for(arg: Any) -> Callable[[Any, Any], int]:
+    cls = type(arg)
     if hasattr(cls, "ptr") and hasattr(cls, "_used_on"):
         return _buffer_pointer
     if hasattr(cls, "ptr") and hasattr(cls, "buffer"):
         return _array_pointer
-    if hasattr(cls, "__cuda_array_interface__"):
+    if hasattr(arg, "__cuda_array_interface__"):
         return _cai_pointer
-    if cls is type(None):
+    if arg is None:
         return _null_pointer
     if issubclass(cls, (int, np.integer)) and not issubclass(cls, (bool, np.bool_)):
         return _index_pointer

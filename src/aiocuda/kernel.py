@@ -59,7 +59,7 @@ class KernelAttributes:
 
 
 def _dim3(value: Dim3, what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, int) else tuple(value)
+    dims = (value,) if not isinstance(value, tuple) else value
     if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
         raise LaunchError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}", name="AIOCUDA_BAD_CONFIG")
     if any(d < 1 for d in dims):

@@ -1,0 +1,329 @@
+"""Kernels: correctness against numpy, launch paths, argument checking, attributes, occupancy.
+
+Every test runs on the simulated backend (kernels through registered Python
+implementations) and on a real GPU where one is present (the same CUDA source, compiled).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda import _driver
+from aiocuda.array import empty, to_device
+from aiocuda.errors import ArgumentError, CudaError, LaunchError
+from aiocuda.kernel import Kernel, register_sim_kernel
+from aiocuda.module import Module
+from aiocuda.program import Program
+from aiocuda.stream import Stream
+
+SOURCE = r"""
+extern "C" __global__ void saxpy(float a, const float* __restrict__ x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+
+template <typename T>
+__global__ void axpy(T a, const T* x, T* y, size_t n) {
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+
+extern "C" __global__ void fill(int* out, int value, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = value;
+}
+
+extern "C" __global__ void empty_kernel(float* a, float* b, int n) { }
+
+extern "C" __global__ void unimplemented(int* out) { }
+"""
+
+
+def _saxpy(launch: Any, a: np.float32, x: np.ndarray, y: np.ndarray, n: np.int32) -> None:
+    y[:n] = a * x[:n] + y[:n]
+
+
+def _axpy(launch: Any, a: Any, x: np.ndarray, y: np.ndarray, n: np.uint64) -> None:
+    y[: int(n)] = a * x[: int(n)] + y[: int(n)]
+
+
+def _fill(launch: Any, out: np.ndarray, value: np.int32, n: np.int32) -> None:
+    out[:n] = value
+
+
+@pytest.fixture
+def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
+    impls = {"saxpy": _saxpy, "axpy": _axpy, "fill": _fill, "empty_kernel": lambda launch, *args: None}
+    for name, impl in impls.items():
+        register_sim_kernel(name, impl)
+    from aiocuda._compile_cache import CompileCache
+
+    program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=CompileCache(tmp_path))
+    yield program.compile()
+    for name in impls:
+        register_sim_kernel(name, None)
+
+
+def _data(n: int, dtype: Any = np.float32, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.random(n).astype(dtype), rng.random(n).astype(dtype)
+
+
+# -- correctness ---------------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_saxpy_matches_numpy(module: Module, anyio_backend: object) -> None:
+    n = 10_000
+    x, y = _data(n)
+    with Stream(0) as s:
+        dx, dy = await to_device(x, stream=s), await to_device(y, stream=s)
+        saxpy = module.kernel("saxpy")
+        saxpy.launch((n + 255) // 256, 256, 2.5, dx, dy, n, stream=s)
+        await s
+        out = await dy.to_host(stream=s)
+    np.testing.assert_allclose(out, np.float32(2.5) * x + y, rtol=1e-6)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+async def test_template_kernel_matches_numpy(module: Module, anyio_backend: object, dtype: Any) -> None:
+    n = 4097
+    x, y = _data(n, dtype, seed=1)
+    name = "axpy<float>" if dtype == np.float32 else "axpy<double>"
+    kernel = module.kernel(name)
+    assert [p.dtype for p in kernel.signature or ()] == [np.dtype(dtype)] * 3 + [np.dtype(np.uint64)]
+    with Stream(0) as s:
+        dx, dy = await to_device(x, stream=s), await to_device(y, stream=s)
+        kernel[(n + 127) // 128, 128, s](dtype(-1.5), dx, dy, n)
+        out = await dy.to_host(stream=s)
+    np.testing.assert_allclose(out, dtype(-1.5) * x + y, rtol=1e-6)
+
+
+@pytest.mark.anyio
+async def test_bound_launcher_reused_with_new_values(module: Module, anyio_backend: object) -> None:
+    n = 1000
+    with Stream(0) as s:
+        outs = [empty(n, np.int32, stream=s) for _ in range(3)]
+        go = module.kernel("fill").bind(4, 256, stream=s)
+        for value, out in enumerate(outs):
+            go(out, value * 7, n)
+        results = [await out.to_host(stream=s) for out in outs]
+    for value, result in enumerate(results):
+        assert (result == value * 7).all()
+
+
+@pytest.mark.anyio
+async def test_pointer_forms(module: Module, anyio_backend: object) -> None:
+    n = 256
+    fill = module.kernel("fill")
+
+    class Foreign:
+        def __init__(self, ptr: int) -> None:
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (n,), "typestr": "<i4", "version": 3}
+
+    with Stream(0) as s:
+        arrays = [empty(n, np.int32, stream=s) for _ in range(4)]
+        forms = [arrays[0], arrays[1].buffer, Foreign(arrays[2].ptr), arrays[3].ptr]
+        for value, form in enumerate(forms):
+            fill.launch(1, 256, form, value + 1, n, stream=s)
+        results = [await a.to_host(stream=s) for a in arrays]
+    for value, result in enumerate(results):
+        assert (result == value + 1).all()
+
+
+def test_concurrent_launches_from_threads(module: Module) -> None:
+    n, rounds, workers = 64, 50, 4
+    with Stream(0) as s:
+        outs = [empty(n, np.int32, stream=s) for _ in range(workers)]
+        s.synchronize()
+        go = module.kernel("fill").bind(1, 64, stream=s)
+        errors: list[BaseException] = []
+
+        def worker(index: int) -> None:
+            try:
+                for _ in range(rounds):
+                    go(outs[index], index + 100, n)
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        s.synchronize()
+        host = [np.empty(n, np.int32) for _ in range(workers)]
+        for out, h in zip(outs, host, strict=True):
+            out.buffer.device._driver.memcpy_dtoh_async(h.ctypes.data, out.ptr, h.nbytes, s.handle)
+        s.synchronize()
+    assert not errors
+    for index, h in enumerate(host):
+        assert (h == index + 100).all()
+
+
+# -- argument checking ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((2.0, 0, 0), "takes 4 argument(s)"),
+        ((2.0, 0, 0, 1, 2), "takes 4 argument(s)"),
+        ((2.0, 0, 0, 1.5), "argument 3 (int32 n)"),
+        ((2.0, 0, 0, 2**40), "argument 3 (int32 n)"),
+        (("a", 0, 0, 1), "argument 0 (float32 a)"),
+        ((2.0, np.zeros(4, np.float32), 0, 1), "host ndarray"),
+        ((2.0, 0, 1.0, 1), "argument 2 (float32* y)"),
+        ((2.0, 0, True, 1), "argument 2 (float32* y)"),
+        ((2.0, -1, 0, 1), "argument 1 (float32* x)"),
+    ],
+)
+def test_bad_arguments_raise_before_the_driver(module: Module, args: tuple[Any, ...], message: str) -> None:
+    calls: list[Any] = []
+    register_sim_kernel("saxpy", lambda launch, *a: calls.append(a))
+    with Stream(0) as s:
+        saxpy = module.kernel("saxpy")
+        with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)").replace("*", r"\*")):
+            saxpy.launch(1, 32, *args, stream=s)
+        go = saxpy.bind(1, 32, stream=s)
+        with pytest.raises(LaunchError):
+            go(*args)
+        s.synchronize()
+        assert s.query()
+    assert calls == []
+
+
+def test_scalar_widths_and_numpy_scalars_pack_exactly() -> None:
+    from aiocuda._packing import ParamBuffer
+    from aiocuda._signature import parse_signature
+
+    sig = parse_signature(
+        "bool, int8_t, unsigned char, short, unsigned short, int, unsigned int, long long, "
+        "unsigned long long, __half, float, double, float*"
+    )
+    values = (True, -5, 250, -30000, 60000, -(2**31), 2**32 - 1, -(2**63), 2**64 - 1, 0.5, 1.25, -2.5, 0xDEAD00)
+    buffer = ParamBuffer(sig)
+    buffer.pack(values, None)
+    assert buffer.values == values
+    np_values = tuple(p.dtype.type(v) if not p.pointer else np.uint64(v) for p, v in zip(sig, values, strict=True))
+    buffer.pack(np_values, None)
+    assert buffer.values == values
+    # each void* entry points at its argument's own bytes
+    import ctypes
+
+    pointers = (ctypes.c_void_p * len(sig)).from_address(buffer.address)
+    for param, pointer, value in zip(sig, pointers, values, strict=True):
+        raw = ctypes.string_at(pointer, param.dtype.itemsize if not param.pointer else 8)
+        expected = np.array(value, dtype=np.uint64 if param.pointer else param.dtype).tobytes()
+        assert raw == expected, param
+
+
+def test_unknown_signature_asks_for_a_declared_one(module: Module) -> None:
+    bare = Module(module.image, kind=module.kind)  # no signatures known
+    kernel = bare.kernel("saxpy")
+    with Stream(0) as s, pytest.raises(LaunchError, match="declare them"):
+        kernel.launch(1, 32, 1.0, 0, 0, 1, stream=s)
+    declared = bare.kernel("saxpy", signature="float a, const float* x, float* y, int n")
+    assert declared.signature == module.kernel("saxpy").signature
+
+
+def test_bad_launch_configuration(module: Module) -> None:
+    saxpy = module.kernel("saxpy")
+    with Stream(0) as s:
+        for grid, block in [(0, 32), (1, (32, 0)), (1, (1, 1, 1, 1)), (1.5, 32)]:
+            with pytest.raises(LaunchError):
+                saxpy.launch(grid, block, 1.0, 0, 0, 0, stream=s)
+        with pytest.raises(CudaError):
+            saxpy.launch(1, 2048, 1.0, 0, 0, 0, stream=s)  # more threads than a block may have
+
+
+def test_missing_kernel_is_a_clear_error(module: Module) -> None:
+    with pytest.raises(ArgumentError, match="nope"):
+        module.kernel("nope").function(0)
+
+
+def test_sim_kernel_without_implementation(backend: _driver.Driver, module: Module) -> None:
+    if backend.name != "sim":
+        pytest.skip("sim-only: a real GPU runs the compiled kernel")
+    with Stream(0) as s, pytest.raises(LaunchError, match="register_kernel"):
+        module.kernel("unimplemented").launch(1, 1, 0, stream=s)
+
+
+# -- attributes, occupancy, cooperative and cluster launches -------------------------------------
+def test_attributes_and_occupancy(module: Module) -> None:
+    kernel = module.kernel("saxpy")
+    attrs = kernel.attributes(0)
+    assert attrs.num_regs > 0
+    assert attrs.max_threads_per_block >= 256
+    assert attrs.binary_version >= 50
+    blocks = kernel.max_active_blocks(256)
+    assert 1 <= blocks <= 32
+    min_grid, block = kernel.suggested_block_size()
+    assert block % 32 == 0 and 32 <= block <= 1024 and min_grid >= 1
+    kernel.set_attribute("max_dynamic_shared_size_bytes", 64 * 1024)
+    assert kernel.attribute("max_dynamic_shared_size_bytes") == 64 * 1024
+    with pytest.raises(ArgumentError):
+        kernel.set_attribute("num_regs", 8)
+
+
+@pytest.mark.anyio
+async def test_cooperative_and_cluster_launches(module: Module, anyio_backend: object) -> None:
+    fill = module.kernel("fill")
+    n = 256
+    with Stream(0) as s:
+        out = empty(n, np.int32, stream=s)
+        fill.launch(2, 128, out, 3, n, stream=s, cooperative=True)
+        assert (await out.to_host(stream=s) == 3).all()
+        fill.launch(4, 64, out, 4, n, stream=s, cluster=2)
+        assert (await out.to_host(stream=s) == 4).all()
+        with pytest.raises(LaunchError):
+            fill.launch(1_000_000, 1024, out, 5, n, stream=s, cooperative=True)
+        with pytest.raises(CudaError):
+            fill.launch(3, 64, out, 5, n, stream=s, cluster=2)  # the cluster must divide the grid
+
+
+@pytest.mark.anyio
+async def test_module_from_ptx_text(backend: _driver.Driver, anyio_backend: object) -> None:
+    ptx = _PTX
+    register_sim_kernel("set_one", lambda launch, out: out.__setitem__(slice(0, 1), 1))
+    try:
+        module = Module.from_bytes(ptx)
+        parsed = module.kernel("set_one").signature
+        assert parsed is not None and [p.dtype.name for p in parsed] == ["uint64"]
+        # PTX cannot tell a pointer from a u64; declaring it gives the sim a typed array
+        kernel = module.kernel("set_one", signature="unsigned int* out")
+        with Stream(0) as s:
+            out = empty(4, np.uint32, stream=s)
+            await out.fill(0, stream=s)
+            kernel.launch(1, 1, out, stream=s)
+            assert (await out.to_host(stream=s))[0] == 1
+        module.unload()
+    finally:
+        register_sim_kernel("set_one", None)
+
+
+_PTX = """
+.version 7.0
+.target sm_70
+.address_size 64
+
+.visible .entry set_one(
+    .param .u64 set_one_param_0
+)
+{
+    .reg .b32 %r<2>;
+    .reg .b64 %rd<3>;
+    ld.param.u64 %rd1, [set_one_param_0];
+    cvta.to.global.u64 %rd2, %rd1;
+    mov.u32 %r1, 1;
+    st.global.u32 [%rd2], %r1;
+    ret;
+}
+"""
+
+
+def test_kernel_repr(module: Module) -> None:
+    assert repr(module.kernel("saxpy")) == "<Kernel saxpy(float32 a, float32* x, float32* y, int32 n)>"
+    assert isinstance(module.kernel("fill"), Kernel)
