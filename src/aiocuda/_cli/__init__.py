@@ -1,0 +1,1 @@
+"""Command-line programs behind ``python -m aiocuda`` (see :mod:`aiocuda.__main__`)."""
