@@ -1,0 +1,321 @@
+"""Stream-ordered memory: allocation, copies and leak-freedom, against today's ways.
+
+Measured in one process, baselines in the same run:
+
+* allocate + free of 1 MiB: aiocuda ``pool.allocate(n, s).free()`` against raw
+  ``cuMemAllocAsync`` + ``cuMemFreeAsync`` (default pool, release threshold max, as
+  in ``anchor_probe.py``), ``cuMemAlloc`` + ``cuMemFree``, PyTorch's caching allocator
+  and CuPy's pool (when installed). Rounds of each are interleaved; medians per op.
+* aiocuda's Python overhead on the allocate/free path, with the driver calls stubbed.
+* 256 MiB copies: aiocuda to/from pinned arrays against raw ``cuMemcpy*Async`` +
+  ``cuStreamSynchronize`` (wall clock both); aiocuda ``copy_from`` of a pageable numpy
+  array (staged through pinned chunks) against raw pageable ``cuMemcpyHtoDAsync``.
+* churn: 100k random allocate / free / cancel-mid-copy cycles; pool bytes in use after
+  minus before.
+
+    PYTHONPATH=src python3 benchmarks/memory.py [--quick]
+
+On the simulated backend (``--quick``) only what does not need a GPU is meaningful: the
+Python overhead and the churn leak check; the other figures are reported, not judged.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+import aiocuda.array as ga
+from aiocuda import _driver
+from aiocuda.device import Device
+from aiocuda.host import pinned_empty
+from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
+
+try:
+    from benchmarks._common import Result, parser
+except ImportError:  # run as a script from the benchmarks folder
+    from _common import Result, parser  # type: ignore[no-redef]
+
+MiB = 1 << 20
+ALLOC_SIZE = MiB
+
+
+def _per_op_us(fn: Callable[[int], None], n: int, rounds: int) -> list[float]:
+    """Per-operation microseconds of ``fn(n)``, one sample per round."""
+    samples = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn(n)
+        samples.append((time.perf_counter() - t) / n * 1e6)
+    return samples
+
+
+def _interleaved(contenders: dict[str, Callable[[int], None]], n: int, rounds: int) -> dict[str, float]:
+    """Median per-op microseconds of each contender, rounds interleaved against drift."""
+    for fn in contenders.values():
+        fn(max(n // 10, 10))  # warm-up
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            samples[name] += _per_op_us(fn, n, 1)
+    return {name: statistics.median(xs) for name, xs in samples.items()}
+
+
+# -- allocation ---------------------------------------------------------------------------------
+
+
+def _alloc_contenders(stream: Stream, real: bool) -> dict[str, Callable[[int], None]]:
+    pool = MemoryPool.for_device(stream.device)
+
+    def aiocuda_alloc_free(n: int) -> None:
+        allocate = pool.allocate
+        for _ in range(n):
+            allocate(ALLOC_SIZE, stream).free()
+        stream.synchronize()
+
+    contenders: dict[str, Callable[[int], None]] = {"aiocuda": aiocuda_alloc_free}
+    if not real:
+        return contenders
+    from aiocuda._driver.cuda._core import drv
+
+    success = drv.CUresult.CUDA_SUCCESS
+    handle = stream.handle
+
+    def ck(res: tuple[Any, ...]) -> Any:  # the anchor probe's checker
+        if res[0] != success:
+            raise RuntimeError(str(res[0]))
+        return res[1] if len(res) == 2 else res[1:]
+
+    def raw_async(n: int) -> None:
+        for _ in range(n):
+            p = ck(drv.cuMemAllocAsync(ALLOC_SIZE, handle))
+            ck(drv.cuMemFreeAsync(p, handle))
+        ck(drv.cuStreamSynchronize(handle))
+
+    def raw_sync(n: int) -> None:
+        for _ in range(n):
+            p = ck(drv.cuMemAlloc(ALLOC_SIZE))
+            ck(drv.cuMemFree(p))
+
+    contenders["raw_async"] = raw_async
+    contenders["raw_sync"] = raw_sync
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.cuda.init()
+
+        def torch_caching(n: int) -> None:
+            for _ in range(n):
+                x = torch.empty(ALLOC_SIZE, dtype=torch.uint8, device="cuda")
+                del x
+
+        contenders["torch"] = torch_caching
+    if importlib.util.find_spec("cupy") is not None:
+        import cupy
+
+        def cupy_pool(n: int) -> None:
+            for _ in range(n):
+                x = cupy.empty(ALLOC_SIZE, dtype=cupy.uint8)
+                del x
+
+        contenders["cupy"] = cupy_pool
+    return contenders
+
+
+class _NullDriver:
+    """Driver stand-in whose allocation calls do nothing: isolates aiocuda's Python."""
+
+    def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> int:
+        return 0x1000
+
+    def mem_free_async(self, ptr: int, stream: Any) -> None:
+        return None
+
+
+def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
+    """aiocuda allocate + free per op minus the same two (stub) driver calls made directly."""
+    null = _NullDriver()
+    pool = MemoryPool(stream.device, None, owned=False)
+    pool._driver = null  # type: ignore[assignment]
+    pool._alloc_fn = null.mem_alloc_async
+    pool._free_fn = null.mem_free_async
+
+    def ours(k: int) -> None:
+        allocate = pool.allocate
+        for _ in range(k):
+            allocate(ALLOC_SIZE, stream).free()
+
+    def direct(k: int) -> None:
+        alloc, free = null.mem_alloc_async, null.mem_free_async
+        handle = stream.handle
+        for _ in range(k):
+            free(alloc(ALLOC_SIZE, None, handle), handle)
+
+    medians = _interleaved({"ours": ours, "direct": direct}, n, rounds)
+    return medians["ours"] - medians["direct"]
+
+
+# -- copies -----------------------------------------------------------------------------------
+
+
+def _best_wall_s(fn: Callable[[], None], reps: int) -> float:
+    fn()
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+async def _best_wall_async_s(fn: Callable[[], Any], reps: int) -> float:
+    await fn()
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        await fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: bool) -> None:
+    device = stream.device
+    pinned = pinned_empty(nbytes, np.uint8, device=device)
+    pinned[:] = 1
+    pageable = np.ones(nbytes, np.uint8)
+    dev = ga.empty(nbytes, np.uint8, stream=stream)
+    gbps = nbytes / 1e9
+
+    ours_h2d_pinned = await _best_wall_async_s(lambda: dev.copy_from(pinned, stream=stream), reps)
+    ours_d2h_pinned = await _best_wall_async_s(lambda: dev.to_host(out=pinned, stream=stream), reps)
+    ours_h2d_pageable = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
+    ours_d2h_pageable = await _best_wall_async_s(lambda: dev.to_host(out=pageable, stream=stream), reps)
+    result.metrics["h2d_pinned_GBps"] = round(gbps / ours_h2d_pinned, 2)
+    result.metrics["d2h_pinned_GBps"] = round(gbps / ours_d2h_pinned, 2)
+    result.metrics["h2d_pageable_GBps"] = round(gbps / ours_h2d_pageable, 2)
+    result.metrics["d2h_pageable_GBps"] = round(gbps / ours_d2h_pageable, 2)
+
+    driver = device._driver
+    handle = stream.handle
+    device.make_current()
+    host_pinned, host_pageable = int(pinned.ctypes.data), int(pageable.ctypes.data)
+
+    def raw(copy: Callable[..., None], dst: int, src: int) -> float:
+        def once() -> None:
+            copy(dst, src, nbytes, handle)
+            driver.stream_synchronize(handle)
+
+        return _best_wall_s(once, reps)
+
+    raw_h2d_pinned = raw(driver.memcpy_htod_async, dev.ptr, host_pinned)
+    raw_d2h_pinned = raw(driver.memcpy_dtoh_async, host_pinned, dev.ptr)
+    raw_h2d_pageable = raw(driver.memcpy_htod_async, dev.ptr, host_pageable)
+    raw_d2h_pageable = raw(driver.memcpy_dtoh_async, host_pageable, dev.ptr)
+    result.baselines["raw_h2d_pinned_GBps"] = round(gbps / raw_h2d_pinned, 2)
+    result.baselines["raw_d2h_pinned_GBps"] = round(gbps / raw_d2h_pinned, 2)
+    result.baselines["raw_h2d_pageable_GBps"] = round(gbps / raw_h2d_pageable, 2)
+    result.baselines["raw_d2h_pageable_GBps"] = round(gbps / raw_d2h_pageable, 2)
+    result.metrics["pageable_d2h_speedup"] = round(raw_d2h_pageable / ours_d2h_pageable, 3)
+    if real:
+        result.target("pinned_copy_ratio_h2d", raw_h2d_pinned / ours_h2d_pinned, 0.95, ">=")
+        result.target("pinned_copy_ratio_d2h", raw_d2h_pinned / ours_d2h_pinned, 0.95, ">=")
+        result.target("pageable_h2d_speedup", raw_h2d_pageable / ours_h2d_pageable, 2.0, ">=")
+    else:
+        result.metrics["pinned_copy_ratio_h2d"] = round(raw_h2d_pinned / ours_h2d_pinned, 3)
+        result.metrics["pinned_copy_ratio_d2h"] = round(raw_d2h_pinned / ours_d2h_pinned, 3)
+        result.metrics["pageable_h2d_speedup"] = round(raw_h2d_pageable / ours_h2d_pageable, 3)
+    dev.buffer.free()
+    await stream
+
+
+# -- churn ----------------------------------------------------------------------------------------
+
+
+async def _churn(stream: Stream, cycles: int, seed: int = 7) -> int:
+    """Random allocate / free / cancel-mid-copy cycles; returns pool bytes leaked."""
+    rng = random.Random(seed)
+    pool = MemoryPool.for_device(stream.device)
+    gc.collect()
+    await stream
+    stream.synchronize()
+    before = pool.statistics().used_bytes
+    host = np.arange(256 * 1024, dtype=np.uint8)
+    live: list[Any] = []
+    for _ in range(cycles):
+        roll = rng.random()
+        if roll < 0.45 or not live:
+            live.append(pool.allocate(rng.randint(1, 4 * MiB), stream))
+            if len(live) > 64:
+                live.pop(rng.randrange(len(live)))  # dropped: freed by collection
+        elif roll < 0.8:
+            victim = live.pop(rng.randrange(len(live)))
+            if rng.random() < 0.5:
+                victim.free()
+            del victim  # else this local would keep the last dropped buffer alive
+        else:
+            size = rng.choice((4096, 64 * 1024, host.nbytes))
+            with anyio.CancelScope() as scope:
+                scope.cancel()  # cancelled at the copy's first wait, with the copy enqueued
+                await ga.to_device(host[:size], stream=stream)
+    live.clear()
+    gc.collect()
+    await stream
+    stream.synchronize()
+    return int(pool.statistics().used_bytes - before)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+async def _run(quick: bool) -> Result:
+    backend = _driver.driver()
+    real = backend.name == "cuda"
+    device = Device(0)
+    stream = Stream(device)
+    result = Result("memory")
+    n, rounds = (500, 5) if quick else (5000, 21)
+
+    medians = _interleaved(_alloc_contenders(stream, real), n, rounds)
+    result.metrics["aiocuda_alloc_free_1MiB_us"] = round(medians["aiocuda"], 3)
+    for name, key in (
+        ("raw_async", "raw_alloc_free_1MiB_us"),
+        ("raw_sync", "raw_cuMemAlloc_free_1MiB_us"),
+        ("torch", "torch_caching_1MiB_us"),
+        ("cupy", "cupy_pool_1MiB_us"),
+    ):
+        if name in medians:
+            result.baselines[key] = round(medians[name], 3)
+    if "raw_async" in medians:
+        result.target("alloc_free_ratio_raw", medians["aiocuda"] / medians["raw_async"], 1.3, "<=")
+    if "torch" in medians:
+        result.target("alloc_free_ratio_torch", medians["aiocuda"] / medians["torch"], 1.0, "<=")
+    overhead_n = 20000 if quick else 100000
+    result.metrics["python_overhead_alloc_free_us"] = round(_python_overhead_us(stream, overhead_n, rounds), 3)
+
+    copy_bytes = 16 * MiB if quick else 256 * MiB
+    result.extra["copy_bytes"] = copy_bytes
+    await _copies(result, stream, copy_bytes, 3 if quick else 15, real)
+
+    cycles = 2000 if quick else 100_000
+    result.extra["churn_cycles"] = cycles
+    result.target("leak_bytes_after_churn", await _churn(stream, cycles), 0, "==")
+    stream.close()
+    return result
+
+
+def main() -> None:
+    args = parser(__doc__ or "memory benchmark").parse_args()
+    result = anyio.run(_run, args.quick)
+    result.write(args.out)
+
+
+if __name__ == "__main__":
+    main()
