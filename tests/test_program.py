@@ -1,0 +1,210 @@
+"""Programs: options, the on-disk compile cache, signatures from source, NVRTC errors."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda import _driver, program
+from aiocuda._compile_cache import CachedImage, CompileCache, cache_key, default_cache
+from aiocuda._signature import parse_signature, ptx_signatures, source_signatures
+from aiocuda.errors import ArgumentError
+from aiocuda.program import CompileError, Program, ProgramOptions, cached_compile
+
+KEY_ARGS: dict[str, Any] = {
+    "source": "__global__ void k() {}",
+    "options": ["--std=c++17", "-DX=1"],
+    "name_expressions": ["k"],
+    "arch": "sm_90",
+    "compiler_version": "nvrtc 13.0",
+}
+
+
+# -- the cache -------------------------------------------------------------------------------------
+def test_cache_key_is_sensitive_to_every_input() -> None:
+    base = cache_key(**KEY_ARGS)
+    assert cache_key(**{**KEY_ARGS, "options": list(reversed(KEY_ARGS["options"]))}) == base
+    for field, other in [
+        ("source", "__global__ void k2() {}"),
+        ("options", ["--std=c++20", "-DX=1"]),
+        ("name_expressions", ["k<int>"]),
+        ("arch", "sm_80"),
+        ("compiler_version", "nvrtc 12.9"),
+    ]:
+        assert cache_key(**{**KEY_ARGS, field: other}) != base, field
+
+
+def test_cached_compile_hits_across_instances_and_survives_corruption(tmp_path: pathlib.Path) -> None:
+    calls: list[int] = []
+
+    def compiler() -> CachedImage:
+        calls.append(1)
+        return CachedImage(b"\x7fELF-image", "cubin", {"k<int>": "_Z1kIiEvv"}, "warning: x")
+
+    args = ("src", ["-O3"], ["k<int>"], "sm_90", "nvrtc 13.0")
+    first = cached_compile(CompileCache(tmp_path), *args, compiler)
+    second = cached_compile(CompileCache(tmp_path), *args, compiler)  # a "new process": a new cache object
+    assert calls == [1]
+    assert second == first
+    assert not [p for p in tmp_path.rglob(".tmp-*")], "temporary files must not be left behind"
+    cached_compile(CompileCache(tmp_path), "other", ["-O3"], ["k<int>"], "sm_90", "nvrtc 13.0", compiler)
+    assert calls == [1, 1]
+    (entry,) = [p for p in tmp_path.rglob("*.bin") if cache_key("src", *args[1:]) in p.name]
+    entry.write_bytes(b"garbage")
+    assert cached_compile(CompileCache(tmp_path), *args, compiler) == first
+    assert calls == [1, 1, 1]
+    assert cached_compile(None, *args, compiler) == first
+    assert len(calls) == 4
+
+
+def test_cache_write_failure_is_ignored(tmp_path: pathlib.Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    cache = CompileCache(blocker)
+    cache.put("ab" * 32, CachedImage(b"x", "ptx", {}))
+    assert cache.get("ab" * 32) is None
+
+
+def test_default_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    monkeypatch.setenv("AIOCUDA_CACHE_DIR", str(tmp_path / "c"))
+    cache = default_cache()
+    assert cache is not None and cache.directory == tmp_path / "c"
+    monkeypatch.setenv("AIOCUDA_CACHE_DIR", "off")
+    assert default_cache() is None
+    monkeypatch.delenv("AIOCUDA_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    cache = default_cache()
+    assert cache is not None and cache.directory == tmp_path / "xdg" / "aiocuda"
+
+
+# -- options and signatures ------------------------------------------------------------------------
+def test_program_options() -> None:
+    opts = ProgramOptions(
+        std="c++20",
+        defines={"N": "4", "FLAG": None},
+        include_paths=["/inc"],
+        fast_math=True,
+        line_info=True,
+        max_registers=64,
+        extra=["-G"],
+    )
+    assert opts.nvrtc_options() == [
+        "--std=c++20",
+        "-DN=4",
+        "-DFLAG",
+        "--include-path=/inc",
+        "--use_fast_math",
+        "--generate-line-info",
+        "--maxrregcount=64",
+        "-G",
+    ]
+
+
+def test_signatures_from_source() -> None:
+    source = r"""
+    /* extern "C" __global__ void commented_out(int x) {} */
+    extern "C" __global__ void __launch_bounds__(256) k(const double* __restrict__ a, unsigned long long n) {}
+    template <typename T, typename U> __global__ void t(T* out, U value) {}
+    extern "C" __global__ void by_struct(struct Params p) {}
+    """
+    found = source_signatures(source, ["t<float, int>"])
+    assert "commented_out" not in found
+    k = found["k"]
+    assert k is not None and [(p.dtype.name, p.pointer, p.name) for p in k] == [
+        ("float64", True, "a"),
+        ("uint64", False, "n"),
+    ]
+    t = found["t<float, int>"]
+    assert t is not None and [(p.dtype.name, p.pointer) for p in t] == [("float32", True), ("int32", False)]
+    assert found["by_struct"] is None
+    assert "t" not in found
+
+
+def test_declared_signatures() -> None:
+    assert parse_signature([np.float32, "ptr", "int64"]) == parse_signature("float, void*, long long")
+    with pytest.raises(TypeError, match="not a supported"):
+        parse_signature("struct Foo")
+    with pytest.raises(TypeError):
+        parse_signature([object])
+
+
+def test_ptx_signatures() -> None:
+    ptx = ".visible .entry k(\n .param .u64 k_param_0,\n .param .f32 k_param_1,\n .param .align 4 .b8 k_param_2[8]\n)"
+    assert ptx_signatures(ptx) == {"k": None}
+    sig = ptx_signatures(".entry j(.param .s32 a, .param .f64 b)")["j"]
+    assert sig is not None and [p.dtype.name for p in sig] == ["int32", "float64"]
+
+
+# -- the simulated compiler ------------------------------------------------------------------------
+def test_sim_compile_records_kernels(sim_backend: _driver.Driver) -> None:
+    source = 'extern "C" __global__ void a(int* x) {}\ntemplate <class T> __global__ void b(T* x) {}'
+    module = Program(source, name_expressions=["b<float>"]).compile()
+    assert module.kind == "sim"
+    assert module.kernel("a").function() is not None
+    assert module.kernel("b<float>").function() is not None
+    with pytest.raises(ArgumentError, match="no kernel named 'c'"):
+        module.kernel("c").function()
+    with pytest.raises(CompileError, match=r"c<float>"):
+        Program(source, name_expressions=["c<float>"]).compile()
+
+
+# -- NVRTC -----------------------------------------------------------------------------------------
+def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    import cuda.bindings
+
+    def missing() -> Any:
+        raise RuntimeError('Failure finding "libnvrtc.so.13": No such file')
+
+    fake = types.SimpleNamespace(nvrtcVersion=missing)
+    monkeypatch.setattr(program, "_nvrtc_module", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", fake)
+    monkeypatch.setattr(cuda.bindings, "nvrtc", fake, raising=False)
+    with pytest.raises(CompileError, match="pip install nvidia-cuda-nvrtc") as info:
+        program._load_nvrtc()
+    assert info.value.name == "AIOCUDA_NO_NVRTC"
+
+
+@pytest.mark.gpu
+def test_compile_error_carries_the_log(backend: _driver.Driver, tmp_path: pathlib.Path) -> None:
+    if backend.name != "cuda":
+        pytest.skip("needs NVRTC and a GPU")
+    bad = 'extern "C" __global__ void broken(int* x) { x[0] = undeclared_name; }'
+    with pytest.raises(CompileError) as info:
+        Program(bad, cache=CompileCache(tmp_path)).compile()
+    assert "undeclared_name" in info.value.log
+    assert "undeclared_name" in str(info.value)
+
+
+@pytest.mark.gpu
+def test_second_compile_comes_from_the_cache(
+    backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if backend.name != "cuda":
+        pytest.skip("needs NVRTC and a GPU")
+    source = 'extern "C" __global__ void cached_kernel(int* x) { x[0] = 1; }'
+    first = Program(source, cache=CompileCache(tmp_path)).compile()
+    assert first.kind == "cubin"
+
+    def must_not_compile(*args: Any) -> Any:
+        raise AssertionError("NVRTC was called although the cache holds the image")
+
+    monkeypatch.setattr(program, "_nvrtc_compile", must_not_compile)
+    second = Program(source, cache=CompileCache(tmp_path)).compile()
+    assert second.image == first.image
+    # and in a new process, through AIOCUDA_CACHE_DIR
+    code = (
+        "import aiocuda.program as p, sys\n"
+        "p._nvrtc_compile = lambda *a: sys.exit('compiled again')\n"
+        f"p.Program({source!r}).compile()\n"
+    )
+    env = {**os.environ, "AIOCUDA_CACHE_DIR": str(tmp_path), "AIOCUDA_BACKEND": "cuda"}
+    env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(program.__file__).parents[1]), env.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
