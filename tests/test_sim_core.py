@@ -668,26 +668,30 @@ def test_switching_backend_shuts_the_old_one_down() -> None:
         old.stream_query(stream)
 
 
-# -- a property: per-stream order and cross-stream waits under any interleaving --------------
+# -- a property: stream order, cross-stream waits and the legacy null stream ------------------
+# Streams 0 and 1 are non-blocking, 2 is blocking, 3 is the null stream (value 0).
+_STREAMS = 4
+_BLOCKING, _NULL = 2, 3
 _actions = st.lists(
     st.one_of(
-        st.tuples(st.just("op"), st.integers(0, 2)),
-        st.tuples(st.just("record"), st.integers(0, 2), st.integers(0, 2)),
-        st.tuples(st.just("wait"), st.integers(0, 2), st.integers(0, 2)),
+        st.tuples(st.just("op"), st.integers(0, _STREAMS - 1)),
+        st.tuples(st.just("record"), st.integers(0, _STREAMS - 1), st.integers(0, 2)),
+        st.tuples(st.just("wait"), st.integers(0, _STREAMS - 1), st.integers(0, 2)),
     ),
     max_size=30,
 )
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=_actions, held=st.sets(st.integers(0, 2)))
+@given(actions=_actions, held=st.sets(st.integers(0, _STREAMS - 1)))
 def test_random_programs_keep_stream_order_and_waits(sim: SimDriver, actions: list[Any], held: set[int]) -> None:
-    streams = [sim.stream_create(non_blocking=True, priority=0) for _ in range(3)]
+    streams = [sim.stream_create(non_blocking=True, priority=0) for _ in range(2)]
+    streams += [sim.stream_create(non_blocking=False, priority=0), sim.stream_from_value(0)]
     events = [sim.event_create(timing=False, blocking_sync=False) for _ in range(3)]
     lock = threading.Lock()
     log: list[int] = []
-    # What must have run before the next op on each stream / before an event's point.
-    frontier: list[frozenset[int]] = [frozenset()] * 3
+    # The ops that must have run before the next op on each stream, and before each event.
+    frontier: list[frozenset[int]] = [frozenset()] * _STREAMS
     captured: list[frozenset[int]] = [frozenset()] * 3
     required: dict[int, frozenset[int]] = {}
 
@@ -698,20 +702,28 @@ def test_random_programs_keep_stream_order_and_waits(sim: SimDriver, actions: li
 
         return run
 
+    def legacy_order(s: int) -> None:
+        """Work on the null stream follows blocking streams' work, and vice versa."""
+        if s == _NULL:
+            frontier[s] |= frontier[_BLOCKING]
+        elif s == _BLOCKING:
+            frontier[s] |= frontier[_NULL]
+
     for index in held:
         sim.hold(streams[index])
     for op_id, action in enumerate(actions):
         kind, s = action[0], action[1]
+        legacy_order(s)
         if kind == "op":
             required[op_id] = frontier[s]
             sim._enqueue(streams[s], op(op_id), "op")
-            frontier[s] = frontier[s] | {op_id}
+            frontier[s] |= {op_id}
         elif kind == "record":
             sim.event_record(events[action[2]], streams[s])
             captured[action[2]] = frontier[s]
         else:
             sim.stream_wait_event(streams[s], events[action[2]])
-            frontier[s] = frontier[s] | captured[action[2]]
+            frontier[s] |= captured[action[2]]
     for index in held:
         sim.release(streams[index])
     for stream in streams:
@@ -719,6 +731,6 @@ def test_random_programs_keep_stream_order_and_waits(sim: SimDriver, actions: li
     assert sorted(log) == sorted(required)
     position = {op_id: i for i, op_id in enumerate(log)}
     for op_id, before in required.items():
-        assert all(position[b] < position[op_id] for b in before)
-    for stream in streams:
+        assert all(position[b] < position[op_id] for b in before), (op_id, sorted(before), log)
+    for stream in streams[:_NULL]:
         sim.stream_destroy(stream)
