@@ -198,3 +198,31 @@ async def test_set_for_device_switches_the_pool(backend: _driver.Driver, anyio_b
         MemoryPool.set_for_device(MemoryPool.default(0))
     assert MemoryPool.for_device(0) is MemoryPool.default(0)
     assert "MemoryPool" in repr(custom)
+
+
+async def test_enable_peer_access_checks_with_a_real_copy(backend: _driver.Driver, anyio_backend: object) -> None:
+    from aiocuda.device import Device
+    from aiocuda.peer import enable_peer_access
+
+    if backend.device_count() < 2:
+        pytest.skip("needs two devices")
+    assert await enable_peer_access(0, 0) is False
+    allowed = Device(0).can_access_peer(Device(1))
+    assert await enable_peer_access(0, 1) is allowed
+    assert await enable_peer_access(0, 1) is allowed  # idempotent
+
+
+async def test_buffer_outliving_its_closed_stream_is_still_freed(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    pool = MemoryPool.for_device(0)
+    s = Stream(0)
+    await s
+    before = pool.statistics()
+    buf = pool.allocate(MiB, s)
+    await s
+    s.close()
+    del buf
+    gc.collect()
+    after = pool.statistics()
+    assert after.frees == before.frees + 1

@@ -235,8 +235,13 @@ class MemoryPool:
                 stream.wait(event)
         try:
             self._free_fn(ptr, stream.handle)
-        except CudaError:  # e.g. no context bound on this (finaliser's) thread: bind, retry
+        except CudaError:
+            # No context bound on this (finaliser's) thread, or the stream was closed --
+            # in which case the device's default stream frees it: close streams only after
+            # awaiting their work on buffers that outlive them.
             self.device.make_current()
+            if stream.closed:
+                stream = current_stream(self.device)
             self._free_fn(ptr, stream.handle)
         self._frees += 1
 
