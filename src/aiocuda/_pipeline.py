@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
@@ -250,11 +251,14 @@ class Pipeline:
         self._task_group.start_soon(self._feed)
         return self
 
-    async def __aexit__(self, *exc: Any) -> bool | None:
+    async def __aexit__(self, *exc: object) -> None:
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()  # the consumer is done: stop what is left
         try:
-            return await self._task_group.__aexit__(*exc)
+            # The body's own exception (a chunk's error, a cancellation) is not handed to
+            # the task group, which would wrap it in an ExceptionGroup: chunk tasks catch
+            # their errors, so the group ends with nothing of its own to report.
+            await self._task_group.__aexit__(None, None, None)
         finally:
             self._send.close()
             self._receive.close()
@@ -264,6 +268,7 @@ class Pipeline:
         return self
 
     async def __anext__(self) -> ChunkResult:
+        await anyio.lowlevel.checkpoint_if_cancelled()
         while True:
             result = self._take_ready()
             if result is not None:

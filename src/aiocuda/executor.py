@@ -159,6 +159,7 @@ class Executor:
         self._lanes: tuple[DeviceLanes, ...] = ()
         self._by_ordinal: dict[int, DeviceLanes] = {}
         self._admission = Admission()
+        self._open = False
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
@@ -177,7 +178,7 @@ class Executor:
 
     def open(self) -> None:
         """Create the streams (what ``async with`` does on entering)."""
-        if self._lanes:
+        if self._open:
             return
         chosen = (
             devices()
@@ -199,6 +200,7 @@ class Executor:
             )
         self._lanes = tuple(lanes)
         self._by_ordinal = {lane.device.ordinal: lane for lane in lanes}
+        self._open = True
         _enable_peers(chosen)
         if self._trace is not None:
             for lane in lanes:
@@ -206,19 +208,21 @@ class Executor:
 
     async def synchronize(self) -> None:
         """Wait until every stream of the executor is idle."""
+        if not self._open:
+            return
         for lane in self._lanes:
             for stream in lane.streams:
                 await stream
 
     def close(self) -> None:
-        """Close the streams (work already enqueued still completes)."""
+        """Close the streams (work already enqueued still completes). :attr:`lanes`
+        and :attr:`trace` stay readable."""
+        self._open = False
         for lane in self._lanes:
             for stream in lane.streams:
                 stream.close()
         if self._trace is not None:
             self._trace.close()
-        self._lanes = ()
-        self._by_ordinal = {}
 
     # -- what it runs -----------------------------------------------------------------------
     def map(
@@ -260,7 +264,7 @@ class Executor:
                 slice of one big pinned array). Default: a new pageable array.
             name: the stage's name in traces (default ``stage.__name__``).
         """
-        if not self._lanes:
+        if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
         limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._lanes)
         if limit < 1:
@@ -321,7 +325,9 @@ class Executor:
         return lanes
 
     def __repr__(self) -> str:
-        state = ", ".join(f"{lane.device.ordinal}: {lane.chunks} in flight" for lane in self._lanes) or "closed"
+        if not self._open:
+            return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
+        state = ", ".join(f"{lane.device.ordinal}: {lane.chunks} in flight" for lane in self._lanes)
         return f"<Executor {state}>"
 
 

@@ -1,0 +1,321 @@
+"""Executor pipelines: ordering, back-pressure, cancellation, failures, placement, devices.
+
+Most tests run on the simulator and, where a GPU is present, on it too (``backend``),
+on asyncio, uvloop and trio. Chunks are small: the point is ordering and lifetime, not
+speed (``benchmarks/pipeline.py`` measures that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+from aiocuda import _driver
+from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda.array import DeviceArray
+from aiocuda.device import Device
+from aiocuda.executor import ChunkContext, Executor
+from aiocuda.host import pinned_empty
+from aiocuda.memory import MemoryPool
+
+pytestmark = pytest.mark.anyio
+
+REPS = 50
+
+
+def chunks(count: int, n: int = 1000, *, pinned: bool = False, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        host = pinned_empty(n + i, np.float32) if pinned else np.empty(n + i, np.float32)
+        host[:] = rng.random(n + i, dtype=np.float32)
+        out.append(host)
+    return out
+
+
+def used_bytes() -> list[int]:
+    backend = _driver.driver()
+    return [MemoryPool.for_device(Device(i)).statistics().used_bytes for i in range(backend.device_count())]
+
+
+@pytest.fixture
+def slow_sim(sim_backend: Any) -> Iterator[Any]:
+    """The simulator with copies and kernels taking a little time, so chunks overlap."""
+    for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
+        sim_backend.set_latency(op, 0.002)
+    yield sim_backend
+
+
+async def test_results_in_input_order(backend: Any, anyio_backend: Any) -> None:
+    stage = ScaleStage(REPS)
+    inputs = chunks(10, pinned=True) + chunks(4, seed=1)  # pinned and pageable
+    async with Executor() as ex:
+        async with ex.map(stage, inputs) as results:
+            got = [r async for r in results]
+    assert [r.index for r in got] == list(range(14))
+    for r, host in zip(got, inputs, strict=True):
+        assert r.ok and r.error is None
+        np.testing.assert_allclose(r.value, scale_reference(host, REPS), rtol=1e-5)
+    assert {r.device for r in got} == set(range(len(ex.devices)))
+
+
+async def test_run_returns_values_and_accepts_async_iterables(backend: Any, anyio_backend: Any) -> None:
+    inputs = chunks(5)
+
+    async def source() -> AsyncIterator[np.ndarray]:
+        for host in inputs:
+            await anyio.sleep(0)
+            yield host
+
+    async def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:  # an async stage, a new output
+        out = ctx.empty(x.shape, x.dtype)
+        ctx.device.make_current()
+        ctx.device._driver.memcpy_dtod_async(out.ptr, x.ptr, x.nbytes, ctx.stream.handle)
+        ScaleStage(REPS)(ctx, out)
+        return out
+
+    async with Executor([0]) as ex:
+        values = await ex.run(stage, source())
+    for value, host in zip(values, inputs, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+
+
+async def test_as_completed_yields_finished_chunks_first(slow_sim: Any, anyio_backend: Any) -> None:
+    stage = ScaleStage(REPS)
+    async with Executor([0, 1]) as ex:
+        slow_sim.hold(ex.lanes[0].d2h.handle)  # device 0 cannot finish anything
+        order = []
+        async with ex.map(stage, chunks(8), ordered=False) as results:
+            async for r in results:
+                order.append(r)
+                if len(order) == 4:
+                    slow_sim.release(ex.lanes[0].d2h.handle)
+    assert [r.device for r in order[:4]] == [1, 1, 1, 1]
+    assert sorted(r.index for r in order) == list(range(8))
+
+
+async def test_back_pressure_bounds_chunks_in_flight(slow_sim: Any, anyio_backend: Any) -> None:
+    limit = 3
+    active = 0
+    peak = 0
+    taken = 0
+    stage_impl = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        stage_impl(ctx, x)
+
+    def source() -> Iterator[np.ndarray]:
+        nonlocal taken
+        for host in chunks(12):
+            taken += 1
+            yield host
+
+    async with Executor() as ex:
+        async with ex.map(stage, source(), in_flight=limit) as results:
+            async for r in results:
+                active -= 1
+                assert taken - r.index <= limit + 1  # the feeder reads at most one input ahead
+                await anyio.sleep(0.003)  # a slow consumer
+            assert results.peak_in_flight <= limit
+    assert peak <= limit
+    assert taken == 12
+
+
+async def test_cancel_mid_pipeline_returns_memory_and_corrupts_nothing(slow_sim: Any, anyio_backend: Any) -> None:
+    stage = ScaleStage(REPS)
+    baseline = used_bytes()
+    async with Executor() as ex:
+        seen = 0
+        with anyio.CancelScope() as scope:
+            async with ex.map(stage, chunks(20, 4096, pinned=True)) as results:
+                async for _ in results:
+                    seen += 1
+                    if seen == 3:
+                        scope.cancel()
+        assert scope.cancelled_caught and seen == 3
+        await ex.synchronize()
+        assert used_bytes() == baseline
+        assert all(lane.chunks == 0 and lane.reserved == 0 for lane in ex.lanes)
+        inputs = chunks(8, 4096, pinned=True, seed=7)
+        values = await ex.run(stage, inputs)
+    for value, host in zip(values, inputs, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+
+
+async def test_breaking_out_early_cancels_the_rest(slow_sim: Any, anyio_backend: Any) -> None:
+    baseline = used_bytes()
+    async with Executor() as ex:
+        async with ex.map(ScaleStage(REPS), chunks(20)) as results:
+            async for _ in results:
+                break
+        await ex.synchronize()
+        assert used_bytes() == baseline
+
+
+class Boom(Exception):
+    pass
+
+
+def failing_at(index: int) -> Any:
+    inner = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+        if ctx.index == index:
+            raise Boom(f"chunk {ctx.index}")
+        inner(ctx, x)
+
+    return stage
+
+
+async def test_one_failing_chunk_fails_the_pipeline_cleanly(backend: Any, anyio_backend: Any) -> None:
+    baseline = used_bytes()
+    async with Executor() as ex:
+        with pytest.raises(Boom, match="chunk 4"):
+            async with ex.map(failing_at(4), chunks(30)) as results:
+                async for r in results:
+                    assert r.index < 4 or r.ok
+        await ex.synchronize()
+        assert used_bytes() == baseline
+        assert [len(results.failures)] == [1]
+
+
+async def test_go_on_mode_reports_the_failure_and_finishes_the_rest(backend: Any, anyio_backend: Any) -> None:
+    inputs = chunks(9)
+    async with Executor() as ex:
+        async with ex.map(failing_at(5), inputs, on_error="continue") as results:
+            got = [r async for r in results]
+    assert [r.index for r in got] == list(range(9))
+    failed = [r for r in got if not r.ok]
+    assert [r.index for r in failed] == [5] and results.failures == failed
+    assert isinstance(failed[0].error, Boom)
+    with pytest.raises(Boom):
+        _ = failed[0].value
+    for r in got:
+        if r.ok:
+            np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+async def test_failing_input_iterable_raises_its_error(sim_backend: Any, anyio_backend: Any) -> None:
+    def source() -> Iterator[np.ndarray]:
+        yield from chunks(2)
+        raise Boom("inputs")
+
+    async with Executor() as ex:
+        with pytest.raises(Boom, match="inputs"):
+            await ex.run(ScaleStage(REPS), source())
+
+
+@pytest.mark.parametrize("count", [1, 2, 8])
+async def test_one_two_and_eight_devices(count: int, anyio_backend: Any) -> None:
+    _driver.use_backend("sim", devices=8)
+    stage = ScaleStage(REPS)
+    inputs = chunks(3 * count)
+    async with Executor(range(count)) as ex:
+        async with ex.map(stage, inputs) as results:
+            got = [r async for r in results]
+    per_device = [sum(r.device == d for r in got) for d in range(count)]
+    assert per_device == [3] * count  # round-robin
+    for r in got:
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+@pytest.mark.parametrize("placement", ["round_robin", "least_loaded"])
+async def test_placement_skips_a_full_device(placement: Any, slow_sim: Any, anyio_backend: Any) -> None:
+    async with Executor(chunks_per_device=2) as ex:
+        slow_sim.hold(ex.lanes[0].h2d.handle)  # device 0 stays full once it has 2 chunks
+        devices_seen = []
+        async with ex.map(ScaleStage(REPS), chunks(10), ordered=False, placement=placement) as results:
+            async for r in results:
+                devices_seen.append(r.device)
+                if len(devices_seen) == 8:
+                    slow_sim.release(ex.lanes[0].h2d.handle)
+    assert devices_seen[:8] == [1] * 8
+    assert sorted(devices_seen) == [0, 0] + [1] * 8
+
+
+async def test_least_loaded_sends_small_chunks_away_from_a_big_one(sim_backend: Any, anyio_backend: Any) -> None:
+    inputs = [np.ones(n, np.float32) for n in (40_000, 100, 100, 100, 100)]
+    async with Executor() as ex:
+        sim_backend.hold(ex.lanes[0].h2d.handle)  # the big chunk stays in flight on device 0
+        got = []
+        async with ex.map(ScaleStage(REPS), inputs, ordered=False, placement="least_loaded") as results:
+            async for r in results:
+                got.append(r)
+                if len(got) == 4:
+                    sim_backend.release(ex.lanes[0].h2d.handle)
+    assert [(r.index, r.device) for r in got[4:]] == [(0, 0)]
+    assert {r.device for r in got[:4]} == {1}
+
+
+async def test_memory_budget_limits_bytes_in_flight(sim_backend: Any, anyio_backend: Any) -> None:
+    inputs = chunks(6, 25_000)  # 100 kB each: 200 kB reserved per chunk
+    async with Executor([0]) as ex:
+        ex.lanes[0].budget = 450_000  # two chunks fit, not three
+        peak = 0
+
+        def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+            nonlocal peak
+            peak = max(peak, ex.lanes[0].chunks)
+
+        values = await ex.run(stage, inputs)
+    assert peak == 2
+    for value, host in zip(values, inputs, strict=True):
+        np.testing.assert_array_equal(value, host)
+
+
+async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> None:
+    if _driver.driver().device_count() < 2:
+        pytest.skip("needs two devices")
+    stage_impl = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+        stage_impl(ctx, x)  # on the chunk's device
+        other = ctx.move(x, 1 - ctx.device.ordinal)
+        assert ctx.device.ordinal == other.device.ordinal != x.device.ordinal
+        stage_impl(ctx, other)  # then on the other one
+        return other
+
+    inputs = chunks(6)
+    async with Executor([0, 1], trace=True) as ex:
+        values = await ex.run(stage, inputs)
+        assert ex.trace is not None
+        engines = {(s.device, s.engine) for s in ex.trace.spans}
+    assert (0, "p2p") in engines and (1, "p2p") in engines
+    for value, host in zip(values, inputs, strict=True):
+        np.testing.assert_allclose(value, scale_reference(scale_reference(host, REPS), REPS), rtol=1e-5)
+
+
+async def test_stage_returning_a_wrong_type_fails_that_chunk(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Executor() as ex:
+        with pytest.raises(TypeError, match="DeviceArray or None"):
+            await ex.run(lambda ctx, x: 42, chunks(2))
+
+
+async def test_output_destinations_are_used(backend: Any, anyio_backend: Any) -> None:
+    inputs = pinned_empty((6, 512), np.float32)
+    inputs[:] = np.arange(inputs.size, dtype=np.float32).reshape(inputs.shape)
+    out = pinned_empty((6, 512), np.float32)
+    async with Executor() as ex:
+        values = await ex.run(ScaleStage(REPS), inputs, output=lambda i, result: out[i])
+    assert all(v.base is not None and np.shares_memory(v, out) for v in values)
+    np.testing.assert_allclose(out, scale_reference(inputs, REPS), rtol=1e-5)
+
+
+async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, anyio_backend: Any) -> None:
+    ex = Executor()
+    with pytest.raises(RuntimeError, match="not open"):
+        ex.map(ScaleStage(REPS), [])
+    async with ex:
+        with pytest.raises(ValueError, match="on_error"):
+            ex.map(ScaleStage(REPS), [], on_error="ignore")  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="placement"):
+            ex.map(ScaleStage(REPS), [], placement="random")  # type: ignore[arg-type]
+        assert await ex.run(ScaleStage(REPS), []) == []
+        assert "in flight" in repr(ex)
