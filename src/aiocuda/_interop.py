@@ -115,10 +115,12 @@ def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
     }
 
 
-@_DELETER
-def _deleter(managed: Any) -> None:
+def _forget_export(managed: Any) -> None:
     with _exports_lock:
         _exports.pop(ctypes.addressof(managed.contents), None)
+
+
+_deleter = _DELETER(_forget_export)
 
 
 # The capsule destructor receives a capsule that is being deallocated: it must not be
@@ -131,12 +133,14 @@ _capsule_pointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctype
 )
 
 
-@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-def _capsule_destructor(capsule_address: int) -> None:
+def _destroy_capsule(capsule_address: int) -> None:
     if _capsule_is_valid_raw(capsule_address, _CAPSULE_NAME):  # never consumed: still ours
         address = _capsule_pointer_raw(capsule_address, _CAPSULE_NAME)
         with _exports_lock:
             _exports.pop(address, None)
+
+
+_capsule_destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule)
 
 
 def _order_consumer(array: DeviceArray, stream: int | None) -> None:

@@ -191,7 +191,9 @@ class DeviceArray:
 
     def reshape(self, *shape: int | Shape) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
-        dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape)
+        first = shape[0] if len(shape) == 1 else None
+        given: tuple[Any, ...] = first if isinstance(first, tuple) else shape
+        dims = [operator.index(d) for d in given]
         if not self.is_c_contiguous:
             raise _argument("only a C-contiguous DeviceArray can be reshaped without a copy")
         if dims.count(-1) > 1:

@@ -93,7 +93,8 @@ def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[An
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
     raw._aiocuda_owner = owner  # type: ignore[attr-defined]
-    return np.frombuffer(raw, dtype=dtype, count=nbytes // dtype.itemsize).reshape(shape)
+    flat: npt.NDArray[Any] = np.frombuffer(memoryview(raw), dtype=dtype, count=nbytes // dtype.itemsize)
+    return flat.reshape(shape)
 
 
 def _shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:

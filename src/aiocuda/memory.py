@@ -214,20 +214,20 @@ class MemoryPool:
         buf._waits = None
         return buf
 
-    def _allocate_slow(self, nbytes: int, stream: Stream, exc: CudaError) -> int:
+    def _allocate_slow(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
         """The first attempt failed: bind the context (the hot path skips it, as the
         stream names the context) and retry; on out of memory, recover or raise."""
         if not isinstance(exc, OutOfMemoryError):
             self.device.make_current()
             try:
-                ptr: int = self._alloc_fn(nbytes, self._handle, stream.handle)
+                ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
             except OutOfMemoryError as oom:
                 exc = oom
             else:
                 return ptr
         return self._recover(nbytes, stream, exc)
 
-    def _release(self, ptr: int, stream: Stream, waits: list[Any] | None) -> None:
+    def _release(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
         """Free ``ptr`` on its last-use ``stream``, after the events in ``waits``."""
         if waits:
             self.device.make_current()
@@ -256,11 +256,11 @@ class MemoryPool:
         buf._waits = None
         return buf
 
-    def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> int:
+    def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
         """Out of memory: release cached memory, retry once, else raise a clear error."""
         self.trim(0)
         try:
-            ptr: int = self._alloc_fn(nbytes, self._handle, stream.handle)
+            ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
         except OutOfMemoryError:
             raise self._oom_error(nbytes) from exc
         self._recoveries += 1
@@ -405,7 +405,7 @@ class DeviceBuffer:
 
     __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
 
-    _ptr: int
+    _ptr: Any  # what the backend's mem_alloc_async returned: an int or int()-convertible
     _pool: MemoryPool
     _stream: Stream | None
     _waits: list[Any] | None
@@ -419,7 +419,7 @@ class DeviceBuffer:
         """The device address (raises ArgumentError after :meth:`free`)."""
         if self._stream is None:
             raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
-        return self._ptr
+        return int(self._ptr)
 
     @property
     def pool(self) -> MemoryPool:
@@ -492,7 +492,7 @@ class DeviceBuffer:
         self.free()
 
     def __repr__(self) -> str:
-        state = "freed" if self.freed else f"ptr={self._ptr:#x}"
+        state = "freed" if self.freed else f"ptr={int(self._ptr):#x}"
         return f"<DeviceBuffer {state} size={self.size} device={self._pool.device.ordinal}>"
 
 

@@ -104,14 +104,18 @@ class CudaMemory:
         check(drv.cuMemPoolSetAccess(pool, [desc], 1), "cuMemPoolSetAccess")
 
     # -- device allocation ------------------------------------------------------------------
-    def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> int:
+    def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> Any:
+        """Returns the ``CUdeviceptr`` itself (``int()`` gives the address): converting
+        it to ``int`` here and back in ``mem_free_async`` would cost two object
+        conversions on the allocate/free hot path. ``memory.DeviceBuffer`` converts
+        lazily, when the address is asked for."""
         b = _bound or _b()
         result = b.alloc(size, pool, stream)
         if result[0] != b.success:
             _core._raise(result[0], "cuMemAllocFromPoolAsync")
-        return int(result[1])
+        return result[1]
 
-    def mem_free_async(self, ptr: int, stream: Any) -> None:
+    def mem_free_async(self, ptr: Any, stream: Any) -> None:
         b = _bound or _b()
         err = b.free(ptr, stream)[0]
         if err != b.success:

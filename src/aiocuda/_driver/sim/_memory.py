@@ -335,7 +335,12 @@ class SimMemory:
             raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
 
     def _enqueue_checked(
-        self, stream: Any, name: str, call: str, device_ranges: tuple[tuple[int, int], ...], action: Callable[[], None]
+        self,
+        stream: Any,
+        name: str,
+        call: str,
+        device_ranges: tuple[tuple[int, int], ...],
+        action: Callable[[], object],
     ) -> None:
         """Enqueue ``action``, re-validating the device ranges when it runs."""
         state = self._mem()
@@ -432,8 +437,7 @@ class SimMemory:
         word = int(value) & 0xFFFFFFFF
 
         def fill() -> None:
-            target = (ctypes.c_uint32 * count).from_address(dst)
-            np.frombuffer(target, dtype=np.uint32)[:] = word
+            np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(dst))[:] = word
 
         self._enqueue_checked(stream, "memset_d32_async", "cuMemsetD32Async", ((dst, count * 4),), fill)
 
