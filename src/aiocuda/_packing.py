@@ -17,12 +17,13 @@ addresses (no conversion), then anything with an ``int`` ``.ptr`` (``DeviceBuffe
 frees wait for the kernel), objects with ``__cuda_array_interface__``, ``None`` (NULL)
 and numpy integers.
 
-Thread safety: a launcher's buffer is shared by everyone calling that launcher, and
-the driver reads it during the call (with the GIL released). Each launcher therefore
-owns a lock taken without blocking: the uncontended case costs one ``acquire(False)``
-and one ``release()``; a caller that finds it taken (another thread is mid-launch)
-packs into a private buffer for that one launch instead of waiting. Correct under any
-threading, and never slower than a fresh buffer.
+Thread safety: the driver reads a buffer during the launch call, with the GIL
+released, so two threads must never pack into the same buffer at once. Each launcher
+keeps a free list of buffers: a launch pops one (``list.pop``, atomic), packs, launches
+and pushes it back. One thread always reuses the same buffer; a thread that finds the
+list empty (another is mid-launch) makes a new buffer, which then joins the list, so
+the list grows to the number of threads launching at once. This costs about 40 ns per
+launch, where a lock (acquire, release, try/finally) measured about 180 ns.
 
 Lifetime pitfall: only aiocuda buffers are kept alive for the kernel (through their
 stream-ordered free). A foreign array (CuPy, PyTorch, ``__cuda_array_interface__``)
@@ -36,7 +37,6 @@ import ctypes
 import operator
 import reprlib
 import struct
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -194,58 +194,62 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
 
 def build_launcher(
     kernel: str,
-    buffer: ParamBuffer,
-    prepared: PreparedLaunch,
+    signature: Signature,
+    prepare: Callable[[ParamBuffer], PreparedLaunch],
     stream: Any,
-    contended: Callable[[tuple[Any, ...]], None],
+    fail: Callable[[Any, tuple[Any, ...]], None],
 ) -> Callable[..., None]:
-    """A function ``launch(*args)`` that packs ``args`` into ``buffer`` and launches.
+    """A function ``launch(*args)`` that packs ``args`` into a free buffer and launches.
 
-    ``prepared`` is the backend's ``(fn, args, fail)`` for exactly this buffer, except
-    that ``fail`` is called as ``fail(err, args)`` (so that it may retry the launch);
-    ``contended(args)`` is called instead when another thread is using the buffer.
+    ``prepare(buffer)`` is the backend's ``(fn, args, _)`` for one buffer (every buffer
+    of a launcher shares ``fn``); a truthy result code goes to ``fail(err, args)``,
+    which raises (or retries, e.g. after binding the context to the thread).
     """
-    signature = buffer.signature
     names = [f"a{i}" for i in range(len(signature))]
     values = ", ".join(
         f"({n} if {n}.__class__ is int else to_pointer({n}, stream))" if p.code == "Q" else n
         for n, p in zip(names, signature, strict=True)
     )
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
-    pack = f"pack_into(storage, 0, {values})" if names else "pass"
+    pack = f"pack_into(item[0], 0, {values})" if names else "pass"
     source = f"""
 def launch(*args):
-    if not acquire(False):
-        return contended(args)
     try:
-        try:
-            {unpack}
-            {pack}
-        except Exception:
-            raise diagnose(signature, args, kernel) from None
-        err = fn(*fn_args)[0]
-    finally:
-        release()
+        item = take()
+    except IndexError:
+        item = grow()
+    try:
+        {unpack}
+        {pack}
+    except Exception:
+        give(item)
+        raise diagnose(signature, args, kernel) from None
+    err = fn(*item[1])[0]
+    give(item)
     if err:
         fail(err, args)
 """
-    lock = threading.Lock()
-    fn, fn_args, fail = prepared
+    first = ParamBuffer(signature)
+    fn, first_args, _ = prepare(first)
+    free: list[tuple[Any, tuple[Any, ...], ParamBuffer]] = []
+
+    def grow() -> tuple[Any, tuple[Any, ...], ParamBuffer]:
+        buffer = ParamBuffer(signature)
+        return (buffer.storage, prepare(buffer)[1], buffer)
+
+    free.append((first.storage, first_args, first))
     namespace: dict[str, Any] = {
-        "acquire": lock.acquire,
-        "release": lock.release,
-        "contended": contended,
-        "pack_into": buffer.pack_into,
-        "storage": buffer.storage,
+        "take": free.pop,
+        "give": free.append,
+        "grow": grow,
+        "pack_into": first.pack_into,
         "to_pointer": to_pointer,
         "stream": stream,
         "diagnose": diagnose,
         "signature": signature,
         "kernel": kernel,
         "fn": fn,
-        "fn_args": fn_args,
         "fail": fail,
-        "buffer": buffer,
     }
     exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]

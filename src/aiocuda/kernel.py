@@ -169,25 +169,20 @@ class Kernel:
                 func, grid3, block3, shared_mem, handle, buffer, cooperative=cooperative, cluster=cluster3
             )
 
-        def launch_once(args: tuple[Any, ...]) -> None:
-            buffer = ParamBuffer(signature)
-            buffer.pack(args, s)
-            fn, fn_args, fail = prepare(buffer)
-            err = fn(*fn_args)[0]
-            if err:
-                fail(err)
-
-        buffer = ParamBuffer(signature)
-        fn, fn_args, raise_error = prepare(buffer)
+        raise_error = prepare(ParamBuffer(signature))[2]
 
         def fail(err: Any, args: tuple[Any, ...]) -> None:
             if int(err) == ResultCode.INVALID_CONTEXT:  # first use on a thread without the context
-                Device.make_current(device)
-                launch_once(args)
-                return
+                device.make_current()
+                buffer = ParamBuffer(signature)
+                buffer.pack(args, s)
+                fn, fn_args, _ = prepare(buffer)
+                err = fn(*fn_args)[0]
+                if not err:
+                    return
             raise_error(err)
 
-        return build_launcher(self.name, buffer, (fn, fn_args, fail), s, launch_once)
+        return build_launcher(self.name, signature, prepare, s, fail)
 
     def launch(
         self,
