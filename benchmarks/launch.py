@@ -8,6 +8,9 @@ wrote them:
                     (``ctypes.addressof(arr)``) and a result check; the floor.
 * ``cuda_core``  -- ``cuda.core.launch(stream, config, kernel, int(a), int(b), np.int32(7))``.
 * ``cupy``       -- ``RawKernel((1,), (32,), (xa, xb, np.int32(7)))``.
+* ``raw_ctypes`` -- libcuda's ``cuLaunchKernel`` called through ctypes with pre-converted
+                    arguments: information only, to see whether bypassing cuda-bindings'
+                    wrapper would pay.
 * ``aiocuda``    -- ``go(a, b, 7)`` with ``go = kernel.bind(1, 32, stream=s)``: the
                     prepared launcher, aiocuda's fast path and the headline figure.
 * ``aiocuda_launch``  -- ``kernel.launch(1, 32, a, b, 7, stream=s)`` (launcher cache lookup).
@@ -110,6 +113,23 @@ def baseline_methods(s: Stream, kernel: Any, a: int, b: int) -> tuple[dict[str, 
             ck(launch_kernel(func, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(arr), 0))
 
     methods["raw"] = raw
+
+    # libcuda's own cuLaunchKernel through ctypes with pre-converted arguments: tells
+    # whether a route around cuda-bindings' wrapper would be cheaper (not used by aiocuda).
+    lib_launch = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    lib_launch.restype = ctypes.c_int
+    u = ctypes.c_uint
+    c_args = (
+        ctypes.c_void_p(int(func)), u(1), u(1), u(1), u(32), u(1), u(1), u(0),
+        ctypes.c_void_p(int(stream)), ctypes.c_void_p(ctypes.addressof(arr)), ctypes.c_void_p(0),
+    )  # fmt: skip
+
+    def raw_ctypes(n: int) -> None:
+        for _ in range(n):
+            if lib_launch(*c_args):
+                raise RuntimeError("cuLaunchKernel failed")
+
+    methods["raw_ctypes"] = raw_ctypes
     try:
         from cuda.core import Device as CoreDevice
         from cuda.core import LaunchConfig, ProgramOptions
@@ -213,7 +233,7 @@ def main() -> None:
         methods = {**baselines, **methods}
     times = measure(methods, s, batches, n)
     for name, us in times.items():
-        (result.baselines if name in ("raw", "cuda_core", "cupy") else result.metrics)[f"{name}_us"] = us
+        (result.baselines if name in ("raw", "raw_ctypes", "cuda_core", "cupy") else result.metrics)[f"{name}_us"] = us
     if "raw" in times:
         result.baselines["raw_prepacked_us"] = result.baselines.pop("raw_us")
         result.target("launch_ratio_raw", times["aiocuda"] / times["raw"], 1.15, "<=")
