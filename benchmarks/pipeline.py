@@ -1,0 +1,259 @@
+"""The reference pipeline through the executor, against one stream and a hand-written loop.
+
+The pipeline of ``../shared/reference/anchor_probe.py``: 16 chunks of 32 MiB float32 from
+pinned memory, host-to-device, the ``scale`` kernel at three lengths (``reps`` 200 / 800
+/ 3000: shorter than, about equal to and longer than a chunk's copy), device-to-host.
+Measured in the same run, on device 0:
+
+* ``stage``       -- each step alone (timing events): upload, kernel, download of a chunk.
+* ``serial``      -- the raw driver, one stream: every step of every chunk in turn.
+* ``handwritten`` -- the raw driver, three streams, chunk *i* wholly on stream *i % 3*
+                     with its own buffer (the reference's loop, blocking synchronize).
+* ``executor``    -- ``Executor.map`` with the ``scale`` stage, results into pinned memory.
+
+Wall times are host ``perf_counter`` from the first enqueue to the last result, median
+of several runs after a warm-up. The *bound* is what perfect overlap would take: the
+busiest engine's 16 chunks plus one fill and drain (the other two steps of one chunk),
+from the measured stage times.
+
+Then the same on ``N`` GPUs (``--devices N``, default: two where there are two): ``N x 16``
+chunks, 16 per GPU, through one executor (and the hand-written loop over every GPU),
+giving throughput scaling against one GPU.
+
+Targets: ``overlap_ratio_bound_reps*`` = executor / bound <= 1.10 (one per length);
+``speedup_vs_serial`` (balanced length, reps 800) >= 1.8; ``executor_vs_handwritten`` =
+executor / hand-written <= 1.05 (the worst of the three lengths); ``two_gpu_scaling`` >=
+1.9 (or ``scaling_N`` >= 0.95 N with ``--devices N > 2``, written to
+``pipeline-xN.json``).
+
+    PYTHONPATH=src python3 benchmarks/pipeline.py [--quick] [--devices N]
+
+On the simulator (no GPU) it runs with 1 MiB chunks and simulated latencies: a smoke run
+of the code paths, whose figures say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import numpy as np
+
+from aiocuda import _driver
+from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda.device import Device
+from aiocuda.event import Event
+from aiocuda.executor import Executor
+from aiocuda.host import pinned_empty
+from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
+
+try:
+    from benchmarks._common import RESULTS, Result, parser
+except ImportError:  # run as a script from the benchmarks folder
+    from _common import RESULTS, Result, parser  # type: ignore[no-redef]
+
+CHUNKS = 16
+REPS = (200, 800, 3000)
+BALANCED = 800
+BLOCK = 256
+SIM_LATENCY_S = {"memcpy_htod_async": 0.002, "launch_kernel": 0.002, "memcpy_dtoh_async": 0.002}
+
+
+class Rig:
+    """Pinned host data, per-device kernels, device buffers and streams for the raw loops."""
+
+    def __init__(self, devices: list[Device], chunk_bytes: int) -> None:
+        self.devices = devices
+        self.chunk_bytes = chunk_bytes
+        self.n = chunk_bytes // 4
+        total = CHUNKS * len(devices)
+        self.host_in = pinned_empty((total, self.n), np.float32)
+        self.host_in[:] = np.random.default_rng(0).random((total, self.n), dtype=np.float32)
+        self.host_out = pinned_empty((total, self.n), np.float32)
+        self.stages = {reps: ScaleStage(reps) for reps in REPS}
+        self.streams: dict[int, list[Stream]] = {}
+        self.buffers: dict[int, list[Any]] = {}
+        for dev in devices:
+            dev.make_current()
+            streams = [Stream(dev) for _ in range(3)]
+            self.streams[dev.ordinal] = streams
+            pool = MemoryPool.for_device(dev)
+            self.buffers[dev.ordinal] = [pool.allocate(chunk_bytes, s) for s in streams]
+            for s in streams:
+                s.synchronize()
+
+    def launcher(self, reps: int, stream: Stream) -> Callable[..., None]:
+        grid = (self.n + BLOCK - 1) // BLOCK
+        return self.stages[reps].kernel.bind(grid, BLOCK, stream=stream)
+
+    # -- stage times ------------------------------------------------------------------------
+    def stage_ms(self, reps_list: tuple[int, ...], samples: int) -> dict[str, float]:
+        dev = self.devices[0]
+        s = self.streams[dev.ordinal][0]
+        buf = self.buffers[dev.ordinal][0]
+        drv = dev._driver
+        src, dst = int(self.host_in.ctypes.data), int(self.host_out.ctypes.data)
+        ops: dict[str, Callable[[], None]] = {
+            "h2d": lambda: drv.memcpy_htod_async(buf.ptr, src, self.chunk_bytes, s.handle),
+            "d2h": lambda: drv.memcpy_dtoh_async(dst, buf.ptr, self.chunk_bytes, s.handle),
+        }
+        for reps in reps_list:
+            go = self.launcher(reps, s)
+            ops[f"kernel_reps{reps}"] = lambda go=go, reps=reps: go(buf, self.n, reps)  # type: ignore[misc]
+        start, end = Event(dev, timing=True), Event(dev, timing=True)
+        out = {}
+        for name, op in ops.items():
+            op()
+            times = []
+            for _ in range(samples):
+                start.record(s)
+                op()
+                end.record(s)
+                end.synchronize()
+                times.append(end.elapsed_ms(since=start))
+            out[name] = statistics.median(times)
+        return out
+
+    # -- raw-driver loops ---------------------------------------------------------------------
+    def raw_loop(self, reps: int, nstreams: int, devices: list[Device]) -> float:
+        """Seconds for ``CHUNKS`` chunks per device, chunk i on stream i % nstreams of
+        its device; devices interleaved chunk by chunk."""
+        plan = []
+        for dev in devices:
+            streams = self.streams[dev.ordinal][:nstreams]
+            bufs = self.buffers[dev.ordinal][:nstreams]
+            plan.append((dev, streams, bufs, [self.launcher(reps, s) for s in streams]))
+        nbytes, n = self.chunk_bytes, self.n
+        src, dst = int(self.host_in.ctypes.data), int(self.host_out.ctypes.data)
+        started = time.perf_counter()
+        for i in range(CHUNKS):
+            for d, (dev, streams, bufs, launchers) in enumerate(plan):
+                k = i % nstreams
+                s, b = streams[k].handle, bufs[k]
+                offset = (d * CHUNKS + i) * nbytes
+                dev.make_current()
+                drv = dev._driver
+                drv.memcpy_htod_async(b.ptr, src + offset, nbytes, s)
+                launchers[k](b, n, reps)
+                drv.memcpy_dtoh_async(dst + offset, b.ptr, nbytes, s)
+        for _, streams, _, _ in plan:
+            for stream in streams:
+                stream.synchronize()
+        return time.perf_counter() - started
+
+
+async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int) -> float:
+    out = rig.host_out
+    started = time.perf_counter()
+    async with ex.map(rig.stages[reps], rig.host_in[:chunks], output=lambda i, _: out[i]) as results:
+        async for _ in results:
+            pass
+    return time.perf_counter() - started
+
+
+def median_of(samples: int, run: Callable[[], float]) -> float:
+    run()  # warm-up
+    return statistics.median(run() for _ in range(samples))
+
+
+async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
+    one = rig.devices[:1]
+    stage = rig.stage_ms(REPS, samples)
+    result.baselines.update({f"stage_{k}_ms": round(v, 4) for k, v in stage.items()})
+    worst_vs_hand = 0.0
+    async with Executor(one) as ex:
+        for reps in REPS:
+            kernel = stage[f"kernel_reps{reps}"]
+            steps = [stage["h2d"], kernel, stage["d2h"]]
+            bound = CHUNKS * max(steps) + sum(steps) - max(steps)
+            serial = median_of(samples, lambda reps=reps: rig.raw_loop(reps, 1, one))
+            hand = median_of(samples, lambda reps=reps: rig.raw_loop(reps, 3, one))
+            await executor_run(ex, rig, reps, CHUNKS)
+            execu = statistics.median([await executor_run(ex, rig, reps, CHUNKS) for _ in range(samples)])
+            expected = scale_reference(rig.host_in[:CHUNKS], reps)
+            if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
+                raise SystemExit(f"executor results differ from numpy at reps={reps}")
+            result.baselines.update(
+                {
+                    f"bound_reps{reps}_ms": round(bound, 3),
+                    f"serial_1stream_reps{reps}_ms": round(serial * 1e3, 3),
+                    f"handwritten_3stream_reps{reps}_ms": round(hand * 1e3, 3),
+                }
+            )
+            result.metrics[f"executor_reps{reps}_ms"] = round(execu * 1e3, 3)
+            result.metrics[f"executor_vs_handwritten_reps{reps}"] = round(execu / hand, 4)
+            result.metrics[f"speedup_vs_serial_reps{reps}"] = round(serial / execu, 4)
+            result.target(f"overlap_ratio_bound_reps{reps}", execu * 1e3 / bound, 1.10, "<=")
+            worst_vs_hand = max(worst_vs_hand, execu / hand)
+            if reps == BALANCED:
+                result.target("speedup_vs_serial", serial / execu, 1.8, ">=")
+                single = execu
+        result.target("executor_vs_handwritten", worst_vs_hand, 1.05, "<=")
+    async with Executor(one, trace=True) as ex:
+        await executor_run(ex, rig, BALANCED, CHUNKS)
+        assert ex.trace is not None
+        ex.trace.clear()
+        await executor_run(ex, rig, BALANCED, CHUNKS)
+        summary = ex.trace.summary()
+    result.extra["trace_summary_1gpu_reps800"] = {
+        "wall_ms": round(summary.wall_ms, 3),
+        "bound_ms": round(summary.bound_ms, 3),
+        "overlap_ratio": round(summary.overlap_ratio, 4),
+        "busy_ms": {f"{e.device}/{e.engine}": round(e.busy_ms, 3) for e in summary.engines},
+    }
+    if ndev < 2:
+        return
+    many = rig.devices[:ndev]
+    hand_n = median_of(samples, lambda: rig.raw_loop(BALANCED, 3, many))
+    async with Executor(many) as ex:
+        await executor_run(ex, rig, BALANCED, CHUNKS * ndev)
+        execu_n = statistics.median([await executor_run(ex, rig, BALANCED, CHUNKS * ndev) for _ in range(samples)])
+    expected = scale_reference(rig.host_in, BALANCED)
+    if not np.allclose(rig.host_out, expected, rtol=1e-3):
+        raise SystemExit(f"executor results differ from numpy on {ndev} devices")
+    scaling = ndev * single / execu_n
+    result.metrics[f"executor_{ndev}gpu_reps800_ms"] = round(execu_n * 1e3, 3)
+    result.baselines[f"handwritten_3stream_{ndev}gpu_reps800_ms"] = round(hand_n * 1e3, 3)
+    result.metrics[f"executor_vs_handwritten_{ndev}gpu"] = round(execu_n / hand_n, 4)
+    if ndev == 2:
+        result.target("two_gpu_scaling", scaling, 1.9, ">=")
+    else:
+        result.target(f"scaling_{ndev}", scaling, round(0.95 * ndev, 2), ">=")
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--devices", type=int, default=None, help="GPUs for the scaling run (default: up to 2)")
+    args = p.parse_args()
+    backend = _driver.driver()
+    available = backend.device_count()
+    ndev = min(2, available) if args.devices is None else args.devices
+    if not 1 <= ndev <= available:
+        raise SystemExit(f"--devices must be between 1 and {available}")
+    on_sim = backend.name == "sim"
+    if on_sim:
+        for op, seconds in SIM_LATENCY_S.items():
+            backend.set_latency(op, seconds)  # type: ignore[attr-defined]
+    chunk_bytes = (1 << 20) if on_sim else (32 << 20)
+    samples = 2 if args.quick or on_sim else 9
+    rig = Rig([Device(i) for i in range(ndev)], chunk_bytes)
+    result = Result("pipeline" if ndev <= 2 else f"pipeline-x{ndev}")
+    result.extra["config"] = {
+        "chunks_per_gpu": CHUNKS,
+        "chunk_mib": chunk_bytes / (1 << 20),
+        "reps": list(REPS),
+        "devices": ndev,
+        "samples": samples,
+        "simulated": on_sim,
+    }
+    anyio.run(measure, rig, ndev, samples, result)
+    out = args.out or (RESULTS / f"{result.bench}.json")
+    print(f"wrote {result.write(out)}")
+
+
+if __name__ == "__main__":
+    main()
