@@ -22,6 +22,7 @@ stream, device and event loop of the process, and are never freed.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -49,7 +50,9 @@ MAX_SLOTS = 16
 PIPELINE_SLOTS = 4
 """Slots one large copy uses at a time."""
 
-_HOST_COPY_THREADS = 4
+_HOST_COPY_THREADS = max(2, min(8, (os.cpu_count() or 4) // 2))
+"""Threads sharing a large host copy: one thread's memcpy reaches only a third of
+what the DMA engine does, and pageable copies are bound by it."""
 _HOST_COPY_SPLIT = 2 << 20
 _memmove = ctypes.memmove
 
@@ -109,6 +112,7 @@ class _StagingPool:
             while True:
                 creatable = min(wanted - len(self._free), MAX_SLOTS - self._count)
                 if self._free or creatable > 0:
+                    self._free.sort(key=_Slot.ready, reverse=True)  # idle slots first
                     taken = self._free[:wanted]
                     del self._free[:wanted]
                     new = max(0, min(wanted - len(taken), MAX_SLOTS - self._count))

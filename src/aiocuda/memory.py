@@ -360,7 +360,9 @@ class MemoryPool:
         """Let kernels on ``peer`` read and write this pool's memory
         (``cuMemPoolSetAccess``). Peer copies do not need it."""
         peer_dev = _as_device(peer)
-        if peer_dev is not self.device and not peer_dev.can_access_peer(self.device):
+        if peer_dev is self.device:
+            return  # the owner always has access (and the driver rejects changing it)
+        if not peer_dev.can_access_peer(self.device):
             raise _argument(
                 f"device {peer_dev.ordinal} cannot access device {self.device.ordinal}'s memory "
                 "(cuDeviceCanAccessPeer says no)",
