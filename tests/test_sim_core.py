@@ -369,6 +369,37 @@ def test_doorbell_behind_an_event_completes_with_it(sim: SimDriver) -> None:
     assert bell.wait(0)
 
 
+# -- error codes ------------------------------------------------------------------------------
+def test_errors_read_like_the_drivers() -> None:
+    from aiocuda._driver.sim._codes import code_name, sim_error
+
+    assert code_name(ResultCode.ILLEGAL_ADDRESS) == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    assert code_name(ResultCode.SUCCESS) == "CUDA_SUCCESS"
+    assert code_name(12345) == "CUresult 12345"
+    error = sim_error(ResultCode.ILLEGAL_ADDRESS, "launch_kernel", "kernel 'k' read past the end")
+    assert isinstance(error, ContextPoisonedError)
+    assert error.call == "cuLaunchKernel"
+    assert str(error) == (
+        "cuLaunchKernel: CUDA_ERROR_ILLEGAL_ADDRESS (700): "
+        "an illegal memory access was encountered: kernel 'k' read past the end"
+    )
+    assert sim_error(ResultCode.NOT_READY, "my_call").description == "device not ready"
+    for code, value in vars(ResultCode).items():
+        if isinstance(value, int) and value:
+            assert sim_error(value, "x").description, code  # every named code is described
+
+
+def test_sticky_fault_in_a_device_query_poisons_the_current_device(sim: SimDriver) -> None:
+    on_device(sim, 1)
+    sim.inject_fault(ResultCode.ECC_UNCORRECTABLE, call="device_name")
+    with pytest.raises(ContextPoisonedError):
+        sim.device_name(sim.device_get(0))
+    with pytest.raises(ContextPoisonedError):
+        sim.mem_get_info()
+    on_device(sim, 0)
+    assert sim.mem_get_info()[1] == 16 << 30
+
+
 # -- faults -----------------------------------------------------------------------------------
 def test_inject_fault_at_the_nth_call(sim: SimDriver) -> None:
     stream = sim.stream_create(non_blocking=True, priority=0)

@@ -137,9 +137,12 @@ class SimCore:
         raise error
 
     def _counted(self, name: str) -> None:
-        """Start of a device query that needs no context: fault injection only."""
+        """Start of a call that needs no context (device queries...): fault injection only.
+
+        A sticky fault injected into such a call poisons the calling thread's current device.
+        """
         if self._closed or self._faults.armed:
-            self._api_slow_path(name, 0)
+            self._api_slow_path(name, None)
 
     def _device_of_current(self) -> int:
         """The ordinal of the calling thread's current context; 0 when it has none."""
