@@ -226,3 +226,20 @@ async def test_buffer_outliving_its_closed_stream_is_still_freed(
     gc.collect()
     after = pool.statistics()
     assert after.frees == before.frees + 1
+
+
+async def test_injected_out_of_memory_is_retried_once(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    from aiocuda.errors import ResultCode
+
+    pool = MemoryPool.create(0)
+    with Stream(0) as s:
+        sim_backend.inject_fault(ResultCode.OUT_OF_MEMORY, at_call=1, call="mem_alloc_async")  # type: ignore[attr-defined]
+        buf = pool.allocate(MiB, s)  # first attempt fails, the retry after trimming succeeds
+        assert pool.statistics().out_of_memory_recoveries == 1
+        buf.free()
+        for at_call in (1, 2):
+            sim_backend.inject_fault(ResultCode.OUT_OF_MEMORY, at_call=at_call, call="mem_alloc_async")  # type: ignore[attr-defined]
+        with pytest.raises(OutOfMemoryError, match=r"asked for 1\.0 MiB"):
+            pool.allocate(MiB, s)
+        pool.allocate(MiB, s).free()  # usable afterwards
+        await s
