@@ -327,3 +327,31 @@ _PTX = """
 def test_kernel_repr(module: Module) -> None:
     assert repr(module.kernel("saxpy")) == "<Kernel saxpy(float32 a, float32* x, float32* y, int32 n)>"
     assert isinstance(module.kernel("fill"), Kernel)
+
+
+@pytest.mark.anyio
+async def test_current_stream_is_the_default(module: Module, anyio_backend: object) -> None:
+    from aiocuda.stream import use_stream
+
+    n = 64
+    with Stream(0) as s, use_stream(s):
+        out = empty(n, np.int32, stream=s)
+        module.kernel("fill")[1, 64](out, 9, n)
+        assert (await out.to_host(stream=s) == 9).all()
+        module.kernel("fill").launch((1, 1), (64, 1, 1), out, 10, n)
+        assert (await out.to_host(stream=s) == 10).all()
+
+
+def test_sim_implementation_sees_the_launch(sim_backend: _driver.Driver) -> None:
+    seen: list[Any] = []
+    register_sim_kernel("probe", lambda launch, x, v: seen.append((launch, x, v)))
+    try:
+        module = Program('extern "C" __global__ void probe(double* x, short v) {}').compile()
+        with Stream(0) as s:
+            module.kernel("probe").launch((2, 3), 32, None, 7, stream=s, shared_mem=128)
+            s.synchronize()
+    finally:
+        register_sim_kernel("probe", None)
+    ((launch, x, v),) = seen
+    assert (launch.name, launch.grid, launch.block, launch.shared_mem) == ("probe", (2, 3, 1), (32, 1, 1), 128)
+    assert x is None and v == 7 and isinstance(v, np.int16)
