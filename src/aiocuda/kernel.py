@@ -64,7 +64,7 @@ def _dim3(value: Dim3, what: str) -> tuple[int, int, int]:
         raise LaunchError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}", name="AIOCUDA_BAD_CONFIG")
     if any(d < 1 for d in dims):
         raise LaunchError(f"{what} dimensions must be >= 1, got {value!r}", name="AIOCUDA_BAD_CONFIG")
-    return (*dims, 1, 1)[:3]  # type: ignore[return-value]
+    return (*dims, 1, 1)[:3]
 
 
 class Kernel:
@@ -117,9 +117,7 @@ class Kernel:
     def attributes(self, device: Device | int | None = None) -> KernelAttributes:
         """Registers, static shared/constant/local memory, limits and versions on ``device``."""
         get = self.attribute
-        return KernelAttributes(
-            **{field: get(field, device) for field in KernelAttributes.__dataclass_fields__}  # type: ignore[arg-type]
-        )
+        return KernelAttributes(**{field: get(field, device) for field in KernelAttributes.__dataclass_fields__})
 
     def max_active_blocks(self, block_size: int, shared_mem: int = 0, device: Device | int | None = None) -> int:
         """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor."""
@@ -161,7 +159,7 @@ class Kernel:
         device = s.device
         func = self.function(device)
         device.make_current()
-        backend = device._driver
+        backend: Any = device._driver  # prepare_launch: proposed addition to the Driver protocol
         handle = s.handle
 
         def prepare(buffer: ParamBuffer) -> Any:

@@ -416,4 +416,5 @@ def _device_view(state: Any, ptr: int, dtype: np.dtype, kernel: str) -> np.ndarr
         )
     offset = ptr - block.start
     usable = (block.size - offset) // dtype.itemsize * dtype.itemsize
-    return block.array[offset : offset + usable].view(dtype)
+    view: np.ndarray = block.array[offset : offset + usable].view(dtype)
+    return view
