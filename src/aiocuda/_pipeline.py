@@ -157,14 +157,18 @@ class ChunkContext:
             Trace.stop(span, p2p)
             self.spans.append(span)
         self.lanes = target
-        self._begin_compute()
-        self.stream.wait(p2p)
-        moved.buffer._used_on(self.stream)
+        self._begin_compute(moved, copied_on=p2p)
         return moved
 
     # -- for the pipeline ---------------------------------------------------------------------
-    def _begin_compute(self) -> None:
+    def _begin_compute(self, ready: DeviceArray, copied_on: Stream | None = None) -> None:
+        """Switch to the next compute stream, ordered (on the GPU) after the work that
+        produced ``ready`` -- and after ``copied_on``, for a copy from another device --
+        then start the compute span: its start event must come after those waits."""
         track, self.stream = self.lanes.next_compute()
+        if copied_on is not None:
+            self.stream.wait(copied_on)
+        ready.buffer._used_on(self.stream)
         if self._trace is not None:
             self._compute = self._trace.start(self.stream, "compute", self.name, chunk=self.index, track=track)
 
@@ -349,8 +353,7 @@ class Pipeline:
             if span is not None:
                 Trace.stop(span, h2d)
                 ctx.spans.append(span)
-            ctx._begin_compute()
-            x.buffer._used_on(ctx.stream)  # compute waits for the upload, on the GPU
+            ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
             returned = self._stage(ctx, x)
             if inspect.isawaitable(returned):
                 returned = await returned

@@ -37,7 +37,7 @@ from typing import Any
 from .device import Device
 from .stream import Stream
 
-__all__ = ["ENGINES", "EngineSummary", "Span", "Trace", "TraceSummary"]
+__all__ = ["ENGINES", "EngineSummary", "PendingSpan", "Span", "Trace", "TraceSummary"]
 
 ENGINES = ("h2d", "compute", "d2h", "p2p")
 """Engine names, in the order traces show them."""
@@ -226,6 +226,10 @@ class Trace:
             self._spans.append(Span(clock.device.ordinal, p.engine, p.track, p.name, p.chunk, start, end))
             self.discard(p)
 
+    def add(self, *spans: Span) -> None:
+        """Add finished spans measured elsewhere (another trace, host-side timings)."""
+        self._spans.extend(spans)
+
     @staticmethod
     def discard(*pending: PendingSpan) -> None:
         """Give the events of spans that will never be resolved (cancelled, failed) back.
@@ -326,6 +330,6 @@ class Trace:
 
 
 def _tid(engine: str, track: int) -> int:
-    """Track ids: h2d 1, compute 2, 10, 11, ... for further compute streams, d2h 3, p2p 4."""
+    """Track ids: h2d 1, compute 2 (further compute streams 21, 22, ...), d2h 3, p2p 4."""
     base = ENGINES.index(engine) + 1
     return base if track == 0 else 10 * base + track

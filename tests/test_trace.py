@@ -1,0 +1,128 @@
+"""Traces: span bookkeeping, the overlap summary's arithmetic, Chrome JSON, executor traces."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda._cli.demo import ScaleStage
+from aiocuda.executor import Executor
+from aiocuda.host import pinned_empty
+from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
+from aiocuda.trace import Span, Trace
+
+LATENCY_S = 0.004
+
+
+def test_summary_arithmetic_on_known_spans() -> None:
+    trace = Trace()
+    # Device 0: h2d 0-2, 2-4; compute 2-5, 5-8 (the busiest: 6 ms); d2h 5-6, 8-9.
+    # Device 1: one h2d span that overlaps itself on two tracks: union 1-4 = 3 ms.
+    trace.add(
+        Span(0, "h2d", 0, "h2d", 0, 0.0, 2.0),
+        Span(0, "h2d", 0, "h2d", 1, 2.0, 4.0),
+        Span(0, "compute", 0, "k", 0, 2.0, 5.0),
+        Span(0, "compute", 0, "k", 1, 5.0, 8.0),
+        Span(0, "d2h", 0, "d2h", 0, 5.0, 6.0),
+        Span(0, "d2h", 0, "d2h", 1, 8.0, 9.0),
+        Span(1, "compute", 0, "k", 2, 1.0, 3.0),
+        Span(1, "compute", 1, "k", 3, 2.0, 4.0),
+    )
+    s = trace.summary()
+    assert s.devices == (0, 1)
+    assert s.busy_ms(0, "h2d") == pytest.approx(4.0)
+    assert s.busy_ms(0, "compute") == pytest.approx(6.0)
+    assert s.busy_ms(0, "d2h") == pytest.approx(2.0)
+    assert s.busy_ms(1, "compute") == pytest.approx(3.0)
+    assert s.busy_ms(1, "p2p") == 0.0
+    assert s.wall_ms == pytest.approx(9.0)
+    assert s.serial_ms == pytest.approx(2 + 2 + 3 + 3 + 1 + 1 + 2 + 2)
+    # bound: device 0's compute (6) + mean h2d (2) + mean d2h (1) = 9; device 1: 3.
+    assert s.bound_ms == pytest.approx(9.0)
+    assert s.overlap_ratio == pytest.approx(1.0)
+    text = s.table()
+    assert "overlap ratio 1.000" in text and "compute" in text
+
+
+def test_empty_trace_summarises_to_zero() -> None:
+    s = Trace().summary()
+    assert (s.wall_ms, s.bound_ms, s.overlap_ratio, s.engines) == (0.0, 0.0, 0.0, ())
+
+
+def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None:
+    trace = Trace()
+    trace.add(Span(0, "h2d", 0, "h2d", 0, 0.5, 1.5), Span(1, "compute", 1, "scale", 3, 1.0, 2.25))
+    path = trace.write_chrome(tmp_path / "t.json")
+    doc = json.loads(path.read_text())
+    complete = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert len(complete) == 2
+    for e in complete:
+        assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
+        assert isinstance(e["ts"], float | int) and e["dur"] >= 0
+    first = next(e for e in complete if e["pid"] == 0)
+    assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"engine": "h2d", "chunk": 0})
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert names[(0, first["tid"])] == "h2d"
+    assert "compute 1" in names.values()
+    assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {"GPU 0", "GPU 1"}
+
+
+def test_unknown_engine_is_refused(sim_backend: Any) -> None:
+    with Stream(0) as s, pytest.raises(ValueError, match="unknown engine"):
+        Trace().start(s, "tensor", "x")
+
+
+def test_spans_recorded_by_hand(backend: Any) -> None:
+    trace = Trace()
+    with Stream(0) as s:
+        buf = MemoryPool.for_device(s.device).allocate(1 << 16, s)
+        trace.begin(s)
+        pending = trace.start(s, "compute", "memset", chunk=7)
+        s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
+        trace.stop(pending, s)
+        buf.free()
+        s.synchronize()
+        trace.resolve(pending)
+        trace.close()
+    (span,) = trace.spans
+    assert (span.device, span.engine, span.name, span.chunk) == (0, "compute", "memset", 7)
+    assert 0.0 <= span.start_ms <= span.end_ms
+
+
+@pytest.mark.anyio
+async def test_executor_trace_shows_overlap(sim_backend: Any, anyio_backend: Any) -> None:
+    for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
+        sim_backend.set_latency(op, LATENCY_S)
+    chunks = pinned_empty((8, 256), np.float32)
+    out = pinned_empty((8, 256), np.float32)
+    async with Executor([0], trace=True) as ex:
+        await ex.run(ScaleStage(10), chunks, output=lambda i, _: out[i])
+        assert ex.trace is not None
+        s = ex.trace.summary()
+        spans = ex.trace.spans
+    assert sorted(c for c in (sp.chunk for sp in spans if sp.engine == "compute")) == list(range(8))
+    step_ms = LATENCY_S * 1e3
+    for engine in ("h2d", "compute", "d2h"):
+        assert s.busy_ms(0, engine) >= 8 * step_ms * 0.9
+    # Each span starts when its stream gets to it: a chunk's steps never overlap each other.
+    by_chunk: dict[int, dict[str, Span]] = {}
+    for sp in spans:
+        assert sp.chunk is not None
+        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+    for steps in by_chunk.values():
+        assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
+        assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
+    assert s.wall_ms < 0.7 * s.serial_ms  # engines overlapped
+    assert 0.8 < s.overlap_ratio < 1.6
+    assert s.bound_ms >= 8 * step_ms + 2 * step_ms * 0.9
+
+
+@pytest.mark.anyio
+async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Executor() as ex:
+        assert ex.trace is None
