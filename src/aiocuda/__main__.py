@@ -90,10 +90,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m aiocuda", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="the backend in use and every device").set_defaults(run=info)
-    p_demo = sub.add_parser("demo", help="run a multi-stream, multi-device pipeline and show its overlap")
+    p_demo = sub.add_parser(
+        "demo",
+        help="run a multi-stream, multi-device pipeline and show its overlap",
+        description="Upload, scale and download generated chunks on every device through the executor; "
+        "without a GPU, on the simulated backend (2 simulated devices unless AIOCUDA_SIM_DEVICES is set).",
+    )
     p_demo.add_argument("--chunks", type=int, default=None, help="number of chunks (default: 32)")
-    p_demo.add_argument("--chunk-mib", type=float, default=None, help="chunk size in MiB")
-    p_demo.add_argument("--trace", type=pathlib.Path, default=pathlib.Path("aiocuda-demo-trace.json"))
+    p_demo.add_argument(
+        "--chunk-mib", type=float, default=None, help="chunk size in MiB (default: 32 on a GPU, 0.25 simulated)"
+    )
+    p_demo.add_argument(
+        "--trace",
+        type=pathlib.Path,
+        default=pathlib.Path("aiocuda-demo-trace.json"),
+        help="Chrome / Perfetto trace file to write (default: aiocuda-demo-trace.json)",
+    )
     p_demo.add_argument("--devices", type=int, default=None, help="how many devices to use (default: all)")
     p_demo.set_defaults(run=demo)
     p_bench = sub.add_parser("bench", help="run the benchmarks (source checkout only)")

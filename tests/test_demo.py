@@ -1,0 +1,63 @@
+"""``python -m aiocuda demo`` on the simulated backend: runs, says so, checks, writes a trace."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from aiocuda._cli import demo
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
+
+
+def test_demo_runs_from_the_command_line(tmp_path: pathlib.Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIOCUDA_SIM_DEVICES"}
+    env.update(AIOCUDA_BACKEND="sim", PYTHONPATH=f"{SRC}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    trace = tmp_path / "demo-trace.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "aiocuda", "demo", "--chunks", "8", "--chunk-mib", "0.0625", "--trace", str(trace)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "SIMULATED backend" in done.stdout
+    assert "2 simulated devices" in done.stdout
+    assert "results match numpy" in done.stdout
+    events = json.loads(trace.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert {e["cat"] for e in spans} == {"h2d", "compute", "d2h"}
+    assert len(spans) == 3 * 8
+
+
+def _args(tmp_path: pathlib.Path, **overrides: Any) -> argparse.Namespace:
+    values = {"chunks": 6, "chunk_mib": 0.03125, "trace": tmp_path / "t.json", "devices": None, **overrides}
+    return argparse.Namespace(**values)
+
+
+def test_demo_in_plain_text_on_one_device(
+    sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "2")
+    monkeypatch.setattr(demo, "_ui", demo._Plain)  # as without rich
+    assert demo.run_demo(_args(tmp_path, devices=1)) == 0
+    out = capsys.readouterr().out
+    assert "6/6 chunks" in out and "busy time per engine" in out and "results match numpy" in out
+    assert "chunks per device: {0: 6}" in out
+    assert (tmp_path / "t.json").is_file()
+
+
+def test_demo_refuses_more_devices_than_there_are(
+    sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "2")
+    assert demo.run_demo(_args(tmp_path, devices=3)) == 2
