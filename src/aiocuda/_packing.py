@@ -95,7 +95,7 @@ class ParamBuffer:
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
     return [
-        to_pointer(a, stream) if p.code == "Q" and a.__class__ is not int else a
+        to_pointer(a, stream) if p.code == "Q" and type(a) is not int else a
         for p, a in zip(signature, args, strict=True)
     ]
 
@@ -179,9 +179,7 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
         )
     for index, (param, arg) in enumerate(zip(signature, args, strict=True)):
         try:
-            value = to_pointer(arg, None) if param.code == "Q" and arg.__class__ is not int else arg
-            if param.code == "Q" and not param.pointer and arg.__class__ is not int:
-                value = operator.index(value)
+            value = to_pointer(arg, None) if param.code == "Q" and type(arg) is not int else arg
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
@@ -207,7 +205,7 @@ def build_launcher(
     """
     names = [f"a{i}" for i in range(len(signature))]
     values = ", ".join(
-        f"({n} if {n}.__class__ is int else to_pointer({n}, stream))" if p.code == "Q" else n
+        f"({n} if type({n}) is int else to_pointer({n}, stream))" if p.code == "Q" else n
         for n, p in zip(names, signature, strict=True)
     )
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
