@@ -72,7 +72,7 @@ async def test_large_pageable_and_pinned_round_trips(backend: _driver.Driver, an
 
 
 async def test_registered_host_array(backend: _driver.Driver, anyio_backend: object) -> None:
-    host = _random((1000,), np.float64)
+    host = _random((1 << 17,), np.float64)  # 1 MiB: its own pages (the driver pins whole pages)
     with register_host(host) as reg:
         assert is_pinned(host) and not reg.closed
         with pytest.raises(ArgumentError):
