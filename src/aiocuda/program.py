@@ -164,17 +164,20 @@ class Program:
         return SIM_IMAGE_MAGIC + "".join(f"{name}\n" for name in signatures).encode()
 
     def _compile_real(self, device: Device) -> CachedImage:
-        nvrtc = _load_nvrtc()
-        arch = self.options.arch or _device_arch(nvrtc, device)
-        options = [f"--gpu-architecture={arch}", *self.options.nvrtc_options()]
+        # The key names the device's architecture rather than the one NVRTC will be asked
+        # for, and the compiler by its wheel's version: a cache hit loads no NVRTC at all.
+        major, minor = device.compute_capability
+        target = self.options.arch or f"sm_{major}{minor}"
+        options = self.options.nvrtc_options()
+
+        def compile_now() -> CachedImage:
+            nvrtc = _load_nvrtc()
+            arch = self.options.arch or _device_arch(nvrtc, device)
+            nvrtc_options = [f"--gpu-architecture={arch}", *options]
+            return _nvrtc_compile(nvrtc, self.source, self.name, nvrtc_options, self.name_expressions, arch)
+
         return cached_compile(
-            self._cache,
-            self.source,
-            options,
-            self.name_expressions,
-            arch,
-            _compiler_identity(nvrtc),
-            lambda: _nvrtc_compile(nvrtc, self.source, self.name, options, self.name_expressions, arch),
+            self._cache, self.source, options, self.name_expressions, target, _compiler_identity(), compile_now
         )
 
 
@@ -224,9 +227,9 @@ def _load_nvrtc() -> Any:
     return _nvrtc_module
 
 
-def _compiler_identity(nvrtc: Any) -> str:
+def _compiler_identity() -> str:
     """What identifies the compiler for the cache key: the NVRTC wheel's version where one
-    is installed (cheap to read), else the library's own version."""
+    is installed (read without loading the library), else the library's own version."""
     global _identity
     if _identity is None:
         for dist in _NVRTC_DISTRIBUTIONS:
@@ -236,6 +239,7 @@ def _compiler_identity(nvrtc: Any) -> str:
             except importlib.metadata.PackageNotFoundError:
                 continue
         else:
+            nvrtc = _load_nvrtc()
             major, minor = _check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
             _identity = f"nvrtc {major}.{minor}"
     return _identity
