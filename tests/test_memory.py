@@ -243,3 +243,39 @@ async def test_injected_out_of_memory_is_retried_once(sim_backend: _driver.Drive
             pool.allocate(MiB, s)
         pool.allocate(MiB, s).free()  # usable afterwards
         await s
+
+
+async def test_random_churn_leaks_nothing(backend: _driver.Driver, anyio_backend: object) -> None:
+    import random
+
+    import numpy as np
+
+    import aiocuda.array as ga
+
+    rng = random.Random(11)
+    pool = MemoryPool.for_device(0)
+    host = np.arange(64 * 1024, dtype=np.uint8)
+    with Stream(0) as s:
+        gc.collect()
+        await s
+        s.synchronize()
+        before = pool.statistics().used_bytes
+        live = []
+        for _ in range(400):
+            roll = rng.random()
+            if roll < 0.45 or not live:
+                live.append(pool.allocate(rng.randint(1, 2 * MiB), s))
+            elif roll < 0.8:
+                victim = live.pop(rng.randrange(len(live)))
+                if rng.random() < 0.5:
+                    victim.free()
+                del victim
+            else:
+                with anyio.CancelScope() as scope:
+                    scope.cancel()
+                    await ga.to_device(host[: rng.randint(1, host.size)], stream=s)
+        live.clear()
+        gc.collect()
+        await s
+        s.synchronize()
+        assert pool.statistics().used_bytes == before
