@@ -61,3 +61,15 @@ def test_demo_refuses_more_devices_than_there_are(
 ) -> None:
     monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "2")
     assert demo.run_demo(_args(tmp_path, devices=3)) == 2
+
+
+def test_example_pipeline_runs(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "AIOCUDA_BACKEND": "sim", "AIOCUDA_SIM_DEVICES": "2"}
+    env["PYTHONPATH"] = f"{SRC}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    example = SRC.parent / "examples" / "pipeline.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "results match numpy" in done.stdout
+    assert (tmp_path / "pipeline-trace.json").is_file()

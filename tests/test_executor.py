@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -68,7 +69,7 @@ async def test_run_returns_values_and_accepts_async_iterables(backend: Any, anyi
 
     async def source() -> AsyncIterator[np.ndarray]:
         for host in inputs:
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
             yield host
 
     async def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:  # an async stage, a new output
@@ -319,3 +320,39 @@ async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, an
             ex.map(ScaleStage(REPS), [], placement="random")  # type: ignore[arg-type]
         assert await ex.run(ScaleStage(REPS), []) == []
         assert "in flight" in repr(ex)
+
+
+async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:
+    from aiocuda.errors import CudaError, ResultCode
+
+    baseline = used_bytes()
+    inputs = chunks(6, pinned=True)
+    async with Executor([0]) as ex:
+        sim_backend.inject_fault(ResultCode.INVALID_VALUE, at_call=3, call="memcpy_dtoh_async")
+        async with ex.map(ScaleStage(REPS), inputs, on_error="continue") as results:
+            got = [r async for r in results]
+        await ex.synchronize()
+        assert used_bytes() == baseline
+    assert [r.index for r in got if not r.ok] == [2]
+    assert isinstance(got[2].error, CudaError)
+    for r in got:
+        if r.ok:
+            np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+async def test_pipelines_share_an_executor_concurrently(slow_sim: Any, anyio_backend: Any) -> None:
+    a, b = chunks(6, seed=1), chunks(6, seed=2)
+    found: dict[str, list[np.ndarray]] = {}
+    async with Executor(chunks_per_device=2) as ex:
+
+        async def run(name: str, inputs: list[np.ndarray], reps: int) -> None:
+            found[name] = await ex.run(ScaleStage(reps), inputs)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "a", a, REPS)
+            tg.start_soon(run, "b", b, 2 * REPS)
+        assert all(lane.chunks == 0 for lane in ex.lanes)
+    for value, host in zip(found["a"], a, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+    for value, host in zip(found["b"], b, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, 2 * REPS), rtol=1e-5)
