@@ -208,3 +208,17 @@ def test_second_compile_comes_from_the_cache(
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(program.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_compiler_identity_from_the_wheel_without_loading_nvrtc(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
+) -> None:
+    lib = tmp_path / "cu13" / "lib" / "libnvrtc.so.13"
+    lib.parent.mkdir(parents=True)
+    lib.write_bytes(b"\x7fELF")
+    spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(program.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(program, "_identity", None)
+    monkeypatch.setattr(program, "_load_nvrtc", lambda: pytest.fail("NVRTC must not be loaded"))
+    identity = program._compiler_identity()
+    assert identity.startswith(f"{lib}:4:")

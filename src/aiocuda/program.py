@@ -25,7 +25,8 @@ registered with ``SimDriver.register_kernel``.
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib.util
+import pathlib
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,9 @@ _NVRTC_INSTALL = (
     "NVRTC (libnvrtc) was not found, so CUDA C++ cannot be compiled: pip install nvidia-cuda-nvrtc "
     "(or 'cuda-toolkit[nvrtc]'), or install the CUDA Toolkit"
 )
-_NVRTC_DISTRIBUTIONS = ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu13", "nvidia-cuda-nvrtc-cu12")
+_NVRTC_WHEEL_DIRS = ("cu13/lib", "cuda_nvrtc/lib")
+"""Where the nvidia-cuda-nvrtc wheels (CUDA 13, CUDA 12) put libnvrtc, under ``nvidia/``
+(as cuda-pathfinder searches them)."""
 
 
 class CompileError(CudaError):
@@ -228,20 +231,21 @@ def _load_nvrtc() -> Any:
 
 
 def _compiler_identity() -> str:
-    """What identifies the compiler for the cache key: the NVRTC wheel's version where one
-    is installed (read without loading the library), else the library's own version."""
+    """What identifies the compiler for the cache key, found without loading NVRTC where
+    possible: the NVRTC wheel's library file (path, size, modification time) -- the one
+    cuda-bindings loads first -- else the loaded library's own version."""
     global _identity
     if _identity is None:
-        for dist in _NVRTC_DISTRIBUTIONS:
-            try:
-                _identity = f"{dist}=={importlib.metadata.version(dist)}"
-                break
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        else:
-            nvrtc = _load_nvrtc()
-            major, minor = _check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
-            _identity = f"nvrtc {major}.{minor}"
+        spec = importlib.util.find_spec("nvidia")
+        for base in (spec.submodule_search_locations or []) if spec is not None else []:
+            for sub in _NVRTC_WHEEL_DIRS:
+                for lib in sorted(pathlib.Path(base, sub).glob("libnvrtc.so*")):
+                    st = lib.stat()
+                    _identity = f"{lib}:{st.st_size}:{st.st_mtime_ns}"
+                    return _identity
+        nvrtc = _load_nvrtc()
+        major, minor = _check(nvrtc, nvrtc.nvrtcVersion(), "nvrtcVersion")
+        _identity = f"nvrtc {major}.{minor}"
     return _identity
 
 
