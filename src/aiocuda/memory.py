@@ -476,8 +476,18 @@ class DeviceBuffer:
             self._used_on(stream)
             last = stream
         self._stream = None
-        if self._ptr:
-            self._pool._release(self._ptr, last, self._waits)
+        if not self._ptr:
+            return
+        pool = self._pool
+        if self._waits is None:  # the common case, inlined: one driver call
+            try:
+                pool._free_fn(self._ptr, last.handle)
+            except CudaError:
+                pool._release(self._ptr, last, None)  # binds the context and retries
+            else:
+                pool._frees += 1
+            return
+        pool._release(self._ptr, last, self._waits)
 
     def __del__(self) -> None:
         if self._stream is not None and self._ptr and not _exiting:
