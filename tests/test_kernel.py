@@ -355,3 +355,21 @@ def test_sim_implementation_sees_the_launch(sim_backend: _driver.Driver) -> None
     ((launch, x, v),) = seen
     assert (launch.name, launch.grid, launch.block, launch.shared_mem) == ("probe", (2, 3, 1), (32, 1, 1), 128)
     assert x is None and v == 7 and isinstance(v, np.int16)
+
+
+@pytest.mark.anyio
+async def test_module_loads_lazily_on_each_device(module: Module, anyio_backend: object) -> None:
+    from aiocuda.device import device_count
+
+    if device_count() < 2:
+        pytest.skip("needs two devices")
+    n = 32
+    fill = module.kernel("fill")
+    for ordinal in (0, 1):
+        with Stream(ordinal) as s:
+            out = empty(n, np.int32, stream=s)
+            fill.launch(1, 32, out, ordinal + 1, n, stream=s)
+            assert (await out.to_host(stream=s) == ordinal + 1).all()
+    assert "loaded on devices [0, 1]" in repr(module)
+    module.unload()
+    assert "loaded on devices []" in repr(module)
