@@ -296,7 +296,7 @@ async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> 
 async def test_stage_returning_a_wrong_type_fails_that_chunk(sim_backend: Any, anyio_backend: Any) -> None:
     async with Executor() as ex:
         with pytest.raises(TypeError, match="DeviceArray or None"):
-            await ex.run(lambda ctx, x: 42, chunks(2))
+            await ex.run(lambda ctx, x: 42, chunks(2))  # type: ignore[arg-type, return-value]
 
 
 async def test_output_destinations_are_used(backend: Any, anyio_backend: Any) -> None:

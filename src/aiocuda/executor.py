@@ -285,7 +285,7 @@ class Executor:
             on_error=on_error,
             placement=placement,
             output=output,
-            name=name or getattr(stage, "__name__", "stage"),
+            name=name or str(getattr(stage, "__name__", "stage")),
         )
 
     async def run(
