@@ -373,3 +373,14 @@ async def test_module_loads_lazily_on_each_device(module: Module, anyio_backend:
     assert "loaded on devices [0, 1]" in repr(module)
     module.unload()
     assert "loaded on devices []" in repr(module)
+
+
+def test_kernels_are_shared_and_reload_after_unload(module: Module) -> None:
+    fill = module.kernel("fill")
+    assert module.kernel("fill") is fill
+    assert module.kernel("fill", signature="int*, int, int") is not fill
+    with Stream(0) as s:
+        fill.launch(1, 32, None, 1, 0, stream=s)
+        module.unload()
+        fill.launch(1, 32, None, 1, 0, stream=s)  # loads the module again
+        s.synchronize()

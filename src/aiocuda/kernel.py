@@ -32,7 +32,7 @@ from typing import Any
 
 from . import _driver
 from ._packing import ParamBuffer, build_launcher
-from ._signature import Signature, parse_signature
+from ._signature import Signature
 from .device import Device
 from .errors import LaunchError, ResultCode
 from .module import Module
@@ -76,12 +76,10 @@ class Kernel:
 
     __slots__ = ("__weakref__", "_functions", "_launchers", "_lock", "module", "name", "signature")
 
-    def __init__(self, module: Module, name: str, signature: str | Any = None) -> None:
+    def __init__(self, module: Module, name: str, signature: Signature | None = None) -> None:
         self.module = module
         self.name = name
-        self.signature: Signature | None = (
-            parse_signature(signature) if signature is not None else module.signatures.get(name)
-        )
+        self.signature = signature if signature is not None else module.signatures.get(name)
         self._functions: dict[tuple[int, int], Any] = {}
         self._launchers: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._lock = threading.Lock()
@@ -89,6 +87,12 @@ class Kernel:
     def __repr__(self) -> str:
         params = "?" if self.signature is None else ", ".join(p.describe() for p in self.signature)
         return f"<Kernel {self.name}({params})>"
+
+    def _forget(self) -> None:
+        """Drop functions and launchers (their module was unloaded)."""
+        with self._lock:
+            self._functions.clear()
+            self._launchers.clear()
 
     # -- driver function and attributes ---------------------------------------------------------
     def function(self, device: Device | int | None = None) -> Any:

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from . import _driver
-from ._signature import Signature, ptx_signatures
+from ._signature import Signature, parse_signature, ptx_signatures
 from .device import Device
 from .errors import ArgumentError, CudaError
 
@@ -67,6 +67,7 @@ class Module:
         "__weakref__",
         "_finalizer",
         "_handles",
+        "_kernels",
         "_lock",
         "image",
         "kind",
@@ -103,6 +104,7 @@ class Module:
         self.log = log
         self._lock = threading.Lock()
         self._handles: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._kernels: weakref.WeakValueDictionary[Any, Kernel] = weakref.WeakValueDictionary()
         self._finalizer = weakref.finalize(self, _unload_all, self._handles)
 
     @classmethod
@@ -127,10 +129,17 @@ class Module:
         """The kernel ``name`` (a plain name or a compiled name expression such as
         ``"axpy<float>"``). ``signature`` declares its parameters (see
         :func:`aiocuda._signature.parse_signature`); without it the signature parsed from
-        the source or PTX is used, if any. The function is looked up on first use."""
+        the source or PTX is used, if any. The function is looked up on first use.
+
+        Returns the same :class:`~aiocuda.kernel.Kernel` (and so its cached launchers)
+        for the same name and signature while it is alive."""
         from .kernel import Kernel
 
-        return Kernel(self, name, signature)
+        key = (name, None if signature is None else parse_signature(signature))
+        found = self._kernels.get(key)
+        if found is None:
+            found = self._kernels[key] = Kernel(self, name, key[1])
+        return found
 
     def symbol(self, name: str) -> str:
         """The exported symbol of kernel ``name`` (mangled for name expressions)."""
@@ -150,6 +159,11 @@ class Module:
         return found[1]
 
     def unload(self) -> None:
-        """Unload from every device it was loaded on (it reloads if used again)."""
+        """Unload from every device it was loaded on (it reloads if used again).
+
+        Kernels obtained from it forget their functions and cached launchers; launchers
+        returned earlier by ``Kernel.bind`` must not be used afterwards."""
         with self._lock:
             _unload_all(self._handles)
+            for kernel in list(self._kernels.values()):
+                kernel._forget()
