@@ -49,12 +49,17 @@ ALLOC_SIZE = MiB
 
 
 def _per_op_us(fn: Callable[[int], None], n: int, rounds: int) -> list[float]:
-    """Per-operation microseconds of ``fn(n)``, one sample per round."""
+    """Per-operation microseconds of ``fn(n)``, one sample per round (with the cyclic
+    garbage collector paused, as ``timeit`` does, for every contender alike)."""
     samples = []
     for _ in range(rounds):
-        t = time.perf_counter()
-        fn(n)
-        samples.append((time.perf_counter() - t) / n * 1e6)
+        gc.disable()
+        try:
+            t = time.perf_counter()
+            fn(n)
+            samples.append((time.perf_counter() - t) / n * 1e6)
+        finally:
+            gc.enable()
     return samples
 
 
