@@ -380,7 +380,9 @@ def test_kernels_are_shared_and_reload_after_unload(module: Module) -> None:
     assert module.kernel("fill") is fill
     assert module.kernel("fill", signature="int*, int, int") is not fill
     with Stream(0) as s:
-        fill.launch(1, 32, None, 1, 0, stream=s)
+        out = empty(32, np.int32, stream=s)
+        fill.launch(1, 32, out, 1, 32, stream=s)
+        s.synchronize()
         module.unload()
-        fill.launch(1, 32, None, 1, 0, stream=s)  # loads the module again
+        fill.launch(1, 32, out, 2, 32, stream=s)  # loads the module again
         s.synchronize()
