@@ -7,6 +7,7 @@ speed (``benchmarks/pipeline.py`` measures that).
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -39,6 +40,7 @@ def chunks(count: int, n: int = 1000, *, pinned: bool = False, seed: int = 0) ->
 
 
 def used_bytes() -> list[int]:
+    gc.collect()  # buffers of earlier tests, freed on collection, must not land mid-test
     backend = _driver.driver()
     return [MemoryPool.for_device(Device(i)).statistics().used_bytes for i in range(backend.device_count())]
 
