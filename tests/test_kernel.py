@@ -386,3 +386,21 @@ def test_kernels_are_shared_and_reload_after_unload(module: Module) -> None:
         module.unload()
         fill.launch(1, 32, out, 2, 32, stream=s)  # loads the module again
         s.synchronize()
+
+
+def test_seam_launch_calls(backend: _driver.Driver, module: Module) -> None:
+    from aiocuda._packing import ParamBuffer
+
+    fill = module.kernel("fill")
+    assert fill.signature is not None
+    func = fill.function(0)
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        host = np.zeros(32, np.int32)
+        params = ParamBuffer(fill.signature)
+        for value, launch in [(5, backend.launch_kernel), (6, backend.launch_kernel_ex)]:
+            params.pack((out, value, 32), s)
+            launch(func, (1, 1, 1), (32, 1, 1), 0, s.handle, params)
+            backend.memcpy_dtoh_async(host.ctypes.data, out.ptr, host.nbytes, s.handle)
+            s.synchronize()
+            assert (host == value).all()
