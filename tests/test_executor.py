@@ -358,3 +358,21 @@ async def test_pipelines_share_an_executor_concurrently(slow_sim: Any, anyio_bac
         np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
     for value, host in zip(found["b"], b, strict=True):
         np.testing.assert_allclose(value, scale_reference(host, 2 * REPS), rtol=1e-5)
+
+
+async def test_catching_a_chunk_error_inside_the_block_leaks_no_cancellation(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    caught = reached = False
+    async with Executor() as ex:
+        async with ex.map(failing_at(1), chunks(5)) as results:
+            try:
+                async for _ in results:
+                    pass
+            except Boom:
+                caught = True
+            await anyio.lowlevel.checkpoint()  # the pipeline's scope is cancelled: the block ends here
+            reached = True
+        assert caught and not reached
+        assert len(await ex.run(ScaleStage(REPS), chunks(3))) == 3  # still usable
+    await anyio.lowlevel.checkpoint()  # and this task was not cancelled

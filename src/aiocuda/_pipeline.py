@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import inspect
 import math
+import sys
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -39,6 +41,9 @@ from .trace import PendingSpan, Trace
 
 if TYPE_CHECKING:
     from .executor import DeviceLanes
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["ChunkContext", "ChunkResult", "OnError", "OutputFn", "Pipeline", "Stage"]
 
@@ -203,6 +208,10 @@ class Pipeline:
 
     Attributes while running: :attr:`in_flight` (chunks admitted and not yet delivered),
     :attr:`peak_in_flight`, :attr:`delivered`, :attr:`failures`.
+
+    The ``async with`` block is a cancel scope, as a task group's body is: once a chunk's
+    error has been raised (``on_error="raise"``), awaits left in the block are cancelled
+    and the block ends there.
     """
 
     def __init__(
@@ -255,14 +264,20 @@ class Pipeline:
         self._task_group.start_soon(self._feed)
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()  # the consumer is done: stop what is left
         try:
-            # The body's own exception (a chunk's error, a cancellation) is not handed to
-            # the task group, which would wrap it in an ExceptionGroup: chunk tasks catch
-            # their errors, so the group ends with nothing of its own to report.
-            await self._task_group.__aexit__(None, None, None)
+            return await self._task_group.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The block's own exception (a chunk's error the consumer raised) comes back
+            # wrapped by the task group; chunk tasks report their errors as results, so
+            # there is nothing else in the group: let the original go on, unwrapped.
+            if exc is not None and group.split(lambda e: e is exc)[1] is None:
+                return None
+            raise
         finally:
             self._send.close()
             self._receive.close()
