@@ -404,3 +404,16 @@ def test_seam_launch_calls(backend: _driver.Driver, module: Module) -> None:
             backend.memcpy_dtoh_async(host.ctypes.data, out.ptr, host.nbytes, s.handle)
             s.synchronize()
             assert (host == value).all()
+
+
+def test_launch_on_a_closed_stream_is_refused(module: Module) -> None:
+    fill = module.kernel("fill")
+    s = Stream(0)
+    out = empty(32, np.int32, stream=s)
+    fill.launch(1, 32, out, 1, 32, stream=s)
+    s.synchronize()
+    s.close()
+    with pytest.raises(ArgumentError, match="closed"):
+        fill.launch(1, 32, out, 1, 32, stream=s)
+    with pytest.raises(ArgumentError, match="closed"):
+        fill[1, 32, s](out, 1, 32)

@@ -150,7 +150,8 @@ class Kernel:
         """A launcher: a plain function ``launch(*args)`` with this configuration fixed.
 
         The fastest way to launch the same kernel repeatedly. ``stream`` defaults to the
-        current stream (resolved now, not per call). ``cooperative`` needs a grid whose
+        current stream (resolved now, not per call); do not use the launcher after
+        closing that stream. ``cooperative`` needs a grid whose
         blocks can all be resident at once; ``cluster`` (thread-block cluster dimensions,
         compute capability 9.0+) must divide the grid. Safe to call from several threads.
         """
@@ -200,7 +201,7 @@ class Kernel:
         s = stream if stream is not None else current_stream()
         key = (grid, block, s, shared_mem, cooperative, cluster)
         launcher = self._launchers.get(key)
-        if launcher is None:
+        if launcher is None or s._closed:  # a closed stream's handle may be reused: never launch on it
             launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
             with self._lock:
                 if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
@@ -221,7 +222,7 @@ class Kernel:
         shared_mem = rest[1] if len(rest) > 1 else 0
         key = (grid, block, s, shared_mem, False, None)
         launcher = self._launchers.get(key)
-        if launcher is None:
+        if launcher is None or s._closed:
             launcher = self._launchers[key] = self.bind(grid, block, stream=s, shared_mem=shared_mem)
         return launcher
 
