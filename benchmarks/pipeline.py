@@ -34,6 +34,7 @@ of the code paths, whose figures say nothing about a GPU.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -250,7 +251,12 @@ def main() -> None:
         "samples": samples,
         "simulated": on_sim,
     }
-    anyio.run(measure, rig, ndev, samples, result)
+    gc.collect()
+    gc.disable()  # no collection pauses inside timed runs, for any of the contenders
+    try:
+        anyio.run(measure, rig, ndev, samples, result)
+    finally:
+        gc.enable()
     out = args.out or (RESULTS / f"{result.bench}.json")
     print(f"wrote {result.write(out)}")
 
