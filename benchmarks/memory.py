@@ -195,7 +195,7 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
     device = stream.device
     pinned = pinned_empty(nbytes, np.uint8, device=device)
     pinned[:] = 1
-    pageable = np.ones(nbytes, np.uint8)
+    pageable = (np.arange(nbytes, dtype=np.uint32) * 2654435761 >> 24).astype(np.uint8)
     dev = ga.empty(nbytes, np.uint8, stream=stream)
     gbps = nbytes / 1e9
 
@@ -203,6 +203,9 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
     ours_d2h_pinned = await _best_wall_async_s(lambda: dev.to_host(out=pinned, stream=stream), reps)
     ours_h2d_pageable = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
     ours_d2h_pageable = await _best_wall_async_s(lambda: dev.to_host(out=pageable, stream=stream), reps)
+    await dev.copy_from(pageable, stream=stream)  # the staged paths must also be right
+    verified = np.array_equal(await dev.to_host(stream=stream), pageable)
+    result.target("staged_copies_verified", float(verified), 1, "==")
     result.metrics["h2d_pinned_GBps"] = round(gbps / ours_h2d_pinned, 2)
     result.metrics["d2h_pinned_GBps"] = round(gbps / ours_d2h_pinned, 2)
     result.metrics["h2d_pageable_GBps"] = round(gbps / ours_h2d_pageable, 2)

@@ -56,7 +56,9 @@ async def test_round_trip_odd_shapes(backend: _driver.Driver, anyio_backend: obj
     np.testing.assert_array_equal(await dev.to_host(), host)
 
 
-async def test_large_pageable_and_pinned_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
+async def test_large_pageable_and_pinned_round_trips(
+    backend: _driver.Driver, anyio_backend: object, small_staging: Any
+) -> None:
     nbytes = 2 * _staging.CHUNK + 12345  # the pipelined, multi-chunk path
     host = rng.integers(0, 256, nbytes, dtype=np.uint8)
     with Stream(0) as s:
@@ -198,11 +200,11 @@ async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Dri
         used_before = pool.statistics().used_bytes
         dst = ga.empty(host.shape, np.uint8, stream=s)
         for _ in range(3):
-            slow_op(s, 0.1)  # keep the copies below in flight while we cancel
-            with anyio.move_on_after(0.02) as scope:
+            slow_op(s, 0.05)  # keep the copies below in flight while we cancel
+            with anyio.move_on_after(0.01) as scope:
                 await ga.copy(dst, src, stream=s)
             assert scope.cancelled_caught
-            with anyio.move_on_after(0.02) as scope:
+            with anyio.move_on_after(0.01) as scope:
                 await ga.to_device(host, stream=s)  # result dropped while in flight
             assert scope.cancelled_caught
         gc.collect()
