@@ -192,9 +192,11 @@ class MemoryPool:
     def allocate(self, nbytes: int, stream: Stream | None = None) -> DeviceBuffer:
         """Allocate ``nbytes`` stream-ordered on ``stream`` (default: the current stream).
 
-        The memory may be used by work enqueued on ``stream`` after this call; using it
-        on another stream first needs ``other.wait(stream)``. A size of 0 gives an empty
-        buffer with a null pointer. Raises :class:`OutOfMemoryError` (after releasing
+        The memory may be used by work enqueued on ``stream`` after this call. aiocuda's
+        own operations on another stream order themselves after it (see
+        :meth:`DeviceBuffer._used_on`); foreign work on another stream needs
+        ``other.wait(stream)`` first. A size of 0 gives an empty buffer with a null
+        pointer. Raises :class:`OutOfMemoryError` (after releasing
         cached memory and retrying once) or :class:`~aiocuda.errors.ArgumentError`.
         """
         if stream is None:
