@@ -74,11 +74,13 @@ async def test_run_returns_values_and_accepts_async_iterables(backend: Any, anyi
             await anyio.lowlevel.checkpoint()
             yield host
 
+    scale = ScaleStage(REPS)
+
     async def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:  # an async stage, a new output
         out = ctx.empty(x.shape, x.dtype)
         ctx.device.make_current()
         ctx.device._driver.memcpy_dtod_async(out.ptr, x.ptr, x.nbytes, ctx.stream.handle)
-        ScaleStage(REPS)(ctx, out)
+        scale(ctx, out)
         return out
 
     async with Executor([0]) as ex:

@@ -123,6 +123,27 @@ async def test_executor_trace_shows_overlap(sim_backend: Any, anyio_backend: Any
 
 
 @pytest.mark.anyio
+async def test_executor_trace_on_every_backend(backend: Any, anyio_backend: Any) -> None:
+    chunks = pinned_empty((6, 1 << 18), np.float32)
+    chunks[:] = 1.0
+    async with Executor(trace=True) as ex:
+        await ex.run(ScaleStage(100), chunks)
+        assert ex.trace is not None
+        spans = ex.trace.spans
+        s = ex.trace.summary()
+    assert len(spans) == 3 * 6
+    by_chunk: dict[int, dict[str, Span]] = {}
+    for sp in spans:
+        assert sp.duration_ms >= 0 and sp.chunk is not None
+        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+    for steps in by_chunk.values():  # GPU-side order of each chunk's steps
+        assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
+        assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
+    assert s.wall_ms > 0 and s.bound_ms > 0 and s.serial_ms >= s.bound_ms * 0.5
+    assert set(s.devices) <= set(range(len(ex.devices)))
+
+
+@pytest.mark.anyio
 async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: Any) -> None:
     async with Executor() as ex:
         assert ex.trace is None
