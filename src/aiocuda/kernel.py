@@ -203,28 +203,41 @@ class Kernel:
         launcher = self._launchers.get(key)
         if launcher is None or s._closed:  # a closed stream's handle may be reused: never launch on it
             launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
-            with self._lock:
-                if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
-                    self._launchers.clear()
-                self._launchers[key] = launcher
+            self._remember(key, launcher)
         launcher(*args)
 
     def __getitem__(self, config: tuple[Any, ...]) -> Callable[..., None]:
         """``kernel[grid, block]``, ``kernel[grid, block, stream]`` or
         ``kernel[grid, block, stream, shared_mem]``: a cached launcher (see :meth:`bind`)."""
+        try:
+            launcher = self._launchers.get(config)  # keyed by the subscript itself when it names a stream
+        except TypeError:  # unhashable: reported below
+            launcher = None
+        if launcher is not None and len(config) <= 4 and not config[2]._closed:
+            return launcher
         if not isinstance(config, tuple) or not 2 <= len(config) <= 4:
             raise LaunchError(
                 "use kernel[grid, block], kernel[grid, block, stream] or kernel[grid, block, stream, shared_mem]",
                 name="AIOCUDA_BAD_CONFIG",
             )
         grid, block, *rest = config
-        s = rest[0] if rest and rest[0] is not None else current_stream()
+        explicit = bool(rest) and rest[0] is not None
+        s = rest[0] if explicit else current_stream()
         shared_mem = rest[1] if len(rest) > 1 else 0
         key = (grid, block, s, shared_mem, False, None)
         launcher = self._launchers.get(key)
         if launcher is None or s._closed:
-            launcher = self._launchers[key] = self.bind(grid, block, stream=s, shared_mem=shared_mem)
+            launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem)
+            self._remember(key, launcher)
+        if explicit:
+            self._remember(config, launcher)
         return launcher
+
+    def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None]) -> None:
+        with self._lock:
+            if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
+                self._launchers.clear()
+            self._launchers[key] = launcher
 
     def _require_signature(self) -> Signature:
         if self.signature is None:
