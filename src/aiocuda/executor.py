@@ -14,14 +14,14 @@ chunk *i - 1* downloaded: both copy engines and the SMs work at once, on every d
 
 Example::
 
-        import aiocuda
     from aiocuda.executor import Executor
     from aiocuda.host import pinned_empty
 
     def double(ctx, x):                       # runs once per chunk, enqueues only
         kernel.launch(grid, block, x, x.size, stream=ctx.stream)   # in place
-        # return None: the result is x itself; or return a new array, e.g. ctx.empty(...)
+        # return None: the result is x itself; or return a new array from ctx.empty(...)
 
+    chunks = pinned_empty((64, 1 << 20))      # pinned: full-speed, truly async copies
     async with Executor() as ex:              # every device
         async with ex.map(double, chunks, in_flight=8) as results:
             async for r in results:           # input order; ordered=False: as completed
@@ -31,13 +31,17 @@ Host memory: copies run at full speed and truly asynchronously only from and to 
 memory (:func:`aiocuda.host.pinned_empty`). Pass pinned inputs, and pinned destinations
 with ``output=``; pageable arrays work but go through the process's pinned staging pool.
 
-Where the executor serialises (for scaling to many GPUs): every chunk is enqueued by the
-one event-loop thread (about 30 to 60 microseconds of Python per chunk, so one thread
-feeds a few hundred chunks per GPU-millisecond budget, not unlimited); every await goes
-through the one completion engine of the process (:mod:`aiocuda._completion`: one poller
-per loop, one waker thread); pageable host memory goes through the one staging pool of
-the process (:mod:`aiocuda._staging`: 16 slots of 8 MiB). Pinned inputs and outputs
-avoid the last.
+Where the executor serialises (what to watch when scaling to many GPUs):
+
+* one event-loop thread enqueues every chunk of every device and takes every result.
+  Each GPU needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's
+  32 MiB chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk for its Python
+  and driver calls; ``benchmarks/pipeline.py --devices N`` measures where that ends;
+* one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
+  one waker thread for long waits;
+* one feeder task per pipeline reads the inputs and admits chunks in turn;
+* one staging pool per process (:mod:`aiocuda._staging`, 16 slots of 8 MiB) for pageable
+  host memory; pinned inputs and outputs bypass it.
 """
 
 from __future__ import annotations
