@@ -194,6 +194,11 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
                 result.target("speedup_vs_serial", serial / execu, 1.8, ">=")
                 single = execu
         result.target("executor_vs_handwritten", worst_vs_hand, 1.05, "<=")
+    async with Executor(one, compute_streams=1) as ex:  # diagnostic: kernels strictly in turn
+        for reps in REPS:
+            await executor_run(ex, rig, reps, CHUNKS)
+            runs = [await executor_run(ex, rig, reps, CHUNKS) for _ in range(samples)]
+            result.metrics[f"executor_1compute_stream_reps{reps}_ms"] = round(statistics.median(runs) * 1e3, 3)
     async with Executor(one, trace=True) as ex:
         await executor_run(ex, rig, BALANCED, CHUNKS)
         assert ex.trace is not None

@@ -127,8 +127,9 @@ class Executor:
 
     Args:
         devices: the devices to use (``Device`` objects or ordinals); default: all.
-        compute_streams: kernel streams per device (default 1: kernels of successive
-            chunks run one after the other, each using the whole GPU).
+        compute_streams: kernel streams per device, used by successive chunks in turn
+            (default 2: a chunk's kernels may start while the previous chunk's last
+            wave of blocks is still finishing, as with one stream per chunk).
         chunks_per_device: chunks in flight on one device at most (default 6: enough to
             keep the three engines busy with a chunk queued on each).
         memory_fraction: share of each device's free memory (measured on entering) that
@@ -144,7 +145,7 @@ class Executor:
         self,
         devices: Sequence[Device | int] | None = None,
         *,
-        compute_streams: int = 1,
+        compute_streams: int = 2,
         chunks_per_device: int = 6,
         memory_fraction: float = 0.5,
         trace: bool = False,
