@@ -391,7 +391,7 @@ class Pipeline:
                 Trace.stop(span, d2h)
                 ctx.spans.append(span)
             ctx._free()
-            await d2h.record()
+            await self._lanes_of(result.device).wait_for(d2h)
             if trace is not None:
                 trace.resolve(*ctx.spans)
                 ctx.spans.clear()

@@ -73,6 +73,7 @@ class DeviceLanes:
     """
 
     __slots__ = (
+        "_signals",
         "_turn",
         "budget",
         "chunks",
@@ -96,6 +97,7 @@ class DeviceLanes:
         self.d2h = Stream(device)
         self.p2p = Stream(device)
         self._turn = 0
+        self._signals: list[Stream] = []
         self.max_chunks = max_chunks
         self.budget = budget
         self.chunks = 0
@@ -111,9 +113,27 @@ class DeviceLanes:
         self._turn = (track + 1) % len(self.compute)
         return track, self.compute[track]
 
+    async def wait_for(self, stream: Stream) -> None:
+        """Wait until the work enqueued on ``stream`` so far has completed, through a
+        private *signal* stream.
+
+        Why not ``await stream``: a long wait ends on a doorbell (a host function) that
+        the completion engine enqueues *when the wait turns long*, behind whatever was
+        enqueued on the stream by then -- on the shared d2h stream, the downloads of the
+        next chunks -- so a chunk would be reported only once later chunks are done,
+        starving the pipeline. A signal stream holds nothing but this one wait, so its
+        doorbell rings as soon as the chunk's own work is done.
+        """
+        signal = self._signals.pop() if self._signals else Stream(self.device)
+        try:
+            signal.wait(stream)
+            await signal
+        finally:
+            self._signals.append(signal)
+
     @property
     def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p)
+        return (self.h2d, *self.compute, self.d2h, self.p2p, *self._signals)
 
     def __repr__(self) -> str:
         return (
@@ -130,8 +150,9 @@ class Executor:
         compute_streams: kernel streams per device, used by successive chunks in turn
             (default 2: a chunk's kernels may start while the previous chunk's last
             wave of blocks is still finishing, as with one stream per chunk).
-        chunks_per_device: chunks in flight on one device at most (default 6: enough to
-            keep the three engines busy with a chunk queued on each).
+        chunks_per_device: chunks in flight on one device at most (default 8: the
+            three engines busy with several chunks queued, so that the time the host
+            takes to see a chunk finish and admit the next never idles the GPU).
         memory_fraction: share of each device's free memory (measured on entering) that
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
@@ -146,7 +167,7 @@ class Executor:
         devices: Sequence[Device | int] | None = None,
         *,
         compute_streams: int = 2,
-        chunks_per_device: int = 6,
+        chunks_per_device: int = 8,
         memory_fraction: float = 0.5,
         trace: bool = False,
     ) -> None:
