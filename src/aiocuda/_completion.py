@@ -314,15 +314,18 @@ class CompletionEngine:
 
     # -- phase 3b: doorbell and waker thread ---------------------------------------------------
     def _to_doorbell(self, waiter: _Waiter) -> None:
-        try:
-            self.backend.launch_doorbell(waiter.stream, self._bell)
-        except CudaError:
-            pass  # stream gone or context poisoned: the waker's periodic query still sees it
+        # Register the waiter *before* enqueuing its doorbell: a stream already past the
+        # event rings at once, and a ring swept before the waiter is listed would be lost
+        # (the waiter then waits for the periodic POISON_CHECK query).
         with self._lock:
             self._long.append(waiter)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
                 self._thread.start()
+        try:
+            self.backend.launch_doorbell(waiter.stream, self._bell)
+        except CudaError:
+            pass  # stream gone or context poisoned: the waker's periodic query still sees it
 
     def _waker(self) -> None:
         bell = self._bell
