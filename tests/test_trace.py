@@ -147,3 +147,22 @@ async def test_executor_trace_on_every_backend(backend: Any, anyio_backend: Any)
 async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: Any) -> None:
     async with Executor() as ex:
         assert ex.trace is None
+
+
+@pytest.mark.anyio
+async def test_gpu_pipeline_overlaps_its_engines(backend: Any, anyio_backend: Any) -> None:
+    if backend.name != "cuda":
+        pytest.skip("overlap of real copy engines and SMs: GPU only")
+    chunks = pinned_empty((16, 2 << 20), np.float32)  # 16 x 8 MiB
+    chunks[:] = 1.0
+    out = pinned_empty(chunks.shape, np.float32)
+    async with Executor([0], trace=True) as ex:
+        stage = ScaleStage(800)
+        await ex.run(stage, chunks, output=lambda i, _: out[i])  # warm-up: pool, module
+        assert ex.trace is not None
+        ex.trace.clear()
+        await ex.run(stage, chunks, output=lambda i, _: out[i])
+        s = ex.trace.summary()
+    assert s.busy_ms(0, "h2d") > 0 and s.busy_ms(0, "d2h") > 0 and s.busy_ms(0, "compute") > 0
+    assert s.wall_ms < 0.75 * s.serial_ms, s.table()
+    assert s.overlap_ratio < 1.3, s.table()
