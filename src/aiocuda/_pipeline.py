@@ -99,7 +99,7 @@ class ChunkContext:
     and is then freed stream-ordered; keep nothing from it beyond the stage.
     """
 
-    __slots__ = ("_arrays", "_compute", "_lanes_of", "_trace", "host", "index", "lanes", "name", "spans", "stream")
+    __slots__ = ("_arrays", "_compute", "_lanes_of", "_spans", "_trace", "host", "index", "lanes", "name", "stream")
 
     def __init__(
         self,
@@ -119,7 +119,7 @@ class ChunkContext:
         self.stream: Stream = lanes.compute[0]  # set by _begin_compute before the stage runs
         self._arrays: list[DeviceArray] = []
         self._compute: PendingSpan | None = None
-        self.spans: list[PendingSpan] = []
+        self._spans: list[PendingSpan] = []
 
     @property
     def device(self) -> Device:
@@ -160,7 +160,7 @@ class ChunkContext:
         )
         if span is not None:
             Trace.stop(span, p2p)
-            self.spans.append(span)
+            self._spans.append(span)
         self.lanes = target
         self._begin_compute(moved, copied_on=p2p)
         return moved
@@ -181,7 +181,7 @@ class ChunkContext:
         span, self._compute = self._compute, None
         if span is not None:
             Trace.stop(span, self.stream)
-            self.spans.append(span)
+            self._spans.append(span)
 
     def _free(self) -> None:
         for array in self._arrays:
@@ -367,7 +367,7 @@ class Pipeline:
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
                 Trace.stop(span, h2d)
-                ctx.spans.append(span)
+                ctx._spans.append(span)
             ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
             returned = self._stage(ctx, x)
             if inspect.isawaitable(returned):
@@ -389,18 +389,18 @@ class Pipeline:
                 await _staging.device_to_host(dest, result.ptr, d2h)
             if span is not None:
                 Trace.stop(span, d2h)
-                ctx.spans.append(span)
+                ctx._spans.append(span)
             ctx._free()
             await self._lanes_of(result.device).wait_for(d2h)
             if trace is not None:
-                trace.resolve(*ctx.spans)
-                ctx.spans.clear()
+                trace.resolve(*ctx._spans)
+                ctx._spans.clear()
             return dest
         finally:
             ctx._end_compute()
             ctx._free()
-            if trace is not None and ctx.spans:
-                trace.discard(*ctx.spans)
+            if trace is not None and ctx._spans:
+                trace.discard(*ctx._spans)
 
     def _destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
         if not result.is_c_contiguous:
