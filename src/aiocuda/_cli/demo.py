@@ -219,7 +219,7 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     ui.table("busy time per engine", ["device", "engine", "ops", "busy ms", "mean ms", "of wall"], rows)
     ui.table(
         "pipeline",
-        ["wall ms", "GPU wall ms", "bound ms", "overlap ratio", "serial ms", "GB/s"],
+        ["wall ms", "GPU wall ms", "bound ms", "overlap ratio", "serial ms", "GiB/s moved"],
         [
             [
                 f"{wall * 1e3:.2f}",
