@@ -57,6 +57,7 @@ from ._placement import Admission, PlacementName
 from .device import Device, devices
 from .errors import CudaError
 from .memory import MemoryPool
+from .peer import enable_peer_access
 from .stream import Stream
 from .trace import Trace
 
@@ -158,8 +159,11 @@ class Executor:
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
             records per step.
 
-    Use as ``async with Executor(...) as ex``. Leaving the block waits (shielded from
-    cancellation) for the GPU work the executor enqueued, then closes its streams.
+    Use as ``async with Executor(...) as ex``. Entering enables peer access between every
+    pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
+    by a copy), so that :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
+    block waits (shielded from cancellation) for the GPU work the executor enqueued, then
+    closes its streams.
     """
 
     def __init__(
@@ -189,7 +193,14 @@ class Executor:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
-        self.open()
+        self._open_lanes()
+        try:
+            for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
+                for b in self.devices:
+                    await enable_peer_access(a, b)
+        except BaseException:
+            self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -202,8 +213,7 @@ class Executor:
             finally:
                 self.close()
 
-    def open(self) -> None:
-        """Create the streams (what ``async with`` does on entering)."""
+    def _open_lanes(self) -> None:
         if self._open:
             return
         chosen = (
@@ -227,7 +237,6 @@ class Executor:
         self._lanes = tuple(lanes)
         self._by_ordinal = {lane.device.ordinal: lane for lane in lanes}
         self._open = True
-        _enable_peers(chosen)
         if self._trace is not None:
             for lane in lanes:
                 self._trace.begin(lane.h2d)
@@ -355,15 +364,3 @@ class Executor:
             return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
         state = ", ".join(f"{lane.device.ordinal}: {lane.chunks} in flight" for lane in self._lanes)
         return f"<Executor {state}>"
-
-
-def _enable_peers(chosen: Sequence[Device]) -> None:
-    """Enable peer access between every pair that allows it, so GPU-to-GPU copies take
-    the direct path (NVLink / PCIe peer-to-peer) instead of staging through the host."""
-    for a in chosen:
-        for b in chosen:
-            if a is not b and a.can_access_peer(b):
-                try:
-                    a.enable_peer_access(b)
-                except CudaError:
-                    pass  # already enabled by someone else, or refused: copies still work
