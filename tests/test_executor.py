@@ -378,3 +378,46 @@ async def test_catching_a_chunk_error_inside_the_block_leaks_no_cancellation(
         assert caught and not reached
         assert len(await ex.run(ScaleStage(REPS), chunks(3))) == 3  # still usable
     await anyio.lowlevel.checkpoint()  # and this task was not cancelled
+
+
+async def test_submit_from_many_tasks_respects_the_device_limits(slow_sim: Any, anyio_backend: Any) -> None:
+    inputs = chunks(10)
+    found: dict[int, np.ndarray] = {}
+    peak = 0
+    scale = ScaleStage(REPS)
+    async with Executor(chunks_per_device=2) as ex:
+
+        def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+            nonlocal peak
+            peak = max(peak, *(lane.chunks for lane in ex.lanes))
+            scale(ctx, x)
+
+        async def one(i: int) -> None:
+            found[i] = await ex.submit(stage, inputs[i])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(one, i)
+        assert sum(lane.completed for lane in ex.lanes) == 10
+        assert min(lane.completed for lane in ex.lanes) >= 3  # least loaded: both devices work
+    assert peak == 2
+    for i, host in enumerate(inputs):
+        np.testing.assert_allclose(found[i], scale_reference(host, REPS), rtol=1e-5)
+
+
+async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend: Any) -> None:
+    baseline = used_bytes()
+    async with Executor([0]) as ex:
+        with anyio.move_on_after(0.003) as scope:
+            await ex.submit(ScaleStage(REPS), chunks(1, 50_000)[0])
+        assert scope.cancelled_caught
+        await ex.synchronize()
+        assert used_bytes() == baseline and ex.lanes[0].chunks == 0
+
+        def boom(ctx: ChunkContext, x: DeviceArray) -> None:
+            raise Boom("submitted")
+
+        with pytest.raises(Boom, match="submitted"):
+            await ex.submit(boom, chunks(1)[0])
+        value = await ex.submit(ScaleStage(REPS), chunks(1)[0])
+    np.testing.assert_allclose(value, scale_reference(chunks(1)[0], REPS), rtol=1e-5)

@@ -45,7 +45,17 @@ if TYPE_CHECKING:
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["ChunkContext", "ChunkResult", "OnError", "OutputFn", "Pipeline", "Stage"]
+__all__ = [
+    "ChunkContext",
+    "ChunkResult",
+    "ChunkRunner",
+    "OnError",
+    "OutputFn",
+    "Pipeline",
+    "Stage",
+    "as_input",
+    "reserve",
+]
 
 StageResult = DeviceArray | None
 Stage = Callable[["ChunkContext", DeviceArray], StageResult | Awaitable[StageResult]]
@@ -189,6 +199,84 @@ class ChunkContext:
         self._arrays.clear()
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRunner:
+    """How each chunk of a pipeline (or a lone :meth:`~aiocuda.executor.Executor.submit`)
+    is processed: its stage, where its results go, and the executor's lanes and trace."""
+
+    stage: Stage
+    lanes_of: Callable[[Device], DeviceLanes]
+    trace: Trace | None
+    output: OutputFn | None
+    name: str
+
+    async def run(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> npt.NDArray[Any]:
+        """Send one chunk, admitted on ``lanes``, through upload, stage and download;
+        return the host result once it is there. Memory is returned whatever happens."""
+        trace = self.trace
+        ctx = ChunkContext(index, host, lanes, self.lanes_of, trace, self.name)
+        try:
+            h2d = lanes.h2d
+            x = empty(host.shape, host.dtype, stream=h2d, pool=lanes.pool)
+            ctx._arrays.append(x)
+            span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
+            await _staging.host_to_device(x.ptr, host, h2d)
+            if span is not None:
+                Trace.stop(span, h2d)
+                ctx._spans.append(span)
+            ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
+            returned = self.stage(ctx, x)
+            if inspect.isawaitable(returned):
+                returned = await returned
+            if returned is not None and not isinstance(returned, DeviceArray):
+                raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+            result = x if returned is None else returned
+            ctx._end_compute()
+            dest = self.destination(index, result)
+            d2h = self.lanes_of(result.device).d2h
+            result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
+            span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
+            pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
+            if pinned and dest.nbytes:
+                d2h.device.make_current()
+                d2h.device._driver.memcpy_dtoh_async(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h.handle)
+                d2h.hold(dest)
+            else:
+                await _staging.device_to_host(dest, result.ptr, d2h)
+            if span is not None:
+                Trace.stop(span, d2h)
+                ctx._spans.append(span)
+            ctx._free()
+            await self.lanes_of(result.device).wait_for(d2h)
+            if trace is not None:
+                trace.resolve(*ctx._spans)
+                ctx._spans.clear()
+            return dest
+        finally:
+            ctx._end_compute()
+            ctx._free()
+            if trace is not None and ctx._spans:
+                trace.discard(*ctx._spans)
+
+    def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
+        if not result.is_c_contiguous:
+            raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
+        if self.output is None:
+            return np.empty(result.shape, result.dtype)
+        dest = self.output(index, result)
+        if not isinstance(dest, np.ndarray):
+            raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
+        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
+            raise ArgumentError(
+                f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
+                "(it must be C-contiguous with the same dtype and size)",
+                code=ResultCode.INVALID_VALUE,
+            )
+        if not dest.flags.writeable:
+            raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
+        return dest
+
+
 class _InputFailed:
     """Sent by the feeder when iterating the inputs raised."""
 
@@ -216,32 +304,24 @@ class Pipeline:
 
     def __init__(
         self,
-        stage: Stage,
+        runner: ChunkRunner,
         inputs: Iterable[npt.NDArray[Any]] | AsyncIterable[npt.NDArray[Any]],
         *,
         lanes: Sequence[DeviceLanes],
-        lanes_of: Callable[[Device], DeviceLanes],
         admission: Admission,
-        trace: Trace | None,
         ordered: bool,
         in_flight: int,
         on_error: OnError,
         placement: PlacementName,
-        output: OutputFn | None,
-        name: str,
     ) -> None:
-        self._stage = stage
+        self._runner = runner
         self._inputs = inputs
         self._lanes = lanes
-        self._lanes_of = lanes_of
         self._admission = admission
-        self._trace = trace
         self._ordered = ordered
         self._limit = in_flight
         self._on_error = on_error
         self._placement = placement
-        self._output = output
-        self._name = name
         self._ready: dict[int, ChunkResult] = {}
         self._next = 0
         self._total: int | None = None
@@ -332,9 +412,9 @@ class Pipeline:
         cursor = 0
         try:
             async for host in _aiter(self._inputs):
-                array = _as_input(host)
+                array = as_input(host)
                 await self._slots.acquire()
-                lane, cursor = await self._admission.admit(self._placement, self._lanes, _reserve(array), cursor)
+                lane, cursor = await self._admission.admit(self._placement, self._lanes, reserve(array), cursor)
                 self.admitted += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 self._task_group.start_soon(self._chunk, index, array, lane)
@@ -347,86 +427,22 @@ class Pipeline:
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> None:
         try:
-            output = await self._process(index, host, lanes)
+            output = await self._runner.run(index, host, lanes)
             result = ChunkResult(index, lanes.device.ordinal, output, None)
         except Exception as exc:
             result = ChunkResult(index, lanes.device.ordinal, None, exc)
         finally:
             lanes.completed += 1
-            self._admission.release(lanes, _reserve(host))
+            self._admission.release(lanes, reserve(host))
         self._send.send_nowait(result)
 
-    async def _process(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> npt.NDArray[Any]:
-        trace = self._trace
-        ctx = ChunkContext(index, host, lanes, self._lanes_of, trace, self._name)
-        try:
-            h2d = lanes.h2d
-            x = empty(host.shape, host.dtype, stream=h2d, pool=lanes.pool)
-            ctx._arrays.append(x)
-            span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
-            await _staging.host_to_device(x.ptr, host, h2d)
-            if span is not None:
-                Trace.stop(span, h2d)
-                ctx._spans.append(span)
-            ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
-            returned = self._stage(ctx, x)
-            if inspect.isawaitable(returned):
-                returned = await returned
-            if returned is not None and not isinstance(returned, DeviceArray):
-                raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
-            result = x if returned is None else returned
-            ctx._end_compute()
-            dest = self._destination(index, result)
-            d2h = self._lanes_of(result.device).d2h
-            result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
-            span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
-            pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
-            if pinned and dest.nbytes:
-                d2h.device.make_current()
-                d2h.device._driver.memcpy_dtoh_async(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h.handle)
-                d2h.hold(dest)
-            else:
-                await _staging.device_to_host(dest, result.ptr, d2h)
-            if span is not None:
-                Trace.stop(span, d2h)
-                ctx._spans.append(span)
-            ctx._free()
-            await self._lanes_of(result.device).wait_for(d2h)
-            if trace is not None:
-                trace.resolve(*ctx._spans)
-                ctx._spans.clear()
-            return dest
-        finally:
-            ctx._end_compute()
-            ctx._free()
-            if trace is not None and ctx._spans:
-                trace.discard(*ctx._spans)
 
-    def _destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
-        if not result.is_c_contiguous:
-            raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
-        if self._output is None:
-            return np.empty(result.shape, result.dtype)
-        dest = self._output(index, result)
-        if not isinstance(dest, np.ndarray):
-            raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
-        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
-            raise ArgumentError(
-                f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
-                "(it must be C-contiguous with the same dtype and size)",
-                code=ResultCode.INVALID_VALUE,
-            )
-        if not dest.flags.writeable:
-            raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
-        return dest
-
-
-def _reserve(host: npt.NDArray[Any]) -> int:
+def reserve(host: npt.NDArray[Any]) -> int:
     """Device bytes reserved for a chunk: its input and an output of the same size."""
     return 2 * int(host.nbytes)
 
 
-def _as_input(host: Any) -> npt.NDArray[Any]:
+def as_input(host: Any) -> npt.NDArray[Any]:
     array = np.asarray(host)
     if array.dtype.hasobject:
         raise TypeError("pipeline inputs must be numeric numpy arrays, not arrays of Python objects")

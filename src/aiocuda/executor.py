@@ -52,7 +52,7 @@ from typing import Any
 import anyio
 import numpy.typing as npt
 
-from ._pipeline import ChunkContext, ChunkResult, OnError, OutputFn, Pipeline, Stage
+from ._pipeline import ChunkContext, ChunkResult, ChunkRunner, OnError, OutputFn, Pipeline, Stage, as_input, reserve
 from ._placement import Admission, PlacementName
 from .device import Device, devices
 from .errors import CudaError
@@ -190,6 +190,8 @@ class Executor:
         self._by_ordinal: dict[int, DeviceLanes] = {}
         self._admission = Admission()
         self._open = False
+        self._cursor = 0
+        self._submitted = 0  # chunks run by submit(), for their index in traces
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
@@ -309,19 +311,47 @@ class Executor:
         if placement not in ("round_robin", "least_loaded"):
             raise ValueError(f"unknown placement {placement!r}: expected 'round_robin' or 'least_loaded'")
         return Pipeline(
-            stage,
+            self._runner(stage, output, name),
             inputs,
             lanes=self._lanes,
-            lanes_of=self._lanes_of,
             admission=self._admission,
-            trace=self._trace,
             ordered=ordered,
             in_flight=limit,
             on_error=on_error,
             placement=placement,
-            output=output,
-            name=name or str(getattr(stage, "__name__", "stage")),
         )
+
+    async def submit(
+        self,
+        stage: Stage,
+        host: npt.NDArray[Any],
+        *,
+        placement: PlacementName = "least_loaded",
+        output: OutputFn | None = None,
+        name: str | None = None,
+    ) -> npt.NDArray[Any]:
+        """Run one chunk through ``stage`` (upload, stage, download) and return its
+        result: for request/response code where many tasks each have one input.
+
+        Concurrent submits share the executor's streams and overlap like a pipeline's
+        chunks; each waits for a device with room first (``chunks_per_device`` and the
+        memory budget), so the executor's limits hold across all of them. Raises the
+        chunk's error; cancelling the awaiting task cancels the chunk (memory returned).
+        """
+        if not self._open:
+            raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        array = as_input(host)
+        nbytes = reserve(array)
+        lanes, self._cursor = await self._admission.admit(placement, self._lanes, nbytes, self._cursor)
+        index, self._submitted = self._submitted, self._submitted + 1
+        try:
+            return await self._runner(stage, output, name).run(index, array, lanes)
+        finally:
+            lanes.completed += 1
+            self._admission.release(lanes, nbytes)
+
+    def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
+        return ChunkRunner(stage, self._lanes_of, self._trace, output, name or str(getattr(stage, "__name__", "stage")))
 
     async def run(
         self,
