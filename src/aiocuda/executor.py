@@ -27,6 +27,9 @@ Example::
             async for r in results:           # input order; ordered=False: as completed
                 use(r.value)
 
+For request/response code, where many tasks each have one input, ``await
+ex.submit(stage, host)`` runs one chunk the same way, under the same per-device limits.
+
 Host memory: copies run at full speed and truly asynchronously only from and to *pinned*
 memory (:func:`aiocuda.host.pinned_empty`). Pass pinned inputs, and pinned destinations
 with ``output=``; pageable arrays work but go through the process's pinned staging pool.
