@@ -5,7 +5,8 @@
 ``in_flight`` chunks between admission and delivery) and for a device that accepts the
 chunk (:mod:`aiocuda._placement`), then starts one task per chunk. A chunk task enqueues
 all of its GPU work without waiting -- the only host wait is the await of its final
-download -- and sends its :class:`ChunkResult` to the consumer, which receives them in
+download, through a private signal stream (see ``DeviceLanes.wait_for``) -- and sends
+its :class:`ChunkResult` to the consumer, which receives them in
 input order or as they complete. The slot is freed when the consumer takes the result.
 
 Cancellation and failure: leaving the block early, cancelling the consumer, or (with
@@ -259,6 +260,7 @@ class ChunkRunner:
                 trace.discard(*ctx._spans)
 
     def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
+        """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
         if not result.is_c_contiguous:
             raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
         if self.output is None:
