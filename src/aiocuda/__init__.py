@@ -17,6 +17,9 @@ from __future__ import annotations
 
 from . import errors
 from ._driver import use_backend
+from ._interop import as_device_array
+from .array import DeviceArray, empty, to_device, zeros
+from .array import copy as copy_array
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
@@ -27,12 +30,48 @@ from .errors import (
     OutOfMemoryError,
 )
 from .event import Event
+from .executor import ChunkContext, ChunkResult, Executor, Pipeline
+from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
+from .kernel import Kernel, KernelAttributes, register_sim_kernel
+from .memory import DeviceBuffer, MemoryPool, PoolStatistics
+from .module import Module
+from .peer import enable_peer_access
+from .program import CompileError, Program, ProgramOptions
 from .stream import Stream, current_stream, use_stream
+from .trace import Trace, TraceSummary
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "ChunkContext",
+    "ChunkResult",
+    "CompileError",
+    "DeviceArray",
+    "DeviceBuffer",
+    "Executor",
+    "HostRegistration",
+    "Kernel",
+    "KernelAttributes",
+    "MemoryPool",
+    "Module",
+    "Pipeline",
+    "PoolStatistics",
+    "Program",
+    "ProgramOptions",
+    "Trace",
+    "TraceSummary",
+    "as_device_array",
+    "copy_array",
+    "empty",
+    "enable_peer_access",
+    "is_pinned",
+    "pinned_empty",
+    "pinned_zeros",
+    "register_host",
+    "register_sim_kernel",
+    "to_device",
+    "zeros",
     "ContextPoisonedError",
     "CudaError",
     "Device",

@@ -74,7 +74,7 @@ class CudaModules:
         check(_core.drv.cuModuleUnload(module), "cuModuleUnload")
 
     def module_get_function(self, module: Any, name: str) -> Any:
-        return check(_core.drv.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
+        return check(_core.drv.cuModuleGetFunction(module, name.encode()), f"cuModuleGetFunction({name!r})")
 
     # -- attributes and occupancy ---------------------------------------------------------------
     def function_get_attribute(self, func: Any, attribute: str) -> int:
