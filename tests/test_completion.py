@@ -24,7 +24,8 @@ TESTS = str(pathlib.Path(__file__).resolve().parent)
 
 
 def run_script(code: str, backend_name: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS]), "AIOCUDA_BACKEND": backend_name}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, TESTS, *inherited]), "AIOCUDA_BACKEND": backend_name}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -29,7 +29,8 @@ SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
 
 
 def run_python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "PYTHONPATH": SRC, **env}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([SRC, *inherited]), **env}
     return subprocess.run([sys.executable, "-c", code], env=full_env, capture_output=True, text=True, timeout=60)
 
 
