@@ -187,7 +187,10 @@ class Driver(Protocol):
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
 
     def mem_alloc_async(self, size: int, pool: Handle, stream: Handle) -> int:
-        """``cuMemAllocFromPoolAsync``; OutOfMemoryError when the pool cannot grow."""
+        """``cuMemAllocFromPoolAsync``; OutOfMemoryError when the pool cannot grow.
+
+        The real backend returns its ``CUdeviceptr`` (int-convertible) to save two
+        conversions on the hot path; callers needing an ``int`` use ``int(ptr)``."""
 
     def mem_free_async(self, ptr: int, stream: Handle) -> None: ...
 
@@ -260,4 +263,8 @@ class Driver(Protocol):
         cooperative: bool = False,
         cluster: tuple[int, int, int] | None = None,
     ) -> None:
-        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes."""
+        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes.
+
+        Both backends also offer ``prepare_launch(func, grid, block, shared_mem, stream,
+        params, *, cooperative, cluster) -> (fn, args, fail)``: the bound driver call and
+        its argument tuple built once, which kernel launchers replay (the hot path)."""
