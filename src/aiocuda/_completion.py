@@ -42,7 +42,7 @@ from typing import Any
 from . import _driver
 from .errors import CudaError
 
-__all__ = ["POISON_CHECK", "POLL_WINDOW", "CompletionEngine", "engine", "wait_recorded"]
+__all__ = ["POISON_CHECK", "POLL_WINDOW", "CompletionEngine", "engine"]
 
 POLL_WINDOW = 0.002
 """Seconds a waiter stays with the loop's poller before it moves to the doorbell."""
@@ -396,10 +396,6 @@ def engine() -> CompletionEngine:
         _engine_generation = _driver.backend_generation()
     return _engine
 
-
-def wait_recorded(event: Any, stream: Any, on_finish: Callable[[Any], None] | None = None) -> Generator[Any, Any, None]:
-    """Shorthand for ``engine().wait(...)``."""
-    return engine().wait(event, stream, on_finish)
 
 
 @atexit.register

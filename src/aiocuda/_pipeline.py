@@ -34,7 +34,7 @@ import numpy.typing as npt
 from . import _staging
 from ._placement import Admission, PlacementName
 from .array import DeviceArray, empty
-from .device import Device
+from .device import Device, as_device
 from .errors import ArgumentError, ResultCode
 from .host import pinned_ranges
 from .stream import Stream
@@ -152,7 +152,7 @@ class ChunkContext:
         The copy runs on the source device's ``p2p`` stream, so neither device's compute
         stream stalls for it.
         """
-        target = self._lanes_of(device if isinstance(device, Device) else Device(device))
+        target = self._lanes_of(as_device(device))
         if target is self.lanes:
             return array
         if not array.is_c_contiguous:

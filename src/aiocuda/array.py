@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import _staging
-from .device import Device
+from .device import Device, as_device
 from .errors import ArgumentError, ResultCode
 from .memory import MemoryPool
 from .stream import Stream, current_stream
@@ -273,7 +273,7 @@ class DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
         if not self.is_c_contiguous:
             raise _argument("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
-        target_device = self.device if device is None else _as_device(device)
+        target_device = self.device if device is None else as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
         await copy(dst, self, stream=stream)
         return dst
@@ -337,9 +337,6 @@ def _leave(buffer: Any, stream: Stream) -> None:
         buffer.stream.wait(stream)
 
 
-def _as_device(device: Device | int | None) -> Device:
-    return device if isinstance(device, Device) else Device(device or 0)
-
 
 def empty(
     shape: int | Shape,
@@ -355,7 +352,7 @@ def empty(
     dims = _shape(shape)
     dt = _check_dtype(dtype)
     if pool is None:
-        pool = MemoryPool.for_device(stream.device if stream is not None else _as_device(device))
+        pool = MemoryPool.for_device(stream.device if stream is not None else as_device(device))
     buf = pool.allocate(int(np.prod(dims, dtype=np.int64)) * dt.itemsize, stream)
     return DeviceArray(dims, dt, buffer=buf)
 
@@ -391,7 +388,7 @@ async def to_device(
     _check_dtype(host.dtype)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
-    s = stream if stream is not None else current_stream(_as_device(device))
+    s = stream if stream is not None else current_stream(as_device(device))
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     await _staging.host_to_device(result.ptr, host, s)
     await s.record()

@@ -17,7 +17,7 @@ from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 from . import _completion
-from .device import Device
+from .device import Device, as_device
 from .errors import ArgumentError
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class Event:
     )
 
     def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
-        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev = as_device(device)
         dev.make_current()
         self._device = dev
         self._driver = dev._driver

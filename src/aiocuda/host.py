@@ -27,7 +27,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from .device import Device
+from .device import Device, as_device
 from .errors import ArgumentError, CudaError, ResultCode
 
 __all__ = ["HostRegistration", "is_pinned", "pinned_empty", "pinned_zeros", "register_host"]
@@ -115,7 +115,7 @@ def pinned_empty(
     dims = _shape_tuple(shape)
     dt = np.dtype(dtype)
     nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
-    dev = device if isinstance(device, Device) else Device(device or 0)
+    dev = as_device(device)
     owner = _PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
 
@@ -146,7 +146,7 @@ class HostRegistration:
             raise ArgumentError("only a contiguous array can be registered", code=ResultCode.INVALID_VALUE)
         if array.nbytes == 0:
             raise ArgumentError("an empty array cannot be registered", code=ResultCode.INVALID_VALUE)
-        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev = as_device(device)
         dev.make_current()
         self.array = array
         self.ptr = int(array.ctypes.data)

@@ -33,7 +33,7 @@ from typing import Any
 from . import _driver
 from ._packing import ParamBuffer, build_launcher
 from ._signature import Signature
-from .device import Device
+from .device import Device, as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
 from .stream import Stream, current_stream
@@ -97,7 +97,7 @@ class Kernel:
     # -- driver function and attributes ---------------------------------------------------------
     def function(self, device: Device | int | None = None) -> Any:
         """The driver's function handle on ``device`` (default 0), loading the module there."""
-        dev = _as_device(device)
+        dev = as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         func = self._functions.get(key)
         if func is None:
@@ -108,13 +108,13 @@ class Kernel:
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix (``"num_regs"``)."""
-        dev = _as_device(device)
+        dev = as_device(device)
         return dev._driver.function_get_attribute(self.function(dev), name)
 
     def set_attribute(self, name: str, value: int, device: Device | int | None = None) -> None:
         """Set a settable attribute, e.g. ``"max_dynamic_shared_size_bytes"`` before launching
         with more than 48 KiB of dynamic shared memory. ArgumentError where not allowed."""
-        dev = _as_device(device)
+        dev = as_device(device)
         dev.make_current()
         dev._driver.function_set_attribute(self.function(dev), name, int(value))
 
@@ -125,14 +125,14 @@ class Kernel:
 
     def max_active_blocks(self, block_size: int, shared_mem: int = 0, device: Device | int | None = None) -> int:
         """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor."""
-        dev = _as_device(device)
+        dev = as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_active_blocks(self.function(dev), block_size, shared_mem)
 
     def suggested_block_size(self, shared_mem: int = 0, device: Device | int | None = None) -> tuple[int, int]:
         """``(min_grid_size, block_size)`` maximising occupancy (``cuOccupancyMaxPotentialBlockSize``):
         launch at least ``min_grid_size`` blocks of ``block_size`` threads to fill the GPU."""
-        dev = _as_device(device)
+        dev = as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_potential_block_size(self.function(dev), shared_mem)
 
@@ -260,7 +260,3 @@ def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
     from ._driver.sim import _modules
 
     _modules.register_kernel(name, impl)
-
-
-def _as_device(device: Device | int | None) -> Device:
-    return device if isinstance(device, Device) else Device(device or 0)

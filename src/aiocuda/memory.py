@@ -38,7 +38,7 @@ from typing import Any, final
 import anyio
 
 from . import _driver
-from .device import Device
+from .device import Device, as_device
 from .errors import CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
 
@@ -140,7 +140,7 @@ class MemoryPool:
     def default(cls, device: Device | int | None = None) -> MemoryPool:
         """The driver's default pool of ``device`` (``cuDeviceGetDefaultMemPool``), with
         its release threshold raised to :data:`DEFAULT_RELEASE_THRESHOLD` on first use."""
-        dev = _as_device(device)
+        dev = as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         pool = _default_pools.get(key)
         if pool is None:
@@ -154,7 +154,7 @@ class MemoryPool:
     def for_device(cls, device: Device | int | None = None) -> MemoryPool:
         """The pool aiocuda allocates from on ``device`` unless told otherwise: the
         default pool, or the one last passed to :meth:`set_for_device`."""
-        dev = _as_device(device)
+        dev = as_device(device)
         pool = _current_pools.get((_driver.backend_generation(), dev.ordinal))
         return pool if pool is not None else cls.default(dev)
 
@@ -180,7 +180,7 @@ class MemoryPool:
         """
         if max_size < 0:
             raise _argument(f"max_size must be >= 0, got {max_size}")
-        dev = _as_device(device)
+        dev = as_device(device)
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
         pool = cls(dev, handle, owned=True, max_size=max_size)
@@ -361,7 +361,7 @@ class MemoryPool:
     def grant_access(self, peer: Device | int) -> None:
         """Let kernels on ``peer`` read and write this pool's memory
         (``cuMemPoolSetAccess``). Peer copies do not need it."""
-        peer_dev = _as_device(peer)
+        peer_dev = as_device(peer)
         if peer_dev is self.device:
             return  # the owner always has access (and the driver rejects changing it)
         if not peer_dev.can_access_peer(self.device):
@@ -512,11 +512,6 @@ class DeviceBuffer:
 
 _new_buffer = object.__new__
 
-
-def _as_device(device: Device | int | None) -> Device:
-    if isinstance(device, Device):
-        return device
-    return Device(device or 0)
 
 
 def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:

@@ -35,7 +35,7 @@ from typing import Any
 from . import _compile_cache
 from ._compile_cache import CachedImage, CompileCache
 from ._signature import source_signatures
-from .device import Device
+from .device import Device, as_device
 from .errors import CudaError
 from .module import Module
 
@@ -141,7 +141,7 @@ class Program:
         one architecture, it only runs on devices of that architecture (or newer, for
         PTX). Raises :class:`CompileError` with NVRTC's log on failure.
         """
-        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev = as_device(device)
         signatures = source_signatures(self.source, self.name_expressions)
         if dev._driver.name == "sim":
             return Module(self._sim_image(signatures), kind="sim", signatures=signatures, name=self.name)

@@ -25,7 +25,7 @@ from collections.abc import Generator, Iterator
 from typing import Any
 
 from . import _completion
-from .device import Device
+from .device import Device, as_device
 from .errors import ArgumentError, CudaError
 from .event import Event, EventPool
 
@@ -122,7 +122,7 @@ class Stream:
     )
 
     def __init__(self, device: Device | int | None = None, *, non_blocking: bool = True, priority: int = 0):
-        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev = as_device(device)
         dev.make_current()
         self._setup(dev, dev._driver.stream_create(non_blocking, priority), owned=True, owner=None)
 
@@ -152,7 +152,7 @@ class Stream:
             backend = Device(0)._driver
             dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value else Device(0)
         else:
-            dev = device if isinstance(device, Device) else Device(device)
+            dev = as_device(device)
         self = object.__new__(cls)
         self._setup(dev, dev._driver.stream_from_value(value), owned=False, owner=owner)
         return self
@@ -160,7 +160,7 @@ class Stream:
     @staticmethod
     def priority_range(device: Device | int | None = None) -> tuple[int, int]:
         """``(least, greatest)`` priority; numerically lower is more urgent."""
-        dev = device if isinstance(device, Device) else Device(device or 0)
+        dev = as_device(device)
         dev.make_current()
         return dev._driver.stream_priority_range()
 
@@ -279,17 +279,14 @@ def current_stream(device: Device | int | None = None) -> Stream:
     """The task's current stream (set with :func:`use_stream`) if it is on ``device``;
     otherwise the device's default aiocuda stream (non-blocking, created on first use)."""
     chosen = _current.get()
-    if chosen is not None and (device is None or chosen.device is _as_device(device)):
+    if chosen is not None and (device is None or chosen.device is as_device(device)):
         return chosen
-    dev = _as_device(device if device is not None else 0)
+    dev = as_device(device if device is not None else 0)
     stream = _defaults.get(dev)
     if stream is None or stream.closed:
         stream = _defaults[dev] = Stream(dev)
     return stream
 
-
-def _as_device(device: Device | int) -> Device:
-    return device if isinstance(device, Device) else Device(device)
 
 
 @contextlib.contextmanager

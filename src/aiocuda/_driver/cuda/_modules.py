@@ -110,10 +110,7 @@ class CudaModules:
         stream: Any,
         params: Any,
     ) -> None:
-        fn, args, fail = self.prepare_launch(func, grid, block, shared_mem, stream, params)
-        err = fn(*args)[0]
-        if err:
-            fail(err)
+        self.launch_kernel_ex(func, grid, block, shared_mem, stream, params)
 
     def launch_kernel_ex(
         self,
