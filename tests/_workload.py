@@ -6,15 +6,15 @@ simulated backend it is an operation that sleeps on the stream's worker thread.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import time
-from typing import Any
 
 from aiocuda.device import Device
+from aiocuda.kernel import Kernel
+from aiocuda.program import Program
 from aiocuda.stream import Stream
 
-SPIN_SRC = rb"""
+SPIN_SRC = r"""
 extern "C" __global__ void spin(long long cycles) {
     long long start = clock64();
     while (clock64() - start < cycles) { }
@@ -24,21 +24,15 @@ extern "C" __global__ void poison(int* p) { *(volatile int*)(p + 0x7fffffff) = 1
 
 
 @functools.cache
-def _functions(ordinal: int, generation: int) -> dict[str, Any]:
-    from cuda.bindings import nvrtc
+def _kernels(ordinal: int, generation: int) -> dict[str, Kernel]:
+    module = Program(SPIN_SRC, name="workload.cu").compile(Device(ordinal))
+    return {name: module.kernel(name) for name in ("spin", "poison")}
 
-    from aiocuda._driver.cuda._core import check, drv
 
-    dev = Device(ordinal)
-    dev.make_current()
-    major, minor = dev.compute_capability
-    prog = check(nvrtc.nvrtcCreateProgram(SPIN_SRC, b"spin.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
-    assert nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    image = b" " * nvrtc.nvrtcGetCUBINSize(prog)[1]
-    nvrtc.nvrtcGetCUBIN(prog, image)
-    module = check(drv.cuModuleLoadData(image), "cuModuleLoadData")
-    return {name: check(drv.cuModuleGetFunction(module, name.encode()), "get") for name in ("spin", "poison")}
+def _kernel(stream: Stream, name: str) -> Kernel:
+    from aiocuda import _driver
+
+    return _kernels(stream.device.ordinal, _driver.backend_generation())[name]
 
 
 def slow_op(stream: Stream, seconds: float) -> None:
@@ -47,13 +41,8 @@ def slow_op(stream: Stream, seconds: float) -> None:
     if backend.name == "sim":
         backend._enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
         return
-    from aiocuda import _driver
-    from aiocuda._driver.cuda._core import check, drv
-
-    fn = _functions(stream.device.ordinal, _driver.backend_generation())["spin"]
     cycles = int(seconds * stream.device.attribute("clock_rate") * 1e3)
-    stream.device.make_current()
-    check(drv.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream.handle, ((cycles,), (ctypes.c_longlong,)), 0), "launch")
+    _kernel(stream, "spin").launch(1, 1, cycles, stream=stream)
 
 
 def poison_op(stream: Stream) -> None:
@@ -65,9 +54,4 @@ def poison_op(stream: Stream) -> None:
 
         backend._enqueue(stream.handle, fault, "poison")  # type: ignore[attr-defined]
         return
-    from aiocuda import _driver
-    from aiocuda._driver.cuda._core import check, drv
-
-    fn = _functions(stream.device.ordinal, _driver.backend_generation())["poison"]
-    stream.device.make_current()
-    check(drv.cuLaunchKernel(fn, 1, 1, 1, 1, 1, 1, 0, stream.handle, ((0,), (ctypes.c_void_p,)), 0), "launch")
+    _kernel(stream, "poison").launch(1, 1, None, stream=stream)

@@ -222,3 +222,28 @@ def test_compiler_identity_from_the_wheel_without_loading_nvrtc(
     monkeypatch.setattr(program, "_load_nvrtc", lambda: pytest.fail("NVRTC must not be loaded"))
     identity = program._compiler_identity()
     assert identity.startswith(f"{lib}:4:")
+
+
+INTERNED_BYTES_SCRIPT = """
+from aiocuda import program
+nvrtc = program._load_nvrtc()
+image = program._nvrtc_compile(
+    nvrtc, 'extern "C" __global__ void k(float* x) { x[0] = 1; }', "k.cu", [], [], "compute_75"
+)
+assert image.log == "" and image.image.startswith(b"//"), image
+print("SPACE", repr(b" "), repr(b"a b".split(b" ")))
+"""
+
+
+def test_compiling_leaves_the_interpreters_shared_bytes_intact() -> None:
+    """NVRTC writes its log into the buffer it is given. An empty log has size 1, and
+    ``b" " * 1`` is CPython's process-wide ``b" "``: writing the NUL into it once broke
+    every later ``b" "`` (and PyTorch's import). Needs NVRTC, not a GPU; run in a child
+    process so that a regression cannot corrupt this one."""
+    try:
+        program._load_nvrtc()
+    except CompileError:
+        pytest.skip("NVRTC is not installed")
+    proc = subprocess.run([sys.executable, "-c", INTERNED_BYTES_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "SPACE b' ' [b'a', b'b']" in proc.stdout, proc.stdout

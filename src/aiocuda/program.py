@@ -269,6 +269,18 @@ def _device_arch(nvrtc: Any, device: Device) -> str:
     return f"compute_{max(older) if older else min(supported)}"
 
 
+def _output_buffer(size: int) -> bytearray:
+    """A writable buffer for NVRTC to fill (its log, PTX or cubin).
+
+    Never ``b" " * size``, the idiom of many cuda-bindings examples: NVRTC writes into the
+    object it is given, and CPython shares every one-byte ``bytes`` object process-wide.
+    An empty log has size 1, so ``b" " * 1`` *is* the interpreter's cached ``b" "``, and
+    writing the log's NUL into it turned every ``b" "`` in the process into ``b"\\0"``
+    (PyTorch then failed to import: its operator schemas lost their spaces).
+    """
+    return bytearray(size)
+
+
 def _nvrtc_compile(
     nvrtc: Any, source: str, name: str, options: Sequence[str], name_expressions: Sequence[str], arch: str
 ) -> CachedImage:
@@ -278,26 +290,23 @@ def _nvrtc_compile(
             _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, expression.encode()), "nvrtcAddNameExpression")
         encoded = [o.encode() for o in options]
         result = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
-        size = _check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize")
-        raw_log = b" " * size
+        raw_log = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetProgramLogSize(prog), "nvrtcGetProgramLogSize"))
         _check(nvrtc, nvrtc.nvrtcGetProgramLog(prog, raw_log), "nvrtcGetProgramLog")
-        log = raw_log.rstrip(b"\0 ").decode(errors="replace").strip()
+        log = bytes(raw_log).rstrip(b"\0 ").decode(errors="replace").strip()
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{name}: compilation failed ({' '.join(options)}):\n{log}", log=log)
         if arch.startswith("sm_"):
-            size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
-            image = b" " * size
+            image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
             _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
             kind = "cubin"
         else:
-            size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize")
-            image = b" " * size
+            image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "nvrtcGetPTXSize"))
             _check(nvrtc, nvrtc.nvrtcGetPTX(prog, image), "nvrtcGetPTX")
             kind = "ptx"
         lowered = {}
         for expression in name_expressions:
             symbol = _check(nvrtc, nvrtc.nvrtcGetLoweredName(prog, expression.encode()), "nvrtcGetLoweredName")
             lowered[expression] = symbol.decode() if isinstance(symbol, bytes) else str(symbol)
-        return CachedImage(image, kind, lowered, log)
+        return CachedImage(bytes(image), kind, lowered, log)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
