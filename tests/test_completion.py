@@ -12,6 +12,8 @@ import time
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiocuda import _driver
 from aiocuda.errors import ContextPoisonedError
@@ -56,21 +58,42 @@ async def test_poisoned_context_fails_pending_awaits_fast(sim_backend: _driver.D
 
 
 POISON_SCRIPT = """
-import time, anyio
+import ctypes, threading, time, anyio
+from aiocuda.device import Device
 from aiocuda.stream import Stream
 from aiocuda.errors import ContextPoisonedError
-from _workload import slow_op, poison_op
+from _workload import _kernel, slow_op, poison_op
+
+libcuda = ctypes.CDLL("libcuda.so.1")  # CDLL: the GIL is released during each call
+libcuda.cuStreamQuery.argtypes = [ctypes.c_void_p]
+NOT_READY = 600
+driver_saw: list[float] = []
+
+
+def watch(handle: int, t: float) -> None:
+    # The floor: when does the driver itself first report the fault?
+    Device(0).make_current()
+    while time.perf_counter() - t < 5:
+        if libcuda.cuStreamQuery(handle) not in (0, NOT_READY):
+            driver_saw.append(time.perf_counter() - t)
+            return
+
 
 async def main():
     busy, bad = Stream(0), Stream(0)
+    _kernel(bad, "poison")  # compile and load first: not timed
     slow_op(busy, 2.0)
     await anyio.sleep(0.05)
     t = time.perf_counter()
+    watcher = threading.Thread(target=watch, args=(int(bad), t))
     poison_op(bad)
+    watcher.start()
     try:
         await busy
     except ContextPoisonedError as exc:
-        print("POISONED", round((time.perf_counter() - t) * 1e3, 1), exc.name)
+        ms = (time.perf_counter() - t) * 1e3
+        watcher.join()
+        print("POISONED", round(ms, 1), round(driver_saw[0] * 1e3, 1), exc.name)
         try:
             Stream(0).record()
         except ContextPoisonedError as later:
@@ -85,7 +108,9 @@ anyio.run(main, backend="{lib}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("lib", ["asyncio", "trio"])
 def test_real_sticky_error_fails_pending_await(lib: str) -> None:
-    """On the GPU: an illegal-address kernel fails a pending await within 100 ms."""
+    """On the GPU: an illegal-address kernel fails a pending await, promptly after the
+    driver itself reports the fault (which takes 100-150 ms on an H100 after the launch,
+    measured in the same process by a thread polling ``cuStreamQuery``)."""
     from .conftest import real_gpu_count
 
     if real_gpu_count() == 0:
@@ -94,8 +119,8 @@ def test_real_sticky_error_fails_pending_await(lib: str) -> None:
         pytest.importorskip("trio")
     proc = run_script(POISON_SCRIPT.replace("{lib}", lib), "cuda")
     assert "POISONED" in proc.stdout, proc.stdout + proc.stderr
-    ms = float(proc.stdout.split()[1])
-    assert ms < 100, proc.stdout
+    ours_ms, driver_ms = (float(x) for x in proc.stdout.split()[1:3])
+    assert ours_ms - driver_ms < 40, proc.stdout
     assert "LATER CALLS FAIL" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -186,10 +211,10 @@ async def test_many_completions_cost_one_wakeup(
     sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty long waits that finish together reach the loop in one batched wake-up."""
-    from aiocuda import _completion
+    from aiocuda import _loops
 
     wakeups = 0
-    for adapter_cls in (_completion._AsyncioAdapter, _completion._TrioAdapter):
+    for adapter_cls in (_loops.AsyncioAdapter, _loops.TrioAdapter):
         original = adapter_cls.call_soon_threadsafe
 
         def counting(self: object, fn: object, _original: object = original) -> bool:
@@ -251,3 +276,104 @@ def test_control_bindings_host_function_deadlocks_where_the_doorbell_does_not() 
     if "SYNCED" in proc.stdout:
         pytest.xfail("this cuda-bindings release no longer deadlocks here")
     pytest.fail(proc.stdout + proc.stderr)
+
+
+# -- the doorbell rings for the awaited event, not for the end of its stream -------------------------
+@pytest.mark.anyio
+async def test_event_await_does_not_wait_for_later_work_on_its_stream(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The doorbell of a long wait rings on a private signal stream that waits for the
+    event itself; on the event's own stream it would ring only after everything
+    enqueued there later. (The periodic check is pushed out so it cannot mask this.)"""
+    from aiocuda import _completion
+
+    monkeypatch.setattr(_completion, "POISON_CHECK", 30.0)
+    with Stream(0) as s:
+        slow_op(s, 0.05)
+        event = s.record()
+        slow_op(s, 1.5)
+        t = time.perf_counter()
+        await event
+        assert time.perf_counter() - t < 0.75
+        assert not s.query()
+        s.synchronize()
+
+
+# -- predicted waits ---------------------------------------------------------------------------------
+def test_wait_history_window_is_bounded_and_brackets_a_steady_duration() -> None:
+    from aiocuda._completion import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+
+    steady = WaitHistory(0.005)
+    for _ in range(20):
+        steady.add(0.005)
+    start, end = steady.poll_window()
+    assert start < 0.005 < end
+    assert 0 < end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * 0.005) + 1e-9
+
+    erratic = WaitHistory(0.2)
+    for d in (0.05, 0.4, 0.1, 0.3, 0.02):
+        erratic.add(d)
+    start, end = erratic.poll_window()
+    assert 0 <= start < end
+    assert end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * erratic.expected) + 1e-9
+
+
+@given(durations=st.lists(st.floats(min_value=1e-6, max_value=5.0), min_size=1, max_size=30))
+def test_wait_history_window_never_exceeds_its_cpu_cap(durations: list[float]) -> None:
+    from aiocuda._completion import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+
+    history = WaitHistory(durations[0])
+    for d in durations[1:]:
+        history.add(d)
+    start, end = history.poll_window()
+    assert 0 <= start < end
+    assert end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * history.expected) * (1 + 1e-9)
+
+
+@pytest.mark.anyio
+async def test_repeated_long_waits_are_polled_near_their_predicted_end(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once a stream's waits are known to take ~100 ms, a wait sleeps on its doorbell and
+    the waker hands it back to the poller shortly before the predicted end, so that its
+    end is seen within microseconds of polling rather than after the doorbell's thread
+    hops; it does not poll while asleep."""
+    from aiocuda import _completion
+
+    with Stream(0) as s:
+        for _ in range(3):  # learn
+            slow_op(s, 0.1)
+            await s
+        history = _completion.engine()._histories[s.handle]
+        assert 0.07 < history.expected < 0.2
+        handed_over: list[float] = []  # seconds into the wait at which it rejoined the poller
+        original = _completion.CompletionEngine._join_poller
+
+        def recording(self: _completion.CompletionEngine, adapter: object, waiters: list) -> None:  # type: ignore[type-arg]
+            handed_over.extend(time.perf_counter() - w.started for w in waiters if not w.done)
+            original(self, adapter, waiters)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(_completion.CompletionEngine, "_join_poller", recording)
+        for _ in range(4):
+            slow_op(s, 0.1)
+            await s
+        assert len(handed_over) >= 3, handed_over
+        assert all(0.05 < t < 0.11 for t in handed_over), handed_over
+
+
+@pytest.mark.anyio
+async def test_a_wrong_prediction_still_wakes_through_the_doorbell(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream whose waits took 2 s now finishes in 20 ms: the doorbell, enqueued when
+    the wait began, wakes the task long before the predicted end."""
+    from aiocuda import _completion
+
+    monkeypatch.setattr(_completion, "POISON_CHECK", 30.0)
+    with Stream(0) as s:
+        _completion.engine()._histories[s.handle] = _completion.WaitHistory(2.0)
+        slow_op(s, 0.02)
+        t = time.perf_counter()
+        await s
+        assert time.perf_counter() - t < 0.5

@@ -1,72 +1,161 @@
 """The completion engine: "this point in a stream has finished" -> wake the waiting task.
 
-An await goes through up to three phases, cheapest first:
+An await goes through these phases, cheapest first:
 
-1. **Already done.** ``cuEventQuery`` says the recorded point has completed: the await
-   returns at once, without suspending.
-2. **About to finish.** If no other task on this loop is waiting for the GPU, the task
-   spins on the query for a few tens of microseconds (an adaptive budget learned from
-   recent waits). That matches a blocking ``cuStreamSynchronize`` for tiny operations
-   while blocking the loop for less than a scheduling quantum. On asyncio, a task that
-   did not spin first gives up one loop iteration with a bare ``yield`` (the cheapest
-   reschedule there is) and queries again: with many tasks in flight that is all most
-   waits need.
-3. **Poll, then doorbell.** Otherwise the waiter joins the loop's *poller*: one callback
-   per loop iteration queries every pending event and resolves the finished ones, so
-   many completions in one iteration cost one pass. A waiter still pending after
-   ``POLL_WINDOW`` moves to the *doorbell*: a host function enqueued on its stream that
-   calls libc ``sem_post`` -- no Python, no GIL on the driver's thread. One waker thread
-   sleeps in ``sem_timedwait``; when rung it queries every long waiter and wakes each
-   loop once (``call_soon_threadsafe`` / ``TrioToken.run_sync_soon``) with all of that
+1. **Already done.** ``cuEventQuery`` says the point has completed: return at once.
+2. **About to finish.** When no other task on the loop waits for the GPU and waits on
+   this stream have been short, spin on the query for up to :data:`SPIN_MAX`: as fast
+   as a blocking ``cuStreamSynchronize`` for tiny operations, while blocking the loop
+   for less than a scheduling quantum. On asyncio a task that did not spin gives up one
+   loop iteration with a bare ``yield`` (the cheapest reschedule there is) and queries
+   again: with many tasks in flight that is all most waits need.
+3. **Poll.** The waiter joins the loop's *poller*: one callback per loop iteration
+   queries every pending event and resolves the finished ones, so many completions in
+   one iteration cost one pass. Polling wakes a task within microseconds, but keeps the
+   loop busy, so a waiter polls for at most :data:`POLL_WINDOW`...
+4. **Doorbell.** ...then its wait is handed to the *doorbell*: on a private signal
+   stream of the device, ``cuStreamWaitEvent`` on the waited event followed by a host
+   function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread.
+   One waker thread sleeps on the semaphore, queries the long waiters when rung, and
+   wakes each loop once (``call_soon_threadsafe`` / ``run_sync_soon``) for all of that
    loop's finished waiters. A waiting task costs no CPU.
 
-Sticky errors: the driver never runs host functions once a context is poisoned, so a
-doorbell would never ring. The waker therefore also wakes every ``POISON_CHECK``
-seconds while long waiters exist; a query that raises ``ContextPoisonedError`` fails
-that waiter (and the error reaches every other waiter on the context the same way).
+**Predicted waits.** Going to sleep has a price: on the virtual machines GPUs are rented
+in, each sleeping thread the wake-up passes through (the driver's callback thread, the
+waker, the loop) adds about 100 us, so a doorbell wakes a task 150-450 us after the GPU
+finished, where polling takes 5. The engine therefore remembers how long waits on each
+stream took (:class:`WaitHistory`). A wait expected to last longer than the poll
+window rings its doorbell at once and sleeps, but the waker hands it back to the poller
+shortly before its expected end: a repeated long operation (a large copy, a model's
+forward pass) is seen finishing within microseconds while costing CPU only for a
+narrow window around its end. The window is capped (:data:`MAX_POLL_SHARE`), so a
+wrong guess costs bounded CPU, and the doorbell, already enqueued, still wakes the
+task if the guess was too early.
+
+**Sticky errors.** The driver never runs host functions once a context is poisoned, so
+a doorbell would never ring. While long waits exist the waker also wakes every
+:data:`POISON_CHECK` seconds and queries one waiter per device; a query that raises
+:class:`~aiocuda.errors.ContextPoisonedError` fails every long waiter of that device.
+(The driver itself reports the fault of an illegal-address kernel some 100-150 ms after
+it happens; this check adds at most ``POISON_CHECK`` to that.)
 
 Cancellation detaches a waiter: it is dropped from the poller and the waker and its
-future is never resolved; the GPU work and the memory it uses are untouched. Loop closed
-or interpreter exiting with waits in flight: their wake-ups are dropped silently.
+future is never resolved; the GPU work and the memory it uses are untouched. Loop
+closed or interpreter exiting with waits in flight: their wake-ups are dropped silently.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
+import functools
+import heapq
+import itertools
 import threading
 import time
-from collections.abc import Callable, Generator
-from typing import Any
+from collections.abc import Callable, Generator, Hashable
+from typing import TYPE_CHECKING, Any
 
 from . import _driver
+from ._loops import LoopAdapter, current_adapter
 from .errors import CudaError
 
-__all__ = ["POISON_CHECK", "POLL_WINDOW", "CompletionEngine", "engine"]
+if TYPE_CHECKING:
+    from .device import Device
 
-POLL_WINDOW = 0.002
-"""Seconds a waiter stays with the loop's poller before it moves to the doorbell."""
-
-POISON_CHECK = 0.02
-"""Seconds between the waker's queries of long waiters when no doorbell rings."""
+__all__ = [
+    "MAX_POLL_SHARE",
+    "POISON_CHECK",
+    "POLL_WINDOW",
+    "SPIN_MAX",
+    "CompletionEngine",
+    "WaitHistory",
+    "Waiter",
+    "engine",
+]
 
 SPIN_MAX = 50e-6
-"""Upper bound of the spin phase (seconds)."""
+"""Longest spin of a lone waiter (seconds)."""
+
+POLL_WINDOW = 0.002
+"""Seconds a wait of unknown or short expected length polls before its doorbell rings."""
+
+PREDICTION_LEAD = 0.001
+"""Seconds before the predicted end at which a long wait starts polling: covers the
+waker's own wake-up latency and the hop to the loop."""
+
+MAX_POLL_SHARE = 0.04
+"""A predicted wait polls for at most this share of its expected length (or
+:data:`POLL_WINDOW`, if longer): bounds the CPU a wrong prediction costs."""
+
+POISON_CHECK = 0.01
+"""Seconds between the waker's checks for poisoned contexts while long waits exist."""
 
 _perf = time.perf_counter
 
 
-class _Waiter:
-    """One pending await: the event it waits for and how to wake its task."""
+class WaitHistory:
+    """How long waits on one stream took: an exponentially weighted mean of the
+    duration and of its absolute deviation (recent waits weigh most)."""
 
-    __slots__ = ("adapter", "done", "event", "on_finish", "started", "stream", "token")
+    __slots__ = ("expected", "spread")
 
-    def __init__(self, event: Any, stream: Any, adapter: _LoopAdapter, on_finish: Callable[[Any], None] | None):
+    WEIGHT = 0.25
+
+    def __init__(self, duration: float) -> None:
+        self.expected = duration
+        self.spread = duration / 2
+
+    def add(self, duration: float) -> None:
+        error = duration - self.expected
+        self.expected += self.WEIGHT * error
+        self.spread += self.WEIGHT * (abs(error) - self.spread)
+
+    def poll_window(self) -> tuple[float, float]:
+        """``(start, end)`` of the polling window, in seconds after the wait began."""
+        margin = 2 * self.spread
+        start = max(0.0, self.expected - margin - PREDICTION_LEAD)
+        end = self.expected + margin + PREDICTION_LEAD
+        cap = max(POLL_WINDOW, MAX_POLL_SHARE * self.expected)
+        if end - start > cap:  # too uncertain to poll it all: the part around the expectation
+            start = max(0.0, self.expected - cap / 2)
+            end = start + cap
+        return start, end
+
+
+class Waiter:
+    """One pending await: what it waits for, how to wake its task, and its phase."""
+
+    __slots__ = (
+        "adapter",
+        "device",
+        "done",
+        "event",
+        "on_finish",
+        "poll_until",
+        "ringing",
+        "started",
+        "stream",
+        "token",
+    )
+
+    def __init__(
+        self,
+        event: Any,
+        stream: Any,
+        device: Device,
+        adapter: LoopAdapter,
+        on_finish: Callable[[Any], None] | None,
+    ) -> None:
         self.event = event
         self.stream = stream
+        self.device = device
         self.adapter = adapter
         self.on_finish = on_finish
         self.started = _perf()
+        self.poll_until = 0.0
+        self.ringing = False
+        """Whether its doorbell is enqueued (the waker lists every waiter given to it, and
+        queries those whose doorbell could not be enqueued on each periodic check)."""
         self.done = False
         self.token: Any = None
 
@@ -78,174 +167,89 @@ class _Waiter:
                 self.on_finish(self.event)
 
 
-class _LoopAdapter:
-    """What the engine needs from an event loop: schedule, suspend, resume."""
+class _SignalStreams:
+    """Private streams that doorbells ring on, pooled per device.
 
-    __slots__ = ("pending", "poll_scheduled", "waiting")
+    A signal stream holds nothing but ``wait(event); sem_post``, so its doorbell rings
+    as soon as *that* event completes, whatever was enqueued on the event's own stream
+    after it. A stream is reused once it is idle (its ring has run); one still blocked
+    on the event of a cancelled wait is skipped until then.
+    """
 
-    bare_yield = False
-    """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
+    SCAN = 4
+    """Pooled streams to try before creating another."""
 
-    def __init__(self) -> None:
-        self.pending: list[_Waiter] = []
-        self.poll_scheduled = False
-        self.waiting = 0
+    def __init__(self, backend: _driver.Driver) -> None:
+        self._backend = backend
+        self._pools: dict[int, list[Any]] = {}
+        self._lock = threading.Lock()  # loops in several threads may ring at once
 
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        raise NotImplementedError
-
-    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
-        """Schedule from another thread; False when the loop is gone."""
-        raise NotImplementedError
-
-    def suspend(self, waiter: _Waiter) -> Generator[Any, Any, None]:
-        raise NotImplementedError
-
-    def resume(self, waiter: _Waiter, error: BaseException | None) -> None:
-        raise NotImplementedError
-
-
-class _AsyncioAdapter(_LoopAdapter):
-    __slots__ = ("loop",)
-
-    bare_yield = True
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__()
-        self.loop = loop
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        self.loop.call_soon(fn)
-
-    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
+    def ring_after(self, device: Device, event: Any, bell: Any) -> None:
+        """Enqueue ``bell``'s ring for when ``event`` completes."""
+        stream = self._take(device)
         try:
-            self.loop.call_soon_threadsafe(fn)
-        except RuntimeError:  # loop closed
-            return False
-        return True
-
-    def suspend(self, waiter: _Waiter) -> Generator[Any, Any, None]:
-        fut = self.loop.create_future()
-        waiter.token = fut
-        try:
-            yield from fut
+            self._backend.stream_wait_event(stream, event)
+            self._backend.launch_doorbell(stream, bell)
         finally:
-            if not waiter.done:  # cancelled: detach
-                waiter.finish()
+            with self._lock:
+                self._pools[device.ordinal].append(stream)
 
-    def resume(self, waiter: _Waiter, error: BaseException | None) -> None:
-        fut = waiter.token
-        waiter.finish()
-        if fut is not None and not fut.done():
-            if error is None:
-                fut.set_result(None)
-            else:
-                fut.set_exception(error)
-
-
-class _TrioAdapter(_LoopAdapter):
-    __slots__ = ("trio_token",)
-
-    def __init__(self, trio_token: Any) -> None:
-        super().__init__()
-        self.trio_token = trio_token
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        self.trio_token.run_sync_soon(fn)
-
-    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
-        import trio
-
-        try:
-            self.trio_token.run_sync_soon(fn)
-        except trio.RunFinishedError:
-            return False
-        return True
-
-    def suspend(self, waiter: _Waiter) -> Generator[Any, Any, None]:
-        import trio
-
-        waiter.token = trio.lowlevel.current_task()
-
-        def abort(_: Any) -> Any:
-            waiter.token = None
-            waiter.finish()
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        return (yield from trio.lowlevel.wait_task_rescheduled(abort).__await__())  # noqa: ASYNC105
-
-    def resume(self, waiter: _Waiter, error: BaseException | None) -> None:
-        import outcome
-        import trio
-
-        task = waiter.token
-        waiter.finish()
-        if task is not None:
-            waiter.token = None
-            trio.lowlevel.reschedule(task, outcome.Value(None) if error is None else outcome.Error(error))
-
-
-_last_loop: Any = None
-_last_adapter: _LoopAdapter | None = None
-_adapters: dict[int, tuple[Any, _LoopAdapter]] = {}
-
-
-def _current_adapter() -> _LoopAdapter:
-    """The adapter of the running loop (asyncio, uvloop or trio), cached per loop."""
-    global _last_loop, _last_adapter
-    loop = asyncio._get_running_loop()
-    key: Any = loop
-    if loop is None:
-        try:
-            import trio
-
-            key = trio.lowlevel.current_trio_token()
-        except (ImportError, RuntimeError):
-            raise RuntimeError("aiocuda awaitables need a running asyncio or trio event loop") from None
-    if key is _last_loop and _last_adapter is not None:
-        return _last_adapter
-    entry = _adapters.get(id(key))
-    if entry is None or entry[0] is not key:
-        adapter: _LoopAdapter = _AsyncioAdapter(key) if loop is not None else _TrioAdapter(key)
-        entry = (key, adapter)
-        _adapters[id(key)] = entry
-        if len(_adapters) > 64:  # forget loops that are long gone
-            for k in [k for k, (obj, _) in _adapters.items() if obj is not key][:32]:
-                del _adapters[k]
-    _last_loop, _last_adapter = key, entry[1]
-    return entry[1]
+    def _take(self, device: Device) -> Any:
+        backend = self._backend
+        with self._lock:
+            pool = self._pools.setdefault(device.ordinal, [])
+            for i in range(len(pool) - 1, max(-1, len(pool) - 1 - self.SCAN), -1):
+                if backend.stream_query(pool[i]):
+                    return pool.pop(i)
+        device.make_current()
+        return backend.stream_create(True, 0)
 
 
 class CompletionEngine:
-    """Per-backend state: the doorbell, the waker thread and its long waiters."""
+    """Per-backend state: the doorbell, the waker thread, its long waiters and the
+    wait histories of streams."""
 
     def __init__(self, backend: _driver.Driver) -> None:
         self.backend = backend
         self._query = backend.event_query
         self._bell = backend.new_doorbell()
-        self._long: list[_Waiter] = []
+        self._signals = _SignalStreams(backend)
+        self._histories: dict[Hashable, WaitHistory] = {}
         self._lock = threading.Lock()
+        self._long: list[Waiter] = []
+        self._due: list[tuple[float, int, Waiter]] = []  # (when to poll, tie-break, waiter)
+        self._sequence = itertools.count()
+        self._waker_wakes_at = float("inf")
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.spin_budget = 20e-6
-        self._ewma_wait = 10e-6
 
     # -- the await ----------------------------------------------------------------------
     def wait(
-        self, event: Any, stream: Any, on_finish: Callable[[Any], None] | None = None
+        self,
+        event: Any,
+        stream: Any,
+        device: Device,
+        on_finish: Callable[[Any], None] | None = None,
+        *,
+        just_recorded: bool = False,
     ) -> Generator[Any, Any, None]:
-        """Suspend the current task until ``event`` (recorded on ``stream``) completes.
+        """Suspend the current task until ``event`` (recorded on ``stream`` of ``device``)
+        completes.
 
         ``on_finish(event)`` runs exactly once when the wait ends for any reason
         (completion, error, cancellation); streams use it to give pooled events back.
+        ``just_recorded`` says the event was recorded an instant ago, so that the first
+        query can be skipped where the next step queries anyway.
         """
         query = self._query
-        waiter: _Waiter | None = None
+        waiter: Waiter | None = None
         try:
-            if query(event):
-                return
-            adapter = _current_adapter()
-            if not adapter.waiting and self._spin(event):
+            adapter = current_adapter()
+            history = self._histories.get(stream)
+            if not adapter.waiting and (history is None or history.expected < SPIN_MAX):
+                if self._spin(event, stream, history):
+                    return
+            elif not (just_recorded and adapter.bare_yield) and query(event):
                 return
             adapter.waiting += 1
             try:
@@ -254,14 +258,8 @@ class CompletionEngine:
                     yield
                     if query(event):
                         return
-                waiter = _Waiter(event, stream, adapter, on_finish)
-                if self._ewma_wait > POLL_WINDOW:
-                    self._to_doorbell(waiter)
-                else:
-                    adapter.pending.append(waiter)
-                    if not adapter.poll_scheduled:
-                        adapter.poll_scheduled = True
-                        adapter.call_soon(lambda: self._poll(adapter))
+                waiter = Waiter(event, stream, device, adapter, on_finish)
+                self._schedule(waiter, history)
                 yield from adapter.suspend(waiter)
             finally:
                 adapter.waiting -= 1
@@ -269,27 +267,53 @@ class CompletionEngine:
             if waiter is None and on_finish is not None:
                 on_finish(event)
 
-    def _spin(self, event: Any) -> bool:
-        """Query in a tight loop for up to the spin budget; True if the event completed."""
+    def _spin(self, event: Any, stream: Any, history: WaitHistory | None) -> bool:
+        """Query in a tight loop for up to SPIN_MAX; True if the event completed."""
         query = self._query
         start = _perf()
-        deadline = start + self.spin_budget
+        deadline = start + SPIN_MAX
         while True:
             if query(event):
-                self._learn(_perf() - start)
+                self._learn(stream, history, _perf() - start)
                 return True
             if _perf() > deadline:
                 return False
 
-    def _learn(self, waited: float) -> None:
-        self._ewma_wait += 0.125 * (waited - self._ewma_wait)
-        self.spin_budget = SPIN_MAX if self._ewma_wait < 0.7 * SPIN_MAX else 5e-6
+    def _learn(self, stream: Any, history: WaitHistory | None, duration: float) -> None:
+        if history is not None:
+            history.add(duration)
+            return
+        if len(self._histories) > 4096:  # streams come and go: forget the old ones
+            self._histories.clear()
+        self._histories[stream] = WaitHistory(duration)
 
-    # -- phase 3a: the loop's poller --------------------------------------------------------
-    def _poll(self, adapter: _LoopAdapter) -> None:
+    def _schedule(self, waiter: Waiter, history: WaitHistory | None) -> None:
+        """Poll a wait expected to be short; ring a long one's doorbell and have the
+        waker bring it back to the poller just before its expected end."""
+        if history is None or history.expected < POLL_WINDOW:
+            waiter.poll_until = waiter.started + POLL_WINDOW
+            self._join_poller(waiter.adapter, [waiter])
+            return
+        start, end = history.poll_window()
+        waiter.poll_until = waiter.started + end
+        if start <= PREDICTION_LEAD:
+            self._join_poller(waiter.adapter, [waiter])
+            self._ring(waiter, None)
+        else:
+            self._ring(waiter, waiter.started + start)
+
+    # -- the loop's poller --------------------------------------------------------------------
+    def _join_poller(self, adapter: LoopAdapter, waiters: list[Waiter]) -> None:
+        """Add ``waiters`` to ``adapter``'s poller (on the loop's thread)."""
+        adapter.pending.extend(w for w in waiters if not w.done)
+        if adapter.pending and not adapter.poll_scheduled:
+            adapter.poll_scheduled = True
+            adapter.call_soon(functools.partial(self._poll, adapter))
+
+    def _poll(self, adapter: LoopAdapter) -> None:
         adapter.poll_scheduled = False
         now = _perf()
-        still: list[_Waiter] = []
+        still: list[Waiter] = []
         query = self._query
         for w in adapter.pending:
             if w.done:
@@ -300,59 +324,94 @@ class CompletionEngine:
                 adapter.resume(w, exc)
                 continue
             if finished:
-                self._learn(now - w.started)
-                adapter.resume(w, None)
-            elif now - w.started > POLL_WINDOW:
-                self._learn(now - w.started)
-                self._to_doorbell(w)
-            else:
+                self._complete(w, now)
+            elif now < w.poll_until:
                 still.append(w)
+            elif not w.ringing:
+                self._ring(w, None)
+            # else: its doorbell is enqueued; stop polling
         adapter.pending = still
         if still:
             adapter.poll_scheduled = True
-            adapter.call_soon(lambda: self._poll(adapter))
+            adapter.call_soon(functools.partial(self._poll, adapter))
 
-    # -- phase 3b: doorbell and waker thread ---------------------------------------------------
-    def _to_doorbell(self, waiter: _Waiter) -> None:
-        # Register the waiter *before* enqueuing its doorbell: a stream already past the
-        # event rings at once, and a ring swept before the waiter is listed would be lost
-        # (the waiter then waits for the periodic POISON_CHECK query).
+    def _complete(self, waiter: Waiter, now: float) -> None:
+        """Resume a waiter whose event completed (on its loop's thread), learning how long
+        the wait took."""
+        if waiter.done:
+            return
+        self._learn(waiter.stream, self._histories.get(waiter.stream), now - waiter.started)
+        waiter.adapter.resume(waiter, None)
+
+    # -- the doorbell and the waker thread -------------------------------------------------------
+    def _ring(self, waiter: Waiter, poll_at: float | None) -> None:
+        """Enqueue ``waiter``'s doorbell; with ``poll_at``, also have the waker hand it
+        back to its loop's poller at that time."""
+        waiter.ringing = True
+        # List the waiter *before* enqueuing the doorbell: a ring swept before the waiter
+        # is listed would be lost (until the next periodic check).
         with self._lock:
             self._long.append(waiter)
+            if poll_at is not None:
+                heapq.heappush(self._due, (poll_at, next(self._sequence), waiter))
+            wake_waker = poll_at is not None and poll_at < self._waker_wakes_at
             if self._thread is None:
                 self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
                 self._thread.start()
         try:
-            self.backend.launch_doorbell(waiter.stream, self._bell)
+            self._signals.ring_after(waiter.device, waiter.event, self._bell)
         except CudaError:
-            pass  # stream gone or context poisoned: the waker's periodic query still sees it
+            waiter.ringing = False  # poisoned context, most likely: the periodic check queries it
+        if wake_waker:
+            self._bell.ring()  # it sleeps past the new deadline: let it plan again
 
     def _waker(self) -> None:
         bell = self._bell
         while not self._stopping:
-            with self._lock:
-                idle = not self._long
-            bell.wait(1.0 if idle else POISON_CHECK)
+            rung = bell.wait(self._sleep_time())
             if self._stopping:
                 break
-            self._sweep()
+            self._sweep(everyone=rung)
+            self._hand_over_due()
 
-    def _sweep(self) -> None:
+    def _sleep_time(self) -> float:
+        with self._lock:
+            if not self._long:
+                self._waker_wakes_at = float("inf")
+                return 1.0
+            timeout = POISON_CHECK
+            if self._due:
+                timeout = max(0.0, min(timeout, self._due[0][0] - _perf()))
+            self._waker_wakes_at = _perf() + timeout
+            return timeout
+
+    def _sweep(self, *, everyone: bool) -> None:
+        """Resume long waiters whose events completed or failed.
+
+        Rung: query them all. Woken by the clock: query one waiter per device -- enough
+        to see a poisoned context, whose error then fails every waiter of that device --
+        and those whose doorbell could not be enqueued.
+        """
         with self._lock:
             waiters, self._long = self._long, []
-        if not waiters:
-            return
-        by_adapter: dict[int, tuple[_LoopAdapter, list[tuple[_Waiter, BaseException | None]]]] = {}
-        keep: list[_Waiter] = []
+        by_adapter: dict[int, tuple[LoopAdapter, list[tuple[Waiter, BaseException | None]]]] = {}
+        keep: list[Waiter] = []
+        failed: dict[int, BaseException] = {}
+        probed: set[int] = set()
         query = self._query
         for w in waiters:
             if w.done:
                 continue
-            try:
-                finished = query(w.event)
-                error: BaseException | None = None
-            except CudaError as exc:
-                finished, error = True, exc
+            ordinal = w.device.ordinal
+            error = failed.get(ordinal)
+            finished = error is not None
+            if not finished and (everyone or not w.ringing or ordinal not in probed):
+                probed.add(ordinal)
+                try:
+                    finished = query(w.event)
+                except CudaError as exc:
+                    finished, error = True, exc
+                    failed[ordinal] = exc
             if finished:
                 by_adapter.setdefault(id(w.adapter), (w.adapter, []))[1].append((w, error))
             else:
@@ -361,9 +420,29 @@ class CompletionEngine:
             with self._lock:
                 self._long.extend(keep)
         for adapter, batch in by_adapter.values():
-            if not adapter.call_soon_threadsafe(lambda a=adapter, b=batch: _resume_all(a, b)):
+            if not adapter.call_soon_threadsafe(functools.partial(self._resume_all, batch)):
                 for w, _ in batch:  # the loop is gone: nobody is left to wake
                     w.finish()
+
+    def _resume_all(self, batch: list[tuple[Waiter, BaseException | None]]) -> None:
+        now = _perf()
+        for waiter, error in batch:
+            if error is None:
+                self._complete(waiter, now)
+            elif not waiter.done:
+                waiter.adapter.resume(waiter, error)
+
+    def _hand_over_due(self) -> None:
+        """Give waiters whose predicted end is near back to their loops' pollers."""
+        now = _perf()
+        by_adapter: dict[int, tuple[LoopAdapter, list[Waiter]]] = {}
+        with self._lock:
+            while self._due and self._due[0][0] <= now:
+                _, _, waiter = heapq.heappop(self._due)
+                if not waiter.done:
+                    by_adapter.setdefault(id(waiter.adapter), (waiter.adapter, []))[1].append(waiter)
+        for adapter, waiters in by_adapter.values():
+            adapter.call_soon_threadsafe(functools.partial(self._join_poller, adapter, waiters))
 
     def stop(self) -> None:
         """Stop the waker thread (interpreter exit, backend switch)."""
@@ -372,12 +451,6 @@ class CompletionEngine:
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=1.0)
-
-
-def _resume_all(adapter: _LoopAdapter, batch: list[tuple[_Waiter, BaseException | None]]) -> None:
-    for waiter, error in batch:
-        if not waiter.done:
-            adapter.resume(waiter, error)
 
 
 _engine: CompletionEngine | None = None
@@ -395,7 +468,6 @@ def engine() -> CompletionEngine:
         _engine = CompletionEngine(backend)
         _engine_generation = _driver.backend_generation()
     return _engine
-
 
 
 @atexit.register

@@ -139,7 +139,7 @@ class Event:
     def __await__(self) -> Generator[Any, Any, None]:
         if self._stream_handle is None:
             return  # never recorded: complete
-        yield from _completion.engine().wait(self._handle, self._stream_handle)
+        yield from _completion.engine().wait(self._handle, self._stream_handle, self._device)
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and

@@ -68,6 +68,11 @@ class Doorbell(Protocol):
 
     def ring(self) -> None: ...
 
+    def wait(self, timeout: float) -> bool:
+        """Block (GIL released) until rung or ``timeout`` seconds pass; True if rung.
+        Consumes every pending ring."""
+        ...
+
     @property
     def c_function(self) -> int: ...
 

@@ -1,0 +1,166 @@
+"""What the completion engine needs from an event loop: suspend a task, resume it, and
+schedule callbacks -- for asyncio (uvloop included) and trio.
+
+One :class:`LoopAdapter` exists per running loop (:func:`current_adapter` caches it).
+Besides the three operations it carries the loop's share of the engine's state: the
+waiters its *poller* queries once per loop iteration, and how many tasks are waiting.
+Everything on an adapter is touched only from its loop's thread, except
+:meth:`LoopAdapter.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._completion import Waiter
+
+__all__ = ["LoopAdapter", "current_adapter"]
+
+
+class LoopAdapter:
+    """The engine's view of one event loop (subclassed per loop library)."""
+
+    __slots__ = ("pending", "poll_scheduled", "waiting")
+
+    bare_yield = False
+    """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Waiter] = []
+        """Waiters the poller queries on each loop iteration."""
+        self.poll_scheduled = False
+        self.waiting = 0
+        """Tasks of this loop inside an await of GPU work."""
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop's next iteration (from the loop's own thread)."""
+        raise NotImplementedError
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the loop, from any thread; False when the loop is gone."""
+        raise NotImplementedError
+
+    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+        """Suspend the current task until :meth:`resume`; a cancellation detaches ``waiter``."""
+        raise NotImplementedError
+
+    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+        """Wake ``waiter``'s task (at most once), with ``error`` raised in it if given."""
+        raise NotImplementedError
+
+
+class AsyncioAdapter(LoopAdapter):
+    __slots__ = ("loop",)
+
+    bare_yield = True
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self.loop = loop
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self.loop.call_soon(fn)
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # loop closed
+            return False
+        return True
+
+    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+        future = self.loop.create_future()
+        waiter.token = future
+        try:
+            yield from future
+        finally:
+            if not waiter.done:  # cancelled: detach
+                waiter.finish()
+
+    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+        future = waiter.token
+        waiter.finish()
+        if future is not None and not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+
+
+class TrioAdapter(LoopAdapter):
+    __slots__ = ("trio_token",)
+
+    def __init__(self, trio_token: Any) -> None:
+        super().__init__()
+        self.trio_token = trio_token
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        self.trio_token.run_sync_soon(fn)
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
+        import trio
+
+        try:
+            self.trio_token.run_sync_soon(fn)
+        except trio.RunFinishedError:
+            return False
+        return True
+
+    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+        import trio
+
+        waiter.token = trio.lowlevel.current_task()
+
+        def abort(_: Any) -> Any:
+            waiter.token = None
+            waiter.finish()
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        yield from trio.lowlevel.wait_task_rescheduled(abort).__await__()  # noqa: ASYNC105
+
+    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+        import outcome
+        import trio
+
+        task = waiter.token
+        waiter.finish()
+        if task is not None:
+            waiter.token = None
+            trio.lowlevel.reschedule(task, outcome.Value(None) if error is None else outcome.Error(error))
+
+
+_last_loop: Any = None
+_last_adapter: LoopAdapter | None = None
+_adapters: dict[int, tuple[Any, LoopAdapter]] = {}
+
+
+def current_adapter() -> LoopAdapter:
+    """The adapter of the running loop (asyncio, uvloop or trio), cached per loop.
+
+    Raises RuntimeError outside a running loop.
+    """
+    global _last_loop, _last_adapter
+    loop = asyncio._get_running_loop()
+    key: Any = loop
+    if loop is None:
+        try:
+            import trio
+
+            key = trio.lowlevel.current_trio_token()
+        except (ImportError, RuntimeError):
+            raise RuntimeError("aiocuda awaitables need a running asyncio or trio event loop") from None
+    if key is _last_loop and _last_adapter is not None:
+        return _last_adapter
+    entry = _adapters.get(id(key))
+    if entry is None or entry[0] is not key:
+        adapter: LoopAdapter = AsyncioAdapter(key) if loop is not None else TrioAdapter(key)
+        entry = (key, adapter)
+        _adapters[id(key)] = entry
+        if len(_adapters) > 64:  # forget loops that are long gone
+            for k in [k for k, (obj, _) in _adapters.items() if obj is not key][:32]:
+                del _adapters[k]
+    _last_loop, _last_adapter = key, entry[1]
+    return entry[1]
