@@ -15,7 +15,6 @@ import argparse
 import datetime
 import json
 import operator
-import os
 import pathlib
 import statistics
 import sys
@@ -75,9 +74,6 @@ class Result:
         path = out or RESULTS / f"{self.bench}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-        out_dir = os.environ.get("OUT")
-        if out_dir:
-            pathlib.Path(out_dir, path.name).write_text(path.read_text())
         self.print_summary(sys.stdout)
         return path
 
