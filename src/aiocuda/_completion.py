@@ -95,17 +95,28 @@ _perf = time.perf_counter
 
 class WaitHistory:
     """How long waits on one stream took: an exponentially weighted mean of the
-    duration and of its absolute deviation (recent waits weigh most)."""
+    duration and of its absolute deviation (recent waits weigh most).
+
+    A wait far shorter than expected restarts the history: the stream's work has
+    changed, and sleeping through the next waits on the old expectation would cost each
+    of them a doorbell's latency. (A longer wait needs no such care: the doorbell wakes
+    it on time, and the mean moves up.)
+    """
 
     __slots__ = ("expected", "spread")
 
     WEIGHT = 0.25
+    RESTART_BELOW = 0.25
+    """A wait shorter than this share of the expected duration restarts the history."""
 
     def __init__(self, duration: float) -> None:
         self.expected = duration
         self.spread = duration / 2
 
     def add(self, duration: float) -> None:
+        if duration < self.RESTART_BELOW * self.expected:
+            self.expected, self.spread = duration, duration / 2
+            return
         error = duration - self.expected
         self.expected += self.WEIGHT * error
         self.spread += self.WEIGHT * (abs(error) - self.spread)
@@ -286,6 +297,10 @@ class CompletionEngine:
         if len(self._histories) > 4096:  # streams come and go: forget the old ones
             self._histories.clear()
         self._histories[stream] = WaitHistory(duration)
+
+    def forget(self, stream: Any) -> None:
+        """Drop ``stream``'s wait history (it is being destroyed)."""
+        self._histories.pop(stream, None)
 
     def _schedule(self, waiter: Waiter, history: WaitHistory | None) -> None:
         """Poll a wait expected to be short; ring a long one's doorbell and have the

@@ -59,9 +59,12 @@ def _sweep_orphans() -> None:
             _orphans.remove(entry)
 
 
-def _retire(driver: Any, handle: Any, owned: bool, pool: EventPool, holds: _Holds) -> None:
+def _retire(
+    driver: Any, engine: _completion.CompletionEngine, handle: Any, owned: bool, pool: EventPool, holds: _Holds
+) -> None:
     if holds:
         _orphans.append((driver, pool, holds))
+    engine.forget(handle)  # the driver may hand the same handle to a new stream
     if owned:
         try:
             driver.stream_destroy(handle)  # the driver finishes pending work first
@@ -136,7 +139,9 @@ class Stream:
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
         self._engine = _completion.engine()
-        self._finalizer = weakref.finalize(self, _retire, self._driver, handle, owned, self._pool, self._holds)
+        self._finalizer = weakref.finalize(
+            self, _retire, self._driver, self._engine, handle, owned, self._pool, self._holds
+        )
 
     @classmethod
     def wrap(cls, obj: Any, device: Device | int | None = None) -> Stream:
