@@ -135,23 +135,23 @@ def _alloc_contenders(stream: Stream, real: bool) -> dict[str, Callable[[int], N
     return contenders
 
 
-class _NullDriver:
-    """Driver stand-in whose allocation calls do nothing: isolates aiocuda's Python."""
+_NULL_ALLOCATION = (0, 0x1000)
+_NULL_FREE = (0,)
 
-    def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> int:
-        return 0x1000
 
-    def mem_free_async(self, ptr: int, stream: Any) -> None:
-        return None
+def _null_alloc(size: int, pool: Any, stream: Any) -> tuple[int, int]:
+    """Stand-in for the bound ``cuMemAllocFromPoolAsync``: isolates aiocuda's Python."""
+    return _NULL_ALLOCATION
+
+
+def _null_free(ptr: Any, stream: Any) -> tuple[int]:
+    return _NULL_FREE
 
 
 def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
     """aiocuda allocate + free per op minus the same two (stub) driver calls made directly."""
-    null = _NullDriver()
     pool = MemoryPool(stream.device, None, owned=False)
-    pool._driver = null  # type: ignore[assignment]
-    pool._alloc_fn = null.mem_alloc_async
-    pool._free_fn = null.mem_free_async
+    pool._alloc_call, pool._free_call = _null_alloc, _null_free
 
     def ours(k: int) -> None:
         allocate = pool.allocate
@@ -159,10 +159,10 @@ def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
             allocate(ALLOC_SIZE, stream).free()
 
     def direct(k: int) -> None:
-        alloc, free = null.mem_alloc_async, null.mem_free_async
         handle = stream.handle
         for _ in range(k):
-            free(alloc(ALLOC_SIZE, None, handle), handle)
+            _err, ptr = _null_alloc(ALLOC_SIZE, None, handle)
+            (_err,) = _null_free(ptr, handle)
 
     medians = _interleaved({"ours": ours, "direct": direct}, n, rounds)
     return medians["ours"] - medians["direct"]

@@ -56,6 +56,10 @@ def _invalid(call: str, description: str) -> CudaError:
     return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
 
 
+def _never_fails(err: Any, call: str) -> None:
+    raise AssertionError(f"{call}: the simulator raises its errors itself, not through a result code ({err!r})")
+
+
 def _aligned_bytes(size: int) -> np.ndarray:
     """A zeroed byte array whose data address is a multiple of ``_ALIGN``."""
     raw = np.zeros(size + _ALIGN, dtype=np.uint8)
@@ -264,6 +268,19 @@ class SimMemory:
                     state.release_cached(pool, pool.release_threshold)
 
         self._enqueue(stream, free, "mem_free_async")
+
+    def mem_async_calls(self) -> tuple[Callable[..., tuple[int, int]], Callable[..., tuple[int]], Callable[..., None]]:
+        """``(alloc, free, fail)`` with the real backend's calling convention (see
+        ``CudaMemory.mem_async_calls``); the sim raises from ``alloc`` and ``free``
+        themselves, so ``fail`` is never called."""
+        return self._alloc_result, self._free_result, _never_fails
+
+    def _alloc_result(self, size: int, pool: SimPool, stream: Any) -> tuple[int, int]:
+        return 0, self.mem_alloc_async(size, pool, stream)
+
+    def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
+        self.mem_free_async(ptr, stream)
+        return (0,)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
