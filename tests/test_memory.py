@@ -279,3 +279,28 @@ async def test_random_churn_leaks_nothing(backend: _driver.Driver, anyio_backend
         await s
         s.synchronize()
         assert pool.statistics().used_bytes == before
+
+
+async def test_sim_reuses_memory_freed_on_the_same_stream_at_once(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """As the driver does: stream order puts the new allocation's work after the free."""
+    pool = MemoryPool.create(0, max_size=MiB)
+    a, b = Stream(0), Stream(0)
+    await a
+    sim_backend.hold(a.handle)  # type: ignore[attr-defined]
+    first = pool.allocate(MiB, a)
+    ptr = first.ptr
+    first.free()  # enqueued behind the hold: has not run
+    with pytest.raises(OutOfMemoryError):
+        pool.allocate(MiB, b)  # another stream must wait for the free to run
+    again = pool.allocate(MiB, a)
+    assert again.ptr == ptr
+    again.free()
+    sim_backend.release(a.handle)  # type: ignore[attr-defined]
+    await a
+    assert pool.statistics().used_bytes == 0
+    pool.allocate(MiB, b).free()
+    await b
+    a.close()
+    b.close()
