@@ -201,6 +201,32 @@ async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Dri
         assert pool.statistics().used_bytes == used_before
 
 
+async def test_cancelled_to_device_frees_its_memory_even_if_the_exception_is_kept(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Whatever keeps a cancellation (a log record, an exception group) keeps the frames
+    its traceback references: the result's memory must not depend on it."""
+    pool = MemoryPool.for_device(0)
+    host = np.ones(256 * 1024, np.uint8)
+    kept: list[BaseException] = []
+    with Stream(0) as s:
+        await s
+        s.synchronize()
+        before = pool.statistics().used_bytes
+        slow_op(s, 0.05)  # the copy cannot finish before the cancellation arrives
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            try:
+                await ga.to_device(host, stream=s)
+            except anyio.get_cancelled_exc_class() as exc:
+                kept.append(exc)
+                raise
+        assert kept
+        await s
+        s.synchronize()
+        assert pool.statistics().used_bytes == before
+
+
 async def test_work_on_two_streams_is_ordered(backend: _driver.Driver, anyio_backend: object) -> None:
     host = _random((1 << 16,), np.float32)
     a, b = Stream(0), Stream(0)
