@@ -130,6 +130,7 @@ class SimMemory:
     _enqueue: Callable[..., None]
     _api: Callable[..., None]
     _stream_ordinal: Callable[[Any], int]
+    _resolve_stream: Callable[[Any], Any]
     _device: Callable[[Any], SimDevice]
     _devices: tuple[SimDevice, ...]
 
@@ -261,8 +262,8 @@ class SimMemory:
             block = state.blocks.get(ptr)
             if block is None or block.kind != "device" or block.free_token is not None:
                 raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
-            pool = block.pool
-            assert pool is not None and block.array is not None
+            pool, array = block.pool, block.array
+            assert pool is not None and array is not None
             block.free_token = token
             pool.freeing_on.setdefault((sim_stream, block.size), {})[ptr] = block
 
@@ -277,7 +278,7 @@ class SimMemory:
                     pool.reserved -= block.size
                     state.devices[pool.ordinal].used_bytes -= block.size
                     return
-                pool.cached.setdefault(block.size, []).append(block.array)
+                pool.cached.setdefault(block.size, []).append(array)
                 pool.cached_bytes += block.size
                 if pool.reserved > pool.release_threshold:
                     state.release_cached(pool, pool.release_threshold)
