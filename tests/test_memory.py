@@ -304,3 +304,29 @@ async def test_sim_reuses_memory_freed_on_the_same_stream_at_once(
     await b
     a.close()
     b.close()
+
+
+async def test_allocate_wait_wakes_up_when_a_buffer_is_freed(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A free on the waiter's loop retries at once, whatever the back-off has grown to."""
+    from aiocuda import memory
+
+    monkeypatch.setattr(memory, "RETRY_FIRST", 30.0)
+    monkeypatch.setattr(memory, "RETRY_MAX", 30.0)
+    pool = MemoryPool.create(0, max_size=64 * MiB)
+    with Stream(0) as s:
+        hog = pool.allocate(48 * MiB, s)
+        got: list[object] = []
+
+        async def wait_for_memory() -> None:
+            got.append(await pool.allocate_wait(48 * MiB, s, timeout=60))
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait_for_memory)
+                await anyio.sleep(0.05)
+                assert not got
+                hog.free()  # same stream: the memory is reusable at once
+        got.clear()
+        await s

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, final
@@ -58,6 +59,10 @@ collected during teardown must not call into a driver that may be gone."""
 
 last_finaliser_error: BaseException | None = None
 """The last error a buffer's finaliser swallowed (finalisers cannot raise); for debugging."""
+
+RETRY_FIRST = 0.0005
+RETRY_MAX = 0.02
+"""Back-off of :meth:`MemoryPool.allocate_wait` between tries (seconds, doubling)."""
 
 
 @atexit.register
@@ -119,6 +124,7 @@ class MemoryPool:
         "_driver",
         "_fail",
         "_free_call",
+        "_free_waiters",
         "_frees",
         "_handle",
         "_owned",
@@ -137,6 +143,8 @@ class MemoryPool:
         self._allocs = 0
         self._frees = 0
         self._recoveries = 0
+        self._free_waiters: list[tuple[int, anyio.Event]] = []
+        """``allocate_wait`` calls sleeping until the next free: (loop thread, event)."""
 
     # -- obtaining pools ----------------------------------------------------------------------
     @classmethod
@@ -277,6 +285,8 @@ class MemoryPool:
         if err:
             self._fail(err, "cuMemFreeAsync")
         self._frees += 1
+        if self._free_waiters:
+            self._wake_free_waiters()
 
     def _oom_error(self, nbytes: int) -> OutOfMemoryError:
         stats = self.statistics()
@@ -305,22 +315,49 @@ class MemoryPool:
     ) -> DeviceBuffer:
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
-        Retries with a growing back-off (0.5 ms up to 20 ms) until the allocation succeeds
-        or ``timeout`` seconds have passed, then raises :class:`OutOfMemoryError`
-        (``TimeoutError`` semantics are deliberately not used: callers branch on one
-        type). Memory freed stream-ordered becomes available once its stream reaches the
-        free. Cancellable at every wait.
+        Tries again whenever a buffer of this pool is freed by a task of the same event
+        loop (thread), and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
+        :data:`RETRY_MAX`), until the allocation succeeds or ``timeout`` seconds have
+        passed -- the last try is at the deadline -- then raises
+        :class:`OutOfMemoryError` (``TimeoutError`` semantics are deliberately not used:
+        callers branch on one type). The back-off stays as the fallback for what no
+        wake-up reports: buffers freed on other threads, and frees that complete later
+        (memory freed stream-ordered becomes available to other streams once its stream
+        reaches the free; the same stream may reuse it at once). Cancellable at every
+        wait.
         """
         deadline = None if timeout is None else anyio.current_time() + timeout
-        delay = 0.0005
+        delay = RETRY_FIRST
         while True:
             try:
                 return self.allocate(nbytes, stream)
             except OutOfMemoryError:
-                if deadline is not None and anyio.current_time() + delay > deadline:
+                left = None if deadline is None else deadline - anyio.current_time()
+                if left is not None and left <= 0:
                     raise
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            woken = await self._next_free(delay if left is None else min(delay, left))
+            delay = RETRY_FIRST if woken else min(delay * 2, RETRY_MAX)
+
+    async def _next_free(self, seconds: float) -> bool:
+        """Sleep until a buffer of this pool is freed on this thread (True) or for
+        ``seconds`` (False)."""
+        freed = anyio.Event()
+        entry = (threading.get_ident(), freed)
+        self._free_waiters.append(entry)
+        try:
+            with anyio.move_on_after(seconds):
+                await freed.wait()
+        finally:
+            self._free_waiters.remove(entry)
+        return freed.is_set()
+
+    def _wake_free_waiters(self) -> None:
+        """Wake the :meth:`allocate_wait` calls of this thread's event loop. Events are
+        not thread-safe, so waiters of other threads are left to their back-off."""
+        me = threading.get_ident()
+        for thread, freed in tuple(self._free_waiters):
+            if thread == me:
+                freed.set()
 
     # -- management ------------------------------------------------------------------------
     @property
@@ -509,6 +546,8 @@ class DeviceBuffer:
                 (err,) = pool._free_call(ptr, last._handle)
                 if not err:
                     pool._frees += 1
+                    if pool._free_waiters:
+                        pool._wake_free_waiters()
                     return
                 pool._fail(err, "cuMemFreeAsync")
             except CudaError:
