@@ -13,7 +13,7 @@ Measured in one process, baselines in the same run:
 * churn: 100k random allocate / free / cancel-mid-copy cycles; pool bytes in use after
   minus before.
 * with ``--staging-sweep``: pageable 256 MiB copies each way for every combination of
-  the staging knobs (``aiocuda._staging``: CHUNK, COPY_THREADS, SLOTS_PER_THREAD), into
+  the staging knobs (``aiocuda._staging``: CHUNK, MIN_CHUNK, COPY_THREADS), into
   ``staging_sweep`` of the results file, best first; nothing else runs.
 
     PYTHONPATH=src python3 benchmarks/memory.py [--quick] [--staging-sweep]
@@ -290,9 +290,9 @@ async def _churn(stream: Stream, cycles: int, seed: int = 7) -> int:
 
 # -- staging knobs --------------------------------------------------------------------------------
 
-SWEEP_CHUNKS_MIB = (4, 8, 16, 32, 64)
-SWEEP_THREADS = (2, 4, 6, 8, 12)
-SWEEP_SLOTS_PER_THREAD = (2, 3)
+SWEEP_CHUNKS_MIB = (8, 16, 32, 64)
+SWEEP_MIN_CHUNKS_MIB = (2, 4, 8, 64)  # capped at the chunk: equal to it, chunks do not shrink
+SWEEP_THREADS = (4, 6, 8, 12)
 _KNOBS = ("CHUNK", "MIN_CHUNK", "COPY_THREADS", "SLOTS_PER_THREAD", "INLINE_LIMIT", "INLINE_SLOTS")
 
 
@@ -312,19 +312,20 @@ async def _staging_sweep(stream: Stream, nbytes: int, reps: int, quick: bool) ->
     pageable = (np.arange(nbytes, dtype=np.uint32) * 2654435761 >> 24).astype(np.uint8)
     out = np.empty_like(pageable)
     dev = ga.empty(nbytes, np.uint8, stream=stream)
-    grid = ((1, 2), (2,), (2,)) if quick else (SWEEP_CHUNKS_MIB, SWEEP_THREADS, SWEEP_SLOTS_PER_THREAD)
+    grid = ((1, 2), (1,), (2,)) if quick else (SWEEP_CHUNKS_MIB, SWEEP_MIN_CHUNKS_MIB, SWEEP_THREADS)
     gbps = nbytes / 1e9
     rows = []
     try:
-        for chunk, n_threads, n_slots in itertools.product(*grid):
-            _staging.CHUNK, _staging.COPY_THREADS, _staging.SLOTS_PER_THREAD = chunk * MiB, n_threads, n_slots
+        configs = sorted({(chunk, min(least, chunk), threads) for chunk, least, threads in itertools.product(*grid)})
+        for chunk, min_chunk, n_threads in configs:
+            _staging.CHUNK, _staging.MIN_CHUNK, _staging.COPY_THREADS = chunk * MiB, min_chunk * MiB, n_threads
             _staging.reset()
             h2d = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
             d2h = await _best_wall_async_s(lambda: dev.to_host(out=out, stream=stream), reps)
             row = {
                 "chunk_MiB": chunk,
+                "min_chunk_MiB": min_chunk,
                 "copy_threads": n_threads,
-                "slots_per_thread": n_slots,
                 "h2d_GBps": round(gbps / h2d, 2),
                 "d2h_GBps": round(gbps / d2h, 2),
             }

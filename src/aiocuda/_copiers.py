@@ -13,10 +13,13 @@ slots, taking chunks in turn:
   fence and ``memmove`` the chunk out.
 
 Each thread works whole chunks, so a chunk costs no fan-out and join between threads,
-and ``memmove`` of a large chunk runs at the rate of its non-temporal stores. The DMAs of
-one copy are enqueued by several threads, in whatever order they finish copying; they
-touch disjoint ranges, and all of them are enqueued before the job is done, so work
-enqueued on the stream afterwards sees all the data.
+and ``memmove`` of a large chunk runs at the rate of its non-temporal stores. Chunks
+shrink towards the end of a copy (guided self-scheduling: a thread takes
+``remaining / threads`` bytes, between ``min_chunk`` and the slot size), so that the
+threads finish together and the DMAs left after the last host copy -- the tail nothing
+overlaps -- are small. The DMAs of one copy are enqueued by several threads, in whatever
+order they finish copying; they touch disjoint ranges, and all of them are enqueued
+before the job is done, so work enqueued on the stream afterwards sees all the data.
 
 Invariants:
 
@@ -45,6 +48,9 @@ from .host import _PinnedAllocation
 __all__ = ["Copiers", "Job", "Slot"]
 
 _memmove = ctypes.memmove
+
+_ALIGN = 64 * 1024
+"""Chunk boundaries: whole pages, for ``memmove`` and the DMA engines alike."""
 
 
 class Slot:
@@ -93,18 +99,17 @@ class Job:
     """
 
     __slots__ = (
-        "chunk",
         "device",
         "dst",
         "error",
         "finished",
+        "in_hand",
         "keep",
         "nbytes",
         "next_offset",
         "src",
         "stream_handle",
         "to_device",
-        "unfinished",
     )
 
     def __init__(
@@ -116,7 +121,6 @@ class Job:
         dst: int,
         src: int,
         nbytes: int,
-        chunk: int,
         keep: Any,
     ) -> None:
         self.to_device = to_device
@@ -125,10 +129,10 @@ class Job:
         self.dst = dst
         self.src = src
         self.nbytes = nbytes
-        self.chunk = chunk
         self.keep = keep
         self.next_offset = 0
-        self.unfinished = -(-nbytes // chunk)
+        self.in_hand = 0
+        """Chunks handed out and not finished; the job is done when none is, and none is left."""
         self.error: BaseException | None = None
         self.finished = threading.Event()
 
@@ -144,16 +148,21 @@ class Copiers:
     """A set of copier threads with their slots, fed from one queue of jobs.
 
     Threads start on the first job; each creates its ``slots_per_thread`` slots of
-    ``slot_size`` bytes as it first needs them. :meth:`stop` lets them finish the jobs
-    queued so far, then end (their slots are freed when collected).
+    ``slot_size`` bytes as it first needs them. Chunks are at least ``min_chunk`` bytes
+    (but the last). :meth:`stop` lets the threads finish the jobs queued so far, then
+    end (their slots are freed when collected).
     """
 
-    def __init__(self, threads: int, slots_per_thread: int, slot_size: int) -> None:
-        if threads < 1 or slots_per_thread < 1 or slot_size < 1:
-            raise ValueError(f"bad copier configuration: {threads} threads x {slots_per_thread} slots of {slot_size}")
+    def __init__(self, threads: int, slots_per_thread: int, slot_size: int, min_chunk: int) -> None:
+        if threads < 1 or slots_per_thread < 1 or slot_size < 1 or min_chunk < 1:
+            raise ValueError(
+                f"bad copier configuration: {threads} threads x {slots_per_thread} slots of {slot_size} bytes, "
+                f"chunks of at least {min_chunk}"
+            )
         self.threads = threads
         self.slots_per_thread = slots_per_thread
         self.slot_size = slot_size
+        self.min_chunk = min(min_chunk, slot_size)
         self.pid = os.getpid()
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
@@ -162,8 +171,6 @@ class Copiers:
 
     def submit(self, job: Job) -> None:
         """Queue ``job``; the copier threads start on it at once."""
-        if job.chunk > self.slot_size:
-            raise ValueError(f"chunks of {job.chunk} bytes do not fit in slots of {self.slot_size}")
         with self._cond:
             if self._stopping:
                 raise RuntimeError("these copiers were stopped")
@@ -196,8 +203,12 @@ class Copiers:
                 if jobs:
                     job = jobs[0]
                     offset = job.next_offset
-                    size = min(job.chunk, job.nbytes - offset)
+                    left = job.nbytes - offset
+                    share = -(-left // self.threads)
+                    share += -share % _ALIGN
+                    size = min(left, self.slot_size, max(self.min_chunk, share))
                     job.next_offset = offset + size
+                    job.in_hand += 1
                     return job, offset, size
                 if not block or self._stopping:
                     return None
@@ -208,11 +219,9 @@ class Copiers:
         with self._cond:
             if error is not None and job.error is None:
                 job.error = error
-                undealt = -(-(job.nbytes - job.next_offset) // job.chunk)
                 job.next_offset = job.nbytes  # hand out no more chunks
-                job.unfinished -= undealt
-            job.unfinished -= 1
-            if job.unfinished == 0:
+            job.in_hand -= 1
+            if job.in_hand == 0 and job.next_offset >= job.nbytes:
                 job.finished.set()
 
     def _run(self) -> None:

@@ -63,13 +63,13 @@ def _usable_cpus() -> int:
 
 CHUNK = 16 << 20
 """Largest chunk, and the size of each copier slot. ``memmove`` of chunks well above the
-last-level cache share per core runs with non-temporal stores, much faster; smaller
-chunks make the DMA of the last chunks (the tail after the host copies end) shorter."""
+last-level cache share per core runs with non-temporal stores, much faster."""
 
 MIN_CHUNK = 2 << 20
-"""Smallest chunk a copy is cut into, so that a copy of a few chunks' size still spreads
-over several threads without paying per-chunk costs (a lock, a driver call or two, an
-event record) on tiny pieces."""
+"""Smallest chunk (but a copy's last): chunks shrink from CHUNK towards it as a copy
+nears its end, so that the DMAs after the last host copy are short. Equal to CHUNK,
+every chunk has that size. Per chunk a copier pays a lock, two driver calls and an event
+record, so tiny chunks are wasteful."""
 
 COPY_THREADS = max(2, min(8, _usable_cpus() // 2))
 """Copier threads. Host copies from pageable memory scale to about 8 threads on a
@@ -86,9 +86,6 @@ INLINE_LIMIT = 1 << 20
 
 INLINE_SLOTS = 8
 """Slots for inline copies; when none is ready, a small copy goes to the copiers."""
-
-_ALIGN = 64 * 1024
-"""Chunk boundaries: whole pages, for ``memmove`` and the DMA engines alike."""
 
 _memmove = ctypes.memmove
 
@@ -132,7 +129,7 @@ class _Resources:
     def __init__(self) -> None:
         self.generation = _driver.backend_generation()
         self.pid = os.getpid()
-        self.copiers = Copiers(COPY_THREADS, SLOTS_PER_THREAD, CHUNK)
+        self.copiers = Copiers(COPY_THREADS, SLOTS_PER_THREAD, CHUNK, MIN_CHUNK)
         self.inline = _InlineSlots(INLINE_LIMIT, INLINE_SLOTS)
 
     def current(self) -> bool:
@@ -166,13 +163,6 @@ def reset() -> None:
         if _resources is not None:
             _resources.copiers.stop()
         _resources = None
-
-
-def _chunk_size(nbytes: int, copiers: Copiers) -> int:
-    """Spread ``nbytes`` over every copier thread, in chunks of MIN_CHUNK to the slot size."""
-    share = -(-nbytes // copiers.threads)
-    share += -share % _ALIGN
-    return min(copiers.slot_size, max(MIN_CHUNK, share))
 
 
 async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
@@ -246,7 +236,6 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
 async def _staged(
     staging: _Resources, to_device: bool, stream: Stream, dst: int, src: int, nbytes: int, host: Any
 ) -> None:
-    copiers = staging.copiers
     job = Job(
         to_device=to_device,
         device=stream.device,
@@ -254,10 +243,9 @@ async def _staged(
         dst=dst,
         src=src,
         nbytes=nbytes,
-        chunk=_chunk_size(nbytes, copiers),
         keep=host,
     )
     # Submitted from the worker thread: a cancellation that lands before the thread
     # starts must find nothing enqueued (the caller then frees the device memory). Once
     # it runs, it is not abandoned: the copiers must be done with the host array first.
-    await anyio.to_thread.run_sync(copiers.run, job)
+    await anyio.to_thread.run_sync(staging.copiers.run, job)
