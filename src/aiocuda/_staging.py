@@ -19,6 +19,11 @@ effect (host to device: every chunk has been copied into a slot and its DMA enqu
 device to host: ``host`` holds the data), while the small inline device-to-host copy is
 abandoned at its await, ``host`` then not written.
 
+Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
+still busy with long work (a kernel enqueued before it) ties up the slots it filled until
+that work is done, and staged copies to other streams wait for them. Pinned arrays
+(:func:`aiocuda.pinned_empty`) skip staging altogether.
+
 The knobs are module constants, read when the staging resources are built: change them,
 then call :func:`reset` (a sweep on a GPU does exactly that). Staging memory is pinned for
 good: at most ``COPY_THREADS * SLOTS_PER_THREAD * CHUNK + INLINE_SLOTS * INLINE_LIMIT``
