@@ -37,7 +37,6 @@ parallel; only a few microseconds of Python per chunk hold it.
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from collections import deque
 from typing import Any
@@ -56,12 +55,11 @@ _ALIGN = 64 * 1024
 class Slot:
     """A pinned buffer and the fence of the last DMA that touched it."""
 
-    __slots__ = ("events", "fence", "owner", "pending", "ptr", "size")
+    __slots__ = ("events", "fence", "owner", "pending", "ptr")
 
     def __init__(self, device: Device, size: int) -> None:
         self.owner = _PinnedAllocation(device, size)
         self.ptr: int = self.owner.ptr
-        self.size = size
         self.events: dict[int, Any] = {}
         self.fence: tuple[Any, Any] | None = None  # (driver, event handle)
         self.pending: tuple[Job, int, int] | None = None
@@ -93,9 +91,10 @@ class Slot:
 class Job:
     """One staged copy, cut into chunks for the copier threads.
 
-    ``to_device``: ``src`` is a host address and ``dst`` a device address on ``stream``'s
-    device; otherwise the reverse. ``keep`` is held (the host array) until the job is
-    done. :meth:`wait` blocks until then and raises the first error a chunk met.
+    ``to_device``: ``src`` is a host address and ``dst`` an address in ``device``'s
+    memory, copied on the stream ``stream_handle``; otherwise the reverse. ``keep`` (the
+    host array) is held until the job is done. :meth:`wait` blocks until then and raises
+    the first error a chunk met.
     """
 
     __slots__ = (
@@ -163,7 +162,6 @@ class Copiers:
         self.slots_per_thread = slots_per_thread
         self.slot_size = slot_size
         self.min_chunk = min(min_chunk, slot_size)
-        self.pid = os.getpid()
         self._jobs: deque[Job] = deque()
         self._cond = threading.Condition()
         self._started = False
