@@ -12,8 +12,15 @@ Measured in one process, baselines in the same run:
   array (staged through pinned chunks) against raw pageable ``cuMemcpyHtoDAsync``.
 * churn: 100k random allocate / free / cancel-mid-copy cycles; pool bytes in use after
   minus before.
+* with ``--staging-sweep``: pageable 256 MiB copies each way for every combination of
+  the staging knobs (``aiocuda._staging``: CHUNK, MIN_CHUNK, COPY_THREADS), into
+  ``staging_sweep`` of the results file, best first; nothing else runs.
 
-    PYTHONPATH=src python3 benchmarks/memory.py [--quick]
+    PYTHONPATH=src python3 benchmarks/memory.py [--quick] [--staging-sweep]
+        [--staging CHUNK=32M --staging COPY_THREADS=8 ...]
+
+``--staging KNOB=VALUE`` sets a staging knob (an int; K / M suffixes for KiB / MiB) for
+the whole run.
 
 On the simulated backend (``--quick``) only what does not need a GPU is meaningful: the
 Python overhead and the churn leak check; the other figures are reported, not judged.
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import itertools
 import random
 import statistics
 import time
@@ -33,7 +41,7 @@ import anyio
 import numpy as np
 
 import aiocuda.array as ga
-from aiocuda import _driver
+from aiocuda import _driver, _staging
 from aiocuda.device import Device
 from aiocuda.host import pinned_empty
 from aiocuda.memory import MemoryPool
@@ -105,12 +113,21 @@ def _alloc_contenders(stream: Stream, real: bool) -> dict[str, Callable[[int], N
             ck(drv.cuMemFreeAsync(p, handle))
         ck(drv.cuStreamSynchronize(handle))
 
+    pool_handle = pool.handle
+
+    def raw_from_pool(n: int) -> None:  # what aiocuda calls: tells our Python from the pool's cost
+        for _ in range(n):
+            p = ck(drv.cuMemAllocFromPoolAsync(ALLOC_SIZE, pool_handle, handle))
+            ck(drv.cuMemFreeAsync(p, handle))
+        ck(drv.cuStreamSynchronize(handle))
+
     def raw_sync(n: int) -> None:
         for _ in range(n):
             p = ck(drv.cuMemAlloc(ALLOC_SIZE))
             ck(drv.cuMemFree(p))
 
     contenders["raw_async"] = raw_async
+    contenders["raw_from_pool"] = raw_from_pool
     contenders["raw_sync"] = raw_sync
     if importlib.util.find_spec("torch") is not None:
         import torch
@@ -135,23 +152,23 @@ def _alloc_contenders(stream: Stream, real: bool) -> dict[str, Callable[[int], N
     return contenders
 
 
-class _NullDriver:
-    """Driver stand-in whose allocation calls do nothing: isolates aiocuda's Python."""
+_NULL_ALLOCATION = (0, 0x1000)
+_NULL_FREE = (0,)
 
-    def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> int:
-        return 0x1000
 
-    def mem_free_async(self, ptr: int, stream: Any) -> None:
-        return None
+def _null_alloc(size: int, pool: Any, stream: Any) -> tuple[int, int]:
+    """Stand-in for the bound ``cuMemAllocFromPoolAsync``: isolates aiocuda's Python."""
+    return _NULL_ALLOCATION
+
+
+def _null_free(ptr: Any, stream: Any) -> tuple[int]:
+    return _NULL_FREE
 
 
 def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
     """aiocuda allocate + free per op minus the same two (stub) driver calls made directly."""
-    null = _NullDriver()
     pool = MemoryPool(stream.device, None, owned=False)
-    pool._driver = null  # type: ignore[assignment]
-    pool._alloc_fn = null.mem_alloc_async
-    pool._free_fn = null.mem_free_async
+    pool._alloc_call, pool._free_call = _null_alloc, _null_free
 
     def ours(k: int) -> None:
         allocate = pool.allocate
@@ -159,10 +176,10 @@ def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
             allocate(ALLOC_SIZE, stream).free()
 
     def direct(k: int) -> None:
-        alloc, free = null.mem_alloc_async, null.mem_free_async
         handle = stream.handle
         for _ in range(k):
-            free(alloc(ALLOC_SIZE, None, handle), handle)
+            _err, ptr = _null_alloc(ALLOC_SIZE, None, handle)
+            (_err,) = _null_free(ptr, handle)
 
     medians = _interleaved({"ours": ours, "direct": direct}, n, rounds)
     return medians["ours"] - medians["direct"]
@@ -280,6 +297,85 @@ async def _churn(stream: Stream, cycles: int, seed: int = 7) -> int:
     return int(pool.statistics().used_bytes - before)
 
 
+# -- staging knobs --------------------------------------------------------------------------------
+
+SWEEP_CHUNKS_MIB = (8, 16, 32, 64)
+SWEEP_MIN_CHUNKS_MIB = (2, 4, 8, 64)  # capped at the chunk: equal to it, chunks do not shrink
+SWEEP_THREADS = (4, 6, 8, 12)
+_KNOBS = ("CHUNK", "MIN_CHUNK", "COPY_THREADS", "SLOTS_PER_THREAD", "INLINE_LIMIT", "INLINE_SLOTS")
+
+
+def _set_knob(assignment: str) -> None:
+    """``NAME=VALUE`` (K / M suffixes: KiB / MiB) for a knob of ``aiocuda._staging``."""
+    name, _, value = assignment.partition("=")
+    if name not in _KNOBS:
+        raise SystemExit(f"--staging: unknown knob {name!r}; knobs: {', '.join(_KNOBS)}")
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(value[-1:].upper(), 1)
+    setattr(_staging, name, int(value[:-1] if scale > 1 else value) * scale)
+    _staging.reset()
+
+
+async def _staging_sweep(stream: Stream, nbytes: int, reps: int, quick: bool) -> list[dict[str, Any]]:
+    """Pageable copies each way for every knob combination, best h2d first."""
+    saved = {name: getattr(_staging, name) for name in _KNOBS}
+    pageable = (np.arange(nbytes, dtype=np.uint32) * 2654435761 >> 24).astype(np.uint8)
+    out = np.empty_like(pageable)
+    dev = ga.empty(nbytes, np.uint8, stream=stream)
+    grid = ((1, 2), (1,), (2,)) if quick else (SWEEP_CHUNKS_MIB, SWEEP_MIN_CHUNKS_MIB, SWEEP_THREADS)
+    gbps = nbytes / 1e9
+    rows = []
+    try:
+        configs = sorted({(chunk, min(least, chunk), threads) for chunk, least, threads in itertools.product(*grid)})
+        for chunk, min_chunk, n_threads in configs:
+            _staging.CHUNK, _staging.MIN_CHUNK, _staging.COPY_THREADS = chunk * MiB, min_chunk * MiB, n_threads
+            _staging.reset()
+            h2d = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
+            d2h = await _best_wall_async_s(lambda: dev.to_host(out=out, stream=stream), reps)
+            row = {
+                "chunk_MiB": chunk,
+                "min_chunk_MiB": min_chunk,
+                "copy_threads": n_threads,
+                "h2d_GBps": round(gbps / h2d, 2),
+                "d2h_GBps": round(gbps / d2h, 2),
+            }
+            print(row, flush=True)
+            rows.append(row)
+        verified = np.array_equal(out, pageable)  # the last copies, both ways
+    finally:
+        for name, value in saved.items():
+            setattr(_staging, name, value)
+        _staging.reset()
+        dev.buffer.free()
+    if not verified:
+        raise RuntimeError("the staged copies of the sweep returned wrong data")
+    return sorted(rows, key=lambda row: -row["h2d_GBps"])
+
+
+async def _sweep(quick: bool) -> Result:
+    stream = Stream(Device(0))
+    result = Result("memory-staging-sweep")
+    nbytes = 16 * MiB if quick else 256 * MiB
+    result.extra["copy_bytes"] = nbytes
+    rows = await _staging_sweep(stream, nbytes, 2 if quick else 5, quick)
+    result.extra["staging_sweep"] = rows
+    result.metrics["best_h2d_GBps"] = rows[0]["h2d_GBps"]
+    result.metrics["best_d2h_GBps"] = max(row["d2h_GBps"] for row in rows)
+    handle = stream.handle
+    driver = stream.device._driver
+    dev = ga.empty(nbytes, np.uint8, stream=stream)
+    pageable = np.ones(nbytes, np.uint8)
+
+    def raw_h2d() -> None:
+        driver.memcpy_htod_async(dev.ptr, int(pageable.ctypes.data), nbytes, handle)
+        driver.stream_synchronize(handle)
+
+    stream.device.make_current()
+    result.baselines["raw_h2d_pageable_GBps"] = round(nbytes / 1e9 / _best_wall_s(raw_h2d, 5), 2)
+    dev.buffer.free()
+    stream.close()
+    return result
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -295,6 +391,7 @@ async def _run(quick: bool) -> Result:
     result.metrics["aiocuda_alloc_free_1MiB_us"] = round(medians["aiocuda"], 3)
     for name, key in (
         ("raw_async", "raw_alloc_free_1MiB_us"),
+        ("raw_from_pool", "raw_alloc_from_pool_free_1MiB_us"),
         ("raw_sync", "raw_cuMemAlloc_free_1MiB_us"),
         ("torch", "torch_caching_1MiB_us"),
         ("cupy", "cupy_pool_1MiB_us"),
@@ -320,8 +417,13 @@ async def _run(quick: bool) -> Result:
 
 
 def main() -> None:
-    args = parser(__doc__ or "memory benchmark").parse_args()
-    result = anyio.run(_run, args.quick)
+    cli = parser(__doc__ or "memory benchmark")
+    cli.add_argument("--staging-sweep", action="store_true", help="sweep the staging knobs; nothing else")
+    cli.add_argument("--staging", action="append", default=[], metavar="KNOB=VALUE", help="set a staging knob")
+    args = cli.parse_args()
+    for assignment in args.staging:
+        _set_knob(assignment)
+    result = anyio.run(_sweep if args.staging_sweep else _run, args.quick)
     result.write(args.out)
 
 

@@ -1,22 +1,33 @@
-"""Host <-> device copies, through pooled pinned staging chunks for pageable memory.
+"""Host <-> device copies of numpy arrays: direct from pinned memory, staged from pageable.
 
 The driver copies pageable memory at a fraction of the DMA rate (one CPU thread stages
 it, and a device-to-host copy into pageable memory blocks the caller until done). So
-aiocuda stages pageable arrays itself:
+aiocuda stages pageable arrays itself, through pinned slots:
 
-* host -> device: a worker thread copies the array into pinned chunks, several CPU
-  threads at a time, and enqueues each chunk's DMA as soon as it is staged, so the host
-  copy of chunk *i + 1* overlaps the DMA of chunk *i*. The event loop never blocks.
-* device -> host: the worker enqueues the DMA of each chunk into a pinned slot and
-  copies slot *i* out while chunk *i + 1* is in flight.
-* Up to :data:`INLINE_LIMIT` bytes go through a single ready slot on the loop's thread
-  (a host copy of well under a millisecond) to skip the thread hop.
 * Pinned memory (see :mod:`aiocuda.host`) is copied directly, holding the pinned owner
   until the DMA completes.
+* Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
+  host copy of well under a millisecond), which skips the hop to a thread.
+* Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._copiers`):
+  each thread copies whole chunks through its own slots, the host copy of one chunk
+  overlapping the DMA of the last. The event loop never blocks; the awaiting task waits
+  in a worker thread for the job.
 
-A staging slot is never reused before the DMA that last touched it has completed (each
-slot carries a per-device event recorded after its DMA). Slots are shared by every
-stream, device and event loop of the process, and are never freed.
+Cancellation never leaves aiocuda touching the host array after the await has ended: a
+staged copy, once started, finishes its host side before the cancellation takes
+effect (host to device: every chunk has been copied into a slot and its DMA enqueued;
+device to host: ``host`` holds the data), while the small inline device-to-host copy is
+abandoned at its await, ``host`` then not written.
+
+Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
+still busy with long work (a kernel enqueued before it) ties up the slots it filled until
+that work is done, and staged copies to other streams wait for them. Pinned arrays
+(:func:`aiocuda.pinned_empty`) skip staging altogether.
+
+The knobs are module constants, read when the staging resources are built: change them,
+then call :func:`reset` (a sweep on a GPU does exactly that). Staging memory is pinned for
+good: at most ``COPY_THREADS * SLOTS_PER_THREAD * CHUNK + INLINE_SLOTS * INLINE_LIMIT``
+bytes, allocated as first needed, shared by every device, stream and event loop.
 """
 
 from __future__ import annotations
@@ -24,179 +35,139 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio.to_thread
 import numpy.typing as npt
 
 from . import _driver
+from ._copiers import Copiers, Job, Slot
 from .device import Device
-from .host import _PinnedAllocation, pinned_ranges
+from .host import pinned_ranges
 from .stream import Stream
 
-__all__ = ["CHUNK", "INLINE_LIMIT", "device_to_host", "host_to_device"]
+__all__ = [
+    "CHUNK",
+    "COPY_THREADS",
+    "INLINE_LIMIT",
+    "INLINE_SLOTS",
+    "MIN_CHUNK",
+    "SLOTS_PER_THREAD",
+    "device_to_host",
+    "host_to_device",
+    "reset",
+]
 
-CHUNK = 8 << 20
-"""Bytes per staging slot and per pipelined DMA."""
+
+def _usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 4
+
+
+CHUNK = 16 << 20
+"""Largest chunk, and the size of each copier slot. ``memmove`` of chunks well above the
+last-level cache share per core runs with non-temporal stores, much faster."""
+
+MIN_CHUNK = 2 << 20
+"""Smallest chunk (but a copy's last): chunks shrink from CHUNK towards it as a copy
+nears its end, so that the DMAs after the last host copy are short. Equal to CHUNK,
+every chunk has that size. Per chunk a copier pays a lock, two driver calls and an event
+record, so tiny chunks are wasteful."""
+
+COPY_THREADS = max(2, min(8, _usable_cpus() // 2))
+"""Copier threads. Host copies from pageable memory scale to about 8 threads on a
+16-core machine and get slower beyond (memory bandwidth, and the cores the event loop
+and the driver need)."""
+
+SLOTS_PER_THREAD = 2
+"""Slots per copier thread: two let a thread copy one chunk while the DMA of its
+previous chunk runs (host to device), or copy out one chunk while the next is in flight
+(device to host)."""
 
 INLINE_LIMIT = 1 << 20
-"""Pageable copies up to this size are staged on the calling thread."""
+"""Pageable copies up to this size are staged on the calling thread, one slot each."""
 
-MAX_SLOTS = 16
-"""Staging slots in the process at most (``MAX_SLOTS * CHUNK`` bytes pinned)."""
+INLINE_SLOTS = 8
+"""Slots for inline copies; when none is ready, a small copy goes to the copiers."""
 
-PIPELINE_SLOTS = 4
-"""Slots one large copy uses at a time."""
-
-_HOST_COPY_THREADS = max(2, min(8, (os.cpu_count() or 4) // 2))
-"""Threads sharing a large host copy: one thread's memcpy reaches only a third of
-what the DMA engine does, and pageable copies are bound by it."""
-_HOST_COPY_SPLIT = 2 << 20
 _memmove = ctypes.memmove
 
 
-class _Slot:
-    """One pinned chunk and the fence of the last DMA that touched it."""
+class _InlineSlots:
+    """Slots of ``size`` bytes for inline copies, up to ``limit`` of them."""
 
-    __slots__ = ("events", "fence", "owner", "ptr")
-
-    def __init__(self, device: Device) -> None:
-        self.owner = _PinnedAllocation(device, CHUNK)
-        self.ptr = self.owner.ptr
-        self.events: dict[int, Any] = {}
-        self.fence: tuple[Any, Any] | None = None  # (driver, event handle)
-
-    def mark(self, device: Device, stream_handle: Any) -> None:
-        """Record that a DMA just enqueued on ``stream_handle`` touches this slot."""
-        event = self.events.get(device.ordinal)
-        if event is None:
-            event = self.events[device.ordinal] = device._driver.event_create(False, False)
-        device._driver.event_record(event, stream_handle)
-        self.fence = (device._driver, event)
-
-    def ready(self) -> bool:
-        fence = self.fence
-        return fence is None or bool(fence[0].event_query(fence[1]))
-
-    def wait_idle(self) -> None:
-        """Block this thread until the slot's last DMA has completed."""
-        fence = self.fence
-        if fence is not None:
-            fence[0].event_synchronize(fence[1])
-
-
-class _StagingPool:
-    """The process's staging slots (created on demand, up to MAX_SLOTS)."""
-
-    def __init__(self) -> None:
-        self._free: list[_Slot] = []
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self._limit = limit
+        self._idle: list[Slot] = []
         self._count = 0
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
 
-    def try_acquire_ready(self, device: Device) -> _Slot | None:
-        """A free slot whose last DMA finished, or a new one; None instead of waiting."""
-        with self._cond:
-            for i, slot in enumerate(self._free):
+    def try_acquire(self, device: Device) -> Slot | None:
+        """An idle slot whose last DMA finished, or a new one; None rather than wait."""
+        with self._lock:
+            for i, slot in enumerate(self._idle):
                 if slot.ready():
-                    return self._free.pop(i)
-            if self._count >= MAX_SLOTS:
+                    return self._idle.pop(i)
+            if self._count >= self._limit:
                 return None
             self._count += 1
-        return _Slot(device)
+        try:
+            device.make_current()
+            return Slot(device, self.size)
+        except BaseException:
+            with self._lock:
+                self._count -= 1
+            raise
 
-    def acquire(self, device: Device, wanted: int) -> list[_Slot]:
-        """Between 1 and ``wanted`` slots, blocking until at least one is free."""
-        with self._cond:
-            while True:
-                creatable = min(wanted - len(self._free), MAX_SLOTS - self._count)
-                if self._free or creatable > 0:
-                    self._free.sort(key=_Slot.ready, reverse=True)  # idle slots first
-                    taken = self._free[:wanted]
-                    del self._free[:wanted]
-                    new = max(0, min(wanted - len(taken), MAX_SLOTS - self._count))
-                    self._count += new
-                    break
-                self._cond.wait()
-        return taken + [_Slot(device) for _ in range(new)]
-
-    def release(self, slots: list[_Slot]) -> None:
-        with self._cond:
-            self._free.extend(slots)
-            self._cond.notify_all()
+    def release(self, slot: Slot) -> None:
+        with self._lock:
+            self._idle.append(slot)
 
 
-_pools: dict[int, _StagingPool] = {}
-_copiers: ThreadPoolExecutor | None = None
-_copiers_lock = threading.Lock()
+class _Resources:
+    """The staging resources of one backend (slots hold that backend's memory) in one
+    process (threads do not survive ``fork``)."""
+
+    def __init__(self) -> None:
+        self.generation = _driver.backend_generation()
+        self.pid = os.getpid()
+        self.copiers = Copiers(COPY_THREADS, SLOTS_PER_THREAD, CHUNK, MIN_CHUNK)
+        self.inline = _InlineSlots(INLINE_LIMIT, INLINE_SLOTS)
+
+    def current(self) -> bool:
+        return self.generation == _driver.backend_generation() and self.pid == os.getpid()
 
 
-def _staging_pool() -> _StagingPool:
-    """The staging pool of the backend in use (slots hold that backend's memory)."""
-    generation = _driver.backend_generation()
-    pool = _pools.get(generation)
-    if pool is None:
-        _pools.clear()
-        pool = _pools[generation] = _StagingPool()
-    return pool
+_resources: _Resources | None = None
+_resources_lock = threading.Lock()
 
 
-def _host_copy(dst: int, src: int, nbytes: int) -> None:
-    """memmove, split over several threads for large ranges (ctypes releases the GIL)."""
-    global _copiers
-    if nbytes < 2 * _HOST_COPY_SPLIT:
-        _memmove(dst, src, nbytes)
-        return
-    if _copiers is None:
-        with _copiers_lock:
-            if _copiers is None:
-                _copiers = ThreadPoolExecutor(_HOST_COPY_THREADS, thread_name_prefix="aiocuda-staging")
-    part = -(-nbytes // _HOST_COPY_THREADS)
-    part += -part % 4096
-    futures = [
-        _copiers.submit(_memmove, dst + off, src + off, min(part, nbytes - off)) for off in range(0, nbytes, part)
-    ]
-    for future in futures:
-        future.result()
+def _staging() -> _Resources:
+    global _resources
+    resources = _resources
+    if resources is None or not resources.current():
+        with _resources_lock:
+            if _resources is not None and not _resources.current():
+                _resources.copiers.stop()
+                _resources = None
+            if _resources is None:
+                _resources = _Resources()
+            resources = _resources
+    return resources
 
 
-def _pipeline_h2d(device: Device, stream_handle: Any, dst: int, src: int, nbytes: int, slots: list[_Slot]) -> None:
-    driver = device._driver
-    device.make_current()
-    for i, off in enumerate(range(0, nbytes, CHUNK)):
-        slot = slots[i % len(slots)]
-        n = min(CHUNK, nbytes - off)
-        slot.wait_idle()
-        _host_copy(slot.ptr, src + off, n)
-        driver.memcpy_htod_async(dst + off, slot.ptr, n, stream_handle)
-        slot.mark(device, stream_handle)
-
-
-def _pipeline_d2h(device: Device, stream_handle: Any, dst: int, src: int, nbytes: int, slots: list[_Slot]) -> None:
-    driver = device._driver
-    device.make_current()
-    in_flight: deque[tuple[_Slot, int, int]] = deque()
-    try:
-        for i, off in enumerate(range(0, nbytes, CHUNK)):
-            if len(in_flight) == len(slots):
-                _drain_one(in_flight, dst)
-            slot = slots[i % len(slots)]
-            n = min(CHUNK, nbytes - off)
-            slot.wait_idle()
-            driver.memcpy_dtoh_async(slot.ptr, src + off, n, stream_handle)
-            slot.mark(device, stream_handle)
-            in_flight.append((slot, off, n))
-        while in_flight:
-            _drain_one(in_flight, dst)
-    finally:
-        in_flight.clear()
-
-
-def _drain_one(in_flight: deque[tuple[_Slot, int, int]], dst: int) -> None:
-    slot, off, n = in_flight.popleft()
-    slot.wait_idle()
-    _host_copy(dst + off, slot.ptr, n)
+def reset() -> None:
+    """Drop the staging resources: copier threads end once their queued copies are done,
+    slots are freed when nothing uses them, and the next copy builds new ones from the
+    current knob values."""
+    global _resources
+    with _resources_lock:
+        if _resources is not None:
+            _resources.copiers.stop()
+        _resources = None
 
 
 async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
@@ -216,9 +187,9 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
         stream.hold(owner, host)
         return
-    if nbytes <= INLINE_LIMIT:
-        pool = _staging_pool()
-        slot = pool.try_acquire_ready(device)
+    staging = _staging()
+    if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
+        slot = staging.inline.try_acquire(device)
         if slot is not None:
             try:
                 device.make_current()
@@ -226,17 +197,18 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
                 device._driver.memcpy_htod_async(dst, slot.ptr, nbytes, stream.handle)
                 slot.mark(device, stream.handle)
             finally:
-                pool.release([slot])
+                staging.inline.release(slot)
             return
-    await _in_worker(_pipeline_h2d, device, stream, dst, src, nbytes)
+    await _staged(staging, True, stream, dst, src, nbytes, host)
 
 
 async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> None:
     """Copy ``host.nbytes`` from device address ``src`` into C-contiguous ``host``,
     after the work already on ``stream``; returns when ``host`` holds the data.
 
-    If the awaiting task is cancelled, the copy still completes into ``host`` (which is
-    kept alive until then); only the wait is abandoned.
+    Cancelled, the copy stops writing into ``host`` before the cancellation takes
+    effect: a staged copy completes first, an inline one is abandoned (see the module
+    docstring).
     """
     nbytes = int(host.nbytes)
     if nbytes == 0:
@@ -250,9 +222,9 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
         stream.hold(owner, host)
         await stream.record()
         return
-    if nbytes <= INLINE_LIMIT:
-        pool = _staging_pool()
-        slot = pool.try_acquire_ready(device)
+    staging = _staging()
+    if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
+        slot = staging.inline.try_acquire(device)
         if slot is not None:
             try:
                 device.make_current()
@@ -261,17 +233,24 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
                 await stream.record()
                 _memmove(dst, slot.ptr, nbytes)
             finally:
-                pool.release([slot])
+                staging.inline.release(slot)
             return
-    await _in_worker(_pipeline_d2h, device, stream, dst, src, nbytes)
+    await _staged(staging, False, stream, dst, src, nbytes, host)
 
 
-async def _in_worker(pipeline: Any, device: Device, stream: Stream, dst: int, src: int, nbytes: int) -> None:
-    wanted = min(PIPELINE_SLOTS, -(-nbytes // CHUNK))
-    pool = _staging_pool()
-    slots = await anyio.to_thread.run_sync(pool.acquire, device, wanted)
-    try:
-        # Not abandoned on cancellation: the thread must finish touching the host array.
-        await anyio.to_thread.run_sync(pipeline, device, stream.handle, dst, src, nbytes, slots)
-    finally:
-        pool.release(slots)
+async def _staged(
+    staging: _Resources, to_device: bool, stream: Stream, dst: int, src: int, nbytes: int, host: Any
+) -> None:
+    job = Job(
+        to_device=to_device,
+        device=stream.device,
+        stream_handle=stream.handle,
+        dst=dst,
+        src=src,
+        nbytes=nbytes,
+        keep=host,
+    )
+    # Submitted from the worker thread: a cancellation that lands before the thread
+    # starts must find nothing enqueued (the caller then frees the device memory). Once
+    # it runs, it is not abandoned: the copiers must be done with the host array first.
+    await anyio.to_thread.run_sync(staging.copiers.run, job)

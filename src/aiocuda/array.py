@@ -16,6 +16,7 @@ new stream waits for the array's previous stream on the GPU.
 from __future__ import annotations
 
 import operator
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -265,9 +266,7 @@ class DeviceArray:
             )
         if not self.is_c_contiguous:
             raise _argument("copying into a non-contiguous DeviceArray is not supported")
-        s = self._stream_for(stream)
-        await _staging.host_to_device(self.ptr, np.ascontiguousarray(host), s)
-        await s.record()
+        await _upload(self.ptr, np.ascontiguousarray(host), self._stream_for(stream))
 
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
@@ -275,8 +274,7 @@ class DeviceArray:
             raise _argument("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
         target_device = self.device if device is None else as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
-        await copy(dst, self, stream=stream)
-        return dst
+        return await _filled(dst, copy(dst, self, stream=stream))
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
         """Set every element to ``value`` (a memset when the pattern allows it)."""
@@ -337,7 +335,6 @@ def _leave(buffer: Any, stream: Stream) -> None:
         buffer.stream.wait(stream)
 
 
-
 def empty(
     shape: int | Shape,
     dtype: npt.DTypeLike = np.float32,
@@ -367,8 +364,7 @@ async def zeros(
 ) -> DeviceArray:
     """Like :func:`empty`, filled with zeros (awaited)."""
     array = empty(shape, dtype, device=device, stream=stream, pool=pool)
-    await array.fill(0, stream=stream)
-    return array
+    return await _filled(array, array.fill(0, stream=stream))
 
 
 async def to_device(
@@ -390,9 +386,30 @@ async def to_device(
         host = np.ascontiguousarray(host)
     s = stream if stream is not None else current_stream(as_device(device))
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
-    await _staging.host_to_device(result.ptr, host, s)
-    await s.record()
-    return result
+    return await _filled(result, _upload(result.ptr, host, s))
+
+
+async def _upload(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
+    """Copy C-contiguous ``host`` to device address ``dst`` and await the copy."""
+    await _staging.host_to_device(dst, host, stream)
+    await stream.record()
+
+
+async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
+    """``array`` (just allocated) once ``filling`` is done.
+
+    If filling fails or is cancelled, the array's memory is freed at once, stream-ordered
+    after whatever was enqueued on it, rather than whenever the last reference goes: the
+    exception's traceback references the caller's frames, and whatever keeps the
+    exception (a log record, an exception group, a ``__context__`` chain) would keep the
+    device memory too.
+    """
+    try:
+        await filling
+    except BaseException:
+        array.buffer.free()
+        raise
+    return array
 
 
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:

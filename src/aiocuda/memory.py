@@ -23,14 +23,18 @@ saying what was asked, what the pool uses and what the device has free. The pool
 usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
 timeout, for memory to be freed: back-pressure for services.
 
-The allocate/free path is deliberately tiny (a driver call, a slots object, a weak
-reference): it must stay within half a microsecond of calling the driver directly.
+The allocate/free path is deliberately tiny: the backend hands each pool its bound
+``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync`` (``Driver.mem_async_calls``), so the
+pool calls the bindings with no seam function in between, reads the stream's handle
+without a property call, and fills a slots object. Allocate plus free must stay within
+30 % of calling the driver directly (issue 4).
 """
 
 from __future__ import annotations
 
 import atexit
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, final
@@ -56,6 +60,10 @@ collected during teardown must not call into a driver that may be gone."""
 last_finaliser_error: BaseException | None = None
 """The last error a buffer's finaliser swallowed (finalisers cannot raise); for debugging."""
 
+RETRY_FIRST = 0.0005
+RETRY_MAX = 0.02
+"""Back-off of :meth:`MemoryPool.allocate_wait` between tries (seconds, doubling)."""
+
 
 @atexit.register
 def _mark_exiting() -> None:
@@ -74,9 +82,9 @@ def _format_bytes(n: int) -> str:
 class PoolStatistics:
     """A snapshot of a pool (:meth:`MemoryPool.statistics`).
 
-    Byte figures come from the driver's pool attributes, so they include memory
-    allocated from the same pool by other libraries; counts are this process's
-    allocations through aiocuda.
+    Figures come from the driver's pool attributes, so they include memory allocated
+    from the same pool by other libraries. Buffers are not counted: a count costs the
+    allocate/free hot path two increments, about 15 % of its Python (issue 4).
     """
 
     used_bytes: int
@@ -87,12 +95,6 @@ class PoolStatistics:
     """Bytes the pool holds from the device, used or cached (``reserved_mem_current``)."""
     reserved_bytes_peak: int
     """High-water mark of ``reserved_bytes``."""
-    allocations: int
-    """Successful allocations so far."""
-    frees: int
-    """Buffers freed so far (explicitly or by collection)."""
-    live_buffers: int
-    """``allocations - frees``."""
     out_of_memory_recoveries: int
     """Allocations that succeeded only after releasing cached memory."""
     release_threshold: int
@@ -111,11 +113,11 @@ class MemoryPool:
 
     __slots__ = (
         "__weakref__",
-        "_alloc_fn",
-        "_allocs",
+        "_alloc_call",
         "_driver",
-        "_free_fn",
-        "_frees",
+        "_fail",
+        "_free_call",
+        "_free_waiters",
         "_handle",
         "_owned",
         "_recoveries",
@@ -129,11 +131,10 @@ class MemoryPool:
         self._handle = handle
         self._owned = owned
         self.max_size = max_size
-        self._alloc_fn = self._driver.mem_alloc_async
-        self._free_fn = self._driver.mem_free_async
-        self._allocs = 0
-        self._frees = 0
+        self._alloc_call, self._free_call, self._fail = _mem_async_calls(self._driver)
         self._recoveries = 0
+        self._free_waiters: list[tuple[int, anyio.Event]] = []
+        """``allocate_wait`` calls sleeping until the next free: (loop thread, event)."""
 
     # -- obtaining pools ----------------------------------------------------------------------
     @classmethod
@@ -201,16 +202,32 @@ class MemoryPool:
         """
         if stream is None:
             stream = current_stream(self.device)
-        if nbytes <= 0:
-            return self._empty(nbytes, stream)
+        # The stream's slots are read directly: the ``handle`` property (a closed check)
+        # would cost a Python call, a fifth of this path's own work.
+        if nbytes <= 0 or stream._closed:
+            return self._allocate_unusual(nbytes, stream)
         try:
-            ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
+            err, ptr = self._alloc_call(nbytes, self._handle, stream._handle)
+            if err:
+                self._fail(err, "cuMemAllocFromPoolAsync")
         except CudaError as exc:
             ptr = self._allocate_slow(nbytes, stream, exc)
-        self._allocs += 1
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = ptr
         buf.size = nbytes
+        buf._pool = self
+        buf._stream = stream
+        buf._waits = None
+        return buf
+
+    def _allocate_unusual(self, nbytes: int, stream: Stream) -> DeviceBuffer:
+        """A closed stream or a bad size (both raise), or an empty buffer."""
+        stream.handle  # noqa: B018 - raises the stream's own "closed" error
+        if nbytes < 0 or not isinstance(nbytes, int):
+            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
+        buf = _new_buffer(DeviceBuffer)
+        buf._ptr = 0
+        buf.size = 0
         buf._pool = self
         buf._stream = stream
         buf._waits = None
@@ -222,51 +239,42 @@ class MemoryPool:
         if not isinstance(exc, OutOfMemoryError):
             self.device.make_current()
             try:
-                ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
+                return self._call_alloc(nbytes, stream)
             except OutOfMemoryError as oom:
                 exc = oom
-            else:
-                return ptr
         return self._recover(nbytes, stream, exc)
-
-    def _release(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
-        """Free ``ptr`` on its last-use ``stream``, after the events in ``waits``."""
-        if waits:
-            self.device.make_current()
-            for event in waits:
-                stream.wait(event)
-        try:
-            self._free_fn(ptr, stream.handle)
-        except CudaError:
-            # No context bound on this (finaliser's) thread, or the stream was closed --
-            # in which case the device's default stream frees it: close streams only after
-            # awaiting their work on buffers that outlive them.
-            self.device.make_current()
-            if stream.closed:
-                stream = current_stream(self.device)
-            self._free_fn(ptr, stream.handle)
-        self._frees += 1
-
-    def _empty(self, nbytes: int, stream: Stream) -> DeviceBuffer:
-        if nbytes < 0 or not isinstance(nbytes, int):
-            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
-        buf = _new_buffer(DeviceBuffer)
-        buf._ptr = 0
-        buf.size = 0
-        buf._pool = self
-        buf._stream = stream
-        buf._waits = None
-        return buf
 
     def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
         """Out of memory: release cached memory, retry once, else raise a clear error."""
         self.trim(0)
         try:
-            ptr = self._alloc_fn(nbytes, self._handle, stream.handle)
+            ptr = self._call_alloc(nbytes, stream)
         except OutOfMemoryError:
             raise self._oom_error(nbytes) from exc
         self._recoveries += 1
         return ptr
+
+    def _call_alloc(self, nbytes: int, stream: Stream) -> Any:
+        err, ptr = self._alloc_call(nbytes, self._handle, stream.handle)
+        if err:
+            self._fail(err, "cuMemAllocFromPoolAsync")
+        return ptr
+
+    def _release(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
+        """Free ``ptr`` on its last-use ``stream`` after the events in ``waits``: the
+        general case of :meth:`DeviceBuffer.free`, which inlines the common one."""
+        self.device.make_current()  # a finaliser may run on a thread without the context
+        if stream.closed:
+            # The device's default stream frees it: close streams only after awaiting
+            # their work on buffers that outlive them.
+            stream = current_stream(self.device)
+        for event in waits or ():
+            stream.wait(event)
+        (err,) = self._free_call(ptr, stream.handle)
+        if err:
+            self._fail(err, "cuMemFreeAsync")
+        if self._free_waiters:
+            self._wake_free_waiters()
 
     def _oom_error(self, nbytes: int) -> OutOfMemoryError:
         stats = self.statistics()
@@ -279,7 +287,7 @@ class MemoryPool:
         return OutOfMemoryError(
             f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
             f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
-            f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
+            f"reserved{limit}; {device_part}. Cached memory was "
             f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
             code=ResultCode.OUT_OF_MEMORY,
             name="CUDA_ERROR_OUT_OF_MEMORY",
@@ -295,22 +303,49 @@ class MemoryPool:
     ) -> DeviceBuffer:
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
-        Retries with a growing back-off (0.5 ms up to 20 ms) until the allocation succeeds
-        or ``timeout`` seconds have passed, then raises :class:`OutOfMemoryError`
-        (``TimeoutError`` semantics are deliberately not used: callers branch on one
-        type). Memory freed stream-ordered becomes available once its stream reaches the
-        free. Cancellable at every wait.
+        Tries again whenever a buffer of this pool is freed by a task of the same event
+        loop (thread), and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
+        :data:`RETRY_MAX`), until the allocation succeeds or ``timeout`` seconds have
+        passed -- the last try is at the deadline -- then raises
+        :class:`OutOfMemoryError` (``TimeoutError`` semantics are deliberately not used:
+        callers branch on one type). The back-off stays as the fallback for what no
+        wake-up reports: buffers freed on other threads, and frees that complete later
+        (memory freed stream-ordered becomes available to other streams once its stream
+        reaches the free; the same stream may reuse it at once). Cancellable at every
+        wait.
         """
         deadline = None if timeout is None else anyio.current_time() + timeout
-        delay = 0.0005
+        delay = RETRY_FIRST
         while True:
             try:
                 return self.allocate(nbytes, stream)
             except OutOfMemoryError:
-                if deadline is not None and anyio.current_time() + delay > deadline:
+                left = None if deadline is None else deadline - anyio.current_time()
+                if left is not None and left <= 0:
                     raise
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 0.02)
+            woken = await self._next_free(delay if left is None else min(delay, left))
+            delay = RETRY_FIRST if woken else min(delay * 2, RETRY_MAX)
+
+    async def _next_free(self, seconds: float) -> bool:
+        """Sleep until a buffer of this pool is freed on this thread (True) or for
+        ``seconds`` (False)."""
+        freed = anyio.Event()
+        entry = (threading.get_ident(), freed)
+        self._free_waiters.append(entry)
+        try:
+            with anyio.move_on_after(seconds):
+                await freed.wait()
+        finally:
+            self._free_waiters.remove(entry)
+        return freed.is_set()
+
+    def _wake_free_waiters(self) -> None:
+        """Wake the :meth:`allocate_wait` calls of this thread's event loop. Events are
+        not thread-safe, so waiters of other threads are left to their back-off."""
+        me = threading.get_ident()
+        for thread, freed in tuple(self._free_waiters):
+            if thread == me:
+                freed.set()
 
     # -- management ------------------------------------------------------------------------
     @property
@@ -345,9 +380,6 @@ class MemoryPool:
             used_bytes_peak=get(h, "used_mem_high"),
             reserved_bytes=get(h, "reserved_mem_current"),
             reserved_bytes_peak=get(h, "reserved_mem_high"),
-            allocations=self._allocs,
-            frees=self._frees,
-            live_buffers=self._allocs - self._frees,
             out_of_memory_recoveries=self._recoveries,
             release_threshold=get(h, "release_threshold"),
             max_size=self.max_size,
@@ -374,14 +406,23 @@ class MemoryPool:
 
     def __repr__(self) -> str:
         kind = "created" if self._owned else "default"
-        return (
-            f"<MemoryPool {kind} device={self.device.ordinal} live_buffers={self._allocs - self._frees} "
-            f"allocations={self._allocs}>"
-        )
+        try:
+            used = _format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
+        except CudaError:  # a poisoned or torn-down context
+            used = "unknown"
+        return f"<MemoryPool {kind} device={self.device.ordinal} used={used}>"
 
 
 _default_pools: dict[tuple[int, int], MemoryPool] = {}
 _current_pools: dict[tuple[int, int], MemoryPool] = {}
+
+
+def _mem_async_calls(driver: Any) -> tuple[Any, Any, Any]:
+    """The backend's ``(alloc, free, fail)`` for the allocate/free hot path:
+    ``err, ptr = alloc(size, pool, stream)``, ``(err,) = free(ptr, stream)``, and a truthy
+    ``err`` goes to ``fail(err, call_name)``, which raises. ``mem_async_calls`` is a
+    proposed addition to the Driver protocol, like ``prepare_launch``."""
+    return driver.mem_async_calls()  # type: ignore[no-any-return]
 
 
 def _destroy_pool(driver: Any, handle: Any) -> None:
@@ -399,17 +440,21 @@ class DeviceBuffer:
     freed, so a stale pointer is never handed to the GPU. Freed by :meth:`free`, a
     ``with`` block, or when collected; each time stream-ordered on the last-use stream.
 
-    Why ``__del__`` and not ``weakref.finalize``: allocate + free must cost well under a
-    microsecond of Python. Measured on the development machine, a ``weakref.finalize`` per
-    buffer costs 1.3 us, a weak reference with a registry 0.7 us, ``__del__`` on this
-    slots class (no reference cycles, no resurrection) 0.45 us. The finaliser only
-    enqueues a stream-ordered free, swallows errors (recording them in
-    :data:`last_finaliser_error`) and does nothing once the interpreter is exiting.
+    Why ``__del__`` and not ``weakref.finalize`` (the project's usual choice): allocate
+    plus free must stay within 30 % of the bare driver calls, about 0.7 us of Python on
+    the GPU machines. Measured per buffer on top of creating the object (CPython 3.12,
+    development machine): ``weakref.finalize`` plus ``detach()`` on explicit free 0.87
+    us, a callback weak reference kept in a registry 0.19 us, ``__del__`` on this slots
+    class 0.05 us (it finds ``_stream`` cleared after an explicit free and returns). The
+    class has no ``__dict__`` and no references back to itself, so it never sits in a
+    reference cycle nor is resurrected. The finaliser only enqueues a stream-ordered
+    free, swallows errors (recording them in :data:`last_finaliser_error`) and does
+    nothing once the interpreter is exiting.
     """
 
     __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
 
-    _ptr: Any  # what the backend's mem_alloc_async returned: an int or int()-convertible
+    _ptr: Any  # what the backend's allocation returned: an int or int()-convertible
     _pool: MemoryPool
     _stream: Stream | None
     _waits: list[Any] | None
@@ -478,21 +523,24 @@ class DeviceBuffer:
             self._used_on(stream)
             last = stream
         self._stream = None
-        if not self._ptr:
+        ptr = self._ptr
+        if not ptr:
             return
         pool = self._pool
-        if self._waits is None:  # the common case, inlined: one driver call
+        if self._waits is None and not last._closed:  # the common case, inlined: one driver call
             try:
-                pool._free_fn(self._ptr, last.handle)
+                (err,) = pool._free_call(ptr, last._handle)
+                if not err:
+                    if pool._free_waiters:
+                        pool._wake_free_waiters()
+                    return
+                pool._fail(err, "cuMemFreeAsync")
             except CudaError:
-                pool._release(self._ptr, last, None)  # binds the context and retries
-            else:
-                pool._frees += 1
-            return
-        pool._release(self._ptr, last, self._waits)
+                pass  # e.g. no context bound on this (finaliser's) thread: the general path binds it
+        pool._release(ptr, last, self._waits)
 
     def __del__(self) -> None:
-        if self._stream is not None and self._ptr and not _exiting:
+        if self._stream is not None and not _exiting:
             try:
                 self.free()
             except Exception as exc:  # a finaliser cannot raise; see the class docstring
@@ -511,7 +559,6 @@ class DeviceBuffer:
 
 
 _new_buffer = object.__new__
-
 
 
 def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:

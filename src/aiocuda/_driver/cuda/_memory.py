@@ -2,12 +2,15 @@
 
 The hot calls (``mem_alloc_async``, ``mem_free_async``, the ``memcpy_*_async`` family)
 bind their ``cuda.bindings.driver`` function once, at first use, and compare the result
-with ``CUDA_SUCCESS`` before doing anything else: allocation plus free must stay within
-a fraction of a microsecond of calling the bindings directly.
+with ``CUDA_SUCCESS`` before doing anything else. Memory pools go one step further and
+call the bindings themselves (:meth:`CudaMemory.mem_async_calls`): allocation plus free
+must stay within 30 % of calling the bindings directly, and a seam function in between
+costs about 0.15 us per call on the GPU machines.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ...errors import ResultCode, error_for_code
@@ -120,6 +123,17 @@ class CudaMemory:
         err = b.free(ptr, stream)[0]
         if err != b.success:
             _core._raise(err, "cuMemFreeAsync")
+
+    def mem_async_calls(
+        self,
+    ) -> tuple[Callable[..., tuple[Any, Any]], Callable[..., tuple[Any]], Callable[[Any, str], None]]:
+        """``(alloc, free, fail)`` for a pool's allocate/free hot path: the bindings'
+        ``cuMemAllocFromPoolAsync`` and ``cuMemFreeAsync`` themselves, so that
+        ``err, ptr = alloc(size, pool, stream)`` and ``(err,) = free(ptr, stream)`` cost
+        no Python frame of ours. ``err`` is a ``CUresult``, falsy for success; a truthy
+        one goes to ``fail(err, call_name)``, which raises the matching CudaError."""
+        b = _bound or _b()
+        return b.alloc, b.free, _core._raise
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         drv = _core.drv

@@ -11,11 +11,12 @@ mistake above the seam can crash the process.
 
 Departures from the driver, kept on purpose:
 
-* A pool reuses a freed block only for an allocation of exactly the same size, and
-  memory freed with ``mem_free_async`` becomes reusable when the free *runs* on its
-  stream (the driver may reuse it earlier on the same stream). The pool never trims
-  itself to satisfy an allocation: when it cannot grow it fails with
-  ``OUT_OF_MEMORY``, which is what the layer above must handle (release, retry).
+* A pool reuses a freed block only for an allocation of exactly the same size. Memory
+  freed with ``mem_free_async`` is reusable at once by allocations on the *same*
+  stream (stream order puts their work after the free, as with the driver), and by
+  other streams once the free has run. The pool never trims itself to satisfy an
+  allocation: when it cannot grow it fails with ``OUT_OF_MEMORY``, which is what the
+  layer above must handle (release, retry).
 * The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
   "not null, not inside device memory": pass only addresses of live host buffers.
@@ -56,6 +57,10 @@ def _invalid(call: str, description: str) -> CudaError:
     return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
 
 
+def _never_fails(err: Any, call: str) -> None:
+    raise AssertionError(f"{call}: the simulator raises its errors itself, not through a result code ({err!r})")
+
+
 def _aligned_bytes(size: int) -> np.ndarray:
     """A zeroed byte array whose data address is a multiple of ``_ALIGN``."""
     raw = np.zeros(size + _ALIGN, dtype=np.uint8)
@@ -71,6 +76,7 @@ class SimPool:
         "cached",
         "cached_bytes",
         "destroyed",
+        "freeing_on",
         "is_default",
         "max_size",
         "ordinal",
@@ -92,6 +98,8 @@ class SimPool:
         self.reserved_high = 0
         self.cached: dict[int, list[np.ndarray]] = {}
         self.cached_bytes = 0
+        self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
+        """Blocks whose free is enqueued but has not run, by (stream, size), then start."""
         self.destroyed = False
         self.access: set[int] = {ordinal}
 
@@ -102,7 +110,7 @@ class SimPool:
 class _Block:
     """One entry of the allocation table: a device or pinned-host range."""
 
-    __slots__ = ("array", "kind", "ordinal", "pool", "size", "start")
+    __slots__ = ("array", "free_token", "kind", "ordinal", "pool", "size", "start")
 
     def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
         self.start = start
@@ -111,6 +119,8 @@ class _Block:
         self.kind = kind  # "device", "host" (mem_host_alloc) or "registered"
         self.ordinal = ordinal
         self.pool = pool
+        self.free_token: object | None = None
+        """Set while a free is enqueued; a same-stream reuse clears it, cancelling that free."""
 
 
 class SimMemory:
@@ -120,6 +130,7 @@ class SimMemory:
     _enqueue: Callable[..., None]
     _api: Callable[..., None]
     _stream_ordinal: Callable[[Any], int]
+    _resolve_stream: Callable[[Any], Any]
     _device: Callable[[Any], SimDevice]
     _devices: tuple[SimDevice, ...]
 
@@ -213,10 +224,14 @@ class SimMemory:
         self._check_pool(pool, "cuMemAllocFromPoolAsync")
         if size <= 0:
             raise _invalid("cuMemAllocFromPoolAsync", f"size must be > 0, got {size}")
-        if self._stream_ordinal(stream) != pool.ordinal:
+        sim_stream = self._resolve_stream(stream)
+        if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
         state = self._mem()
         with state.lock:
+            reused = state.take_freeing(pool, sim_stream, size)
+            if reused is not None:
+                return reused.start
             array = state.take_cached(pool, size)
             if array is None:
                 device = self._devices[pool.ordinal]
@@ -239,31 +254,55 @@ class SimMemory:
         return start
 
     def mem_free_async(self, ptr: int, stream: Any) -> None:
-        self._api("mem_free_async", self._stream_ordinal(stream))
+        sim_stream = self._resolve_stream(stream)
+        self._api("mem_free_async", sim_stream.device.ordinal)
         state = self._mem()
+        token = object()
         with state.lock:
             block = state.blocks.get(ptr)
-            if block is None or block.kind != "device" or block.start in state.freeing:
+            if block is None or block.kind != "device" or block.free_token is not None:
                 raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
-            state.freeing.add(ptr)
+            pool, array = block.pool, block.array
+            assert pool is not None and array is not None
+            block.free_token = token
+            pool.freeing_on.setdefault((sim_stream, block.size), {})[ptr] = block
 
         def free() -> None:
             with state.lock:
-                state.freeing.discard(ptr)
+                if block.free_token is not token:
+                    return  # reused by a later allocation on this stream: nothing to free
+                state.forget_freeing(pool, sim_stream, block)
                 state.remove(ptr)
-                pool = block.pool
-                assert pool is not None and block.array is not None
                 pool.used -= block.size
                 if pool.destroyed:
                     pool.reserved -= block.size
                     state.devices[pool.ordinal].used_bytes -= block.size
                     return
-                pool.cached.setdefault(block.size, []).append(block.array)
+                pool.cached.setdefault(block.size, []).append(array)
                 pool.cached_bytes += block.size
                 if pool.reserved > pool.release_threshold:
                     state.release_cached(pool, pool.release_threshold)
 
-        self._enqueue(stream, free, "mem_free_async")
+        try:
+            self._enqueue(stream, free, "mem_free_async")
+        except BaseException:
+            with state.lock:
+                if block.free_token is token:  # not freed after all
+                    state.forget_freeing(pool, sim_stream, block)
+            raise
+
+    def mem_async_calls(self) -> tuple[Callable[..., tuple[int, int]], Callable[..., tuple[int]], Callable[..., None]]:
+        """``(alloc, free, fail)`` with the real backend's calling convention (see
+        ``CudaMemory.mem_async_calls``); the sim raises from ``alloc`` and ``free``
+        themselves, so ``fail`` is never called."""
+        return self._alloc_result, self._free_result, _never_fails
+
+    def _alloc_result(self, size: int, pool: SimPool, stream: Any) -> tuple[int, int]:
+        return 0, self.mem_alloc_async(size, pool, stream)
+
+    def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
+        self.mem_free_async(ptr, stream)
+        return (0,)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
@@ -449,7 +488,6 @@ class _MemoryState:
         self.lock = threading.RLock()
         self.blocks: dict[int, _Block] = {}
         self.starts: list[int] = []
-        self.freeing: set[int] = set()
         self.defaults: dict[int, SimPool] = {}
         self.devices = devices
         """Their ``used_bytes`` counts the bytes pools reserve (what ``mem_get_info`` sees)."""
@@ -486,6 +524,26 @@ class _MemoryState:
             return False
         block = self.blocks[self.starts[i]]
         return block.start + block.size > ptr
+
+    def take_freeing(self, pool: SimPool, stream: Any, size: int) -> _Block | None:
+        """A block of ``size`` whose free is enqueued on ``stream`` and has not run: it is
+        live again, its free cancelled (still counted in ``used``, which the free would
+        have decremented)."""
+        blocks = pool.freeing_on.get((stream, size))
+        if not blocks:
+            return None
+        block = next(reversed(blocks.values()))  # the last freed
+        self.forget_freeing(pool, stream, block)
+        return block
+
+    def forget_freeing(self, pool: SimPool, stream: Any, block: _Block) -> None:
+        """``block``'s enqueued free is over (it ran) or void (reused, or not enqueued)."""
+        block.free_token = None
+        key = (stream, block.size)
+        blocks = pool.freeing_on[key]
+        del blocks[block.start]
+        if not blocks:
+            del pool.freeing_on[key]
 
     def take_cached(self, pool: SimPool, size: int) -> np.ndarray | None:
         arrays = pool.cached.get(size)

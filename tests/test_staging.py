@@ -1,0 +1,191 @@
+"""Staged copies of pageable memory through the copier threads: data, slot reuse,
+cancellation, errors, and several devices, streams and copies at once."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aiocuda.array as ga
+from aiocuda import _driver, _staging
+from aiocuda.errors import ArgumentError, ResultCode
+from aiocuda.host import is_pinned, pinned_empty
+from aiocuda.stream import Stream
+
+pytestmark = pytest.mark.anyio
+
+rng = np.random.default_rng(99)
+
+CHUNK = 256 * 1024
+THREADS = 2
+SLOTS = THREADS * 2
+
+
+@pytest.fixture
+def small_staging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Small chunks and slots (fast tests of the copier pipelines): two threads with two
+    slots each, built afresh from these knobs and dropped afterwards."""
+    _staging.reset()
+    monkeypatch.setattr(_staging, "CHUNK", CHUNK)
+    monkeypatch.setattr(_staging, "MIN_CHUNK", 64 * 1024)
+    monkeypatch.setattr(_staging, "COPY_THREADS", THREADS)
+    monkeypatch.setattr(_staging, "SLOTS_PER_THREAD", 2)
+    monkeypatch.setattr(_staging, "INLINE_LIMIT", 64 * 1024)
+    monkeypatch.setattr(_staging, "INLINE_SLOTS", 2)
+    yield
+    _staging.reset()
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _random_bytes(n: int) -> np.ndarray:
+    return rng.integers(0, 256, n, dtype=np.uint8)
+
+
+@pytest.mark.parametrize("nbytes", [64 * 1024 + 1, CHUNK - 1, CHUNK, CHUNK + 1, 7 * CHUNK + 12345])
+async def test_round_trips_around_chunk_boundaries(
+    backend: _driver.Driver, anyio_backend: object, small_staging: None, nbytes: int
+) -> None:
+    host = _random_bytes(nbytes)
+    with Stream(0) as s:
+        dev = await ga.to_device(host, stream=s)
+        assert _digest(await dev.to_host(stream=s)) == _digest(host)
+        out = np.zeros(nbytes, np.uint8)
+        await dev.to_host(out=out, stream=s)
+        assert _digest(out) == _digest(host)
+
+
+async def test_large_pageable_and_pinned_round_trips(
+    backend: _driver.Driver, anyio_backend: object, small_staging: None
+) -> None:
+    nbytes = 2 * CHUNK + 12345
+    host = _random_bytes(nbytes)
+    with Stream(0) as s:
+        dev = await ga.to_device(host, stream=s)
+        back = await dev.to_host(stream=s)
+        assert _digest(back) == _digest(host)
+        pinned = pinned_empty(nbytes, np.uint8)
+        assert is_pinned(pinned) and not is_pinned(host)
+        await dev.to_host(out=pinned, stream=s)
+        assert _digest(pinned) == _digest(host)
+        dev2 = await ga.to_device(pinned, stream=s)
+        assert _digest(await dev2.to_host(stream=s)) == _digest(host)
+
+
+async def test_concurrent_copies_on_two_devices_and_many_streams(
+    backend: _driver.Driver, anyio_backend: object, small_staging: None
+) -> None:
+    """More chunks in flight than slots, both directions, slots shared across devices."""
+    ordinals = [0, 1] if backend.device_count() > 1 else [0]
+    nbytes = 3 * CHUNK + 1
+    results: dict[int, bool] = {}
+
+    async def round_trip(i: int) -> None:
+        host = np.full(nbytes, i + 1, np.uint8)
+        host[::4097] = 255 - i
+        with Stream(ordinals[i % len(ordinals)]) as s:
+            dev = await ga.to_device(host, stream=s)
+            back = await dev.to_host(stream=s)
+            results[i] = _digest(back) == _digest(host)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(8):
+            tg.start_soon(round_trip, i)
+    assert results == {i: True for i in range(8)}
+
+
+async def test_a_slot_is_reused_only_after_its_dma_completed(
+    sim_backend: Any, anyio_backend: object, small_staging: None
+) -> None:
+    """On a held stream no DMA runs: the copy must stop once every slot holds a chunk
+    whose DMA is pending, not overwrite one (the DMAs, run at release, would read it)."""
+    host = _random_bytes(3 * SLOTS * CHUNK)
+    with Stream(0) as s:
+        dev = ga.empty(host.shape, np.uint8, stream=s)
+        await s
+        sim_backend.hold(s.handle)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(dev.copy_from, host)
+            await anyio.sleep(0.2)  # every slot filled; the copiers wait for their fences
+            sim_backend.release(s.handle)
+        assert _digest(await dev.to_host(stream=s)) == _digest(host)
+
+
+async def test_a_cancelled_copy_is_done_with_the_host_array_when_the_await_ends(
+    sim_backend: Any, anyio_backend: object, small_staging: None
+) -> None:
+    host = _random_bytes(3 * SLOTS * CHUNK)
+    digest = _digest(host)
+    with Stream(0) as s:
+        dev = ga.empty(host.shape, np.uint8, stream=s)
+        await s
+        sim_backend.hold(s.handle)
+        ended = anyio.Event()
+
+        async def cancelled_copy(scope: anyio.CancelScope) -> None:
+            with scope:
+                await dev.copy_from(host, stream=s)
+            ended.set()
+
+        async with anyio.create_task_group() as tg:
+            scope = anyio.CancelScope()
+            tg.start_soon(cancelled_copy, scope)
+            await anyio.sleep(0.05)
+            scope.cancel()
+            await anyio.sleep(0.2)
+            assert not ended.is_set()  # the copiers still read host: the await goes on
+            sim_backend.release(s.handle)
+            await ended.wait()
+        host[:] = 0  # the caller may now reuse the array
+        assert _digest(await dev.to_host(stream=s)) == digest
+
+
+async def test_a_copy_cancelled_before_it_starts_enqueues_nothing_afterwards(
+    sim_backend: Any, anyio_backend: object, small_staging: None
+) -> None:
+    """The cancelled to_device frees its result at once; a copy still queued for the
+    copiers would write into that memory after its next allocation took it."""
+    busy, victim = Stream(0), Stream(0)
+    busy_array = ga.empty(3 * SLOTS * CHUNK, np.uint8, stream=busy)
+    await busy
+    sim_backend.hold(busy.handle)
+    nbytes = 2 * CHUNK
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(busy_array.copy_from, _random_bytes(busy_array.size))  # occupies every copier
+        await anyio.sleep(0.1)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await ga.to_device(np.ones(nbytes, np.uint8), stream=victim)
+        reused = ga.empty(nbytes, np.uint8, stream=victim)  # the same memory, in the sim
+        await reused.fill(7, stream=victim)
+        sim_backend.release(busy.handle)
+    await busy
+    await victim
+    assert (await reused.to_host(stream=victim) == 7).all()
+    busy.close()
+    victim.close()
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+async def test_a_failed_chunk_fails_the_copy_and_the_copiers_recover(
+    sim_backend: Any, anyio_backend: object, small_staging: None, direction: str
+) -> None:
+    host = _random_bytes(4 * CHUNK)
+    call = "memcpy_htod_async" if direction == "h2d" else "memcpy_dtoh_async"
+    with Stream(0) as s:
+        dev = await ga.to_device(host, stream=s)
+        sim_backend.inject_fault(ResultCode.INVALID_VALUE, at_call=3, call=call)
+        with pytest.raises(ArgumentError):
+            if direction == "h2d":
+                await dev.copy_from(host, stream=s)
+            else:
+                await dev.to_host(stream=s)
+        assert _digest(await dev.to_host(stream=s)) == _digest(host)  # usable afterwards
+        await dev.copy_from(host, stream=s)
