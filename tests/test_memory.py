@@ -324,3 +324,19 @@ async def test_allocate_wait_wakes_up_when_a_buffer_is_freed(
                 hog.free()  # same stream: the memory is reusable at once
         got.clear()
         await s
+
+
+def test_statistics_count_allocations_and_frees(backend: _driver.Driver) -> None:
+    pool = MemoryPool.create(0)
+    with Stream(0) as s:
+        kept = pool.allocate(4096, s)
+        for _ in range(3):
+            pool.allocate(1024, s).free()
+        dropped = pool.allocate(2048, s)
+        del dropped  # freed by collection
+        pool.allocate(0, s)  # empty: no memory, not counted
+        stats = pool.statistics()
+        assert (stats.allocations, stats.frees, stats.live_buffers) == (5, 4, 1)
+        assert "live_buffers=1" in repr(pool)
+        kept.free()
+        s.synchronize()

@@ -164,7 +164,7 @@ class Kernel:
         device = s.device
         func = self.function(device)
         device.make_current()
-        backend: Any = device._driver  # prepare_launch: proposed addition to the Driver protocol
+        backend = device._driver
         handle = s.handle
 
         def prepare(buffer: ParamBuffer) -> Any:

@@ -82,9 +82,9 @@ def _format_bytes(n: int) -> str:
 class PoolStatistics:
     """A snapshot of a pool (:meth:`MemoryPool.statistics`).
 
-    Figures come from the driver's pool attributes, so they include memory allocated
-    from the same pool by other libraries. Buffers are not counted: a count costs the
-    allocate/free hot path two increments, about 15 % of its Python (issue 4).
+    Byte figures come from the driver's pool attributes, so they include memory
+    allocated from the same pool by other libraries; counts are this process's
+    allocations through aiocuda (empty buffers are not counted).
     """
 
     used_bytes: int
@@ -95,6 +95,12 @@ class PoolStatistics:
     """Bytes the pool holds from the device, used or cached (``reserved_mem_current``)."""
     reserved_bytes_peak: int
     """High-water mark of ``reserved_bytes``."""
+    allocations: int
+    """Successful allocations so far."""
+    frees: int
+    """Buffers freed so far (explicitly or by collection)."""
+    live_buffers: int
+    """``allocations - frees``."""
     out_of_memory_recoveries: int
     """Allocations that succeeded only after releasing cached memory."""
     release_threshold: int
@@ -114,10 +120,12 @@ class MemoryPool:
     __slots__ = (
         "__weakref__",
         "_alloc_call",
+        "_allocations",
         "_driver",
         "_fail",
         "_free_call",
         "_free_waiters",
+        "_frees",
         "_handle",
         "_owned",
         "_recoveries",
@@ -131,8 +139,10 @@ class MemoryPool:
         self._handle = handle
         self._owned = owned
         self.max_size = max_size
-        self._alloc_call, self._free_call, self._fail = _mem_async_calls(self._driver)
+        self._alloc_call, self._free_call, self._fail = self._driver.mem_async_calls()
         self._recoveries = 0
+        self._allocations = 0
+        self._frees = 0
         self._free_waiters: list[tuple[int, anyio.Event]] = []
         """``allocate_wait`` calls sleeping until the next free: (loop thread, event)."""
 
@@ -212,6 +222,7 @@ class MemoryPool:
                 self._fail(err, "cuMemAllocFromPoolAsync")
         except CudaError as exc:
             ptr = self._allocate_slow(nbytes, stream, exc)
+        self._allocations += 1
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = ptr
         buf.size = nbytes
@@ -273,6 +284,7 @@ class MemoryPool:
         (err,) = self._free_call(ptr, stream.handle)
         if err:
             self._fail(err, "cuMemFreeAsync")
+        self._frees += 1
         if self._free_waiters:
             self._wake_free_waiters()
 
@@ -287,7 +299,7 @@ class MemoryPool:
         return OutOfMemoryError(
             f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
             f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
-            f"reserved{limit}; {device_part}. Cached memory was "
+            f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
             f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
             code=ResultCode.OUT_OF_MEMORY,
             name="CUDA_ERROR_OUT_OF_MEMORY",
@@ -380,6 +392,9 @@ class MemoryPool:
             used_bytes_peak=get(h, "used_mem_high"),
             reserved_bytes=get(h, "reserved_mem_current"),
             reserved_bytes_peak=get(h, "reserved_mem_high"),
+            allocations=self._allocations,
+            frees=self._frees,
+            live_buffers=self._allocations - self._frees,
             out_of_memory_recoveries=self._recoveries,
             release_threshold=get(h, "release_threshold"),
             max_size=self.max_size,
@@ -410,19 +425,14 @@ class MemoryPool:
             used = _format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
         except CudaError:  # a poisoned or torn-down context
             used = "unknown"
-        return f"<MemoryPool {kind} device={self.device.ordinal} used={used}>"
+        return (
+            f"<MemoryPool {kind} device={self.device.ordinal} used={used} "
+            f"live_buffers={self._allocations - self._frees}>"
+        )
 
 
 _default_pools: dict[tuple[int, int], MemoryPool] = {}
 _current_pools: dict[tuple[int, int], MemoryPool] = {}
-
-
-def _mem_async_calls(driver: Any) -> tuple[Any, Any, Any]:
-    """The backend's ``(alloc, free, fail)`` for the allocate/free hot path:
-    ``err, ptr = alloc(size, pool, stream)``, ``(err,) = free(ptr, stream)``, and a truthy
-    ``err`` goes to ``fail(err, call_name)``, which raises. ``mem_async_calls`` is a
-    proposed addition to the Driver protocol, like ``prepare_launch``."""
-    return driver.mem_async_calls()  # type: ignore[no-any-return]
 
 
 def _destroy_pool(driver: Any, handle: Any) -> None:
@@ -531,6 +541,7 @@ class DeviceBuffer:
             try:
                 (err,) = pool._free_call(ptr, last._handle)
                 if not err:
+                    pool._frees += 1
                     if pool._free_waiters:
                         pool._wake_free_waiters()
                     return

@@ -23,7 +23,7 @@ Conventions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -199,6 +199,14 @@ class Driver(Protocol):
 
     def mem_free_async(self, ptr: int, stream: Handle) -> None: ...
 
+    def mem_async_calls(
+        self,
+    ) -> tuple[Callable[..., tuple[Any, Any]], Callable[..., tuple[Any]], Callable[[Any, str], None]]:
+        """``(alloc, free, fail)`` for a pool's allocate/free hot path, called with no
+        frame of ours in between: ``err, ptr = alloc(size, pool, stream)``,
+        ``(err,) = free(ptr, stream)``; ``err`` is falsy on success, and a truthy one goes
+        to ``fail(err, call_name)``, which raises the matching CudaError."""
+
     def mem_host_alloc(self, size: int) -> int:
         """Page-locked host memory, portable across contexts."""
 
@@ -268,8 +276,20 @@ class Driver(Protocol):
         cooperative: bool = False,
         cluster: tuple[int, int, int] | None = None,
     ) -> None:
-        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes.
+        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes."""
 
-        Both backends also offer ``prepare_launch(func, grid, block, shared_mem, stream,
-        params, *, cooperative, cluster) -> (fn, args, fail)``: the bound driver call and
-        its argument tuple built once, which kernel launchers replay (the hot path)."""
+    def prepare_launch(
+        self,
+        func: Handle,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        stream: Handle,
+        params: KernelParams,
+        *,
+        cooperative: bool = False,
+        cluster: tuple[int, int, int] | None = None,
+    ) -> tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable[[Any], None]]:
+        """``(fn, args, fail)``: the bound driver call and its argument tuple, built once
+        for kernel launchers to replay (the hot path): ``err = fn(*args)[0]``, and a
+        truthy ``err`` goes to ``fail(err)``, which raises."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from ...errors import NoDeviceError, ResultCode, error_for_code
 from .._doorbell import SemaphoreDoorbell
@@ -93,6 +93,10 @@ class CudaCore:
 
     _initialised = False
     _init_lock = threading.Lock()
+    _device_attrs: ClassVar[dict[str, Any]]
+    """Attribute names (``"clock_rate"``) to ``CUdevice_attribute`` members, set by init."""
+    _host_func: ClassVar[_LibcudaHostFunc]
+    """libcuda's own ``cuLaunchHostFunc``, set by init."""
 
     def init(self) -> None:
         global drv, _SUCCESS, _NOT_READY
