@@ -265,8 +265,9 @@ def main() -> None:
         libraries.append(("trio", "trio", {}))
     results = {}
     for label, lib, options in libraries:
-        results[label] = anyio.run(suite, rig, "trio" if lib == "trio" else "asyncio", args.quick,
-                                   backend=lib, backend_options=options)
+        results[label] = anyio.run(
+            suite, rig, "trio" if lib == "trio" else "asyncio", args.quick, backend=lib, backend_options=options
+        )
 
     res = Result("await_latency")
     for label, rows in results.items():

@@ -49,6 +49,7 @@ def poison_op(stream: Stream) -> None:
     """Enqueue work that poisons the stream's context with a sticky error."""
     backend = stream.device._driver
     if backend.name == "sim":
+
         def fault() -> None:
             raise IndexError("simulated out-of-bounds write")
 

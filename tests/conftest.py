@@ -47,9 +47,7 @@ def _async_backends() -> list[Any]:
         )
     )
     trio_missing = importlib.util.find_spec("trio") is None
-    params.append(
-        pytest.param("trio", id="trio", marks=pytest.mark.skipif(trio_missing, reason="trio not installed"))
-    )
+    params.append(pytest.param("trio", id="trio", marks=pytest.mark.skipif(trio_missing, reason="trio not installed")))
     return params
 
 

@@ -155,8 +155,11 @@ def test_fork_child_gets_a_clear_error(backend: _driver.Driver) -> None:
 
 
 def test_info_command_lists_devices() -> None:
-    proc = run_python("import sys; from aiocuda.__main__ import main; sys.exit(main(['info']))",
-                      AIOCUDA_BACKEND="sim", AIOCUDA_SIM_DEVICES="2")
+    proc = run_python(
+        "import sys; from aiocuda.__main__ import main; sys.exit(main(['info']))",
+        AIOCUDA_BACKEND="sim",
+        AIOCUDA_SIM_DEVICES="2",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "backend: sim" in proc.stdout and "simulated" in proc.stdout
     assert "device 1:" in proc.stdout and "compute capability" in proc.stdout

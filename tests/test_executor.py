@@ -421,3 +421,56 @@ async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend:
             await ex.submit(boom, chunks(1)[0])
         value = await ex.submit(ScaleStage(REPS), chunks(1)[0])
     np.testing.assert_allclose(value, scale_reference(chunks(1)[0], REPS), rtol=1e-5)
+
+
+async def test_download_waits_are_chained_and_a_cancelled_one_lets_the_next_go_on(
+    backend: Any, anyio_backend: Any
+) -> None:
+    """Downloads finish in order, so each chunk's wait starts polling only once the
+    previous download is done; cancelling one wait must not strand the waits behind it."""
+    from tests._workload import slow_op
+
+    async with Executor([0]) as ex:
+        lane = ex.lanes[0]
+        finished: list[str] = []
+        scopes: dict[str, anyio.CancelScope] = {}
+
+        async def wait(name: str) -> None:
+            with anyio.CancelScope() as scopes[name]:
+                await lane.downloaded()
+                finished.append(name)
+
+        slow_op(lane.d2h, 0.05)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, "cancelled")
+            await anyio.lowlevel.checkpoint()
+            slow_op(lane.d2h, 0.02)
+            tg.start_soon(wait, "second")
+            await anyio.lowlevel.checkpoint()
+            scopes["cancelled"].cancel()
+        assert finished == ["second"]
+        assert lane.d2h.query()
+
+
+async def test_a_pipeline_polls_one_download_per_device_at_a_time(slow_sim: Any, anyio_backend: Any) -> None:
+    """Eight chunks in flight, downloading into pinned memory, yet the completion engine's
+    poller holds only the oldest chunk's download wait, not one per chunk."""
+    from aiocuda import _completion
+
+    peak = 0
+    original = _completion.CompletionEngine._poll
+
+    def counting(self: _completion.CompletionEngine, adapter: Any) -> None:
+        nonlocal peak
+        peak = max(peak, sum(not w.done for w in adapter.pending))
+        original(self, adapter)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_completion.CompletionEngine, "_poll", counting)
+        async with Executor([0], chunks_per_device=8) as ex:
+            inputs = chunks(24, pinned=True)
+            outputs = [pinned_empty(x.shape, x.dtype) for x in inputs]
+            async with ex.map(ScaleStage(REPS), inputs, output=lambda i, _: outputs[i]) as results:
+                async for result in results:
+                    assert result.ok
+    assert peak == 1

@@ -231,6 +231,8 @@ class CompletionEngine:
         self._due: list[tuple[float, int, Waiter]] = []  # (when to poll, tie-break, waiter)
         self._sequence = itertools.count()
         self._waker_wakes_at = float("inf")
+        self._pokes = 0
+        """Rings of the bell that only ask the waker to plan again (no doorbell rang)."""
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -370,6 +372,9 @@ class CompletionEngine:
             if poll_at is not None:
                 heapq.heappush(self._due, (poll_at, next(self._sequence), waiter))
             wake_waker = poll_at is not None and poll_at < self._waker_wakes_at
+            if wake_waker:
+                self._pokes += 1
+                self._waker_wakes_at = poll_at  # type: ignore[assignment]  # one poke is enough
             if self._thread is None:
                 self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
                 self._thread.start()
@@ -386,6 +391,12 @@ class CompletionEngine:
             rung = bell.wait(self._sleep_time())
             if self._stopping:
                 break
+            if rung:
+                with self._lock:
+                    poked, self._pokes = self._pokes > 0, max(0, self._pokes - 1)
+                if poked:  # only a new deadline: no doorbell to sweep for
+                    self._hand_over_due()
+                    continue
             self._sweep(everyone=rung)
             self._hand_over_due()
 

@@ -5,7 +5,7 @@
 ``in_flight`` chunks between admission and delivery) and for a device that accepts the
 chunk (:mod:`aiocuda._placement`), then starts one task per chunk. A chunk task enqueues
 all of its GPU work without waiting -- the only host wait is the await of its final
-download, through a private signal stream (see ``DeviceLanes.wait_for``) -- and sends
+download, chained behind the chunk before it (see ``DeviceLanes.downloaded``) -- and sends
 its :class:`ChunkResult` to the consumer, which receives them in
 input order or as they complete. The slot is freed when the consumer takes the result.
 
@@ -248,7 +248,7 @@ class ChunkRunner:
                 Trace.stop(span, d2h)
                 ctx._spans.append(span)
             ctx._free()
-            await self.lanes_of(result.device).wait_for(d2h)
+            await self.lanes_of(result.device).downloaded()
             if trace is not None:
                 trace.resolve(*ctx._spans)
                 ctx._spans.clear()

@@ -77,7 +77,7 @@ class DeviceLanes:
     """
 
     __slots__ = (
-        "_signals",
+        "_last_download",
         "_turn",
         "budget",
         "chunks",
@@ -101,7 +101,7 @@ class DeviceLanes:
         self.d2h = Stream(device)
         self.p2p = Stream(device)
         self._turn = 0
-        self._signals: list[Stream] = []
+        self._last_download: anyio.Event | None = None
         self.max_chunks = max_chunks
         self.budget = budget
         self.chunks = 0
@@ -117,27 +117,31 @@ class DeviceLanes:
         self._turn = (track + 1) % len(self.compute)
         return track, self.compute[track]
 
-    async def wait_for(self, stream: Stream) -> None:
-        """Wait until the work enqueued on ``stream`` so far has completed, through a
-        private *signal* stream.
+    async def downloaded(self) -> None:
+        """Wait until the downloads enqueued on :attr:`d2h` so far have finished.
 
-        Why not ``await stream``: a long wait ends on a doorbell (a host function) that
-        the completion engine enqueues *when the wait turns long*, behind whatever was
-        enqueued on the stream by then -- on the shared d2h stream, the downloads of the
-        next chunks -- so a chunk would be reported only once later chunks are done,
-        starving the pipeline. A signal stream holds nothing but this one wait, so its
-        doorbell rings as soon as the chunk's own work is done.
+        Downloads finish in the order they were enqueued, so these waits are chained:
+        each first waits for the one before it (an :class:`anyio.Event`, no GPU query),
+        then for its own point on ``d2h`` -- by then about one download away, a short
+        wait that the completion engine polls precisely. Only one wait per device is
+        ever being polled. (Every chunk in flight polling its own download at once kept
+        the loop thread busy with queries and delayed the enqueueing of the next chunks.)
+
+        Cancelled, a wait still lets the next one go on.
         """
-        signal = self._signals.pop() if self._signals else Stream(self.device)
+        done = self.d2h.record()
+        ahead, mine = self._last_download, anyio.Event()
+        self._last_download = mine
         try:
-            signal.wait(stream)
-            await signal
+            if ahead is not None and not ahead.is_set():
+                await ahead.wait()
+            await done
         finally:
-            self._signals.append(signal)
+            mine.set()
 
     @property
     def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p, *self._signals)
+        return (self.h2d, *self.compute, self.d2h, self.p2p)
 
     def __repr__(self) -> str:
         return (

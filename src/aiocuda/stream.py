@@ -293,7 +293,6 @@ def current_stream(device: Device | int | None = None) -> Stream:
     return stream
 
 
-
 @contextlib.contextmanager
 def use_stream(stream: Stream) -> Iterator[Stream]:
     """Make ``stream`` the current stream of this task (and tasks it spawns) inside the block."""

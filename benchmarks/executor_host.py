@@ -1,0 +1,184 @@
+"""The executor's host cost per chunk: microseconds of the loop thread and driver calls.
+
+One event-loop thread enqueues every chunk of every GPU (see :mod:`aiocuda.executor`),
+so the host time per chunk bounds how fast chunks can be fed: the reference pipeline
+needs a chunk every ~0.6 ms per GPU. This runs ``Executor.map`` over many tiny chunks
+(4 KiB float32, pinned inputs, ``output=`` into pinned memory, the ``scale`` stage:
+one kernel launch), where the GPU has nothing to do and only the host cost remains, and
+reports per chunk:
+
+* ``us_per_chunk``       -- wall time of the whole pipeline divided by the chunks;
+* ``seam_calls_per_chunk`` -- driver calls, by name (the figure that transfers between
+  machines: a real driver call costs ~1-3 us);
+* ``seam_us_per_chunk`` / ``python_us_per_chunk`` -- the wall time inside the driver
+  calls, and the rest (aiocuda's and the event loop's Python).
+
+On the simulator the work is run *inline* (``--inline``, the default there): each
+operation runs when it is enqueued, on the loop thread, so no simulated worker thread
+competes for the GIL and the figures are stable; the simulator's own bookkeeping then
+stands in for the driver's cost. ``--threaded`` keeps the simulator's worker threads.
+On a GPU the kernel launch bypasses the backend's methods (a prepared launcher) and is
+not counted; everything else is.
+
+    PYTHONPATH=src python3 benchmarks/executor_host.py [--quick] [--devices N]
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import numpy as np
+
+from aiocuda import _driver
+from aiocuda._cli.demo import ScaleStage
+from aiocuda.executor import Executor
+from aiocuda.host import pinned_empty
+from aiocuda.kernel import register_sim_kernel
+
+try:
+    from benchmarks._common import Result, parser
+except ImportError:  # run as a script from the benchmarks folder
+    from _common import Result, parser  # type: ignore[no-redef]
+
+CHUNK_FLOATS = 1024
+LOOPS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}), "trio": ("trio", {})}
+
+
+class SeamMeter:
+    """Counts and times the backend's calls, by wrapping its public methods on the
+    instance (installed before anything caches a bound method of the backend)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.seconds = 0.0
+        self._depth = 0
+        names = [n for n in dir(type(backend)) if not n.startswith("_") and callable(getattr(backend, n))]
+        for name in names:
+            setattr(backend, name, self._wrap(name, getattr(backend, name)))
+        if backend.name == "sim":  # the sim's prepared launches call this, not launch_kernel
+            backend._launch_result = self._wrap("launch_kernel", backend._launch_result)
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        @functools.wraps(method)
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # a call made by another call (none expected): count once
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = clock()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += clock() - start
+                self._depth -= 1
+                self.calls[name] += 1
+
+        return metered
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.seconds = 0.0
+
+
+@contextmanager
+def inline_sim() -> Iterator[None]:
+    """Run every simulated operation when it is enqueued, on the calling thread.
+
+    Only for this measurement: there are no held streams or latencies, so an operation
+    never has to wait for another, and events are complete as soon as they are recorded.
+    """
+    from aiocuda._driver.sim._worker import SimStream
+
+    threaded = SimStream.submit
+
+    def submit(self: SimStream, fn: Callable[[], object], name: str) -> int:
+        self.submitted += 1
+        if not self._execute(fn, name):
+            raise RuntimeError("inline_sim: an operation was dropped (poisoned device?)")
+        self.finished += 1
+        return self.submitted
+
+    SimStream.submit = submit  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SimStream.submit = threaded  # type: ignore[method-assign]
+
+
+async def measure(meter: SeamMeter, chunks: int, devices: int, runs: int) -> dict[str, Any]:
+    inputs = pinned_empty((chunks, CHUNK_FLOATS), np.float32)
+    inputs[:] = 1.0
+    out = pinned_empty(inputs.shape, np.float32)
+    stage = ScaleStage(1)
+    register_sim_kernel("scale", lambda *args: None)  # the host cost, not numpy's
+
+    async def pipeline(n: int) -> float:
+        started = time.perf_counter()
+        async with ex.map(stage, inputs[:n], output=lambda i, _: out[i]) as results:
+            async for _ in results:
+                pass
+        return time.perf_counter() - started
+
+    async with Executor(list(range(devices))) as ex:
+        await pipeline(min(chunks, 200))  # warm-up: pools, launchers, event pools
+        walls, seams = [], []
+        calls: collections.Counter[str] = collections.Counter()
+        for _ in range(runs):
+            gc.collect()
+            meter.reset()
+            walls.append(await pipeline(chunks))
+            seams.append(meter.seconds)
+            calls = meter.calls.copy()
+    wall = statistics.median(walls) / chunks * 1e6
+    seam = statistics.median(seams) / chunks * 1e6
+    return {
+        "us_per_chunk": round(wall, 2),
+        "seam_us_per_chunk": round(seam, 2),
+        "python_us_per_chunk": round(wall - seam, 2),
+        "seam_calls_per_chunk": round(sum(calls.values()) / chunks, 2),
+        "calls": {name: round(count / chunks, 3) for name, count in sorted(calls.items())},
+    }
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", type=int, default=2000)
+    p.add_argument("--devices", type=int, default=None, help="devices to spread over (default: up to 2)")
+    p.add_argument("--threaded", action="store_true", help="on the simulator: keep its worker threads")
+    args = p.parse_args()
+    backend = _driver.driver()
+    meter = SeamMeter(backend)
+    devices = args.devices or min(2, backend.device_count())
+    on_sim = backend.name == "sim"
+    inline = on_sim and not args.threaded
+    runs = 3 if args.quick else 7
+    chunks = min(args.chunks, 500) if args.quick else args.chunks
+    result = Result("executor_host")
+    result.extra["config"] = {"chunks": chunks, "chunk_bytes": 4 * CHUNK_FLOATS, "devices": devices, "inline": inline}
+    for loop, (name, options) in LOOPS.items():
+        with inline_sim() if inline else _nothing():
+            figures = anyio.run(measure, meter, chunks, devices, runs, backend=name, backend_options=options)
+        calls = figures.pop("calls")
+        for key, value in figures.items():
+            result.metrics[f"{loop}_{key}"] = value
+        result.extra[f"{loop}_calls_per_chunk"] = calls
+        print(f"{loop:8} {figures}  {calls}")
+    print(f"wrote {result.write(args.out)}")
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+if __name__ == "__main__":
+    main()
