@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import time
 from typing import Any
 
 import anyio
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import aiocuda.array as ga
-from aiocuda import _driver
+from aiocuda import _driver, _offloop
 from aiocuda.errors import ArgumentError
 from aiocuda.host import is_pinned, pinned_zeros, register_host
 from aiocuda.memory import MemoryPool
@@ -69,6 +70,35 @@ async def test_registered_host_array(backend: _driver.Driver, anyio_backend: obj
         np.testing.assert_array_equal(out, host)
     assert reg.closed and not is_pinned(host)
     assert (pinned_zeros((4, 4), np.int32) == 0).all()
+
+
+async def test_registering_again_right_after_closing(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Unpinning runs in the background: pinning the same memory again waits for it."""
+    host = _random((1 << 17,), np.float64)
+    for _ in range(3):
+        with register_host(host):
+            assert is_pinned(host)
+        assert not is_pinned(host)
+
+
+async def test_freeing_pinned_memory_does_not_wait_for_the_gpu(backend: _driver.Driver, anyio_backend: object) -> None:
+    """The driver frees and unpins page-locked memory only once the device is idle (a
+    running kernel included): done on the loop's thread, dropping a pinned array or
+    closing a registration would stall the whole loop while the GPU works."""
+    with Stream(0) as s:
+        pinned = pinned_zeros(1 << 16, np.uint8)
+        registered = np.ones(1 << 17, np.float64)
+        registration = register_host(registered)
+        slow_op(s, 0.5)
+        started = time.perf_counter()
+        del pinned
+        gc.collect()
+        registration.close()
+        took = time.perf_counter() - started
+        assert not is_pinned(registered) and registration.closed
+        assert took < 0.2, f"freeing pinned memory blocked the loop for {took * 1e3:.0f} ms"
+        await s
+    assert _offloop.drain(timeout=10)
 
 
 async def test_non_contiguous_input_and_output(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -214,6 +244,8 @@ async def test_cancelled_to_device_frees_its_memory_even_if_the_exception_is_kep
         s.synchronize()
         before = pool.statistics().used_bytes
         slow_op(s, 0.05)  # the copy cannot finish before the cancellation arrives
+        pending = not s.record().query()
+        started = time.perf_counter()
         with anyio.CancelScope() as scope:
             scope.cancel()
             try:
@@ -221,7 +253,8 @@ async def test_cancelled_to_device_frees_its_memory_even_if_the_exception_is_kep
             except anyio.get_cancelled_exc_class() as exc:
                 kept.append(exc)
                 raise
-        assert kept
+        took_ms = (time.perf_counter() - started) * 1e3
+        assert kept, f"to_device was not cancelled: stream busy before it: {pending}; it took {took_ms:.1f} ms"
         await s
         s.synchronize()
         assert pool.statistics().used_bytes == before

@@ -63,7 +63,7 @@ import ctypes, threading, time, anyio
 from aiocuda.device import Device
 from aiocuda.stream import Stream
 from aiocuda.errors import ContextPoisonedError
-from _workload import _kernel, slow_op, poison_op
+from _workload import _kernel, poison_op
 
 libcuda = ctypes.CDLL("libcuda.so.1")  # CDLL: the GIL is released during each call
 libcuda.cuStreamQuery.argtypes = [ctypes.c_void_p]
@@ -83,11 +83,13 @@ def watch(handle: int, t: float) -> None:
 async def main():
     busy, bad = Stream(0), Stream(0)
     _kernel(bad, "poison")  # compile and load first: not timed
-    slow_op(busy, 2.0)
-    await anyio.sleep(0.05)
     t = time.perf_counter()
     watcher = threading.Thread(target=watch, args=(int(bad), t))
     poison_op(bad)
+    # busy's work now comes after the fault: awaiting it can only end in the error. (Work
+    # that runs beside the fault instead -- a long kernel on another stream -- holds the
+    # driver's report back until it has finished, and may well succeed.)
+    busy.wait(bad.record())
     watcher.start()
     try:
         await busy
@@ -109,9 +111,10 @@ anyio.run(main, backend="{lib}")
 @pytest.mark.gpu
 @pytest.mark.parametrize("lib", ["asyncio", "trio"])
 def test_real_sticky_error_fails_pending_await(lib: str) -> None:
-    """On the GPU: an illegal-address kernel fails a pending await, promptly after the
-    driver itself reports the fault (which takes 100-150 ms on an H100 after the launch,
-    measured in the same process by a thread polling ``cuStreamQuery``)."""
+    """On the GPU: an illegal-address kernel fails a pending await on another stream of
+    the context, promptly after the driver itself reports the fault (100-150 ms after the
+    launch on an H100, measured in the same process by a thread polling
+    ``cuStreamQuery``)."""
     from .conftest import real_gpu_count
 
     if real_gpu_count() == 0:

@@ -5,8 +5,7 @@
 ``in_flight`` chunks between admission and delivery) and for a device that accepts the
 chunk (:mod:`aiocuda._placement`), then starts one task per chunk. A chunk task enqueues
 all of its GPU work without waiting -- the only host wait is the await of its final
-download, chained behind the chunk before it (see ``DeviceLanes.downloaded``) -- and sends
-its :class:`ChunkResult` to the consumer, which receives them in
+download -- and sends its :class:`ChunkResult` to the consumer, which receives them in
 input order or as they complete. The slot is freed when the consumer takes the result.
 
 Cancellation and failure: leaving the block early, cancelling the consumer, or (with
@@ -248,7 +247,7 @@ class ChunkRunner:
                 Trace.stop(span, d2h)
                 ctx._spans.append(span)
             ctx._free()
-            await self.lanes_of(result.device).downloaded()
+            await d2h  # the download and those before it on the stream
             if trace is not None:
                 trace.resolve(*ctx._spans)
                 ctx._spans.clear()

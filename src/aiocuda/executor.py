@@ -36,15 +36,18 @@ with ``output=``; pageable arrays work but go through the process's pinned stagi
 
 Where the executor serialises (what to watch when scaling to many GPUs):
 
-* one event-loop thread enqueues every chunk of every device and takes every result.
-  Each GPU needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's
-  32 MiB chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk for its Python
-  and driver calls; ``benchmarks/pipeline.py --devices N`` measures where that ends;
+* one event-loop thread enqueues every chunk of every device and takes every result,
+  at a host cost of about 0.2 ms per chunk (``benchmarks/executor_host.py``). Each GPU
+  needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's 32 MiB
+  chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk; chunks whose steps
+  take less than the host cost leave the GPU waiting for the host: make chunks big
+  (tens of MiB) rather than many;
 * one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
   one waker thread for long waits;
 * one feeder task per pipeline reads the inputs and admits chunks in turn;
-* one staging pool per process (:mod:`aiocuda._staging`, 16 slots of 8 MiB) for pageable
-  host memory; pinned inputs and outputs bypass it.
+* one staging pool per process (:mod:`aiocuda._staging`: a few copier threads, each
+  with its own pinned slots) for pageable host memory; pinned inputs and outputs
+  bypass it.
 """
 
 from __future__ import annotations
@@ -77,7 +80,6 @@ class DeviceLanes:
     """
 
     __slots__ = (
-        "_last_download",
         "_turn",
         "budget",
         "chunks",
@@ -101,7 +103,6 @@ class DeviceLanes:
         self.d2h = Stream(device)
         self.p2p = Stream(device)
         self._turn = 0
-        self._last_download: anyio.Event | None = None
         self.max_chunks = max_chunks
         self.budget = budget
         self.chunks = 0
@@ -116,28 +117,6 @@ class DeviceLanes:
         track = self._turn
         self._turn = (track + 1) % len(self.compute)
         return track, self.compute[track]
-
-    async def downloaded(self) -> None:
-        """Wait until the downloads enqueued on :attr:`d2h` so far have finished.
-
-        Downloads finish in the order they were enqueued, so these waits are chained:
-        each first waits for the one before it (an :class:`anyio.Event`, no GPU query),
-        then for its own point on ``d2h`` -- by then about one download away, a short
-        wait that the completion engine polls precisely. Only one wait per device is
-        ever being polled. (Every chunk in flight polling its own download at once kept
-        the loop thread busy with queries and delayed the enqueueing of the next chunks.)
-
-        Cancelled, a wait still lets the next one go on.
-        """
-        done = self.d2h.record()
-        ahead, mine = self._last_download, anyio.Event()
-        self._last_download = mine
-        try:
-            if ahead is not None and not ahead.is_set():
-                await ahead.wait()
-            await done
-        finally:
-            mine.set()
 
     @property
     def streams(self) -> tuple[Stream, ...]:

@@ -10,8 +10,12 @@ chunks (:mod:`aiocuda._staging`). Two ways to get pinned numpy arrays:
 * :func:`register_host` -- pin an existing numpy array in place (``cuMemHostRegister``)
   for the life of the returned :class:`HostRegistration` (a context manager).
 
-Pitfalls: pinning is expensive (milliseconds per call) and pinned memory is taken from
-the OS for good while pinned, so pin big, long-lived buffers, not per request.
+Pitfalls: pinning is expensive (milliseconds per call: 1.7 ms for 1 MiB, 38 ms for 64
+MiB on an H100) and pinned memory is taken from the OS for good while pinned, so pin
+big, long-lived buffers, not per request. Freeing and unpinning are worse: the driver
+first waits until the device is idle. aiocuda therefore frees and unpins on a background
+thread (:mod:`aiocuda._offloop`), so that dropping a pinned array on an event loop never
+stalls the loop while kernels run.
 aiocuda's copies hold a reference to the pinned owner while the DMA is in flight, so
 unregistering or dropping an array mid-copy is safe.
 """
@@ -27,6 +31,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from . import _offloop
 from .device import Device, as_device
 from .errors import ArgumentError, CudaError, ResultCode
 
@@ -82,6 +87,10 @@ class _PinnedAllocation:
 
 def _free_pinned(driver: Any, ptr: int) -> None:
     pinned_ranges.remove(ptr)
+    _offloop.submit(_host_free, driver, ptr)  # the driver waits for an idle device first
+
+
+def _host_free(driver: Any, ptr: int) -> None:
     try:
         driver.mem_host_free(ptr)
     except CudaError:
@@ -134,7 +143,11 @@ class HostRegistration:
     """An existing host array pinned in place; unpinned by :meth:`close`, on leaving a
     ``with`` block, or when collected.
 
-    Keep the array alive and do not resize it while registered.
+    The registration keeps the array alive; do not resize it while registered. The
+    driver unpins only once the device is idle, so the unpinning itself happens on a
+    background thread (:mod:`aiocuda._offloop`), never blocking the event loop; the
+    array is kept alive until it is done, and registering the same memory again waits
+    for it.
     """
 
     __slots__ = ("__weakref__", "_finalizer", "array", "ptr", "size")
@@ -151,13 +164,16 @@ class HostRegistration:
         self.array = array
         self.ptr = int(array.ctypes.data)
         self.size = int(array.nbytes)
+        if _unpinning.overlaps(self.ptr, self.size):
+            _offloop.drain()  # an earlier registration of this memory is still being undone
         dev._driver.mem_host_register(self.ptr, self.size)
         pinned_ranges.add(self.ptr, self.size, self)
-        self._finalizer = weakref.finalize(self, _unregister, dev._driver, self.ptr)
+        self._finalizer = weakref.finalize(self, _unregister, dev._driver, self.ptr, self.size, array)
 
     def close(self) -> None:
-        """Unpin now. Await the copies that use the array first: unlike dropping the
-        last reference (which in-flight copies prevent), closing does not wait for them."""
+        """Unpin (in the background; :func:`is_pinned` is False at once). Await the
+        copies that use the array first: unlike dropping the last reference (which
+        in-flight copies prevent), closing does not wait for them."""
         self._finalizer()
 
     @property
@@ -175,12 +191,44 @@ class HostRegistration:
         return f"<HostRegistration {state} size={self.size}>"
 
 
-def _unregister(driver: Any, ptr: int) -> None:
+class _Unpinning:
+    """Host ranges whose unregistration is queued on the off-loop thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: dict[int, int] = {}
+
+    def add(self, ptr: int, size: int) -> None:
+        with self._lock:
+            self._ranges[ptr] = size
+
+    def remove(self, ptr: int) -> None:
+        with self._lock:
+            self._ranges.pop(ptr, None)
+
+    def overlaps(self, ptr: int, size: int) -> bool:
+        with self._lock:
+            return any(start < ptr + size and ptr < start + extent for start, extent in self._ranges.items())
+
+
+_unpinning = _Unpinning()
+
+
+def _unregister(driver: Any, ptr: int, size: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
+    _unpinning.add(ptr, size)
+    _offloop.submit(_host_unregister, driver, ptr, array)  # the driver waits for an idle device
+
+
+def _host_unregister(driver: Any, ptr: int, array: npt.NDArray[Any]) -> None:
+    """Unpin ``array`` (kept alive until then: its memory must not go back to the
+    allocator while still registered)."""
     try:
         driver.mem_host_unregister(ptr)
     except CudaError:
         pass
+    finally:
+        _unpinning.remove(ptr)
 
 
 def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:

@@ -34,7 +34,7 @@ import numpy as np
 
 from ..._driver._protocol import PoolProps
 from ...errors import CudaError, ResultCode, error_for_code
-from ._objects import SimDevice
+from ._objects import SimDevice, SimPoint
 
 __all__ = ["SimMemory", "SimPool"]
 
@@ -324,6 +324,7 @@ class SimMemory:
 
     def mem_host_free(self, ptr: int) -> None:
         self._api("mem_host_free")
+        self._wait_until_devices_idle()
         state = self._mem()
         with state.lock:
             block = state.blocks.get(ptr)
@@ -348,6 +349,7 @@ class SimMemory:
 
     def mem_host_unregister(self, ptr: int) -> None:
         self._api("mem_host_unregister")
+        self._wait_until_devices_idle()
         state = self._mem()
         with state.lock:
             block = state.blocks.get(ptr)
@@ -359,6 +361,16 @@ class SimMemory:
                     "cuMemHostUnregister",
                 )
             state.remove(ptr)
+
+    def _wait_until_devices_idle(self) -> None:
+        """As the driver does before freeing or unpinning page-locked memory (measured on
+        an H100: ``cuMemFreeHost`` and ``cuMemHostUnregister`` return only once a kernel
+        running on any stream has finished): wait for what every device has been given."""
+        for device in self._devices:
+            for stream in device.streams():
+                point = SimPoint(stream, stream.submitted)
+                if not point.reached():
+                    stream.wait_until(point.reached)
 
     # -- copies and memsets --------------------------------------------------------------------
     def _device_range(self, ptr: int, size: int, call: str) -> None:

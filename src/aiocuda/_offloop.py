@@ -1,0 +1,80 @@
+"""One thread for driver calls that must never run on an event loop's thread.
+
+The driver makes ``cuMemFreeHost`` and ``cuMemHostUnregister`` wait until the device is
+idle: measured on an H100, both return only once a kernel running on *any* stream has
+finished (100 ms for a 100 ms kernel). Called from a finaliser or ``close()`` on a
+loop's thread, they would stall every task of that loop for as long as the GPU stays
+busy. aiocuda queues them here instead: one daemon thread runs them in order.
+
+Pitfalls: the memory goes back to the OS a little later (after the GPU work running at
+the time); a process exiting with calls still queued leaves that memory to the OS,
+which reclaims it anyway. After ``fork`` the child starts its own thread when it first
+needs one (calls the parent had queued are not repeated).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["drain", "submit"]
+
+_log = logging.getLogger("aiocuda")
+
+_Call = tuple[Callable[..., object], tuple[Any, ...]]
+
+
+class _Worker:
+    """A daemon thread running queued calls in order, one at a time."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="aiocuda-offloop", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn, args = self.calls.get()
+            try:
+                fn(*args)
+            except Exception:
+                _log.exception("aiocuda: %s failed on the off-loop thread", getattr(fn, "__qualname__", fn))
+
+
+_worker: _Worker | None = None
+_lock = threading.Lock()
+
+
+def _current() -> _Worker:
+    global _worker
+    worker = _worker
+    if worker is None or worker.pid != os.getpid():
+        with _lock:
+            if _worker is None or _worker.pid != os.getpid():
+                _worker = _Worker()
+            worker = _worker
+    return worker
+
+
+def submit(fn: Callable[..., object], *args: Any) -> None:
+    """Run ``fn(*args)`` on the off-loop thread, after the calls queued before it.
+
+    ``fn`` handles its own expected errors; anything else it raises is logged.
+    """
+    _current().calls.put((fn, args))
+
+
+def drain(timeout: float | None = None) -> bool:
+    """Block until every call queued so far has run; False if ``timeout`` ran out first.
+
+    Blocks the caller for as long as those calls take (they may wait for the GPU): for
+    tests, and for the rare caller that needs a queued unpin done before going on.
+    """
+    done = threading.Event()
+    submit(done.set)
+    return done.wait(timeout)
