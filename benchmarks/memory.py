@@ -188,24 +188,20 @@ def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
 # -- copies -----------------------------------------------------------------------------------
 
 
-def _best_wall_s(fn: Callable[[], None], reps: int) -> float:
-    fn()
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
-
-
-async def _best_wall_async_s(fn: Callable[[], Any], reps: int) -> float:
-    await fn()
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        await fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
+async def _wall_medians(contenders: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
+    """Median wall seconds of each contender (a callable returning None or an awaitable),
+    one warm-up each, then ``reps`` rounds that run every contender once, back to back:
+    the copy engines' speed drifts over seconds, so ours and the raw copies alternate."""
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(reps + 1):
+        for name, fn in contenders.items():
+            t = time.perf_counter()
+            pending = fn()
+            if pending is not None:
+                await pending
+            if round_:
+                samples[name].append(time.perf_counter() - t)
+    return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
 async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: bool) -> None:
@@ -216,10 +212,35 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
     dev = ga.empty(nbytes, np.uint8, stream=stream)
     gbps = nbytes / 1e9
 
-    ours_h2d_pinned = await _best_wall_async_s(lambda: dev.copy_from(pinned, stream=stream), reps)
-    ours_d2h_pinned = await _best_wall_async_s(lambda: dev.to_host(out=pinned, stream=stream), reps)
-    ours_h2d_pageable = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
-    ours_d2h_pageable = await _best_wall_async_s(lambda: dev.to_host(out=pageable, stream=stream), reps)
+    driver = device._driver
+    handle = stream.handle
+    host_pinned, host_pageable = int(pinned.ctypes.data), int(pageable.ctypes.data)
+
+    def raw(copy: Callable[..., None], dst: int, src: int) -> Callable[[], None]:
+        def once() -> None:
+            device.make_current()
+            copy(dst, src, nbytes, handle)
+            driver.stream_synchronize(handle)
+
+        return once
+
+    t = await _wall_medians(
+        {
+            "ours_h2d_pinned": lambda: dev.copy_from(pinned, stream=stream),
+            "raw_h2d_pinned": raw(driver.memcpy_htod_async, dev.ptr, host_pinned),
+            "ours_d2h_pinned": lambda: dev.to_host(out=pinned, stream=stream),
+            "raw_d2h_pinned": raw(driver.memcpy_dtoh_async, host_pinned, dev.ptr),
+            "ours_h2d_pageable": lambda: dev.copy_from(pageable, stream=stream),
+            "raw_h2d_pageable": raw(driver.memcpy_htod_async, dev.ptr, host_pageable),
+            "ours_d2h_pageable": lambda: dev.to_host(out=pageable, stream=stream),
+            "raw_d2h_pageable": raw(driver.memcpy_dtoh_async, host_pageable, dev.ptr),
+        },
+        reps,
+    )
+    ours_h2d_pinned, raw_h2d_pinned = t["ours_h2d_pinned"], t["raw_h2d_pinned"]
+    ours_d2h_pinned, raw_d2h_pinned = t["ours_d2h_pinned"], t["raw_d2h_pinned"]
+    ours_h2d_pageable, raw_h2d_pageable = t["ours_h2d_pageable"], t["raw_h2d_pageable"]
+    ours_d2h_pageable, raw_d2h_pageable = t["ours_d2h_pageable"], t["raw_d2h_pageable"]
     await dev.copy_from(pageable, stream=stream)  # the staged paths must also be right
     verified = np.array_equal(await dev.to_host(stream=stream), pageable)
     result.target("staged_copies_verified", float(verified), 1, "==")
@@ -228,22 +249,6 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
     result.metrics["h2d_pageable_GBps"] = round(gbps / ours_h2d_pageable, 2)
     result.metrics["d2h_pageable_GBps"] = round(gbps / ours_d2h_pageable, 2)
 
-    driver = device._driver
-    handle = stream.handle
-    device.make_current()
-    host_pinned, host_pageable = int(pinned.ctypes.data), int(pageable.ctypes.data)
-
-    def raw(copy: Callable[..., None], dst: int, src: int) -> float:
-        def once() -> None:
-            copy(dst, src, nbytes, handle)
-            driver.stream_synchronize(handle)
-
-        return _best_wall_s(once, reps)
-
-    raw_h2d_pinned = raw(driver.memcpy_htod_async, dev.ptr, host_pinned)
-    raw_d2h_pinned = raw(driver.memcpy_dtoh_async, host_pinned, dev.ptr)
-    raw_h2d_pageable = raw(driver.memcpy_htod_async, dev.ptr, host_pageable)
-    raw_d2h_pageable = raw(driver.memcpy_dtoh_async, host_pageable, dev.ptr)
     result.baselines["raw_h2d_pinned_GBps"] = round(gbps / raw_h2d_pinned, 2)
     result.baselines["raw_d2h_pinned_GBps"] = round(gbps / raw_d2h_pinned, 2)
     result.baselines["raw_h2d_pageable_GBps"] = round(gbps / raw_h2d_pageable, 2)
@@ -329,8 +334,14 @@ async def _staging_sweep(stream: Stream, nbytes: int, reps: int, quick: bool) ->
         for chunk, min_chunk, n_threads in configs:
             _staging.CHUNK, _staging.MIN_CHUNK, _staging.COPY_THREADS = chunk * MiB, min_chunk * MiB, n_threads
             _staging.reset()
-            h2d = await _best_wall_async_s(lambda: dev.copy_from(pageable, stream=stream), reps)
-            d2h = await _best_wall_async_s(lambda: dev.to_host(out=out, stream=stream), reps)
+            t = await _wall_medians(
+                {
+                    "h2d": lambda: dev.copy_from(pageable, stream=stream),
+                    "d2h": lambda: dev.to_host(out=out, stream=stream),
+                },
+                reps,
+            )
+            h2d, d2h = t["h2d"], t["d2h"]
             row = {
                 "chunk_MiB": chunk,
                 "min_chunk_MiB": min_chunk,
@@ -370,7 +381,8 @@ async def _sweep(quick: bool) -> Result:
         driver.stream_synchronize(handle)
 
     stream.device.make_current()
-    result.baselines["raw_h2d_pageable_GBps"] = round(nbytes / 1e9 / _best_wall_s(raw_h2d, 5), 2)
+    raw_s = (await _wall_medians({"raw_h2d": raw_h2d}, 5))["raw_h2d"]
+    result.baselines["raw_h2d_pageable_GBps"] = round(nbytes / 1e9 / raw_s, 2)
     dev.buffer.free()
     stream.close()
     return result
