@@ -13,9 +13,11 @@ chunks (:mod:`aiocuda._staging`). Two ways to get pinned numpy arrays:
 Pitfalls: pinning is expensive (milliseconds per call: 1.7 ms for 1 MiB, 38 ms for 64
 MiB on an H100) and pinned memory is taken from the OS for good while pinned, so pin
 big, long-lived buffers, not per request. Freeing and unpinning are worse: the driver
-first waits until the device is idle. aiocuda therefore frees and unpins on a background
-thread (:mod:`aiocuda._offloop`), so that dropping a pinned array on an event loop never
-stalls the loop while kernels run.
+first waits until the device is idle, holding a lock that other threads' driver calls
+need meanwhile. So aiocuda keeps the blocks of collected pinned arrays for reuse by
+later ones of the same size class (:mod:`aiocuda._pinned_cache`; :func:`empty_cache`
+gives them back), and unpins registered arrays on a background thread
+(:mod:`aiocuda._offloop`): dropping a pinned array never stalls an event loop.
 aiocuda's copies hold a reference to the pinned owner while the DMA is in flight, so
 unregistering or dropping an array mid-copy is safe.
 """
@@ -31,11 +33,19 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from . import _offloop
+from . import _driver, _offloop, _pinned_cache
 from .device import Device, as_device
 from .errors import ArgumentError, CudaError, ResultCode
 
-__all__ = ["HostRegistration", "is_pinned", "pinned_empty", "pinned_zeros", "register_host"]
+__all__ = [
+    "HostRegistration",
+    "cached_bytes",
+    "empty_cache",
+    "is_pinned",
+    "pinned_empty",
+    "pinned_zeros",
+    "register_host",
+]
 
 
 class _PinnedRanges:
@@ -73,28 +83,30 @@ pinned_ranges = _PinnedRanges()
 
 
 class _PinnedAllocation:
-    """Owner of one ``cuMemHostAlloc`` block; numpy arrays over it keep it alive."""
+    """Owner of one page-locked block; numpy arrays over it keep it alive.
+
+    ``size`` is rounded up to a size class, and the block is taken from (and, once
+    collected, given back to) the cache of freed blocks (:mod:`aiocuda._pinned_cache`):
+    freeing pinned memory would wait for the GPU.
+    """
 
     __slots__ = ("__weakref__", "ptr", "size")
 
     def __init__(self, device: Device, size: int) -> None:
-        device.make_current()
-        self.ptr = device._driver.mem_host_alloc(size)
-        self.size = size
-        pinned_ranges.add(self.ptr, size, self)
-        weakref.finalize(self, _free_pinned, device._driver, self.ptr)
+        self.size = _pinned_cache.size_class(size)
+        generation = _driver.backend_generation()
+        ptr = _pinned_cache.take(self.size)
+        if ptr is None:
+            device.make_current()
+            ptr = device._driver.mem_host_alloc(self.size)
+        self.ptr = ptr
+        pinned_ranges.add(ptr, self.size, self)
+        weakref.finalize(self, _release_pinned, device, ptr, self.size, generation)
 
 
-def _free_pinned(driver: Any, ptr: int) -> None:
+def _release_pinned(device: Device, ptr: int, size: int, generation: int) -> None:
     pinned_ranges.remove(ptr)
-    _offloop.submit(_host_free, driver, ptr)  # the driver waits for an idle device first
-
-
-def _host_free(driver: Any, ptr: int) -> None:
-    try:
-        driver.mem_host_free(ptr)
-    except CudaError:
-        pass  # a torn-down backend took the memory with it
+    _pinned_cache.give(device, ptr, size, generation)
 
 
 def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -168,7 +180,7 @@ class HostRegistration:
             _offloop.drain()  # an earlier registration of this memory is still being undone
         dev._driver.mem_host_register(self.ptr, self.size)
         pinned_ranges.add(self.ptr, self.size, self)
-        self._finalizer = weakref.finalize(self, _unregister, dev._driver, self.ptr, self.size, array)
+        self._finalizer = weakref.finalize(self, _unregister, dev, self.ptr, self.size, array)
 
     def close(self) -> None:
         """Unpin (in the background; :func:`is_pinned` is False at once). Await the
@@ -214,17 +226,18 @@ class _Unpinning:
 _unpinning = _Unpinning()
 
 
-def _unregister(driver: Any, ptr: int, size: int, array: npt.NDArray[Any]) -> None:
+def _unregister(device: Device, ptr: int, size: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
     _unpinning.add(ptr, size)
-    _offloop.submit(_host_unregister, driver, ptr, array)  # the driver waits for an idle device
+    _offloop.submit(_host_unregister, device, ptr, array)  # the driver waits for an idle device
 
 
-def _host_unregister(driver: Any, ptr: int, array: npt.NDArray[Any]) -> None:
+def _host_unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
     """Unpin ``array`` (kept alive until then: its memory must not go back to the
     allocator while still registered)."""
     try:
-        driver.mem_host_unregister(ptr)
+        device.make_current()
+        device._driver.mem_host_unregister(ptr)
     except CudaError:
         pass
     finally:
@@ -241,3 +254,18 @@ def is_pinned(array: npt.NDArray[Any]) -> bool:
     """Whether aiocuda knows ``array``'s memory to be page-locked (allocated by
     :func:`pinned_empty` or registered with :func:`register_host`)."""
     return pinned_ranges.owner(int(array.ctypes.data), max(int(array.nbytes), 1)) is not None
+
+
+def empty_cache() -> int:
+    """Give the page-locked blocks kept for reuse back to the driver; returns their bytes.
+
+    The frees run on a background thread, but the driver performs each only once the
+    device is idle and blocks other threads' driver calls (copies among them) until
+    then: call this when the GPU has nothing running, e.g. at the end of a batch job.
+    """
+    return _pinned_cache.empty()
+
+
+def cached_bytes() -> int:
+    """Bytes of page-locked blocks kept for reuse by later pinned arrays."""
+    return _pinned_cache.cached_bytes()

@@ -41,7 +41,7 @@ from typing import Any, final
 
 import anyio
 
-from . import _driver
+from . import _driver, _offloop
 from .device import Device, as_device
 from .errors import CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
@@ -195,7 +195,7 @@ class MemoryPool:
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
         pool = cls(dev, handle, owned=True, max_size=max_size)
-        weakref.finalize(pool, _destroy_pool, dev._driver, handle)
+        weakref.finalize(pool, _destroy_pool, dev, handle)
         pool.release_threshold = release_threshold
         return pool
 
@@ -435,9 +435,14 @@ _default_pools: dict[tuple[int, int], MemoryPool] = {}
 _current_pools: dict[tuple[int, int], MemoryPool] = {}
 
 
-def _destroy_pool(driver: Any, handle: Any) -> None:
+def _destroy_pool(device: Device, handle: Any) -> None:
+    _offloop.submit(_destroy_pool_now, device, handle)  # off the loop: it may wait for the GPU
+
+
+def _destroy_pool_now(device: Device, handle: Any) -> None:
     try:
-        driver.mempool_destroy(handle)
+        device.make_current()
+        device._driver.mempool_destroy(handle)
     except CudaError:
         pass  # buffers still allocated from it, or a dead context: the driver keeps it
 

@@ -19,7 +19,7 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _driver
+from . import _driver, _offloop
 from ._signature import Signature, parse_signature, ptx_signatures
 from .device import Device
 from .errors import ArgumentError, CudaError
@@ -32,13 +32,19 @@ __all__ = ["Module"]
 _KINDS = ("ptx", "cubin", "fatbin", "sim")
 
 
-def _unload_all(handles: dict[tuple[int, int], tuple[Any, Any]]) -> None:
-    for backend, handle in handles.values():
-        try:
-            backend.module_unload(handle)
-        except CudaError:
-            pass  # a dead context or a switched backend: nothing left to unload
+def _unload_all(handles: dict[tuple[int, int], tuple[Device, Any]]) -> None:
+    # Off the loop: the driver unloads a module only once the device is idle.
+    for device, handle in handles.values():
+        _offloop.submit(_unload, device, handle)
     handles.clear()
+
+
+def _unload(device: Device, handle: Any) -> None:
+    try:
+        device.make_current()
+        device._driver.module_unload(handle)
+    except CudaError:
+        pass  # a dead context or a switched backend: nothing left to unload
 
 
 def _guess_kind(image: bytes) -> str:
@@ -103,7 +109,7 @@ class Module:
         self.name = name
         self.log = log
         self._lock = threading.Lock()
-        self._handles: dict[tuple[int, int], tuple[Any, Any]] = {}
+        self._handles: dict[tuple[int, int], tuple[Device, Any]] = {}
         self._kernels: weakref.WeakValueDictionary[Any, Kernel] = weakref.WeakValueDictionary()
         self._finalizer = weakref.finalize(self, _unload_all, self._handles)
 
@@ -155,7 +161,7 @@ class Module:
             found = self._handles.get(key)
             if found is None:
                 device.make_current()
-                found = self._handles[key] = (device._driver, device._driver.module_load_data(self.image))
+                found = self._handles[key] = (device, device._driver.module_load_data(self.image))
         return found[1]
 
     def unload(self) -> None:

@@ -1,0 +1,119 @@
+"""Freed page-locked blocks, kept for reuse instead of given back to the driver.
+
+``cuMemFreeHost`` waits until the device is idle, and while it waits it holds a driver
+lock that other threads' calls need: measured on an H100, a ``cuMemcpyHtoDAsync`` on the
+event loop's thread stalled for the rest of a 50 ms kernel while another thread freed a
+pinned block. Freeing pinned memory while the GPU works therefore stalls the loop
+whichever thread frees it. So, like PyTorch's caching host allocator, aiocuda keeps the
+blocks of collected pinned arrays and staging slots and hands them to the next
+allocation of the same size class; ``cuMemHostAlloc`` (1-40 ms per call) is skipped too.
+
+Blocks come in size classes (powers of two up to 1 MiB, then whole MiB), so a reused
+block may be larger than asked. At most :data:`LIMIT` bytes are kept; a block freed
+beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
+(:mod:`aiocuda._offloop`) -- at the price above if the GPU is busy then.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from . import _driver, _offloop
+from .errors import CudaError
+
+if TYPE_CHECKING:
+    from .device import Device
+
+__all__ = ["LIMIT", "cached_bytes", "empty", "give", "size_class", "take"]
+
+LIMIT = 2 << 30
+"""Bytes of freed pinned blocks kept for reuse, at most."""
+
+_MiB = 1 << 20
+
+
+def size_class(nbytes: int) -> int:
+    """The block size an allocation of ``nbytes`` gets: the next power of two from 4 KiB
+    up to 1 MiB, then the next whole MiB."""
+    if nbytes <= _MiB:
+        return max(4096, 1 << (max(nbytes, 1) - 1).bit_length())
+    return -(-nbytes // _MiB) * _MiB
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.blocks: dict[int, list[tuple[Device, int]]] = {}  # size class -> (device, ptr)
+        self.bytes = 0
+        self.generation = _driver.backend_generation()
+
+    def take(self, size: int) -> int | None:
+        with self.lock:
+            self._forget_stale()
+            found = self.blocks.get(size)
+            if not found:
+                return None
+            self.bytes -= size
+            return found.pop()[1]
+
+    def give(self, device: Device, ptr: int, size: int, generation: int) -> None:
+        with self.lock:
+            self._forget_stale()
+            if self.bytes + size <= LIMIT and generation == self.generation:
+                self.blocks.setdefault(size, []).append((device, ptr))
+                self.bytes += size
+                return
+        _offloop.submit(_free, device, ptr)
+
+    def empty(self) -> int:
+        with self.lock:
+            dropped, self.blocks, freed = self.blocks, {}, self.bytes
+            self.bytes = 0
+        for entries in dropped.values():
+            for device, ptr in entries:
+                _offloop.submit(_free, device, ptr)
+        return freed
+
+    def _forget_stale(self) -> None:
+        """Blocks of another backend (before a switch) are not handed out again."""
+        generation = _driver.backend_generation()
+        if generation != self.generation:
+            self.generation = generation
+            stale, self.blocks, self.bytes = self.blocks, {}, 0
+            for entries in stale.values():
+                for device, ptr in entries:
+                    _offloop.submit(_free, device, ptr)
+
+
+def _free(device: Device, ptr: int) -> None:
+    try:
+        device.make_current()
+        device._driver.mem_host_free(ptr)
+    except CudaError:
+        pass  # a torn-down backend took the memory with it
+
+
+_cache = _Cache()
+
+
+def take(size: int) -> int | None:
+    """A cached block of exactly ``size`` bytes (a size class), or None."""
+    return _cache.take(size)
+
+
+def give(device: Device, ptr: int, size: int, generation: int) -> None:
+    """Keep a block that nothing references any more, allocated through ``device`` while
+    backend ``generation`` was in use (or free it, if that backend is gone or the cache
+    is full)."""
+    _cache.give(device, ptr, size, generation)
+
+
+def empty() -> int:
+    """Free every cached block (on the off-loop thread); returns the bytes released."""
+    return _cache.empty()
+
+
+def cached_bytes() -> int:
+    """Bytes of pinned blocks kept for reuse."""
+    return _cache.bytes

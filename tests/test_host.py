@@ -1,0 +1,85 @@
+"""Page-locked host memory: the cache of freed blocks, and unpinning off the loop."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda import _driver, _offloop, _pinned_cache
+from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def frees(backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """The pointers the driver is asked to free, from an empty cache on."""
+    empty_cache()
+    assert _offloop.drain(timeout=30)
+    freed: list[int] = []
+    original = backend.mem_host_free
+
+    def counting(ptr: int) -> None:
+        freed.append(ptr)
+        original(ptr)
+
+    monkeypatch.setattr(backend, "mem_host_free", counting)
+    yield freed
+    empty_cache()
+    assert _offloop.drain(timeout=30)
+
+
+def _drop(*arrays: Any) -> list[int]:
+    pointers = [int(a.ctypes.data) for a in arrays]
+    del arrays
+    gc.collect()
+    return pointers
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "block"),
+    [(1, 4096), (4096, 4096), (4097, 8192), (1 << 20, 1 << 20), ((1 << 20) + 1, 2 << 20), (5 << 20, 5 << 20)],
+)
+def test_pinned_blocks_come_in_size_classes(nbytes: int, block: int) -> None:
+    assert _pinned_cache.size_class(nbytes) == block
+
+
+async def test_a_collected_pinned_array_lends_its_block_to_the_next(frees: list[int], anyio_backend: Any) -> None:
+    (ptr,) = _drop(pinned_empty(3000, np.uint8))
+    assert cached_bytes() == 4096 and frees == []
+    again = pinned_empty((10, 100), np.float32)  # 4000 bytes: the same size class
+    assert int(again.ctypes.data) == ptr and is_pinned(again)
+    assert cached_bytes() == 0
+    other = pinned_empty(5000, np.uint8)  # another class: a new block
+    assert int(other.ctypes.data) != ptr
+
+
+async def test_empty_cache_gives_the_blocks_back_off_the_loop(frees: list[int], anyio_backend: Any) -> None:
+    pointers = _drop(pinned_empty(1 << 20, np.uint8), pinned_empty(3 << 20, np.uint8))
+    assert cached_bytes() == 4 << 20
+    assert empty_cache() == 4 << 20
+    assert cached_bytes() == 0
+    assert _offloop.drain(timeout=30)
+    assert sorted(frees) == sorted(pointers)
+
+
+async def test_blocks_beyond_the_limit_are_freed(
+    frees: list[int], anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_pinned_cache, "LIMIT", 3 << 20)
+    first, second = _drop(pinned_empty(2 << 20, np.uint8), pinned_empty(2 << 20, np.uint8))
+    assert cached_bytes() == 2 << 20
+    assert _offloop.drain(timeout=30)
+    assert len(frees) == 1 and frees[0] in (first, second)
+
+
+async def test_blocks_of_a_previous_backend_are_not_reused(frees: list[int], anyio_backend: Any) -> None:
+    _drop(pinned_empty(100, np.uint8))
+    assert cached_bytes() == 4096
+    _driver.use_backend("sim", devices=1)
+    assert _pinned_cache.take(4096) is None  # dropped (and freed, if that backend still can)
+    assert cached_bytes() == 0 and is_pinned(pinned_empty(100, np.uint8))
