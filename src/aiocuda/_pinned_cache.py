@@ -17,7 +17,7 @@ beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from . import _driver, _offloop
 from .errors import CudaError
@@ -41,26 +41,32 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // _MiB) * _MiB
 
 
+def _world(driver: Any) -> object:
+    """What a block's memory belongs to: the process's CUDA driver (whose primary
+    contexts, and so pinned blocks, outlive a backend switch), or one simulator."""
+    return "cuda" if driver.name == "cuda" else driver
+
+
 class _Cache:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.blocks: dict[int, list[tuple[Device, int]]] = {}  # size class -> (device, ptr)
         self.bytes = 0
-        self.generation = _driver.backend_generation()
+        self.world: object = None
 
     def take(self, size: int) -> int | None:
         with self.lock:
-            self._forget_stale()
+            self._forget_other_worlds()
             found = self.blocks.get(size)
             if not found:
                 return None
             self.bytes -= size
             return found.pop()[1]
 
-    def give(self, device: Device, ptr: int, size: int, generation: int) -> None:
+    def give(self, device: Device, ptr: int, size: int) -> None:
         with self.lock:
-            self._forget_stale()
-            if self.bytes + size <= LIMIT and generation == self.generation:
+            self._forget_other_worlds()
+            if self.bytes + size <= LIMIT and _world(device._driver) is self.world:
                 self.blocks.setdefault(size, []).append((device, ptr))
                 self.bytes += size
                 return
@@ -75,11 +81,12 @@ class _Cache:
                 _offloop.submit(_free, device, ptr)
         return freed
 
-    def _forget_stale(self) -> None:
-        """Blocks of another backend (before a switch) are not handed out again."""
-        generation = _driver.backend_generation()
-        if generation != self.generation:
-            self.generation = generation
+    def _forget_other_worlds(self) -> None:
+        """After a switch to another backend, blocks of the previous one are not handed
+        out again (a switch from CUDA to CUDA keeps them: they stay valid)."""
+        world = _world(_driver.driver())
+        if world is not self.world:
+            self.world = world
             stale, self.blocks, self.bytes = self.blocks, {}, 0
             for entries in stale.values():
                 for device, ptr in entries:
@@ -102,11 +109,10 @@ def take(size: int) -> int | None:
     return _cache.take(size)
 
 
-def give(device: Device, ptr: int, size: int, generation: int) -> None:
-    """Keep a block that nothing references any more, allocated through ``device`` while
-    backend ``generation`` was in use (or free it, if that backend is gone or the cache
-    is full)."""
-    _cache.give(device, ptr, size, generation)
+def give(device: Device, ptr: int, size: int) -> None:
+    """Keep a block that nothing references any more, allocated through ``device`` (or
+    free it, if that backend is no longer in use or the cache is full)."""
+    _cache.give(device, ptr, size)
 
 
 def empty() -> int:

@@ -33,7 +33,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
-from . import _driver, _offloop, _pinned_cache
+from . import _offloop, _pinned_cache
 from .device import Device, as_device
 from .errors import ArgumentError, CudaError, ResultCode
 
@@ -94,19 +94,18 @@ class _PinnedAllocation:
 
     def __init__(self, device: Device, size: int) -> None:
         self.size = _pinned_cache.size_class(size)
-        generation = _driver.backend_generation()
         ptr = _pinned_cache.take(self.size)
         if ptr is None:
             device.make_current()
             ptr = device._driver.mem_host_alloc(self.size)
         self.ptr = ptr
         pinned_ranges.add(ptr, self.size, self)
-        weakref.finalize(self, _release_pinned, device, ptr, self.size, generation)
+        weakref.finalize(self, _release_pinned, device, ptr, self.size)
 
 
-def _release_pinned(device: Device, ptr: int, size: int, generation: int) -> None:
+def _release_pinned(device: Device, ptr: int, size: int) -> None:
     pinned_ranges.remove(ptr)
-    _pinned_cache.give(device, ptr, size, generation)
+    _pinned_cache.give(device, ptr, size)
 
 
 def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
