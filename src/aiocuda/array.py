@@ -15,6 +15,7 @@ new stream waits for the array's previous stream on the GPU.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Awaitable
 from typing import Any
@@ -124,7 +125,7 @@ class DeviceArray:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
@@ -199,12 +200,12 @@ class DeviceArray:
             raise _argument("only a C-contiguous DeviceArray can be reshaped without a copy")
         if dims.count(-1) > 1:
             raise _argument("only one dimension can be -1")
-        known = int(np.prod([d for d in dims if d != -1], dtype=np.int64))
+        known = math.prod([d for d in dims if d != -1])
         if -1 in dims:
             if known == 0 or self.size % known:
                 raise _argument(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
             dims[dims.index(-1)] = self.size // known
-        if int(np.prod(dims, dtype=np.int64)) != self.size:
+        if math.prod(dims) != self.size:
             raise _argument(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
         return DeviceArray(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
 
@@ -350,7 +351,7 @@ def empty(
     dt = _check_dtype(dtype)
     if pool is None:
         pool = MemoryPool.for_device(stream.device if stream is not None else as_device(device))
-    buf = pool.allocate(int(np.prod(dims, dtype=np.int64)) * dt.itemsize, stream)
+    buf = pool.allocate(math.prod(dims) * dt.itemsize, stream)
     return DeviceArray(dims, dt, buffer=buf)
 
 

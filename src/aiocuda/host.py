@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import math
 import threading
 import weakref
 from typing import Any, final
@@ -110,7 +111,7 @@ def _release_pinned(device: Device, ptr: int, size: int) -> None:
 
 def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
     """A numpy array over ``ptr`` whose base keeps ``owner`` alive."""
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = (ctypes.c_char * max(nbytes, 1)).from_address(ptr)
     raw._aiocuda_owner = owner  # type: ignore[attr-defined]
     flat: npt.NDArray[Any] = np.frombuffer(memoryview(raw), dtype=dtype, count=nbytes // dtype.itemsize)
@@ -134,7 +135,7 @@ def pinned_empty(
     """
     dims = _shape_tuple(shape)
     dt = np.dtype(dtype)
-    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    nbytes = math.prod(dims) * dt.itemsize
     dev = as_device(device)
     owner = _PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
