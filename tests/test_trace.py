@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pathlib
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiocuda import _offloop
 from aiocuda._cli.demo import ScaleStage
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
@@ -162,6 +164,12 @@ async def test_gpu_pipeline_overlaps_its_engines(backend: Any, anyio_backend: An
         stage = ScaleStage(800)
         await ex.run(stage, chunks, output=lambda i, _: out[i])  # warm-up: pool, module
         assert ex.trace is not None
+        # Garbage of earlier tests (compiled modules, above all) is unloaded off the loop,
+        # but cuModuleUnload waits for an idle device and may hold a driver lock our
+        # copies need meanwhile (cuMemFreeHost does): let that happen before the measured
+        # run, not in the middle of it.
+        gc.collect()
+        assert _offloop.drain(timeout=30)
         ex.trace.clear()
         await ex.run(stage, chunks, output=lambda i, _: out[i])
         s = ex.trace.summary()
