@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import operator
 import pathlib
 import statistics
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,23 @@ _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": oper
 def median_us(samples_s: Sequence[float]) -> float:
     """Median of samples given in seconds, in microseconds."""
     return statistics.median(samples_s) * 1e6
+
+
+async def wall_medians(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median wall seconds of each contender (a callable; an awaitable it returns is
+    awaited), after one warm-up round, over ``rounds`` rounds that run every contender
+    once, back to back: the GPU's copy speed drifts over seconds on a shared machine, so
+    contenders are interleaved in time, never one after the other's whole series."""
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for round_ in range(rounds + 1):
+        for name, fn in contenders.items():
+            started = time.perf_counter()
+            pending = fn()
+            if inspect.isawaitable(pending):
+                await pending
+            if round_:
+                samples[name].append(time.perf_counter() - started)
+    return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
 def parser(description: str) -> argparse.ArgumentParser:

@@ -48,9 +48,9 @@ from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import Result, parser
+    from benchmarks._common import Result, parser, wall_medians
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import Result, parser  # type: ignore[no-redef]
+    from _common import Result, parser, wall_medians  # type: ignore[no-redef]
 
 MiB = 1 << 20
 ALLOC_SIZE = MiB
@@ -188,22 +188,6 @@ def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
 # -- copies -----------------------------------------------------------------------------------
 
 
-async def _wall_medians(contenders: dict[str, Callable[[], Any]], reps: int) -> dict[str, float]:
-    """Median wall seconds of each contender (a callable returning None or an awaitable),
-    one warm-up each, then ``reps`` rounds that run every contender once, back to back:
-    the copy engines' speed drifts over seconds, so ours and the raw copies alternate."""
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_ in range(reps + 1):
-        for name, fn in contenders.items():
-            t = time.perf_counter()
-            pending = fn()
-            if pending is not None:
-                await pending
-            if round_:
-                samples[name].append(time.perf_counter() - t)
-    return {name: statistics.median(xs) for name, xs in samples.items()}
-
-
 async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: bool) -> None:
     device = stream.device
     pinned = pinned_empty(nbytes, np.uint8, device=device)
@@ -227,7 +211,7 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
     # Pinned and pageable copies in separate series: a pageable copy (ours staged through
     # copier threads, the driver's through its own bounce buffers) slows the pinned copy
     # that follows it, which would penalise whichever contender comes next.
-    t = await _wall_medians(
+    t = await wall_medians(
         {
             "ours_h2d_pinned": lambda: dev.copy_from(pinned, stream=stream),
             "raw_h2d_pinned": raw(driver.memcpy_htod_async, dev.ptr, host_pinned),
@@ -236,7 +220,7 @@ async def _copies(result: Result, stream: Stream, nbytes: int, reps: int, real: 
         },
         2 * reps,
     )
-    t |= await _wall_medians(
+    t |= await wall_medians(
         {
             "ours_h2d_pageable": lambda: dev.copy_from(pageable, stream=stream),
             "raw_h2d_pageable": raw(driver.memcpy_htod_async, dev.ptr, host_pageable),
@@ -342,7 +326,7 @@ async def _staging_sweep(stream: Stream, nbytes: int, reps: int, quick: bool) ->
         for chunk, min_chunk, n_threads in configs:
             _staging.CHUNK, _staging.MIN_CHUNK, _staging.COPY_THREADS = chunk * MiB, min_chunk * MiB, n_threads
             _staging.reset()
-            t = await _wall_medians(
+            t = await wall_medians(
                 {
                     "h2d": lambda: dev.copy_from(pageable, stream=stream),
                     "d2h": lambda: dev.to_host(out=out, stream=stream),
@@ -389,7 +373,7 @@ async def _sweep(quick: bool) -> Result:
         driver.stream_synchronize(handle)
 
     stream.device.make_current()
-    raw_s = (await _wall_medians({"raw_h2d": raw_h2d}, 5))["raw_h2d"]
+    raw_s = (await wall_medians({"raw_h2d": raw_h2d}, 5))["raw_h2d"]
     result.baselines["raw_h2d_pageable_GBps"] = round(nbytes / 1e9 / raw_s, 2)
     dev.buffer.free()
     stream.close()

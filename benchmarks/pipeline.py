@@ -42,7 +42,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -58,9 +58,9 @@ from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import RESULTS, Result, parser
+    from benchmarks._common import RESULTS, Result, parser, wall_medians
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import RESULTS, Result, parser  # type: ignore[no-redef]
+    from _common import RESULTS, Result, parser, wall_medians  # type: ignore[no-redef]
 
 CHUNKS = 16
 REPS = (200, 800, 3000)
@@ -187,27 +187,6 @@ async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int) -> float:
     return time.perf_counter() - started
 
 
-def median_of(samples: int, run: Callable[[], float]) -> float:
-    run()  # warm-up
-    return statistics.median(run() for _ in range(samples))
-
-
-async def interleaved(samples: int, contenders: dict[str, Callable[[], Awaitable[float]]]) -> dict[str, float]:
-    """Median seconds of each contender over ``samples`` rounds, after a warm-up round.
-
-    Each round runs every contender once, back to back: the copy engines' speed drifts
-    over seconds on a shared machine (the same loop can take 12 or 15 ms for a while), so
-    contenders run side by side in time, never one after the other's whole series.
-    """
-    times: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_ in range(samples + 1):
-        for name, run in contenders.items():
-            seconds = await run()
-            if round_:
-                times[name].append(seconds)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def bound_ms(chunks: int, steps: list[float]) -> float:
     """Perfect overlap: the busiest step for every chunk plus the other steps once."""
     return chunks * max(steps) + sum(steps) - max(steps)
@@ -221,11 +200,8 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
     result.baselines.update({f"stage_{k}_duplex_ms": round(v, 4) for k, v in duplex.items()})
     worst_vs_hand = 0.0
 
-    def raw(reps: int, nstreams: int) -> Callable[[], Awaitable[float]]:
-        async def run() -> float:
-            return rig.raw_loop(reps, nstreams, one)
-
-        return run
+    def raw(reps: int, nstreams: int, devices: list[Device] = one) -> Callable[[], float]:
+        return lambda: rig.raw_loop(reps, nstreams, devices)
 
     async with Executor(one) as ex:
         for reps in REPS:
@@ -237,13 +213,13 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
             expected = scale_reference(rig.host_in[:CHUNKS], reps)
             if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
                 raise SystemExit(f"executor results differ from numpy at reps={reps}")
-            med = await interleaved(
-                samples,
+            med = await wall_medians(
                 {
                     "serial": raw(reps, 1),
                     "hand": raw(reps, 3),
                     "executor": lambda reps=reps: executor_run(ex, rig, reps, CHUNKS),  # type: ignore[misc]
                 },
+                samples,
             )
             serial, hand, execu = med["serial"], med["hand"], med["executor"]
             result.baselines.update(
@@ -286,18 +262,15 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
     many = rig.devices[:ndev]
     rig.host_out[:] = 0
 
-    async def raw_many() -> float:
-        return rig.raw_loop(BALANCED, 3, many)
-
     async with Executor(one) as ex_1, Executor(many) as ex_n:
-        med = await interleaved(
-            samples,
+        med = await wall_medians(
             {
                 "hand_1": raw(BALANCED, 3),
                 "executor_1": lambda: executor_run(ex_1, rig, BALANCED, CHUNKS),
-                "hand_n": raw_many,
+                "hand_n": raw(BALANCED, 3, many),
                 "executor_n": lambda: executor_run(ex_n, rig, BALANCED, CHUNKS * ndev),
             },
+            samples,
         )
     hand_n, execu_n = med["hand_n"], med["executor_n"]
     result.baselines[f"handwritten_scaling_{ndev}gpu"] = round(ndev * med["hand_1"] / hand_n, 4)

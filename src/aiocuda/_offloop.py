@@ -21,9 +21,14 @@ import os
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["drain", "submit"]
+from .errors import CudaError
+
+if TYPE_CHECKING:
+    from .device import Device
+
+__all__ = ["drain", "release", "submit"]
 
 _log = logging.getLogger("aiocuda")
 
@@ -69,6 +74,25 @@ def submit(fn: Callable[..., object], *args: Any) -> None:
     ``fn`` handles its own expected errors; anything else it raises is logged.
     """
     _current().calls.put((fn, args))
+
+
+def release(device: Device, call: str, *args: Any, keep: object = None) -> None:
+    """Queue ``device``'s driver method ``call(*args)`` (a free, an unload, an unpin),
+    with the device's context bound; ``keep`` stays referenced until it has run.
+
+    A :class:`~aiocuda.errors.CudaError` is ignored: the backend was switched or the
+    context is gone (the driver took the resource with it), or the driver refused (a
+    pool with buffers still allocated: it keeps the pool).
+    """
+    submit(_release, device, call, args, keep)
+
+
+def _release(device: Device, call: str, args: tuple[Any, ...], keep: object) -> None:
+    try:
+        device.make_current()
+        getattr(device._driver, call)(*args)
+    except CudaError:
+        pass
 
 
 def drain(timeout: float | None = None) -> bool:

@@ -20,7 +20,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _driver, _offloop
-from .errors import CudaError
 
 if TYPE_CHECKING:
     from .device import Device
@@ -70,15 +69,13 @@ class _Cache:
                 self.blocks.setdefault(size, []).append((device, ptr))
                 self.bytes += size
                 return
-        _offloop.submit(_free, device, ptr)
+        _offloop.release(device, "mem_host_free", ptr)
 
     def empty(self) -> int:
         with self.lock:
             dropped, self.blocks, freed = self.blocks, {}, self.bytes
             self.bytes = 0
-        for entries in dropped.values():
-            for device, ptr in entries:
-                _offloop.submit(_free, device, ptr)
+        _free_all(dropped)
         return freed
 
     def _forget_other_worlds(self) -> None:
@@ -88,17 +85,13 @@ class _Cache:
         if world is not self.world:
             self.world = world
             stale, self.blocks, self.bytes = self.blocks, {}, 0
-            for entries in stale.values():
-                for device, ptr in entries:
-                    _offloop.submit(_free, device, ptr)
+            _free_all(stale)
 
 
-def _free(device: Device, ptr: int) -> None:
-    try:
-        device.make_current()
-        device._driver.mem_host_free(ptr)
-    except CudaError:
-        pass  # a torn-down backend took the memory with it
+def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
+    for entries in blocks.values():
+        for device, ptr in entries:
+            _offloop.release(device, "mem_host_free", ptr)
 
 
 _cache = _Cache()

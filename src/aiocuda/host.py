@@ -176,11 +176,15 @@ class HostRegistration:
         self.array = array
         self.ptr = int(array.ctypes.data)
         self.size = int(array.nbytes)
-        if _unpinning.overlaps(self.ptr, self.size):
-            _offloop.drain()  # an earlier registration of this memory is still being undone
-        dev._driver.mem_host_register(self.ptr, self.size)
+        try:
+            dev._driver.mem_host_register(self.ptr, self.size)
+        except CudaError as exc:
+            if exc.code != ResultCode.HOST_MEMORY_ALREADY_REGISTERED:
+                raise
+            _offloop.drain()  # an earlier registration may still be being undone: then retry
+            dev._driver.mem_host_register(self.ptr, self.size)
         pinned_ranges.add(self.ptr, self.size, self)
-        self._finalizer = weakref.finalize(self, _unregister, dev, self.ptr, self.size, array)
+        self._finalizer = weakref.finalize(self, _unregister, dev, self.ptr, array)
 
     def close(self) -> None:
         """Unpin (in the background; :func:`is_pinned` is False at once). Await the
@@ -203,45 +207,11 @@ class HostRegistration:
         return f"<HostRegistration {state} size={self.size}>"
 
 
-class _Unpinning:
-    """Host ranges whose unregistration is queued on the off-loop thread."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._ranges: dict[int, int] = {}
-
-    def add(self, ptr: int, size: int) -> None:
-        with self._lock:
-            self._ranges[ptr] = size
-
-    def remove(self, ptr: int) -> None:
-        with self._lock:
-            self._ranges.pop(ptr, None)
-
-    def overlaps(self, ptr: int, size: int) -> bool:
-        with self._lock:
-            return any(start < ptr + size and ptr < start + extent for start, extent in self._ranges.items())
-
-
-_unpinning = _Unpinning()
-
-
-def _unregister(device: Device, ptr: int, size: int, array: npt.NDArray[Any]) -> None:
+def _unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
-    _unpinning.add(ptr, size)
-    _offloop.submit(_host_unregister, device, ptr, array)  # the driver waits for an idle device
-
-
-def _host_unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
-    """Unpin ``array`` (kept alive until then: its memory must not go back to the
-    allocator while still registered)."""
-    try:
-        device.make_current()
-        device._driver.mem_host_unregister(ptr)
-    except CudaError:
-        pass
-    finally:
-        _unpinning.remove(ptr)
+    # The driver waits for an idle device: unpin off the loop, keeping the array (whose
+    # memory must not go back to its allocator while still registered) until then.
+    _offloop.release(device, "mem_host_unregister", ptr, keep=array)
 
 
 def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:

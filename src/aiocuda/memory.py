@@ -436,15 +436,7 @@ _current_pools: dict[tuple[int, int], MemoryPool] = {}
 
 
 def _destroy_pool(device: Device, handle: Any) -> None:
-    _offloop.submit(_destroy_pool_now, device, handle)  # off the loop: it may wait for the GPU
-
-
-def _destroy_pool_now(device: Device, handle: Any) -> None:
-    try:
-        device.make_current()
-        device._driver.mempool_destroy(handle)
-    except CudaError:
-        pass  # buffers still allocated from it, or a dead context: the driver keeps it
+    _offloop.release(device, "mempool_destroy", handle)  # off the loop: it may wait for the GPU
 
 
 @final

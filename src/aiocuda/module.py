@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import _driver, _offloop
 from ._signature import Signature, parse_signature, ptx_signatures
 from .device import Device
-from .errors import ArgumentError, CudaError
+from .errors import ArgumentError
 
 if TYPE_CHECKING:
     from .kernel import Kernel
@@ -35,16 +35,8 @@ _KINDS = ("ptx", "cubin", "fatbin", "sim")
 def _unload_all(handles: dict[tuple[int, int], tuple[Device, Any]]) -> None:
     # Off the loop: the driver unloads a module only once the device is idle.
     for device, handle in handles.values():
-        _offloop.submit(_unload, device, handle)
+        _offloop.release(device, "module_unload", handle)
     handles.clear()
-
-
-def _unload(device: Device, handle: Any) -> None:
-    try:
-        device.make_current()
-        device._driver.module_unload(handle)
-    except CudaError:
-        pass  # a dead context or a switched backend: nothing left to unload
 
 
 def _guess_kind(image: bytes) -> str:
