@@ -247,6 +247,37 @@ async def test_many_completions_cost_one_wakeup(
     assert wakeups <= 3, f"{wakeups} wake-ups for 20 completions"
 
 
+@pytest.mark.anyio
+async def test_doorbell_signal_streams_are_reused_once_idle(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Eight long waits at a time, round after round: the doorbells' private streams are
+    reused once their rings have run, so they stay about as many as the waits in flight.
+    (Trying the most recently rung streams first found them busy whenever more than four
+    waits were pending, and created a stream -- a call that blocks for milliseconds while
+    the GPU is busy -- for every ring from then on.)"""
+    from aiocuda import _completion
+    from aiocuda.device import Device
+
+    engine = _completion.engine()
+    streams = [Stream(0) for _ in range(8)]
+    try:
+        before = engine._signals.count(Device(0))
+        for _ in range(6):
+            for s in streams:
+                slow_op(s, 0.02)
+            async with anyio.create_task_group() as tg:
+                for s in streams:
+                    tg.start_soon(_await, s)
+        created = engine._signals.count(Device(0)) - before
+    finally:
+        for s in streams:
+            s.close()
+    assert created <= len(streams) + _completion._SignalStreams.SCAN, f"{created} signal streams for 8 waits at a time"
+
+
+async def _await(awaitable: object) -> None:
+    await awaitable  # type: ignore[misc]
+
+
 BINDINGS_HOSTFN_SCRIPT = """
 import ctypes, time
 from cuda.bindings import driver as drv

@@ -275,6 +275,56 @@ async def test_memory_budget_limits_bytes_in_flight(sim_backend: Any, anyio_back
         np.testing.assert_array_equal(value, host)
 
 
+@pytest.fixture
+def pool_without_cross_stream_reuse(backend: Any) -> Iterator[MemoryPool]:
+    """Device 0's pool told to reuse freed memory only on the stream that freed it. The
+    driver often behaves so anyway (it cannot tell that a free on another stream has run,
+    and maps new memory); this makes it certain, on the simulator too."""
+    pool = MemoryPool.for_device(Device(0))
+    driver = pool._driver
+    names = ("reuse_allow_opportunistic", "reuse_allow_internal_dependencies")
+    saved = {name: driver.mempool_get_attribute(pool._handle, name) for name in names}
+    for name in names:
+        driver.mempool_set_attribute(pool._handle, name, 0)
+    try:
+        yield pool
+    finally:
+        for name, value in saved.items():
+            driver.mempool_set_attribute(pool._handle, name, value)
+
+
+async def test_chunk_memory_is_reused_not_mapped_anew(
+    pool_without_cross_stream_reuse: MemoryPool, anyio_backend: Any
+) -> None:
+    """A chunk's arrays are freed, once its download is awaited, on the streams they were
+    allocated on -- where later chunks allocate -- so pipeline after pipeline reuses the
+    same memory. (Freed on the download stream, each 32 MiB upload buffer was mapped anew
+    on the GPU: hundreds of microseconds on the loop's thread per chunk, and the pool grew
+    by gigabytes over a benchmark.)"""
+    pool = pool_without_cross_stream_reuse
+    n = (4 << 20) // 4 - 64  # just under 4 MiB: a size no other test allocates
+    inputs = [pinned_empty(n, np.float32) for _ in range(3)] * 8
+    for host in inputs:
+        host[:] = 1.0
+    scale = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:  # in place, then a new output
+        scale(ctx, x)
+        out = ctx.empty(x.shape, x.dtype)
+        out.buffer._used_on(ctx.stream)
+        ctx.device._driver.memcpy_dtod_async(out.ptr, x.ptr, x.nbytes, ctx.stream.handle)
+        return out
+
+    async with Executor([0]) as ex:
+        first = await ex.run(stage, inputs, in_flight=4)
+        reserved = pool.statistics().reserved_bytes
+        for _ in range(2):
+            await ex.run(stage, inputs, in_flight=4)
+        grown = pool.statistics().reserved_bytes - reserved
+    assert grown <= 4 * n * 4, f"the pool grew by {grown} bytes over two runs of 24 chunks"
+    np.testing.assert_allclose(first[-1], scale_reference(inputs[-1], REPS), rtol=1e-5)
+
+
 async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> None:
     if _driver.driver().device_count() < 2:
         pytest.skip("needs two devices")

@@ -47,6 +47,7 @@ closed or interpreter exiting with waits in flight: their wake-ups are dropped s
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import heapq
 import itertools
@@ -179,20 +180,32 @@ class Waiter:
 
 
 class _SignalStreams:
-    """Private streams that doorbells ring on, pooled per device.
+    """Private streams that doorbells ring on, pooled per device, oldest ring first.
 
     A signal stream holds nothing but ``wait(event); sem_post``, so its doorbell rings
     as soon as *that* event completes, whatever was enqueued on the event's own stream
-    after it. A stream is reused once it is idle (its ring has run); one still blocked
-    on the event of a cancelled wait is skipped until then.
+    after it. Streams are taken in the order their last rings were enqueued (the oldest
+    is the likeliest to have rung) and reused once idle; a new one is created only when
+    none of the oldest :data:`SCAN` is idle, so the pool settles at about the number of
+    long waits in flight at once. Creating a stream can block for milliseconds while the
+    device is busy, which is why the order matters: taking the most recent ring first
+    found a busy stream whenever more than a few waits were pending, and created a new
+    stream for every ring after that.
+
+    Past :data:`LIMIT` streams on a device, a ring shares the oldest stream: it then
+    rings once both that stream's earlier wait and its own event have completed -- late
+    perhaps, never early -- and the waker's periodic check still sees the waiter.
     """
 
     SCAN = 4
-    """Pooled streams to try before creating another."""
+    """Oldest pooled streams to query for idleness before creating another."""
+
+    LIMIT = 64
+    """Signal streams per device at most."""
 
     def __init__(self, backend: _driver.Driver) -> None:
         self._backend = backend
-        self._pools: dict[int, list[Any]] = {}
+        self._pools: dict[int, collections.deque[Any]] = {}
         self._lock = threading.Lock()  # loops in several threads may ring at once
 
     def ring_after(self, device: Device, event: Any, bell: Any) -> None:
@@ -208,12 +221,20 @@ class _SignalStreams:
     def _take(self, device: Device) -> Any:
         backend = self._backend
         with self._lock:
-            pool = self._pools.setdefault(device.ordinal, [])
-            for i in range(len(pool) - 1, max(-1, len(pool) - 1 - self.SCAN), -1):
-                if backend.stream_query(pool[i]):
-                    return pool.pop(i)
+            pool = self._pools.setdefault(device.ordinal, collections.deque())
+            for _ in range(min(self.SCAN, len(pool))):
+                if backend.stream_query(pool[0]):
+                    return pool.popleft()
+                pool.rotate(-1)  # busy: look at it again last
+            if len(pool) >= self.LIMIT:
+                return pool.popleft()
         device.make_current()
         return backend.stream_create(True, 0)
+
+    def count(self, device: Device) -> int:
+        """Signal streams pooled for ``device`` (idle or not)."""
+        with self._lock:
+            return len(self._pools.get(device.ordinal, ()))
 
 
 class CompletionEngine:

@@ -105,8 +105,8 @@ class ChunkContext:
 
     Pitfalls: a stage must not wait for the GPU (no ``await stream``, no synchronize):
     that would stall the chunk's own pipeline slot for nothing, the download is awaited
-    for it. Memory from :meth:`empty` lives until the chunk's download has been enqueued
-    and is then freed stream-ordered; keep nothing from it beyond the stage.
+    for it. Memory from :meth:`empty` lives until the chunk's download has completed (or
+    the chunk failed) and is then freed; keep nothing from it beyond the stage.
     """
 
     __slots__ = ("_arrays", "_compute", "_lanes_of", "_spans", "_trace", "host", "index", "lanes", "name", "stream")
@@ -127,7 +127,8 @@ class ChunkContext:
         self._trace = trace
         self.name = name
         self.stream: Stream = lanes.compute[0]  # set by _begin_compute before the stage runs
-        self._arrays: list[DeviceArray] = []
+        self._arrays: list[tuple[DeviceArray, Stream]] = []
+        """The chunk's device arrays, each with the stream it was allocated on."""
         self._compute: PendingSpan | None = None
         self._spans: list[PendingSpan] = []
 
@@ -138,9 +139,9 @@ class ChunkContext:
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
         """A device array for this chunk, allocated stream-ordered on :attr:`stream` from
-        the device's pool, freed (stream-ordered) once the chunk's download is enqueued."""
+        the device's pool, freed once the chunk's download has completed."""
         array = empty(shape, dtype, stream=self.stream, pool=self.lanes.pool)
-        self._arrays.append(array)
+        self._arrays.append((array, self.stream))
         return array
 
     def move(self, array: DeviceArray, device: Device | int) -> DeviceArray:
@@ -161,7 +162,7 @@ class ChunkContext:
         p2p = source.p2p
         array.buffer._used_on(p2p)  # after the stage's kernels; frees the source after the copy
         moved = empty(array.shape, array.dtype, stream=target.p2p, pool=target.pool)
-        self._arrays.append(moved)
+        self._arrays.append((moved, target.p2p))
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
         span = self._trace.start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
         source.device.make_current()
@@ -194,8 +195,26 @@ class ChunkContext:
             self._spans.append(span)
 
     def _free(self) -> None:
-        for array in self._arrays:
+        """Free the chunk's arrays stream-ordered, each after its last use: for a chunk
+        that failed or was cancelled, whose GPU work may still be running."""
+        for array, _ in self._arrays:
             array.buffer.free()
+        self._arrays.clear()
+
+    def _free_done(self) -> None:
+        """Free the chunk's arrays once its download has been awaited: each on the stream
+        it was allocated on, where the next chunk's allocation reuses it at once (see
+        ``DeviceBuffer._free_idle``). Every executor stream a chunk's arrays are used on is
+        ordered before the download; an array last used on another stream (a stage's own)
+        is not known to be idle, and gets the stream-ordered free."""
+        for array, allocated_on in self._arrays:
+            buffer = array.buffer
+            if buffer.freed:
+                continue
+            if buffer.stream in self._lanes_of(buffer.device).streams:
+                buffer._free_idle(allocated_on)
+            else:
+                buffer.free()
         self._arrays.clear()
 
 
@@ -218,7 +237,7 @@ class ChunkRunner:
         try:
             h2d = lanes.h2d
             x = empty(host.shape, host.dtype, stream=h2d, pool=lanes.pool)
-            ctx._arrays.append(x)
+            ctx._arrays.append((x, h2d))
             span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
@@ -246,8 +265,8 @@ class ChunkRunner:
             if span is not None:
                 Trace.stop(span, d2h)
                 ctx._spans.append(span)
-            ctx._free()
             await d2h  # the download and those before it on the stream
+            ctx._free_done()
             if trace is not None:
                 trace.resolve(*ctx._spans)
                 ctx._spans.clear()

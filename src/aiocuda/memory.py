@@ -547,6 +547,24 @@ class DeviceBuffer:
                 pass  # e.g. no context bound on this (finaliser's) thread: the general path binds it
         pool._release(ptr, last, self._waits)
 
+    def _free_idle(self, stream: Stream) -> None:
+        """Free on ``stream`` without ordering it after the buffer's uses: only for a
+        buffer whose every use the host has seen complete (the executor, once a chunk's
+        download has been awaited).
+
+        Why not :meth:`free`: that frees on the last-use stream, and the pool reuses
+        memory freed on one stream for an allocation on another only when it can prove
+        the free finished -- often it cannot, and maps new memory instead (hundreds of
+        microseconds for tens of MiB, and the pool keeps growing). Freed on the stream
+        the next allocation will use, the memory is reused at once.
+        """
+        if self._stream is None:
+            return
+        self._stream = None
+        self._waits = None
+        if self._ptr:
+            self._pool._release(self._ptr, stream, None)
+
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:
             try:

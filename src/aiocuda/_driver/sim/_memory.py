@@ -14,9 +14,12 @@ Departures from the driver, kept on purpose:
 * A pool reuses a freed block only for an allocation of exactly the same size. Memory
   freed with ``mem_free_async`` is reusable at once by allocations on the *same*
   stream (stream order puts their work after the free, as with the driver), and by
-  other streams once the free has run. The pool never trims itself to satisfy an
-  allocation: when it cannot grow it fails with ``OUT_OF_MEMORY``, which is what the
-  layer above must handle (release, retry).
+  other streams once the free has run -- unless both ``reuse_allow_opportunistic`` and
+  ``reuse_allow_internal_dependencies`` are set to 0: then only by the stream that
+  freed it. (The driver, with both on, often fails to see that a free on another
+  stream has run and maps new memory instead; turning them off makes that certain.)
+  The pool never trims itself to satisfy an allocation: when it cannot grow it fails
+  with ``OUT_OF_MEMORY``, which is what the layer above must handle (release, retry).
 * The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
   "not null, not inside device memory": pass only addresses of live host buffers.
@@ -41,15 +44,18 @@ __all__ = ["SimMemory", "SimPool"]
 _ALIGN = 256
 """Alignment of simulated device allocations (the driver guarantees at least 256)."""
 
+_REUSE_ATTRIBUTES = (
+    "reuse_follow_event_dependencies",
+    "reuse_allow_opportunistic",
+    "reuse_allow_internal_dependencies",
+)
 _POOL_ATTRIBUTES = (
     "release_threshold",
     "reserved_mem_current",
     "reserved_mem_high",
     "used_mem_current",
     "used_mem_high",
-    "reuse_follow_event_dependencies",
-    "reuse_allow_opportunistic",
-    "reuse_allow_internal_dependencies",
+    *_REUSE_ATTRIBUTES,
 )
 
 
@@ -83,6 +89,7 @@ class SimPool:
         "release_threshold",
         "reserved",
         "reserved_high",
+        "reuse",
         "used",
         "used_high",
     )
@@ -96,7 +103,9 @@ class SimPool:
         self.used_high = 0
         self.reserved = 0
         self.reserved_high = 0
-        self.cached: dict[int, list[np.ndarray]] = {}
+        self.cached: dict[int, list[tuple[np.ndarray, Any]]] = {}
+        """Unused blocks by size, each with the stream whose free released it."""
+        self.reuse = dict.fromkeys(_REUSE_ATTRIBUTES, 1)
         self.cached_bytes = 0
         self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
         """Blocks whose free is enqueued but has not run, by (stream, size), then start."""
@@ -174,6 +183,8 @@ class SimMemory:
         self._check_pool(pool, "cuMemPoolSetAttribute")
         if attribute == "release_threshold":
             pool.release_threshold = int(value)
+        elif attribute in _REUSE_ATTRIBUTES:
+            pool.reuse[attribute] = int(bool(value))
         elif attribute in ("reserved_mem_high", "used_mem_high"):
             if value != 0:
                 raise _invalid("cuMemPoolSetAttribute", f"{attribute} can only be reset to 0")
@@ -197,8 +208,8 @@ class SimMemory:
         }
         if attribute in values:
             return values[attribute]
-        if attribute in _POOL_ATTRIBUTES:
-            return 1
+        if attribute in _REUSE_ATTRIBUTES:
+            return pool.reuse[attribute]
         raise _invalid("cuMemPoolGetAttribute", f"unknown pool attribute {attribute!r}")
 
     def mempool_trim_to(self, pool: SimPool, min_bytes_to_keep: int) -> None:
@@ -232,7 +243,7 @@ class SimMemory:
             reused = state.take_freeing(pool, sim_stream, size)
             if reused is not None:
                 return reused.start
-            array = state.take_cached(pool, size)
+            array = state.take_cached(pool, size, sim_stream)
             if array is None:
                 device = self._devices[pool.ordinal]
                 over_pool = pool.max_size and pool.reserved + size > pool.max_size
@@ -278,7 +289,7 @@ class SimMemory:
                     pool.reserved -= block.size
                     state.devices[pool.ordinal].used_bytes -= block.size
                     return
-                pool.cached.setdefault(block.size, []).append(array)
+                pool.cached.setdefault(block.size, []).append((array, sim_stream))
                 pool.cached_bytes += block.size
                 if pool.reserved > pool.release_threshold:
                     state.release_cached(pool, pool.release_threshold)
@@ -557,12 +568,20 @@ class _MemoryState:
         if not blocks:
             del pool.freeing_on[key]
 
-    def take_cached(self, pool: SimPool, size: int) -> np.ndarray | None:
+    def take_cached(self, pool: SimPool, size: int, stream: Any) -> np.ndarray | None:
+        """An unused block of ``size`` that an allocation on ``stream`` may reuse: any,
+        or with cross-stream reuse turned off, one freed on ``stream``."""
         arrays = pool.cached.get(size)
         if not arrays:
             return None
-        pool.cached_bytes -= size
-        return arrays.pop()
+        across = pool.reuse["reuse_allow_opportunistic"] or pool.reuse["reuse_allow_internal_dependencies"]
+        for i in range(len(arrays) - 1, -1, -1):
+            array, freed_on = arrays[i]
+            if across or freed_on is stream:
+                del arrays[i]
+                pool.cached_bytes -= size
+                return array
+        return None
 
     def release_cached(self, pool: SimPool, keep: int) -> None:
         """Give cached (unused) blocks back until ``reserved <= keep`` or none are left."""
