@@ -23,7 +23,9 @@ loop's own ratio to the bound is reported beside the executor's.
 
 Then the same on ``N`` GPUs (``--devices N``, default: two where there are two): ``N x 16``
 chunks, 16 per GPU, through one executor (and the hand-written loop over every GPU),
-giving throughput scaling against one GPU.
+giving throughput scaling against one GPU. Beside it, ``copy_ceiling_scaling_Ngpu``: the
+same chunks' uploads and downloads alone, raw, on every GPU at once against one GPU --
+how far the host's links and memory let copies scale, whatever runs them.
 
 Targets: ``overlap_ratio_bound_reps*`` = executor / bound <= 1.10 (one per length);
 ``speedup_vs_serial`` (balanced length, reps 800) >= 1.8; ``executor_vs_handwritten`` =
@@ -150,6 +152,27 @@ class Rig:
                     times[name].append(end.elapsed_ms(since=start) / copies)
         return {name: statistics.median(values) for name, values in times.items()}
 
+    def copies_only(self, devices: list[Device]) -> float:
+        """Seconds for every device to upload and download ``CHUNKS`` chunks at once
+        (uploads on one stream, downloads on another, no kernel): the host link's
+        ceiling for the pipeline's copies, which no schedule of them can beat."""
+        nbytes = self.chunk_bytes
+        src, dst = int(self.host_in.ctypes.data), int(self.host_out.ctypes.data)
+        started = time.perf_counter()
+        for d, dev in enumerate(devices):
+            up, down = self.streams[dev.ordinal][:2]
+            up_buf, down_buf = self.buffers[dev.ordinal][:2]
+            dev.make_current()
+            drv = dev._driver
+            for i in range(CHUNKS):
+                offset = (d * CHUNKS + i) * nbytes
+                drv.memcpy_htod_async(up_buf.ptr, src + offset, nbytes, up.handle)
+                drv.memcpy_dtoh_async(dst + offset, down_buf.ptr, nbytes, down.handle)
+        for dev in devices:
+            for stream in self.streams[dev.ordinal][:2]:
+                stream.synchronize()
+        return time.perf_counter() - started
+
     # -- raw-driver loops ---------------------------------------------------------------------
     def raw_loop(self, reps: int, nstreams: int, devices: list[Device]) -> float:
         """Seconds for ``CHUNKS`` chunks per device, chunk i on stream i % nstreams of
@@ -265,6 +288,8 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
     async with Executor(one) as ex_1, Executor(many) as ex_n:
         med = await wall_medians(
             {
+                "copies_1": lambda: rig.copies_only(one),
+                "copies_n": lambda: rig.copies_only(many),
                 "hand_1": raw(BALANCED, 3),
                 "executor_1": lambda: executor_run(ex_1, rig, BALANCED, CHUNKS),
                 "hand_n": raw(BALANCED, 3, many),
@@ -274,6 +299,9 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
         )
     hand_n, execu_n = med["hand_n"], med["executor_n"]
     result.baselines[f"handwritten_scaling_{ndev}gpu"] = round(ndev * med["hand_1"] / hand_n, 4)
+    result.baselines["copies_only_1gpu_ms"] = round(med["copies_1"] * 1e3, 3)
+    result.baselines[f"copies_only_{ndev}gpu_ms"] = round(med["copies_n"] * 1e3, 3)
+    result.baselines[f"copy_ceiling_scaling_{ndev}gpu"] = round(ndev * med["copies_1"] / med["copies_n"], 4)
     expected = scale_reference(rig.host_in, BALANCED)
     if not np.allclose(rig.host_out, expected, rtol=1e-3):
         raise SystemExit(f"executor results differ from numpy on {ndev} devices")

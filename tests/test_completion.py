@@ -385,18 +385,17 @@ async def test_repeated_long_waits_are_polled_near_their_predicted_end(
         assert 0.07 < history.expected < 0.2
         planned: list[float] = []  # seconds into each wait at which the waker is to hand it over
         handed_over: list[float] = []  # seconds into the wait at which it rejoined the poller
-        ring, join = _completion.CompletionEngine._ring, _completion.CompletionEngine._join_poller
+        hand_over, join = _completion.CompletionEngine._hand_over_at, _completion.CompletionEngine._join_poller
 
-        def recording_ring(self: _completion.CompletionEngine, w: _completion.Waiter, poll_at: float | None) -> None:
-            if poll_at is not None:
-                planned.append(poll_at - w.started)
-            ring(self, w, poll_at)
+        def recording_hand_over(self: _completion.CompletionEngine, w: _completion.Waiter, poll_at: float) -> None:
+            planned.append(poll_at - w.started)
+            hand_over(self, w, poll_at)
 
         def recording_join(self: _completion.CompletionEngine, adapter: object, waiters: list) -> None:  # type: ignore[type-arg]
             handed_over.extend(time.perf_counter() - w.started for w in waiters if not w.done)
             join(self, adapter, waiters)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(_completion.CompletionEngine, "_ring", recording_ring)
+        monkeypatch.setattr(_completion.CompletionEngine, "_hand_over_at", recording_hand_over)
         monkeypatch.setattr(_completion.CompletionEngine, "_join_poller", recording_join)
         for _ in range(4):
             slow_op(s, 0.1)
@@ -406,6 +405,43 @@ async def test_repeated_long_waits_are_polled_near_their_predicted_end(
         # ...and those the doorbell did not resume first rejoined the poller near that time
         # (a loaded machine may wake the waker late: the bound is loose on purpose).
         assert all(0.05 < t < 0.15 for t in handed_over), handed_over
+
+
+@pytest.mark.anyio
+async def test_queued_waits_are_predicted_from_the_end_of_the_one_before(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four tasks each enqueue a 50 ms operation on one stream and await it, as a
+    pipeline's chunks await their downloads: the waits take 50, 100, 150 and 200 ms, but
+    each one's own part is the 50 ms after the one before it ended. The stream's history
+    learns that, and each queued wait sleeps until the one before it has ended, then is
+    handed back to the poller shortly before its own 50 ms are up. (Predicted from when
+    they began, the whole waits' mixed lengths put most of them past their window, to be
+    woken late by the doorbell.)"""
+    from aiocuda import _completion
+
+    planned: list[float] = []  # seconds after its own part began at which a wait is to poll
+    hand_over = _completion.CompletionEngine._hand_over_at
+
+    def recording(self: _completion.CompletionEngine, w: _completion.Waiter, poll_at: float) -> None:
+        assert w.head_since is not None, "a queued wait was planned before the waits ahead of it ended"
+        planned.append(poll_at - w.head_since)
+        hand_over(self, w, poll_at)
+
+    async def chunk(stream: Stream) -> None:
+        slow_op(stream, 0.05)
+        await stream
+
+    with Stream(0) as s:
+        for round_ in range(3):
+            if round_ == 2:
+                monkeypatch.setattr(_completion.CompletionEngine, "_hand_over_at", recording)
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(chunk, s)
+        history = _completion.engine()._histories[s.handle]
+    assert 0.035 < history.expected < 0.08, history.expected
+    assert len(planned) == 4 and all(0.025 < t < 0.06 for t in planned), planned
 
 
 @pytest.mark.anyio

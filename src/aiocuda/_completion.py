@@ -32,6 +32,16 @@ narrow window around its end. The window is capped (:data:`MAX_POLL_SHARE`), so 
 wrong guess costs bounded CPU, and the doorbell, already enqueued, still wakes the
 task if the guess was too early.
 
+**Queued waits.** Waits on one stream finish in the order their points were recorded,
+so a wait recorded while earlier ones on the same stream are pending cannot finish
+before them: with a pipeline's chunks all awaiting one download stream, the length of
+each whole wait says little about when it ends, while the time from the end of the wait
+before it (one chunk's download) is steady. So the waits that began right after
+recording their point form a :class:`_Line` per stream; the history learns only the
+oldest's time since the wait before it ended, and a wait queued behind others sleeps on
+its doorbell until it becomes the oldest, then is predicted from that moment. (A queue
+expected to drain within the poll window is simply polled.)
+
 **Sticky errors.** The driver never runs host functions once a context is poisoned, so
 a doorbell would never ring. While long waits exist the waker also wakes every
 :data:`POISON_CHECK` seconds and queries one waiter per device; a query that raises
@@ -142,8 +152,11 @@ class Waiter:
         "device",
         "done",
         "event",
+        "head_since",
+        "line",
         "on_finish",
         "poll_until",
+        "polling",
         "ringing",
         "started",
         "stream",
@@ -164,7 +177,13 @@ class Waiter:
         self.adapter = adapter
         self.on_finish = on_finish
         self.started = _perf()
+        self.head_since: float | None = self.started
+        """Since when the work before its point has finished (None while waits recorded
+        before it on its stream are pending): what the stream's history measures from."""
+        self.line: _Line | None = None
         self.poll_until = 0.0
+        self.polling = False
+        """Whether it is in its loop's poller."""
         self.ringing = False
         """Whether its doorbell is enqueued (the waker lists every waiter given to it, and
         queries those whose doorbell could not be enqueued on each periodic check)."""
@@ -172,11 +191,51 @@ class Waiter:
         self.token: Any = None
 
     def finish(self) -> None:
-        """Mark finished (exactly once) and give the event back to its pool."""
+        """Mark finished (exactly once), give the event back to its pool and leave the
+        stream's line (the next wait in it then becomes the oldest)."""
         if not self.done:
             self.done = True
             if self.on_finish is not None:
                 self.on_finish(self.event)
+            line, self.line = self.line, None
+            if line is not None:
+                line.leave(self)
+
+
+class _Line:
+    """The pending waits on one stream that began as their points were recorded, oldest
+    first (see "Queued waits" in the module docstring). Only the oldest is working on its
+    own part of the stream; when it leaves, for whatever reason, the next one's own part
+    begins and :meth:`CompletionEngine._promote` predicts it from then."""
+
+    __slots__ = ("_engine", "_key", "_waiters")
+
+    def __init__(self, engine: CompletionEngine, key: Hashable) -> None:
+        self._engine = engine
+        self._key = key
+        self._waiters: collections.deque[Waiter] = collections.deque()
+
+    def join(self, waiter: Waiter) -> int:
+        """Queue ``waiter``; returns how many waits are ahead of it."""
+        with self._engine._lock:
+            self._waiters.append(waiter)
+            waiter.line = self
+            return len(self._waiters) - 1
+
+    def leave(self, waiter: Waiter) -> None:
+        engine = self._engine
+        with engine._lock:
+            waiters = self._waiters
+            was_oldest = bool(waiters) and waiters[0] is waiter
+            try:
+                waiters.remove(waiter)
+            except ValueError:
+                return
+            following = waiters[0] if was_oldest and waiters else None
+            if not waiters and engine._lines.get(self._key) is self:
+                del engine._lines[self._key]
+        if following is not None:
+            engine._promote(following, _perf())
 
 
 class _SignalStreams:
@@ -247,6 +306,7 @@ class CompletionEngine:
         self._bell = backend.new_doorbell()
         self._signals = _SignalStreams(backend)
         self._histories: dict[Hashable, WaitHistory] = {}
+        self._lines: dict[Hashable, _Line] = {}
         self._lock = threading.Lock()
         self._long: list[Waiter] = []
         self._due: list[tuple[float, int, Waiter]] = []  # (when to poll, tie-break, waiter)
@@ -293,7 +353,10 @@ class CompletionEngine:
                     if query(event):
                         return
                 waiter = Waiter(event, stream, device, adapter, on_finish)
-                self._schedule(waiter, history)
+                ahead = self._line(stream).join(waiter) if just_recorded else 0
+                if ahead:
+                    waiter.head_since = None
+                self._schedule(waiter, history, ahead)
                 yield from adapter.suspend(waiter)
             finally:
                 adapter.waiting -= 1
@@ -325,25 +388,60 @@ class CompletionEngine:
         """Drop ``stream``'s wait history (it is being destroyed)."""
         self._histories.pop(stream, None)
 
-    def _schedule(self, waiter: Waiter, history: WaitHistory | None) -> None:
-        """Poll a wait expected to be short; ring a long one's doorbell and have the
-        waker bring it back to the poller just before its expected end."""
-        if history is None or history.expected < POLL_WINDOW:
+    def _line(self, stream: Hashable) -> _Line:
+        with self._lock:
+            line = self._lines.get(stream)
+            if line is None:
+                line = self._lines[stream] = _Line(self, stream)
+            return line
+
+    def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int) -> None:
+        """Poll a wait expected to end soon; ring a long one's doorbell and have the
+        waker bring it back to the poller just before its expected end. A wait with
+        ``ahead`` waits queued before it that will not all end within the poll window
+        sleeps on its doorbell until it is the oldest (:meth:`_promote`)."""
+        if history is None or history.expected * (ahead + 1) < POLL_WINDOW:
             waiter.poll_until = waiter.started + POLL_WINDOW
             self._join_poller(waiter.adapter, [waiter])
+            return
+        if ahead:
+            self._ring(waiter)
             return
         start, end = history.poll_window()
         waiter.poll_until = waiter.started + end
         if start <= PREDICTION_LEAD:
             self._join_poller(waiter.adapter, [waiter])
-            self._ring(waiter, None)
+            self._ring(waiter)
         else:
-            self._ring(waiter, waiter.started + start)
+            self._ring(waiter)
+            self._hand_over_at(waiter, waiter.started + start)
+
+    def _promote(self, waiter: Waiter, now: float) -> None:
+        """``waiter`` became the oldest wait of its stream's line at ``now``: the work
+        before its point is done, so predict its end from here (any thread)."""
+        waiter.head_since = now
+        history = self._histories.get(waiter.stream)
+        if history is None or history.expected < POLL_WINDOW:
+            start, end = 0.0, POLL_WINDOW
+        else:
+            start, end = history.poll_window()
+        waiter.poll_until = max(waiter.poll_until, now + end)
+        if waiter.polling or waiter.done:
+            return
+        if start > PREDICTION_LEAD:
+            self._hand_over_at(waiter, now + start)
+        elif waiter.adapter.thread == threading.get_ident():
+            self._join_poller(waiter.adapter, [waiter])
+        else:
+            waiter.adapter.call_soon_threadsafe(functools.partial(self._join_poller, waiter.adapter, [waiter]))
 
     # -- the loop's poller --------------------------------------------------------------------
     def _join_poller(self, adapter: LoopAdapter, waiters: list[Waiter]) -> None:
         """Add ``waiters`` to ``adapter``'s poller (on the loop's thread)."""
-        adapter.pending.extend(w for w in waiters if not w.done)
+        for w in waiters:
+            if not (w.done or w.polling):
+                w.polling = True
+                adapter.pending.append(w)
         if adapter.pending and not adapter.poll_scheduled:
             adapter.poll_scheduled = True
             adapter.call_soon(functools.partial(self._poll, adapter))
@@ -355,19 +453,24 @@ class CompletionEngine:
         query = self._query
         for w in adapter.pending:
             if w.done:
+                w.polling = False
                 continue
             try:
                 finished = query(w.event)
             except CudaError as exc:
+                w.polling = False
                 adapter.resume(w, exc)
                 continue
             if finished:
+                w.polling = False
                 self._complete(w, now)
             elif now < w.poll_until:
                 still.append(w)
-            elif not w.ringing:
-                self._ring(w, None)
-            # else: its doorbell is enqueued; stop polling
+            else:
+                w.polling = False
+                if not w.ringing:
+                    self._ring(w)
+                # else: its doorbell is enqueued; stop polling
         adapter.pending = still
         if still:
             adapter.poll_scheduled = True
@@ -378,33 +481,41 @@ class CompletionEngine:
         the wait took."""
         if waiter.done:
             return
-        self._learn(waiter.stream, self._histories.get(waiter.stream), now - waiter.started)
+        if waiter.head_since is not None:  # (else the waits before it just ended too: no measure)
+            self._learn(waiter.stream, self._histories.get(waiter.stream), now - waiter.head_since)
         waiter.adapter.resume(waiter, None)
 
     # -- the doorbell and the waker thread -------------------------------------------------------
-    def _ring(self, waiter: Waiter, poll_at: float | None) -> None:
-        """Enqueue ``waiter``'s doorbell; with ``poll_at``, also have the waker hand it
-        back to its loop's poller at that time."""
+    def _ring(self, waiter: Waiter) -> None:
+        """Enqueue ``waiter``'s doorbell and list it with the waker."""
         waiter.ringing = True
         # List the waiter *before* enqueuing the doorbell: a ring swept before the waiter
         # is listed would be lost (until the next periodic check).
         with self._lock:
             self._long.append(waiter)
-            if poll_at is not None:
-                heapq.heappush(self._due, (poll_at, next(self._sequence), waiter))
-            wake_waker = poll_at is not None and poll_at < self._waker_wakes_at
-            if wake_waker:
-                self._pokes += 1
-                self._waker_wakes_at = poll_at  # type: ignore[assignment]  # one poke is enough
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
-                self._thread.start()
+            self._start_waker()
         try:
             self._signals.ring_after(waiter.device, waiter.event, self._bell)
         except CudaError:
             waiter.ringing = False  # poisoned context, most likely: the periodic check queries it
+
+    def _hand_over_at(self, waiter: Waiter, poll_at: float) -> None:
+        """Have the waker hand ``waiter`` (rung already) to its loop's poller at ``poll_at``."""
+        with self._lock:
+            heapq.heappush(self._due, (poll_at, next(self._sequence), waiter))
+            wake_waker = poll_at < self._waker_wakes_at
+            if wake_waker:
+                self._pokes += 1
+                self._waker_wakes_at = poll_at  # one poke is enough
+            self._start_waker()
         if wake_waker:
             self._bell.ring()  # it sleeps past the new deadline: let it plan again
+
+    def _start_waker(self) -> None:
+        """Start the waker thread if it is not running (with ``_lock`` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
+            self._thread.start()
 
     def _waker(self) -> None:
         bell = self._bell

@@ -11,6 +11,7 @@ Everything on an adapter is touched only from its loop's thread, except
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ __all__ = ["LoopAdapter", "current_adapter"]
 class LoopAdapter:
     """The engine's view of one event loop (subclassed per loop library)."""
 
-    __slots__ = ("pending", "poll_scheduled", "waiting")
+    __slots__ = ("pending", "poll_scheduled", "thread", "waiting")
 
     bare_yield = False
     """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
@@ -32,6 +33,8 @@ class LoopAdapter:
         self.pending: list[Waiter] = []
         """Waiters the poller queries on each loop iteration."""
         self.poll_scheduled = False
+        self.thread = threading.get_ident()
+        """The loop's thread (adapters are made on it, by :func:`current_adapter`)."""
         self.waiting = 0
         """Tasks of this loop inside an await of GPU work."""
 
