@@ -208,11 +208,10 @@ class _Line:
     own part of the stream; when it leaves, for whatever reason, the next one's own part
     begins and :meth:`CompletionEngine._promote` predicts it from then."""
 
-    __slots__ = ("_engine", "_key", "_waiters")
+    __slots__ = ("_engine", "_waiters")
 
-    def __init__(self, engine: CompletionEngine, key: Hashable) -> None:
+    def __init__(self, engine: CompletionEngine) -> None:
         self._engine = engine
-        self._key = key
         self._waiters: collections.deque[Waiter] = collections.deque()
 
     def join(self, waiter: Waiter) -> int:
@@ -232,8 +231,6 @@ class _Line:
             except ValueError:
                 return
             following = waiters[0] if was_oldest and waiters else None
-            if not waiters and engine._lines.get(self._key) is self:
-                del engine._lines[self._key]
         if following is not None:
             engine._promote(following, _perf())
 
@@ -385,15 +382,19 @@ class CompletionEngine:
         self._histories[stream] = WaitHistory(duration)
 
     def forget(self, stream: Any) -> None:
-        """Drop ``stream``'s wait history (it is being destroyed)."""
+        """Drop ``stream``'s wait history and line (it is being destroyed)."""
         self._histories.pop(stream, None)
+        self._lines.pop(stream, None)
 
     def _line(self, stream: Hashable) -> _Line:
-        with self._lock:
-            line = self._lines.get(stream)
-            if line is None:
-                line = self._lines[stream] = _Line(self, stream)
-            return line
+        """``stream``'s line, kept while the stream lives (an await is the hot path)."""
+        line = self._lines.get(stream)
+        if line is None:
+            with self._lock:
+                if len(self._lines) > 4096:  # foreign streams are never forgotten: bound them
+                    self._lines = {key: kept for key, kept in self._lines.items() if kept._waiters}
+                line = self._lines.setdefault(stream, _Line(self))
+        return line
 
     def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int) -> None:
         """Poll a wait expected to end soon; ring a long one's doorbell and have the
