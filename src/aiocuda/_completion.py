@@ -40,7 +40,8 @@ before it (one chunk's download) is steady. So the waits that began right after
 recording their point form a :class:`_Line` per stream; the history learns only the
 oldest's time since the wait before it ended, and a wait queued behind others sleeps on
 its doorbell until it becomes the oldest, then is predicted from that moment. (A queue
-expected to drain within the poll window is simply polled.)
+expected to drain within the poll window is simply polled, and waits known to take
+microseconds skip the line altogether.)
 
 **Sticky errors.** The driver never runs host functions once a context is poisoned, so
 a doorbell would never ring. While long waits exist the waker also wakes every
@@ -350,7 +351,10 @@ class CompletionEngine:
                     if query(event):
                         return
                 waiter = Waiter(event, stream, device, adapter, on_finish)
-                ahead = self._line(stream).join(waiter) if just_recorded else 0
+                # Waits known to take microseconds are polled whatever is ahead of them:
+                # they skip the line's bookkeeping.
+                lined = just_recorded and (history is None or history.expected >= SPIN_MAX)
+                ahead = self._line(stream).join(waiter) if lined else 0
                 if ahead:
                     waiter.head_since = None
                 self._schedule(waiter, history, ahead)
