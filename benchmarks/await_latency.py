@@ -9,8 +9,8 @@ operation (a 4-byte memset):
 * ``numba``       -- numba-cuda's ``Stream.async_done()`` where it works (asyncio only).
 * ``aiocuda``     -- ``await stream``.
 
-Then 64 streams with a task each doing 100 awaits (throughput: the median of 7 rounds
-after a warm-up); a 5 ms kernel awaited 25 times (how much later than a spinning
+Then 64 streams with a task each doing 100 awaits (throughput: the median of 9 rounds
+after a warm-up, every way to wait once per round, interleaved); a 5 ms kernel awaited 25 times (how much later than a spinning
 synchronize the task resumes: ``wake_overshoot_5ms_us``, reported, no target); and one
 task awaiting a 200 ms kernel while a 1 ms ticker runs on the same loop (CPU fraction,
 worst loop gap).
@@ -20,6 +20,7 @@ worst loop gap).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import statistics
 import time
@@ -36,9 +37,9 @@ from aiocuda.program import Program
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import Result, median_us, parser
+    from benchmarks._common import Result, median_us, parser, wall_medians
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import Result, median_us, parser  # type: ignore[no-redef]
+    from _common import Result, median_us, parser, wall_medians  # type: ignore[no-redef]
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -159,24 +160,26 @@ async def latency(rig: Rig, wait: Waiter, stream: Stream, n: int) -> list[float]
     return out
 
 
-async def throughput(rig: Rig, wait: Waiter, streams: list[Stream], per_task: int, rounds: int) -> float:
-    """Awaits per second with a task per stream, each awaiting ``per_task`` tiny
-    operations in turn: the median of ``rounds`` rounds after a warm-up round."""
+async def throughput(
+    rig: Rig, waits: dict[str, Waiter], streams: list[Stream], per_task: int, rounds: int
+) -> dict[str, float]:
+    """Awaits per second of each way to wait, with a task per stream each awaiting
+    ``per_task`` tiny operations in turn: medians over ``rounds`` rounds after a warm-up,
+    every way once per round (interleaved: the machine's speed drifts over seconds)."""
 
-    async def worker(s: Stream) -> None:
+    async def worker(wait: Waiter, s: Stream) -> None:
         for _ in range(per_task):
             rig.tiny(s)
             await wait(s)
 
-    async def one_round() -> float:
-        t = time.perf_counter()
+    async def one_round(wait: Waiter) -> None:
         async with anyio.create_task_group() as tg:
             for s in streams:
-                tg.start_soon(worker, s)
-        return len(streams) * per_task / (time.perf_counter() - t)
+                tg.start_soon(worker, wait, s)
 
-    await one_round()
-    return statistics.median([await one_round() for _ in range(rounds)])
+    contenders = {name: functools.partial(one_round, wait) for name, wait in waits.items()}
+    seconds = await wall_medians(contenders, rounds)
+    return {name: len(streams) * per_task / t for name, t in seconds.items()}
 
 
 async def wake_overshoot_us(rig: Rig, wait: Waiter, stream: Stream, seconds: float, n: int) -> float:
@@ -238,17 +241,21 @@ async def suite(rig: Rig, library: str, quick: bool) -> dict[str, dict[str, Any]
     n_streams = 8 if quick else 64
     streams = [Stream(rig.device) for _ in range(n_streams)]
     rows: dict[str, dict[str, Any]] = {}
-    for name, wait in make_waiters(rig, library).items():
+    waiters = make_waiters(rig, library)
+    for name, wait in waiters.items():
         try:
             row: dict[str, Any] = {"latency_us": median_us(await latency(rig, wait, streams[0], n))}
             if name != "block_sync":
-                row["awaits_per_s"] = await throughput(rig, wait, streams, per_task, 3 if quick else 7)
                 row["wake_overshoot_5ms_us"] = await wake_overshoot_us(rig, wait, streams[2], 0.005, 5 if quick else 25)
             if name in ("aiocuda", "block_sync") or not quick:
                 row.update(await long_wait(rig, wait, streams[1], 0.05 if quick else 0.2))
         except Exception as exc:  # a baseline that does not work here is reported, not fatal
             row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
         rows[name] = row
+    working = {name: wait for name, wait in waiters.items() if name != "block_sync" and "error" not in rows[name]}
+    for name, rate in (await throughput(rig, working, streams, per_task, 3 if quick else 9)).items():
+        rows[name]["awaits_per_s"] = rate
+    for name, row in rows.items():
         print(library, name, {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     for s in streams:
         s.close()
