@@ -20,17 +20,12 @@ import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
-
-
-def median_us(samples_s: Sequence[float]) -> float:
-    """Median of samples given in seconds, in microseconds."""
-    return statistics.median(samples_s) * 1e6
 
 
 async def wall_medians(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:

@@ -9,9 +9,11 @@ operation (a 4-byte memset):
 * ``numba``       -- numba-cuda's ``Stream.async_done()`` where it works (asyncio only).
 * ``aiocuda``     -- ``await stream``.
 
-Then 64 streams with a task each doing 100 awaits (throughput: the median of 9 rounds
-after a warm-up, every way to wait once per round, interleaved); a 5 ms kernel awaited 25 times (how much later than a spinning
-synchronize the task resumes: ``wake_overshoot_5ms_us``, reported, no target); and one
+Latencies are medians of 3000 samples taken in 10 rounds, every way to wait once per
+round (interleaved: the machine's speed drifts over seconds). Then 64 streams with a
+task each doing 100 awaits (throughput: the median of 9 interleaved rounds after a
+warm-up); a 5 ms kernel awaited 25 times (how much later than a spinning synchronize
+the task resumes: ``wake_overshoot_5ms_us``, reported, no target); and one
 task awaiting a 200 ms kernel while a 1 ms ticker runs on the same loop (CPU fraction,
 worst loop gap).
 
@@ -37,9 +39,9 @@ from aiocuda.program import Program
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import Result, median_us, parser, wall_medians
+    from benchmarks._common import Result, parser, wall_medians
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import Result, median_us, parser, wall_medians  # type: ignore[no-redef]
+    from _common import Result, parser, wall_medians  # type: ignore[no-redef]
 
 SPIN_SRC = r"""
 extern "C" __global__ void spin(long long cycles) {
@@ -146,18 +148,27 @@ def _numba_waiter() -> Waiter:
     return numba_async_done
 
 
-async def latency(rig: Rig, wait: Waiter, stream: Stream, n: int) -> list[float]:
-    for _ in range(min(200, n)):
-        rig.tiny(stream)
-        await wait(stream)
-    out = []
-    perf = time.perf_counter
+async def warm_up(rig: Rig, wait: Waiter, stream: Stream, n: int = 200) -> None:
     for _ in range(n):
-        t = perf()
         rig.tiny(stream)
         await wait(stream)
-        out.append(perf() - t)
-    return out
+
+
+async def latencies(rig: Rig, waits: dict[str, Waiter], stream: Stream, n: int, rounds: int = 10) -> dict[str, float]:
+    """Median seconds from enqueueing a tiny operation to the end of its wait, for each
+    way to wait: ``n`` samples each, taken in ``rounds`` interleaved rounds (the machine's
+    speed drifts over seconds, and the ratios compare ways measured side by side)."""
+    samples: dict[str, list[float]] = {name: [] for name in waits}
+    perf = time.perf_counter
+    for _ in range(rounds):
+        for name, wait in waits.items():
+            out = samples[name]
+            for _ in range(n // rounds):
+                t = perf()
+                rig.tiny(stream)
+                await wait(stream)
+                out.append(perf() - t)
+    return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
 async def throughput(
@@ -241,18 +252,24 @@ async def suite(rig: Rig, library: str, quick: bool) -> dict[str, dict[str, Any]
     n_streams = 8 if quick else 64
     streams = [Stream(rig.device) for _ in range(n_streams)]
     rows: dict[str, dict[str, Any]] = {}
-    waiters = make_waiters(rig, library)
-    for name, wait in waiters.items():
+    working: dict[str, Waiter] = {}
+    for name, wait in make_waiters(rig, library).items():
         try:
-            row: dict[str, Any] = {"latency_us": median_us(await latency(rig, wait, streams[0], n))}
-            if name != "block_sync":
-                row["wake_overshoot_5ms_us"] = await wake_overshoot_us(rig, wait, streams[2], 0.005, 5 if quick else 25)
-            if name in ("aiocuda", "block_sync") or not quick:
-                row.update(await long_wait(rig, wait, streams[1], 0.05 if quick else 0.2))
+            await warm_up(rig, wait, streams[0])
         except Exception as exc:  # a baseline that does not work here is reported, not fatal
-            row = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-        rows[name] = row
-    working = {name: wait for name, wait in waiters.items() if name != "block_sync" and "error" not in rows[name]}
+            rows[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+        else:
+            rows[name], working[name] = {}, wait
+    for name, seconds in (await latencies(rig, working, streams[0], n)).items():
+        rows[name]["latency_us"] = seconds * 1e6
+    for name, wait in working.items():
+        if name != "block_sync":
+            rows[name]["wake_overshoot_5ms_us"] = await wake_overshoot_us(
+                rig, wait, streams[2], 0.005, 5 if quick else 25
+            )
+        if name in ("aiocuda", "block_sync") or not quick:
+            rows[name].update(await long_wait(rig, wait, streams[1], 0.05 if quick else 0.2))
+    del working["block_sync"]  # blocks the loop: no throughput to speak of
     for name, rate in (await throughput(rig, working, streams, per_task, 3 if quick else 9)).items():
         rows[name]["awaits_per_s"] = rate
     for name, row in rows.items():
