@@ -414,11 +414,10 @@ class CompletionEngine:
             return
         start, end = history.poll_window()
         waiter.poll_until = waiter.started + end
+        self._ring(waiter)
         if start <= PREDICTION_LEAD:
             self._join_poller(waiter.adapter, [waiter])
-            self._ring(waiter)
         else:
-            self._ring(waiter)
             self._hand_over_at(waiter, waiter.started + start)
 
     def _promote(self, waiter: Waiter, now: float) -> None:
