@@ -140,9 +140,7 @@ class ChunkContext:
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
         """A device array for this chunk, allocated stream-ordered on :attr:`stream` from
         the device's pool, freed once the chunk's download has completed."""
-        array = empty(shape, dtype, stream=self.stream, pool=self.lanes.pool)
-        self._arrays.append((array, self.stream))
-        return array
+        return self._allocate(shape, dtype, self.lanes, self.stream)
 
     def move(self, array: DeviceArray, device: Device | int) -> DeviceArray:
         """Copy ``array`` to ``device`` (one of the executor's) GPU to GPU and continue
@@ -161,8 +159,7 @@ class ChunkContext:
         self._end_compute()
         p2p = source.p2p
         array.buffer._used_on(p2p)  # after the stage's kernels; frees the source after the copy
-        moved = empty(array.shape, array.dtype, stream=target.p2p, pool=target.pool)
-        self._arrays.append((moved, target.p2p))
+        moved = self._allocate(array.shape, array.dtype, target, target.p2p)
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
         span = self._trace.start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
         source.device.make_current()
@@ -177,6 +174,15 @@ class ChunkContext:
         return moved
 
     # -- for the pipeline ---------------------------------------------------------------------
+    def _allocate(
+        self, shape: int | tuple[int, ...], dtype: npt.DTypeLike, lanes: DeviceLanes, stream: Stream
+    ) -> DeviceArray:
+        """An array of the chunk's, allocated on ``stream`` from ``lanes``' pool and
+        freed with the chunk (on that stream, once the download is done: :meth:`_free_done`)."""
+        array = empty(shape, dtype, stream=stream, pool=lanes.pool)
+        self._arrays.append((array, stream))
+        return array
+
     def _begin_compute(self, ready: DeviceArray, copied_on: Stream | None = None) -> None:
         """Switch to the next compute stream, ordered (on the GPU) after the work that
         produced ``ready`` -- and after ``copied_on``, for a copy from another device --
@@ -236,8 +242,7 @@ class ChunkRunner:
         ctx = ChunkContext(index, host, lanes, self.lanes_of, trace, self.name)
         try:
             h2d = lanes.h2d
-            x = empty(host.shape, host.dtype, stream=h2d, pool=lanes.pool)
-            ctx._arrays.append((x, h2d))
+            x = ctx._allocate(host.shape, host.dtype, lanes, h2d)
             span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
