@@ -247,18 +247,12 @@ class _SignalStreams:
     long waits in flight at once. Creating a stream can block for milliseconds while the
     device is busy, which is why the order matters: taking the most recent ring first
     found a busy stream whenever more than a few waits were pending, and created a new
-    stream for every ring after that.
-
-    Past :data:`LIMIT` streams on a device, a ring shares the oldest stream: it then
-    rings once both that stream's earlier wait and its own event have completed -- late
-    perhaps, never early -- and the waker's periodic check still sees the waiter.
+    stream for every ring after that. A ring never shares a busy stream: it would then
+    wait for that stream's earlier event too, which may never complete.
     """
 
     SCAN = 4
     """Oldest pooled streams to query for idleness before creating another."""
-
-    LIMIT = 64
-    """Signal streams per device at most."""
 
     def __init__(self, backend: _driver.Driver) -> None:
         self._backend = backend
@@ -283,8 +277,6 @@ class _SignalStreams:
                 if backend.stream_query(pool[0]):
                     return pool.popleft()
                 pool.rotate(-1)  # busy: look at it again last
-            if len(pool) >= self.LIMIT:
-                return pool.popleft()
         device.make_current()
         return backend.stream_create(True, 0)
 
