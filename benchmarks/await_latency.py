@@ -32,9 +32,9 @@ from typing import Any
 import anyio
 
 from aiocuda import _driver
+from aiocuda._completion.event_pool import EventPool
 from aiocuda._driver.cuda import _core as cuda_core
 from aiocuda.device import Device
-from aiocuda.event import EventPool
 from aiocuda.program import Program
 from aiocuda.stream import Stream
 

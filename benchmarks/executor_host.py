@@ -96,7 +96,7 @@ def inline_sim() -> Iterator[None]:
     Only for this measurement: there are no held streams or latencies, so an operation
     never has to wait for another, and events are complete as soon as they are recorded.
     """
-    from aiocuda._driver.sim._worker import SimStream
+    from aiocuda._driver.sim._objects import SimStream
 
     threaded = SimStream.submit
 

@@ -13,7 +13,7 @@ Measured in one process, baselines in the same run:
 * churn: 100k random allocate / free / cancel-mid-copy cycles; pool bytes in use after
   minus before.
 * with ``--staging-sweep``: pageable 256 MiB copies each way for every combination of
-  the staging knobs (``aiocuda._staging``: CHUNK, MIN_CHUNK, COPY_THREADS), into
+  the staging knobs (``aiocuda._memory.staging``: CHUNK, MIN_CHUNK, COPY_THREADS), into
   ``staging_sweep`` of the results file, best first; nothing else runs.
 
     PYTHONPATH=src python3 benchmarks/memory.py [--quick] [--staging-sweep]
@@ -41,7 +41,8 @@ import anyio
 import numpy as np
 
 import aiocuda.array as ga
-from aiocuda import _driver, _staging
+from aiocuda import _driver
+from aiocuda._memory import staging as _staging
 from aiocuda.device import Device
 from aiocuda.host import pinned_empty
 from aiocuda.memory import MemoryPool
@@ -303,7 +304,7 @@ _KNOBS = ("CHUNK", "MIN_CHUNK", "COPY_THREADS", "SLOTS_PER_THREAD", "INLINE_LIMI
 
 
 def _set_knob(assignment: str) -> None:
-    """``NAME=VALUE`` (K / M suffixes: KiB / MiB) for a knob of ``aiocuda._staging``."""
+    """``NAME=VALUE`` (K / M suffixes: KiB / MiB) for a knob of ``aiocuda._memory.staging``."""
     name, _, value = assignment.partition("=")
     if name not in _KNOBS:
         raise SystemExit(f"--staging: unknown knob {name!r}; knobs: {', '.join(_KNOBS)}")

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import aiocuda.array as ga
-from aiocuda import _driver, _offloop
+from aiocuda import _driver
+from aiocuda._memory import offloop as _offloop
 from aiocuda.errors import ArgumentError
 from aiocuda.host import is_pinned, pinned_zeros, register_host
 from aiocuda.memory import MemoryPool

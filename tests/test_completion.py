@@ -17,6 +17,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiocuda import _driver
+from aiocuda._completion import engine as engine_module
+from aiocuda._completion.engine import CompletionEngine, Waiter, current_engine
+from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+from aiocuda._completion.signals import SignalStreams
 from aiocuda.errors import ContextPoisonedError
 from aiocuda.stream import Stream
 
@@ -132,11 +136,11 @@ def test_real_sticky_error_fails_pending_await(lib: str) -> None:
 GIL_SCRIPT = """
 import ctypes, threading, time
 from aiocuda.stream import Stream
-from aiocuda._completion import engine
+from aiocuda._completion.engine import current_engine
 from _workload import slow_op
 
 s = Stream(0)
-eng = engine()
+eng = current_engine()
 slow_op(s, 0.05)
 eng.backend.launch_doorbell(s.handle, eng._bell)
 slow_op(s, 0.01)
@@ -216,7 +220,7 @@ async def test_many_completions_cost_one_wakeup(
     sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Twenty long waits that finish together reach the loop in one batched wake-up."""
-    from aiocuda import _loops
+    from aiocuda._completion import loops as _loops
 
     wakeups = 0
     for adapter_cls in (_loops.AsyncioAdapter, _loops.TrioAdapter):
@@ -254,10 +258,10 @@ async def test_doorbell_signal_streams_are_reused_once_idle(backend: _driver.Dri
     (Trying the most recently rung streams first found them busy whenever more than four
     waits were pending, and created a stream -- a call that blocks for milliseconds while
     the GPU is busy -- for every ring from then on.)"""
-    from aiocuda import _completion
+    from aiocuda._completion.engine import current_engine
     from aiocuda.device import Device
 
-    engine = _completion.engine()
+    engine = current_engine()
     streams = [Stream(0) for _ in range(8)]
     try:
         before = engine._signals.count(Device(0))
@@ -271,7 +275,7 @@ async def test_doorbell_signal_streams_are_reused_once_idle(backend: _driver.Dri
     finally:
         for s in streams:
             s.close()
-    assert created <= len(streams) + _completion._SignalStreams.SCAN, f"{created} signal streams for 8 waits at a time"
+    assert created <= len(streams) + SignalStreams.SCAN, f"{created} signal streams for 8 waits at a time"
 
 
 async def _await(awaitable: object) -> None:
@@ -322,9 +326,8 @@ async def test_event_await_does_not_wait_for_later_work_on_its_stream(
     """The doorbell of a long wait rings on a private signal stream that waits for the
     event itself; on the event's own stream it would ring only after everything
     enqueued there later. (The periodic check is pushed out so it cannot mask this.)"""
-    from aiocuda import _completion
 
-    monkeypatch.setattr(_completion, "POISON_CHECK", 30.0)
+    monkeypatch.setattr(engine_module, "POISON_CHECK", 30.0)
     with Stream(0) as s:
         slow_op(s, 0.05)
         event = s.record()
@@ -338,7 +341,6 @@ async def test_event_await_does_not_wait_for_later_work_on_its_stream(
 
 # -- predicted waits ---------------------------------------------------------------------------------
 def test_wait_history_window_is_bounded_and_brackets_a_steady_duration() -> None:
-    from aiocuda._completion import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
 
     steady = WaitHistory(0.005)
     for _ in range(20):
@@ -357,7 +359,6 @@ def test_wait_history_window_is_bounded_and_brackets_a_steady_duration() -> None
 
 @given(durations=st.lists(st.floats(min_value=1e-6, max_value=5.0), min_size=1, max_size=30))
 def test_wait_history_window_never_exceeds_its_cpu_cap(durations: list[float]) -> None:
-    from aiocuda._completion import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
 
     history = WaitHistory(durations[0])
     for d in durations[1:]:
@@ -375,28 +376,27 @@ async def test_repeated_long_waits_are_polled_near_their_predicted_end(
     the waker hands it back to the poller shortly before the predicted end, so that its
     end is seen within microseconds of polling rather than after the doorbell's thread
     hops; it does not poll while asleep."""
-    from aiocuda import _completion
 
     with Stream(0) as s:
         for _ in range(3):  # learn
             slow_op(s, 0.1)
             await s
-        history = _completion.engine()._histories[s.handle]
+        history = current_engine()._histories[s.handle]
         assert 0.07 < history.expected < 0.2
         planned: list[float] = []  # seconds into each wait at which the waker is to hand it over
         handed_over: list[float] = []  # seconds into the wait at which it rejoined the poller
-        hand_over, join = _completion.CompletionEngine._hand_over_at, _completion.CompletionEngine._join_poller
+        hand_over, join = CompletionEngine._hand_over_at, CompletionEngine._join_poller
 
-        def recording_hand_over(self: _completion.CompletionEngine, w: _completion.Waiter, poll_at: float) -> None:
+        def recording_hand_over(self: CompletionEngine, w: Waiter, poll_at: float) -> None:
             planned.append(poll_at - w.started)
             hand_over(self, w, poll_at)
 
-        def recording_join(self: _completion.CompletionEngine, adapter: object, waiters: list) -> None:  # type: ignore[type-arg]
+        def recording_join(self: CompletionEngine, adapter: object, waiters: list) -> None:  # type: ignore[type-arg]
             handed_over.extend(time.perf_counter() - w.started for w in waiters if not w.done)
             join(self, adapter, waiters)  # type: ignore[arg-type]
 
-        monkeypatch.setattr(_completion.CompletionEngine, "_hand_over_at", recording_hand_over)
-        monkeypatch.setattr(_completion.CompletionEngine, "_join_poller", recording_join)
+        monkeypatch.setattr(CompletionEngine, "_hand_over_at", recording_hand_over)
+        monkeypatch.setattr(CompletionEngine, "_join_poller", recording_join)
         for _ in range(4):
             slow_op(s, 0.1)
             await s
@@ -418,12 +418,11 @@ async def test_queued_waits_are_predicted_from_the_end_of_the_one_before(
     handed back to the poller shortly before its own 50 ms are up. (Predicted from when
     they began, the whole waits' mixed lengths put most of them past their window, to be
     woken late by the doorbell.)"""
-    from aiocuda import _completion
 
     planned: list[float] = []  # seconds after its own part began at which a wait is to poll
-    hand_over = _completion.CompletionEngine._hand_over_at
+    hand_over = CompletionEngine._hand_over_at
 
-    def recording(self: _completion.CompletionEngine, w: _completion.Waiter, poll_at: float) -> None:
+    def recording(self: CompletionEngine, w: Waiter, poll_at: float) -> None:
         assert w.head_since is not None, "a queued wait was planned before the waits ahead of it ended"
         planned.append(poll_at - w.head_since)
         hand_over(self, w, poll_at)
@@ -435,11 +434,11 @@ async def test_queued_waits_are_predicted_from_the_end_of_the_one_before(
     with Stream(0) as s:
         for round_ in range(3):
             if round_ == 2:
-                monkeypatch.setattr(_completion.CompletionEngine, "_hand_over_at", recording)
+                monkeypatch.setattr(CompletionEngine, "_hand_over_at", recording)
             async with anyio.create_task_group() as tg:
                 for _ in range(4):
                     tg.start_soon(chunk, s)
-        history = _completion.engine()._histories[s.handle]
+        history = current_engine()._histories[s.handle]
     assert 0.035 < history.expected < 0.08, history.expected
     assert len(planned) == 4 and all(0.025 < t < 0.06 for t in planned), planned
 
@@ -450,11 +449,10 @@ async def test_a_wrong_prediction_still_wakes_through_the_doorbell(
 ) -> None:
     """A stream whose waits took 2 s now finishes in 20 ms: the doorbell, enqueued when
     the wait began, wakes the task long before the predicted end."""
-    from aiocuda import _completion
 
-    monkeypatch.setattr(_completion, "POISON_CHECK", 30.0)
+    monkeypatch.setattr(engine_module, "POISON_CHECK", 30.0)
     with Stream(0) as s:
-        _completion.engine()._histories[s.handle] = _completion.WaitHistory(2.0)
+        current_engine()._histories[s.handle] = WaitHistory(2.0)
         slow_op(s, 0.02)
         t = time.perf_counter()
         await s
@@ -462,7 +460,6 @@ async def test_a_wrong_prediction_still_wakes_through_the_doorbell(
 
 
 def test_wait_history_restarts_when_the_work_got_much_shorter() -> None:
-    from aiocuda._completion import WaitHistory
 
     history = WaitHistory(0.2)
     history.add(0.0001)
@@ -472,11 +469,11 @@ def test_wait_history_restarts_when_the_work_got_much_shorter() -> None:
 def test_a_destroyed_streams_history_is_forgotten(backend: _driver.Driver) -> None:
     """The driver may give a new stream the handle of a destroyed one: it must not
     inherit that stream's wait history."""
-    from aiocuda import _completion
+    from aiocuda._completion.engine import current_engine
 
-    engine = _completion.engine()
+    engine = current_engine()
     s = Stream(0)
-    engine._histories[s.handle] = _completion.WaitHistory(0.2)
+    engine._histories[s.handle] = WaitHistory(0.2)
     handle = s.handle
     s.close()
     assert handle not in engine._histories

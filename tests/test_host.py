@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocuda import _driver, _offloop, _pinned_cache
+from aiocuda import _driver
+from aiocuda._memory import offloop as _offloop
+from aiocuda._memory import pinned_cache as _pinned_cache
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
 
 pytestmark = pytest.mark.anyio

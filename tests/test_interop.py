@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 import aiocuda.array as ga
-from aiocuda import _driver, _interop
-from aiocuda._interop import DLPACK_CUDA, as_device_array
+from aiocuda import _driver
+from aiocuda._memory import interop as _interop
+from aiocuda._memory.interop import DLPACK_CUDA, as_device_array
 from aiocuda.stream import Stream
 
 pytestmark = pytest.mark.anyio

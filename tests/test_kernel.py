@@ -61,7 +61,7 @@ def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
     impls = {"saxpy": _saxpy, "axpy": _axpy, "fill": _fill, "empty_kernel": lambda launch, *args: None}
     for name, impl in impls.items():
         register_sim_kernel(name, impl)
-    from aiocuda._compile_cache import CompileCache
+    from aiocuda._kernels.compile_cache import CompileCache
 
     program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=CompileCache(tmp_path))
     yield program.compile()
@@ -197,8 +197,8 @@ def test_bad_arguments_raise_before_the_driver(module: Module, args: tuple[Any, 
 
 
 def test_scalar_widths_and_numpy_scalars_pack_exactly() -> None:
-    from aiocuda._packing import ParamBuffer
-    from aiocuda._signature import parse_signature
+    from aiocuda._kernels.packing import ParamBuffer
+    from aiocuda._kernels.signature import parse_signature
 
     sig = parse_signature(
         "bool, int8_t, unsigned char, short, unsigned short, int, unsigned int, long long, "
@@ -390,7 +390,7 @@ def test_kernels_are_shared_and_reload_after_unload(module: Module) -> None:
 
 
 def test_seam_launch_calls(backend: _driver.Driver, module: Module) -> None:
-    from aiocuda._packing import ParamBuffer
+    from aiocuda._kernels.packing import ParamBuffer
 
     fill = module.kernel("fill")
     assert fill.signature is not None

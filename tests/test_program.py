@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from aiocuda import _driver, program
-from aiocuda._compile_cache import CachedImage, CompileCache, cache_key, default_cache
-from aiocuda._signature import parse_signature, ptx_signatures, source_signatures
-from aiocuda.errors import ArgumentError
-from aiocuda.program import CompileError, Program, ProgramOptions, cached_compile
+from aiocuda._kernels import nvrtc
+from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
+from aiocuda._kernels.signature import parse_signature, ptx_signatures, source_signatures
+from aiocuda.errors import ArgumentError, CompileError
+from aiocuda.program import Program, ProgramOptions
 
 KEY_ARGS: dict[str, Any] = {
     "source": "__global__ void k() {}",
@@ -163,11 +164,11 @@ def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> Non
         raise RuntimeError('Failure finding "libnvrtc.so.13": No such file')
 
     fake = types.SimpleNamespace(nvrtcVersion=missing)
-    monkeypatch.setattr(program, "_nvrtc_module", None)
+    monkeypatch.setattr(nvrtc, "_nvrtc_module", None)
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", fake)
     monkeypatch.setattr(cuda.bindings, "nvrtc", fake, raising=False)
     with pytest.raises(CompileError, match="pip install nvidia-cuda-nvrtc") as info:
-        program._load_nvrtc()
+        nvrtc.load()
     assert info.value.name == "AIOCUDA_NO_NVRTC"
 
 
@@ -217,19 +218,16 @@ def test_compiler_identity_from_the_wheel_without_loading_nvrtc(
     lib.parent.mkdir(parents=True)
     lib.write_bytes(b"\x7fELF")
     spec = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
-    monkeypatch.setattr(program.importlib.util, "find_spec", lambda name: spec)
-    monkeypatch.setattr(program, "_identity", None)
-    monkeypatch.setattr(program, "_load_nvrtc", lambda: pytest.fail("NVRTC must not be loaded"))
-    identity = program._compiler_identity()
+    monkeypatch.setattr(nvrtc.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(nvrtc, "_identity", None)
+    monkeypatch.setattr(nvrtc, "load", lambda: pytest.fail("NVRTC must not be loaded"))
+    identity = nvrtc.compiler_identity()
     assert identity.startswith(f"{lib}:4:")
 
 
 INTERNED_BYTES_SCRIPT = """
-from aiocuda import program
-nvrtc = program._load_nvrtc()
-image = program._nvrtc_compile(
-    nvrtc, 'extern "C" __global__ void k(float* x) { x[0] = 1; }', "k.cu", [], [], "compute_75"
-)
+from aiocuda._kernels import nvrtc
+image = nvrtc.compile_program('extern "C" __global__ void k(float* x) { x[0] = 1; }', "k.cu", [], [], "compute_75")
 assert image.log == "" and image.image.startswith(b"//"), image
 print("SPACE", repr(b" "), repr(b"a b".split(b" ")))
 """
@@ -241,7 +239,7 @@ def test_compiling_leaves_the_interpreters_shared_bytes_intact() -> None:
     every later ``b" "`` (and PyTorch's import). Needs NVRTC, not a GPU; run in a child
     process so that a regression cannot corrupt this one."""
     try:
-        program._load_nvrtc()
+        nvrtc.load()
     except CompileError:
         pytest.skip("NVRTC is not installed")
     proc = subprocess.run([sys.executable, "-c", INTERNED_BYTES_SCRIPT], capture_output=True, text=True, timeout=120)

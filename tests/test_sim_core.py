@@ -675,9 +675,9 @@ def test_shutdown_wakes_host_waits(fresh: SimDriver) -> None:
 
 
 def test_idle_workers_leave_and_come_back(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiocuda._driver.sim import _worker
+    from aiocuda._driver.sim import _objects
 
-    monkeypatch.setattr(_worker, "_IDLE_EXIT_S", 0.01)
+    monkeypatch.setattr(_objects, "_IDLE_EXIT_S", 0.01)
     baseline = threading.active_count()
     stream = fresh.stream_create(non_blocking=True, priority=0)
     log, op = recorder()

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import aiocuda.array as ga
-from aiocuda import _driver, _staging
+from aiocuda import _driver
+from aiocuda._memory import staging as _staging
 from aiocuda.errors import ArgumentError, ResultCode
 from aiocuda.host import is_pinned, pinned_empty
 from aiocuda.stream import Stream

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocuda import _offloop
 from aiocuda._cli.demo import ScaleStage
+from aiocuda._memory import offloop as _offloop
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
 from aiocuda.memory import MemoryPool

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import errors
 from ._driver import use_backend
-from ._interop import as_device_array
+from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
 from .device import Device, DeviceProperties, device_count, devices

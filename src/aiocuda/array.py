@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import _staging
+from ._memory import staging as _staging
 from .device import Device, as_device
 from .errors import ArgumentError, ResultCode
 from .memory import MemoryPool
@@ -299,7 +299,7 @@ class DeviceArray:
     # -- interoperability ------------------------------------------------------------------------
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
-        from ._interop import cuda_array_interface
+        from ._memory.interop import cuda_array_interface
 
         return cuda_array_interface(self)
 
@@ -311,12 +311,12 @@ class DeviceArray:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
-        from ._interop import to_dlpack
+        from ._memory.interop import to_dlpack
 
         return to_dlpack(self, stream=stream, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        from ._interop import DLPACK_CUDA
+        from ._memory.interop import DLPACK_CUDA
 
         return (DLPACK_CUDA, self.device.ordinal)
 

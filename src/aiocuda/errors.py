@@ -25,6 +25,7 @@ from __future__ import annotations
 __all__ = [
     "ArgumentError",
     "BackendError",
+    "CompileError",
     "ContextPoisonedError",
     "CudaError",
     "LaunchError",
@@ -181,6 +182,18 @@ class ArgumentError(CudaError, ValueError):
 
 class LaunchError(CudaError):
     """A kernel could not be launched, or its arguments do not match its signature."""
+
+
+class CompileError(CudaError):
+    """A program failed to compile; ``log`` holds NVRTC's full log (also in the message).
+
+    Also raised, with an empty log, when NVRTC itself cannot be loaded (the message
+    says which package to install).
+    """
+
+    def __init__(self, message: str, *, log: str = "", name: str = "AIOCUDA_COMPILE_ERROR") -> None:
+        super().__init__(message, name=name)
+        self.log = log
 
 
 class BackendError(ValueError):

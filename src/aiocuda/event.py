@@ -14,47 +14,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from . import _completion
+from ._completion.engine import current_engine
+from ._completion.event_pool import EventPool
 from .device import Device, as_device
 from .errors import ArgumentError
 
-if TYPE_CHECKING:
-    from .stream import Stream
-
-__all__ = ["Event", "EventPool"]
+__all__ = ["Event"]
 
 
-class EventPool:
-    """Reusable timing-less event handles of one device (not thread-safe per call,
-    but list ``append``/``pop`` are atomic under the GIL, which is all it needs)."""
+class _OnStream(Protocol):
+    """Where an event can be recorded: a :class:`~aiocuda.stream.Stream`."""
 
-    __slots__ = ("_device", "_free", "acquire", "release")
-
-    def __init__(self, device: Device) -> None:
-        self._device = device
-        self._free: list[Any] = []
-        self.release = self._free.append
-        """Give a handle back (bound method: cheap on hot paths)."""
-        self.acquire = self._acquire
-
-    def _acquire(self) -> Any:
-        try:
-            return self._free.pop()
-        except IndexError:
-            self._device.make_current()
-            return self._device._driver.event_create(False, False)
-
-    @staticmethod
-    def for_device(device: Device) -> EventPool:
-        pool = _pools.get(device)
-        if pool is None:
-            pool = _pools[device] = EventPool(device)
-        return pool
-
-
-_pools: weakref.WeakKeyDictionary[Device, EventPool] = weakref.WeakKeyDictionary()
+    @property
+    def handle(self) -> Any: ...
 
 
 def _dispose(driver: Any, handle: Any, pool: EventPool | None) -> None:
@@ -122,7 +96,7 @@ class Event:
         """The backend's event handle (``int(event.handle)`` is the raw CUevent)."""
         return self._handle
 
-    def record(self, stream: Stream) -> Event:
+    def record(self, stream: _OnStream) -> Event:
         """Mark the current end of ``stream``'s work; returns ``self``."""
         self._driver.event_record(self._handle, stream.handle)
         self._stream_handle = stream.handle
@@ -139,7 +113,7 @@ class Event:
     def __await__(self) -> Generator[Any, Any, None]:
         if self._stream_handle is None:
             return  # never recorded: complete
-        yield from _completion.engine().wait(self._handle, self._stream_handle, self._device)
+        yield from current_engine().wait(self._handle, self._stream_handle, self._device)
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and

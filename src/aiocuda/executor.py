@@ -45,7 +45,7 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 * one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
   one waker thread for long waits;
 * one feeder task per pipeline reads the inputs and admits chunks in turn;
-* one staging pool per process (:mod:`aiocuda._staging`: a few copier threads, each
+* one staging pool per process (:mod:`aiocuda._memory.staging`: a few copier threads, each
   with its own pinned slots) for pageable host memory; pinned inputs and outputs
   bypass it.
 """
@@ -58,75 +58,16 @@ from typing import Any
 import anyio
 import numpy.typing as npt
 
-from ._pipeline import ChunkContext, ChunkResult, ChunkRunner, OnError, OutputFn, Pipeline, Stage, as_input, reserve
-from ._placement import Admission, PlacementName
+from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
+from ._executor.lanes import DeviceLanes
+from ._executor.pipeline import OnError, Pipeline, as_input, reserve
+from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
 from .errors import CudaError
-from .memory import MemoryPool
 from .peer import enable_peer_access
-from .stream import Stream
 from .trace import Trace
 
-__all__ = ["ChunkContext", "ChunkResult", "DeviceLanes", "Executor", "Pipeline"]
-
-
-class DeviceLanes:
-    """One device's streams, pool and load, as an executor uses them.
-
-    ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU has one copy engine per
-    direction, so more streams would not add bandwidth); ``compute`` holds
-    ``compute_streams`` streams used in turn by successive chunks (more than one lets
-    small kernels of different chunks run side by side).
-    """
-
-    __slots__ = (
-        "_turn",
-        "budget",
-        "chunks",
-        "completed",
-        "compute",
-        "d2h",
-        "device",
-        "h2d",
-        "max_chunks",
-        "p2p",
-        "pool",
-        "reserved",
-    )
-
-    def __init__(self, device: Device, *, compute_streams: int, max_chunks: int, budget: int) -> None:
-        device.make_current()
-        self.device = device
-        self.pool = MemoryPool.for_device(device)
-        self.h2d = Stream(device)
-        self.compute = tuple(Stream(device) for _ in range(compute_streams))
-        self.d2h = Stream(device)
-        self.p2p = Stream(device)
-        self._turn = 0
-        self.max_chunks = max_chunks
-        self.budget = budget
-        self.chunks = 0
-        """Chunks admitted here and not yet finished."""
-        self.reserved = 0
-        """Device bytes reserved for those chunks."""
-        self.completed = 0
-        """Chunks finished here (successfully or not)."""
-
-    def next_compute(self) -> tuple[int, Stream]:
-        """``(track, stream)``: the compute stream for the next chunk, in turn."""
-        track = self._turn
-        self._turn = (track + 1) % len(self.compute)
-        return track, self.compute[track]
-
-    @property
-    def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p)
-
-    def __repr__(self) -> str:
-        return (
-            f"<DeviceLanes device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
-            f"reserved={self.reserved} completed={self.completed}>"
-        )
+__all__ = ["ChunkContext", "ChunkResult", "Executor", "Pipeline"]
 
 
 class Executor:

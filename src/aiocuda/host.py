@@ -2,7 +2,7 @@
 
 Copies between the GPU and pinned memory run at full DMA speed and truly asynchronously;
 copies from ordinary (pageable) memory are staged by aiocuda through pooled pinned
-chunks (:mod:`aiocuda._staging`). Two ways to get pinned numpy arrays:
+chunks (:mod:`aiocuda._memory.staging`). Two ways to get pinned numpy arrays:
 
 * :func:`pinned_empty` / :func:`pinned_zeros` -- a new numpy array in ``cuMemHostAlloc``
   memory (portable across devices). The memory is freed when the array and every view
@@ -15,26 +15,25 @@ MiB on an H100) and pinned memory is taken from the OS for good while pinned, so
 big, long-lived buffers, not per request. Freeing and unpinning are worse: the driver
 first waits until the device is idle, holding a lock that other threads' driver calls
 need meanwhile. So aiocuda keeps the blocks of collected pinned arrays for reuse by
-later ones of the same size class (:mod:`aiocuda._pinned_cache`; :func:`empty_cache`
+later ones of the same size class (:mod:`aiocuda._memory.pinned_cache`; :func:`empty_cache`
 gives them back), and unpins registered arrays on a background thread
-(:mod:`aiocuda._offloop`): dropping a pinned array never stalls an event loop.
+(:mod:`aiocuda._memory.offloop`): dropping a pinned array never stalls an event loop.
 aiocuda's copies hold a reference to the pinned owner while the DMA is in flight, so
 unregistering or dropping an array mid-copy is safe.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import math
-import threading
 import weakref
 from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
-from . import _offloop, _pinned_cache
+from ._memory import offloop, pinned_cache
+from ._memory.pinned import PinnedAllocation, pinned_ranges
 from .device import Device, as_device
 from .errors import ArgumentError, CudaError, ResultCode
 
@@ -47,66 +46,6 @@ __all__ = [
     "pinned_zeros",
     "register_host",
 ]
-
-
-class _PinnedRanges:
-    """Address ranges known to be page-locked, each with the object that owns it."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._starts: list[int] = []
-        self._entries: dict[int, tuple[int, weakref.ref[Any]]] = {}
-
-    def add(self, start: int, size: int, owner: Any) -> None:
-        with self._lock:
-            bisect.insort(self._starts, start)
-            self._entries[start] = (size, weakref.ref(owner))
-
-    def remove(self, start: int) -> None:
-        with self._lock:
-            if self._entries.pop(start, None) is not None:
-                del self._starts[bisect.bisect_left(self._starts, start)]
-
-    def owner(self, ptr: int, size: int) -> Any:
-        """The owner of a pinned range wholly containing ``[ptr, ptr + size)``, or None."""
-        with self._lock:
-            i = bisect.bisect_right(self._starts, ptr) - 1
-            if i < 0:
-                return None
-            start = self._starts[i]
-            extent, ref = self._entries[start]
-            if ptr + size <= start + extent:
-                return ref()
-            return None
-
-
-pinned_ranges = _PinnedRanges()
-
-
-class _PinnedAllocation:
-    """Owner of one page-locked block; numpy arrays over it keep it alive.
-
-    ``size`` is rounded up to a size class, and the block is taken from (and, once
-    collected, given back to) the cache of freed blocks (:mod:`aiocuda._pinned_cache`):
-    freeing pinned memory would wait for the GPU.
-    """
-
-    __slots__ = ("__weakref__", "ptr", "size")
-
-    def __init__(self, device: Device, size: int) -> None:
-        self.size = _pinned_cache.size_class(size)
-        ptr = _pinned_cache.take(self.size)
-        if ptr is None:
-            device.make_current()
-            ptr = device._driver.mem_host_alloc(self.size)
-        self.ptr = ptr
-        pinned_ranges.add(ptr, self.size, self)
-        weakref.finalize(self, _release_pinned, device, ptr, self.size)
-
-
-def _release_pinned(device: Device, ptr: int, size: int) -> None:
-    pinned_ranges.remove(ptr)
-    _pinned_cache.give(device, ptr, size)
 
 
 def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> npt.NDArray[Any]:
@@ -137,7 +76,7 @@ def pinned_empty(
     dt = np.dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
     dev = as_device(device)
-    owner = _PinnedAllocation(dev, max(nbytes, 1))
+    owner = PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
 
 
@@ -157,7 +96,7 @@ class HostRegistration:
 
     The registration keeps the array alive; do not resize it while registered. The
     driver unpins only once the device is idle, so the unpinning itself happens on a
-    background thread (:mod:`aiocuda._offloop`), never blocking the event loop; the
+    background thread (:mod:`aiocuda._memory.offloop`), never blocking the event loop; the
     array is kept alive until it is done, and registering the same memory again waits
     for it.
     """
@@ -181,7 +120,7 @@ class HostRegistration:
         except CudaError as exc:
             if exc.code != ResultCode.HOST_MEMORY_ALREADY_REGISTERED:
                 raise
-            _offloop.drain()  # an earlier registration may still be being undone: then retry
+            offloop.drain()  # an earlier registration may still be being undone: then retry
             dev._driver.mem_host_register(self.ptr, self.size)
         pinned_ranges.add(self.ptr, self.size, self)
         self._finalizer = weakref.finalize(self, _unregister, dev, self.ptr, array)
@@ -211,7 +150,7 @@ def _unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
     # The driver waits for an idle device: unpin off the loop, keeping the array (whose
     # memory must not go back to its allocator while still registered) until then.
-    _offloop.release(device, "mem_host_unregister", ptr, keep=array)
+    offloop.release(device, "mem_host_unregister", ptr, keep=array)
 
 
 def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:
@@ -233,9 +172,9 @@ def empty_cache() -> int:
     device is idle and blocks other threads' driver calls (copies among them) until
     then: call this when the GPU has nothing running, e.g. at the end of a batch job.
     """
-    return _pinned_cache.empty()
+    return pinned_cache.empty()
 
 
 def cached_bytes() -> int:
     """Bytes of page-locked blocks kept for reuse by later pinned arrays."""
-    return _pinned_cache.cached_bytes()
+    return pinned_cache.cached_bytes()

@@ -17,7 +17,7 @@ declared type (no silent truncation: ``1.5`` for an ``int`` fails, ``2**40`` for
 ``__cuda_array_interface__``, ``int`` addresses, ``None``.
 
 Cost: :meth:`Kernel.bind` builds, once, a function specialised for the signature and
-the launch configuration (see :mod:`aiocuda._packing`), so calling it costs one
+the launch configuration (see :mod:`aiocuda._kernels.packing`), so calling it costs one
 ``struct`` pack and the driver call. :meth:`Kernel.launch` looks up such a launcher in a
 small per-kernel cache first (and the current stream when none is given), which costs a
 little more. Launches only enqueue: await the stream (or an event) for the results.
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _driver
-from ._packing import ParamBuffer, build_launcher
-from ._signature import Signature
+from ._kernels.packing import ParamBuffer, build_launcher
+from ._kernels.signature import Signature
 from .device import Device, as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
@@ -250,13 +250,25 @@ class Kernel:
 
 
 def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
-    """Register a Python implementation of kernel ``name`` for the simulated backend.
+    """Register a Python implementation of kernel ``name`` for the simulated backend
+    (``None`` removes it).
 
-    Works whichever backend is in use (the registry is process-wide and only the sim
-    reads it), so an application can register its fallbacks unconditionally. See
-    :mod:`aiocuda._driver.sim._modules` for the calling convention:
-    ``impl(launch, *args)`` with pointers as typed numpy arrays.
+    Works whichever backend is in use (the registry is process-wide and only the
+    simulated backend reads it), so an application can register its fallbacks
+    unconditionally. For a template kernel, register the name expression
+    (``"axpy<float>"``) or the bare name.
+
+    ``impl(launch, *args)`` runs on the stream's worker thread, in stream order, and
+    computes the whole grid at once (vectorised numpy):
+
+    * ``launch`` has ``grid``, ``block``, ``shared_mem``, ``name``, ``cooperative`` and
+      ``cluster``;
+    * a pointer argument arrives as a writable 1-D numpy array of the pointee type
+      (``uint8`` for ``void*``) from the pointer to the end of its allocation: slice
+      it to the length you need (NULL arrives as ``None``);
+    * a scalar arrives as a numpy scalar of the declared type.
+
+    An ``IndexError`` or ``ValueError`` it raises poisons the device with
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU.
     """
-    from ._driver.sim import _modules
-
-    _modules.register_kernel(name, impl)
+    _driver.register_sim_kernel(name, impl)

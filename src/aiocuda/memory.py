@@ -41,7 +41,8 @@ from typing import Any, final
 
 import anyio
 
-from . import _driver, _offloop
+from . import _driver
+from ._memory import offloop as _offloop
 from .device import Device, as_device
 from .errors import CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream

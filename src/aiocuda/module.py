@@ -19,8 +19,9 @@ import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from . import _driver, _offloop
-from ._signature import Signature, parse_signature, ptx_signatures
+from . import _driver
+from ._kernels.signature import Signature, parse_signature, ptx_signatures
+from ._memory import offloop as _offloop
 from .device import Device
 from .errors import ArgumentError
 
@@ -126,7 +127,7 @@ class Module:
     def kernel(self, name: str, *, signature: str | Any = None) -> Kernel:
         """The kernel ``name`` (a plain name or a compiled name expression such as
         ``"axpy<float>"``). ``signature`` declares its parameters (see
-        :func:`aiocuda._signature.parse_signature`); without it the signature parsed from
+        :func:`aiocuda._kernels.signature.parse_signature`); without it the signature parsed from
         the source or PTX is used, if any. The function is looked up on first use.
 
         Returns the same :class:`~aiocuda.kernel.Kernel` (and so its cached launchers)

@@ -24,10 +24,11 @@ from collections import deque
 from collections.abc import Generator, Iterator
 from typing import Any
 
-from . import _completion
+from ._completion.engine import CompletionEngine, current_engine
+from ._completion.event_pool import EventPool
 from .device import Device, as_device
 from .errors import ArgumentError, CudaError
-from .event import Event, EventPool
+from .event import Event
 
 __all__ = ["Stream", "current_stream", "use_stream"]
 
@@ -59,9 +60,7 @@ def _sweep_orphans() -> None:
             _orphans.remove(entry)
 
 
-def _retire(
-    driver: Any, engine: _completion.CompletionEngine, handle: Any, owned: bool, pool: EventPool, holds: _Holds
-) -> None:
+def _retire(driver: Any, engine: CompletionEngine, handle: Any, owned: bool, pool: EventPool, holds: _Holds) -> None:
     if holds:
         _orphans.append((driver, pool, holds))
     engine.forget(handle)  # the driver may hand the same handle to a new stream
@@ -138,7 +137,7 @@ class Stream:
         self._closed = False
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
-        self._engine = _completion.engine()
+        self._engine = current_engine()
         self._finalizer = weakref.finalize(
             self, _retire, self._driver, self._engine, handle, owned, self._pool, self._holds
         )

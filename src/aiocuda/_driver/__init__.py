@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..errors import BackendError, NoDeviceError
@@ -31,6 +32,8 @@ __all__ = [
     "PoolProps",
     "backend_generation",
     "driver",
+    "register_sim_kernel",
+    "sim_image",
     "use_backend",
 ]
 
@@ -96,3 +99,18 @@ def driver() -> Driver:
 def backend_generation() -> int:
     """Incremented on every switch; caches keyed on it drop stale handles."""
     return _generation
+
+
+def sim_image(kernel_names: Iterable[str]) -> bytes:
+    """A module image for the simulated backend that defines ``kernel_names``."""
+    from .sim._modules import SIM_IMAGE_MAGIC
+
+    return SIM_IMAGE_MAGIC + "".join(f"{name}\n" for name in kernel_names).encode()
+
+
+def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
+    """Register (or, with None, remove) the Python implementation of kernel ``name`` for
+    the simulated backend; see :func:`aiocuda.register_sim_kernel`."""
+    from .sim._modules import register_kernel
+
+    register_kernel(name, impl)

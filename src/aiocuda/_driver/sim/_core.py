@@ -13,7 +13,7 @@ Devices and contexts
 
 Streams
     Each stream runs its operations in order on its own worker thread (see
-    ``_worker.py``). Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
+    ``_objects.py``). Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
     legacy null stream, with the legacy synchronisation: work on it waits for all work
     already enqueued on the device's blocking streams, and work on a blocking stream
     waits for the null stream's work already enqueued. Stream priorities are recorded
@@ -33,7 +33,7 @@ Errors and poisoning
     driver; everything that uses a context raises ``ContextPoisonedError``. A sticky
     injected fault poisons the device of the call it fires on, whichever call that is
     (the real driver only returns sticky codes from a poisoned context). See
-    ``_worker.py`` for errors raised by enqueued operations. A wait for work on a
+    ``_objects.py`` for errors raised by enqueued operations. A wait for work on a
     poisoned device ends at once: with ``ContextPoisonedError`` for host waits; a
     ``stream_wait_event`` in another device's stream just stops waiting (that device is
     not poisoned, and no further ordering is promised).
@@ -62,8 +62,7 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
-from ._objects import SimContext, SimDevice, SimEvent, SimPoint, next_handle_value
-from ._worker import HOST_FUNCTION, Engine, SimStream
+from ._objects import HOST_FUNCTION, SimContext, SimDevice, SimEvent, SimPoint, SimStream, Workers, next_handle_value
 
 __all__ = ["SimCore"]
 
@@ -88,12 +87,12 @@ class SimCore:
         if total_memory <= 0:
             raise ValueError(f"total_memory must be positive, got {total_memory}")
         self._tls = threading.local()
-        self._engine = Engine(self._bind_context)
+        self._workers = Workers(self._bind_context)
         self._faults = FaultPlan()
         self._closed = False
         self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
         for device in self._devices:
-            device.null_stream = SimStream(self._engine, device, 0, non_blocking=False, priority=0)
+            device.null_stream = SimStream(self._workers, device, 0, non_blocking=False, priority=0)
         self._streams: dict[int, SimStream] = {}
         self._events: dict[int, SimEvent] = {}
         super().__init__()
@@ -176,7 +175,7 @@ class SimCore:
 
         ``name`` labels the operation in errors and is what :meth:`set_latency` matches.
         ``fn`` runs on another thread with the stream's context current; it must not
-        call public sim methods. If it raises, see ``_worker.py`` for what happens to the
+        call public sim methods. If it raises, see ``_objects.py`` for what happens to the
         device. Does not call :meth:`_api`: the public method calling this already did.
         """
         self._submit(self._resolve_stream(stream), fn, name)
@@ -255,9 +254,9 @@ class SimCore:
         if seconds < 0:
             raise ValueError(f"latency must be >= 0 seconds, got {seconds}")
         if seconds:
-            self._engine.latency[name] = seconds
+            self._workers.latency[name] = seconds
         else:
-            self._engine.latency.pop(name, None)
+            self._workers.latency.pop(name, None)
 
     def shutdown(self) -> None:
         """Stop every worker promptly; afterwards every seam call raises DEINITIALIZED.
@@ -266,7 +265,7 @@ class SimCore:
         ``CUDA_ERROR_DEINITIALIZED``. Called by ``use_backend`` when switching away.
         """
         self._closed = True
-        self._engine.stopping.set()
+        self._workers.stopping.set()
         streams = [stream for device in self._devices for stream in device.streams()]
         for stream in streams:
             stream.wake()
@@ -378,7 +377,7 @@ class SimCore:
         ordinal = self._device_of_current()
         self._api("stream_create", ordinal)
         clamped = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
-        stream = SimStream(self._engine, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
+        stream = SimStream(self._workers, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
         self._streams[stream.value] = stream
         return stream
 

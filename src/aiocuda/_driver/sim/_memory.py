@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from ..._driver._protocol import PoolProps
 from ...errors import CudaError, ResultCode, error_for_code
+from .._protocol import PoolProps
 from ._objects import SimDevice, SimPoint
 
 __all__ = ["SimMemory", "SimPool"]

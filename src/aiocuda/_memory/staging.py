@@ -8,7 +8,7 @@ aiocuda stages pageable arrays itself, through pinned slots:
   until the DMA completes.
 * Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
   host copy of well under a millisecond), which skips the hop to a thread.
-* Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._copiers`):
+* Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._memory.copiers`):
   each thread copies whole chunks through its own slots, the host copy of one chunk
   overlapping the DMA of the last. The event loop never blocks; the awaiting task waits
   in a worker thread for the job.
@@ -40,11 +40,11 @@ from typing import Any
 import anyio.to_thread
 import numpy.typing as npt
 
-from . import _driver
-from ._copiers import Copiers, Job, Slot
-from .device import Device
-from .host import pinned_ranges
-from .stream import Stream
+from .. import _driver
+from ..device import Device
+from ..stream import Stream
+from .copiers import Copiers, Job, Slot
+from .pinned import pinned_ranges
 
 __all__ = [
     "CHUNK",

@@ -13,12 +13,22 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ._completion import Waiter
+__all__ = ["LoopAdapter", "Suspended", "current_adapter"]
 
-__all__ = ["LoopAdapter", "current_adapter"]
+
+class Suspended(Protocol):
+    """What an adapter needs of a suspended wait (the engine's ``Waiter``)."""
+
+    token: Any
+    """The adapter's handle on the suspended task (a future, a trio task)."""
+
+    @property
+    def done(self) -> bool: ...
+
+    def finish(self) -> None:
+        """Mark the wait over, exactly once."""
 
 
 class LoopAdapter:
@@ -30,7 +40,7 @@ class LoopAdapter:
     """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
 
     def __init__(self) -> None:
-        self.pending: list[Waiter] = []
+        self.pending: list[Any] = []
         """Waiters the poller queries on each loop iteration."""
         self.poll_scheduled = False
         self.thread = threading.get_ident()
@@ -46,11 +56,11 @@ class LoopAdapter:
         """Run ``fn`` on the loop, from any thread; False when the loop is gone."""
         raise NotImplementedError
 
-    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+    def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         """Suspend the current task until :meth:`resume`; a cancellation detaches ``waiter``."""
         raise NotImplementedError
 
-    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+    def resume(self, waiter: Suspended, error: BaseException | None) -> None:
         """Wake ``waiter``'s task (at most once), with ``error`` raised in it if given."""
         raise NotImplementedError
 
@@ -74,7 +84,7 @@ class AsyncioAdapter(LoopAdapter):
             return False
         return True
 
-    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+    def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         future = self.loop.create_future()
         waiter.token = future
         try:
@@ -83,7 +93,7 @@ class AsyncioAdapter(LoopAdapter):
             if not waiter.done:  # cancelled: detach
                 waiter.finish()
 
-    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+    def resume(self, waiter: Suspended, error: BaseException | None) -> None:
         future = waiter.token
         waiter.finish()
         if future is not None and not future.done():
@@ -112,7 +122,7 @@ class TrioAdapter(LoopAdapter):
             return False
         return True
 
-    def suspend(self, waiter: Waiter) -> Generator[Any, Any, None]:
+    def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         import trio
 
         waiter.token = trio.lowlevel.current_task()
@@ -124,7 +134,7 @@ class TrioAdapter(LoopAdapter):
 
         yield from trio.lowlevel.wait_task_rescheduled(abort).__await__()  # noqa: ASYNC105
 
-    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+    def resume(self, waiter: Suspended, error: BaseException | None) -> None:
         import outcome
         import trio
 

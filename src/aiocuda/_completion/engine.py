@@ -67,82 +67,21 @@ import time
 from collections.abc import Callable, Generator, Hashable
 from typing import TYPE_CHECKING, Any
 
-from . import _driver
-from ._loops import LoopAdapter, current_adapter
-from .errors import CudaError
+from .. import _driver
+from ..errors import CudaError
+from .history import POLL_WINDOW, PREDICTION_LEAD, SPIN_MAX, WaitHistory
+from .loops import LoopAdapter, current_adapter
+from .signals import SignalStreams
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
-__all__ = [
-    "MAX_POLL_SHARE",
-    "POISON_CHECK",
-    "POLL_WINDOW",
-    "SPIN_MAX",
-    "CompletionEngine",
-    "WaitHistory",
-    "Waiter",
-    "engine",
-]
-
-SPIN_MAX = 50e-6
-"""Longest spin of a lone waiter (seconds)."""
-
-POLL_WINDOW = 0.002
-"""Seconds a wait of unknown or short expected length polls before its doorbell rings."""
-
-PREDICTION_LEAD = 0.001
-"""Seconds before the predicted end at which a long wait starts polling: covers the
-waker's own wake-up latency and the hop to the loop."""
-
-MAX_POLL_SHARE = 0.04
-"""A predicted wait polls for at most this share of its expected length (or
-:data:`POLL_WINDOW`, if longer): bounds the CPU a wrong prediction costs."""
+__all__ = ["POISON_CHECK", "CompletionEngine", "Waiter", "current_engine"]
 
 POISON_CHECK = 0.01
 """Seconds between the waker's checks for poisoned contexts while long waits exist."""
 
 _perf = time.perf_counter
-
-
-class WaitHistory:
-    """How long waits on one stream took: an exponentially weighted mean of the
-    duration and of its absolute deviation (recent waits weigh most).
-
-    A wait far shorter than expected restarts the history: the stream's work has
-    changed, and sleeping through the next waits on the old expectation would cost each
-    of them a doorbell's latency. (A longer wait needs no such care: the doorbell wakes
-    it on time, and the mean moves up.)
-    """
-
-    __slots__ = ("expected", "spread")
-
-    WEIGHT = 0.25
-    RESTART_BELOW = 0.25
-    """A wait shorter than this share of the expected duration restarts the history."""
-
-    def __init__(self, duration: float) -> None:
-        self.expected = duration
-        self.spread = duration / 2
-
-    def add(self, duration: float) -> None:
-        if duration < self.RESTART_BELOW * self.expected:
-            self.expected, self.spread = duration, duration / 2
-            return
-        error = duration - self.expected
-        self.expected += self.WEIGHT * error
-        self.spread += self.WEIGHT * (abs(error) - self.spread)
-
-    def poll_window(self) -> tuple[float, float]:
-        """``(start, end)`` of the polling window, in seconds after the wait began."""
-        margin = 2 * self.spread
-        start = max(0.0, self.expected - margin - PREDICTION_LEAD)
-        end = self.expected + margin + PREDICTION_LEAD
-        cap = max(POLL_WINDOW, MAX_POLL_SHARE * self.expected)
-        if end - start > cap:  # too uncertain to poll it all: the part around the expectation
-            start = max(0.0, self.expected - cap / 2)
-            end = start + cap
-        return start, end
 
 
 class Waiter:
@@ -236,56 +175,6 @@ class _Line:
             engine._promote(following, _perf())
 
 
-class _SignalStreams:
-    """Private streams that doorbells ring on, pooled per device, oldest ring first.
-
-    A signal stream holds nothing but ``wait(event); sem_post``, so its doorbell rings
-    as soon as *that* event completes, whatever was enqueued on the event's own stream
-    after it. Streams are taken in the order their last rings were enqueued (the oldest
-    is the likeliest to have rung) and reused once idle; a new one is created only when
-    none of the oldest :data:`SCAN` is idle, so the pool settles at about the number of
-    long waits in flight at once. Creating a stream can block for milliseconds while the
-    device is busy, which is why the order matters: taking the most recent ring first
-    found a busy stream whenever more than a few waits were pending, and created a new
-    stream for every ring after that. A ring never shares a busy stream: it would then
-    wait for that stream's earlier event too, which may never complete.
-    """
-
-    SCAN = 4
-    """Oldest pooled streams to query for idleness before creating another."""
-
-    def __init__(self, backend: _driver.Driver) -> None:
-        self._backend = backend
-        self._pools: dict[int, collections.deque[Any]] = {}
-        self._lock = threading.Lock()  # loops in several threads may ring at once
-
-    def ring_after(self, device: Device, event: Any, bell: Any) -> None:
-        """Enqueue ``bell``'s ring for when ``event`` completes."""
-        stream = self._take(device)
-        try:
-            self._backend.stream_wait_event(stream, event)
-            self._backend.launch_doorbell(stream, bell)
-        finally:
-            with self._lock:
-                self._pools[device.ordinal].append(stream)
-
-    def _take(self, device: Device) -> Any:
-        backend = self._backend
-        with self._lock:
-            pool = self._pools.setdefault(device.ordinal, collections.deque())
-            for _ in range(min(self.SCAN, len(pool))):
-                if backend.stream_query(pool[0]):
-                    return pool.popleft()
-                pool.rotate(-1)  # busy: look at it again last
-        device.make_current()
-        return backend.stream_create(True, 0)
-
-    def count(self, device: Device) -> int:
-        """Signal streams pooled for ``device`` (idle or not)."""
-        with self._lock:
-            return len(self._pools.get(device.ordinal, ()))
-
-
 class CompletionEngine:
     """Per-backend state: the doorbell, the waker thread, its long waiters and the
     wait histories of streams."""
@@ -294,7 +183,7 @@ class CompletionEngine:
         self.backend = backend
         self._query = backend.event_query
         self._bell = backend.new_doorbell()
-        self._signals = _SignalStreams(backend)
+        self._signals = SignalStreams(backend)
         self._histories: dict[Hashable, WaitHistory] = {}
         self._lines: dict[Hashable, _Line] = {}
         self._lock = threading.Lock()
@@ -611,7 +500,7 @@ _engine: CompletionEngine | None = None
 _engine_generation = -1
 
 
-def engine() -> CompletionEngine:
+def current_engine() -> CompletionEngine:
     """The completion engine of the backend in use."""
     global _engine, _engine_generation
     generation = _driver.backend_generation()

@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from .array import DeviceArray, _byte_span, _c_strides
-from .device import Device
-from .errors import ArgumentError, ResultCode
-from .stream import Stream, current_stream
+from ..array import DeviceArray, _byte_span, _c_strides
+from ..device import Device
+from ..errors import ArgumentError, ResultCode
+from ..stream import Stream, current_stream
 
 __all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
 

@@ -42,8 +42,8 @@ from typing import Any
 
 import numpy as np
 
-from ._signature import Signature
-from .errors import LaunchError
+from ..errors import LaunchError
+from .signature import Signature
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "build_launcher", "diagnose", "to_pointer"]
 

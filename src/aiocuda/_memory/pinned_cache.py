@@ -11,7 +11,7 @@ allocation of the same size class; ``cuMemHostAlloc`` (1-40 ms per call) is skip
 Blocks come in size classes (powers of two up to 1 MiB, then whole MiB), so a reused
 block may be larger than asked. At most :data:`LIMIT` bytes are kept; a block freed
 beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
-(:mod:`aiocuda._offloop`) -- at the price above if the GPU is busy then.
+(:mod:`aiocuda._memory.offloop`) -- at the price above if the GPU is busy then.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import _driver, _offloop
+from .. import _driver
+from . import offloop
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
 __all__ = ["LIMIT", "cached_bytes", "empty", "give", "size_class", "take"]
 
@@ -69,7 +70,7 @@ class _Cache:
                 self.blocks.setdefault(size, []).append((device, ptr))
                 self.bytes += size
                 return
-        _offloop.release(device, "mem_host_free", ptr)
+        offloop.release(device, "mem_host_free", ptr)
 
     def empty(self) -> int:
         with self.lock:
@@ -91,7 +92,7 @@ class _Cache:
 def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
     for entries in blocks.values():
         for device, ptr in entries:
-            _offloop.release(device, "mem_host_free", ptr)
+            offloop.release(device, "mem_host_free", ptr)
 
 
 _cache = _Cache()

@@ -23,10 +23,10 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .errors import CudaError
+from ..errors import CudaError
 
 if TYPE_CHECKING:
-    from .device import Device
+    from ..device import Device
 
 __all__ = ["drain", "release", "submit"]
 

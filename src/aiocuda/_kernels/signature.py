@@ -259,7 +259,7 @@ def ptx_signatures(ptx: str) -> dict[str, Signature | None]:
 
     PTX does not distinguish a pointer from a 64-bit integer, so ``.u64`` parameters
     become ``uint64`` scalars, which accept device arrays and buffers as well (see
-    :mod:`aiocuda._packing`). Byte-array parameters (structs by value) give None.
+    :mod:`aiocuda._kernels.packing`). Byte-array parameters (structs by value) give None.
     """
     out: dict[str, Signature | None] = {}
     for entry in _PTX_ENTRY.finditer(ptx):

@@ -1,61 +1,31 @@
-"""One pipeline run: chunks admitted with back-pressure, each sent H2D -> stage -> D2H.
+"""One chunk of a pipeline: its context for the stage, and how it is run.
 
-:class:`Pipeline` is what :meth:`aiocuda.executor.Executor.map` returns. Inside its
-``async with`` block a feeder task reads the inputs, waits for a free slot (at most
-``in_flight`` chunks between admission and delivery) and for a device that accepts the
-chunk (:mod:`aiocuda._placement`), then starts one task per chunk. A chunk task enqueues
-all of its GPU work without waiting -- the only host wait is the await of its final
-download -- and sends its :class:`ChunkResult` to the consumer, which receives them in
-input order or as they complete. The slot is freed when the consumer takes the result.
-
-Cancellation and failure: leaving the block early, cancelling the consumer, or (with
-``on_error="raise"``) a failing chunk cancels every chunk task. A cancelled chunk frees its
-device memory stream-ordered (after the GPU work already enqueued on it) and its host
-arrays stay held by their streams until the copies that use them have finished, so no
-later run can see torn or reused memory.
+A chunk is uploaded on its device's ``h2d`` stream, handed to the stage on a compute
+stream that waits for the upload on the GPU, and downloaded on the ``d2h`` stream; the
+await of that download is its only host wait. :class:`ChunkRunner` does this for
+:class:`~aiocuda.executor.Pipeline` chunks and for :meth:`~aiocuda.executor.Executor.submit`.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
-import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-import anyio
-import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
-from . import _staging
-from ._placement import Admission, PlacementName
-from .array import DeviceArray, empty
-from .device import Device, as_device
-from .errors import ArgumentError, ResultCode
-from .host import pinned_ranges
-from .stream import Stream
-from .trace import PendingSpan, Trace
+from .._memory import staging as _staging
+from .._memory.pinned import pinned_ranges
+from ..array import DeviceArray, empty
+from ..device import Device, as_device
+from ..errors import ArgumentError, ResultCode
+from ..stream import Stream
+from ..trace import PendingSpan, Trace
+from .lanes import DeviceLanes
 
-if TYPE_CHECKING:
-    from .executor import DeviceLanes
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
-
-__all__ = [
-    "ChunkContext",
-    "ChunkResult",
-    "ChunkRunner",
-    "OnError",
-    "OutputFn",
-    "Pipeline",
-    "Stage",
-    "as_input",
-    "reserve",
-]
+__all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
 
 StageResult = DeviceArray | None
 Stage = Callable[["ChunkContext", DeviceArray], StageResult | Awaitable[StageResult]]
@@ -64,8 +34,6 @@ download (``None``: ``x``)."""
 
 OutputFn = Callable[[int, DeviceArray], npt.NDArray[Any]]
 """``output(index, device_result)``: the host array chunk ``index`` is downloaded into."""
-
-OnError = Literal["raise", "continue"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,184 +268,3 @@ class ChunkRunner:
         if not dest.flags.writeable:
             raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
         return dest
-
-
-class _InputFailed:
-    """Sent by the feeder when iterating the inputs raised."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_Item = ChunkResult | _InputFailed | None
-"""What chunk tasks and the feeder send the consumer (None: the inputs are exhausted)."""
-
-
-class Pipeline:
-    """A running :meth:`~aiocuda.executor.Executor.map`; an async context manager whose
-    value is an async iterator of :class:`ChunkResult`.
-
-    Attributes while running: :attr:`in_flight` (chunks admitted and not yet delivered),
-    :attr:`peak_in_flight`, :attr:`delivered`, :attr:`failures`.
-
-    The ``async with`` block is a cancel scope, as a task group's body is: once a chunk's
-    error has been raised (``on_error="raise"``), awaits left in the block are cancelled
-    and the block ends there.
-    """
-
-    def __init__(
-        self,
-        runner: ChunkRunner,
-        inputs: Iterable[npt.NDArray[Any]] | AsyncIterable[npt.NDArray[Any]],
-        *,
-        lanes: Sequence[DeviceLanes],
-        admission: Admission,
-        ordered: bool,
-        in_flight: int,
-        on_error: OnError,
-        placement: PlacementName,
-    ) -> None:
-        self._runner = runner
-        self._inputs = inputs
-        self._lanes = lanes
-        self._admission = admission
-        self._ordered = ordered
-        self._limit = in_flight
-        self._on_error = on_error
-        self._placement = placement
-        self._ready: dict[int, ChunkResult] = {}
-        self._next = 0
-        self._total: int | None = None
-        self.delivered = 0
-        self.admitted = 0
-        self.peak_in_flight = 0
-        self.failures: list[ChunkResult] = []
-        self._task_group: anyio.abc.TaskGroup | None = None
-
-    @property
-    def in_flight(self) -> int:
-        return self.admitted - self.delivered
-
-    # -- lifetime ---------------------------------------------------------------------------
-    async def __aenter__(self) -> Pipeline:
-        self._send, self._receive = anyio.create_memory_object_stream[_Item](math.inf)
-        self._slots = anyio.Semaphore(self._limit)
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._feed)
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> bool | None:
-        assert self._task_group is not None
-        self._task_group.cancel_scope.cancel()  # the consumer is done: stop what is left
-        try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            # The block's own exception (a chunk's error the consumer raised) comes back
-            # wrapped by the task group; chunk tasks report their errors as results, so
-            # there is nothing else in the group: let the original go on, unwrapped.
-            if exc is not None and group.split(lambda e: e is exc)[1] is None:
-                return None
-            raise
-        finally:
-            self._send.close()
-            self._receive.close()
-
-    # -- the consumer -----------------------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[ChunkResult]:
-        return self
-
-    async def __anext__(self) -> ChunkResult:
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            result = self._take_ready()
-            if result is not None:
-                return self._deliver(result)
-            if self._total is not None and self.delivered == self._total:
-                raise StopAsyncIteration
-            item = await self._receive.receive()
-            if isinstance(item, _InputFailed):
-                raise item.error
-            if item is not None:
-                if item.error is not None and self._on_error == "raise":
-                    return self._deliver(item)
-                self._ready[item.index] = item
-
-    def _take_ready(self) -> ChunkResult | None:
-        if not self._ready:
-            return None
-        if self._ordered:
-            return self._ready.pop(self._next, None)
-        return self._ready.pop(next(iter(self._ready)))
-
-    def _deliver(self, result: ChunkResult) -> ChunkResult:
-        self.delivered += 1
-        if result.index == self._next:
-            self._next += 1
-        self._slots.release()
-        if result.error is not None:
-            self.failures.append(result)
-            if self._on_error == "raise":
-                assert self._task_group is not None
-                self._task_group.cancel_scope.cancel()
-                error = result.error
-                if hasattr(error, "add_note"):
-                    error.add_note(f"(in chunk {result.index} on device {result.device})")
-                raise error
-        return result
-
-    # -- the producers ----------------------------------------------------------------------
-    async def _feed(self) -> None:
-        assert self._task_group is not None
-        index = 0
-        cursor = 0
-        try:
-            async for host in _aiter(self._inputs):
-                array = as_input(host)
-                await self._slots.acquire()
-                lane, cursor = await self._admission.admit(self._placement, self._lanes, reserve(array), cursor)
-                self.admitted += 1
-                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                self._task_group.start_soon(self._chunk, index, array, lane)
-                index += 1
-        except Exception as exc:
-            self._send.send_nowait(_InputFailed(exc))
-            return
-        self._total = index
-        self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
-
-    async def _chunk(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> None:
-        try:
-            output = await self._runner.run(index, host, lanes)
-            result = ChunkResult(index, lanes.device.ordinal, output, None)
-        except Exception as exc:
-            result = ChunkResult(index, lanes.device.ordinal, None, exc)
-        finally:
-            lanes.completed += 1
-            self._admission.release(lanes, reserve(host))
-        self._send.send_nowait(result)
-
-
-def reserve(host: npt.NDArray[Any]) -> int:
-    """Device bytes reserved for a chunk: its input and an output of the same size."""
-    return 2 * int(host.nbytes)
-
-
-def as_input(host: Any) -> npt.NDArray[Any]:
-    array = np.asarray(host)
-    if array.dtype.hasobject:
-        raise TypeError("pipeline inputs must be numeric numpy arrays, not arrays of Python objects")
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
-
-
-async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    if isinstance(inputs, AsyncIterable):
-        async for item in inputs:
-            yield item
-    else:
-        for item in inputs:
-            yield item

@@ -20,10 +20,10 @@ import json
 import os
 import pathlib
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["CachedImage", "CompileCache", "cache_key", "default_cache"]
+__all__ = ["cached_compile", "CachedImage", "CompileCache", "cache_key", "default_cache"]
 
 FORMAT_VERSION = 1
 _HEADER_END = b"\n"
@@ -118,3 +118,24 @@ def default_cache() -> CompileCache | None:
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     base = pathlib.Path(xdg) if xdg else pathlib.Path.home() / ".cache"
     return CompileCache(base / "aiocuda")
+
+
+def cached_compile(
+    cache: CompileCache | None,
+    source: str,
+    options: Sequence[str],
+    name_expressions: Sequence[str],
+    arch: str,
+    compiler: str,
+    compile_fn: Callable[[], CachedImage],
+) -> CachedImage:
+    """``compile_fn()``'s result, read from ``cache`` when an identical compile is stored."""
+    if cache is None:
+        return compile_fn()
+    key = cache_key(source, options, name_expressions, arch, compiler)
+    found = cache.get(key)
+    if found is not None:
+        return found
+    entry = compile_fn()
+    cache.put(key, entry)
+    return entry

@@ -41,8 +41,8 @@ import threading
 from collections import deque
 from typing import Any
 
-from .device import Device
-from .host import _PinnedAllocation
+from ..device import Device
+from .pinned import PinnedAllocation
 
 __all__ = ["Copiers", "Job", "Slot"]
 
@@ -58,7 +58,7 @@ class Slot:
     __slots__ = ("events", "fence", "owner", "pending", "ptr")
 
     def __init__(self, device: Device, size: int) -> None:
-        self.owner = _PinnedAllocation(device, size)
+        self.owner = PinnedAllocation(device, size)
         self.ptr: int = self.owner.ptr
         self.events: dict[int, Any] = {}
         self.fence: tuple[Any, Any] | None = None  # (driver, event handle)

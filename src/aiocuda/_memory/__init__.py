@@ -1,0 +1,4 @@
+"""The memory layer's private half: every enqueued copy and memset (:mod:`.copies`),
+pinned host blocks and their cache, staging of pageable arrays through copier threads,
+the off-loop thread for driver calls that wait for an idle device, and the
+``__cuda_array_interface__`` / DLPack exchange."""
