@@ -9,22 +9,27 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiocuda import _driver
-from aiocuda._completion import engine as engine_module
+from aiocuda._completion import waker as waker_module
 from aiocuda._completion.engine import CompletionEngine, Waiter, current_engine
 from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+from aiocuda._completion.loops import current_adapter
 from aiocuda._completion.signals import SignalStreams
+from aiocuda.device import Device
 from aiocuda.errors import ContextPoisonedError
 from aiocuda.stream import Stream
 
-from ._workload import poison_op, slow_op
+from ._control import ControlClock
+from ._workload import slow_op
 
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
 TESTS = str(pathlib.Path(__file__).resolve().parent)
@@ -38,28 +43,77 @@ def run_script(code: str, backend_name: str, timeout: float = 60) -> subprocess.
     )
 
 
-@pytest.mark.anyio
-async def test_poisoned_context_fails_pending_awaits_fast(sim_backend: _driver.Driver, anyio_backend: object) -> None:
-    """On the simulator: a sticky error fails a pending long await within 100 ms."""
-    with Stream(0) as busy, Stream(0) as bad, Stream(1) as other:
-        slow_op(busy, 1.0)
-        slow_op(other, 0.01)
-        failed_at: list[float] = []
-
-        async def waiter() -> None:
-            with pytest.raises(ContextPoisonedError):
-                await busy
-            failed_at.append(time.perf_counter())
-
+async def _long_waits(streams: list[Stream], rounds: int = 3) -> None:
+    """Rounds of waits long enough for the doorbell, all completed: the waker goes idle."""
+    for _ in range(rounds):
+        for s in streams:
+            slow_op(s, 0.03)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(waiter)
-            await anyio.sleep(0.05)  # the waiter is now with the doorbell
-            poisoned_at = time.perf_counter()
-            poison_op(bad)
-        assert failed_at and failed_at[0] - poisoned_at < 0.1
+            for s in streams:
+                tg.start_soon(_await, s)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("long_waits_before", [False, True], ids=["first", "after_long_waits"])
+async def test_a_fault_fails_every_pending_await_promptly(
+    sim_backend: _driver.Driver, anyio_backend: object, long_waits_before: bool
+) -> None:
+    """A sticky error fails every pending await of the device -- on its doorbell, queued
+    behind others on one stream, polled, or an event's -- within the periodic check
+    after the fault, whether or not long waits came and went before (the waker used to
+    sleep a second when it had no long waiters, and new ones did not wake it). Another
+    device's await is unaffected. Bounds are in ticks of a control clock (5 ms sleeps),
+    which runs late exactly when the machine is loaded."""
+    sim = sim_backend
+    streams = [Stream(0) for _ in range(4)]  # fresh: no wait history
+    other = Stream(1)
+    try:
+        if long_waits_before:
+            earlier = [Stream(0) for _ in range(4)]
+            await _long_waits(earlier)
+            for s in earlier:
+                s.close()
+            await anyio.sleep(0.1)  # the waker has nothing left to wait for
+        held, line, plain, polled = streams
+        for s in (held, line, plain):
+            sim.hold(s.handle)  # type: ignore[attr-defined]
+        slow_op(other, 0.3)
+        event = plain.record()
+        failed: dict[str, int] = {}
+        clock = ControlClock(0.005)
+
+        async def expect_failure(name: str, awaitable: object) -> None:
+            with pytest.raises(ContextPoisonedError):
+                await awaitable  # type: ignore[misc]
+            failed[name] = clock.ticks
+
+        async def queued(i: int) -> None:
+            slow_op(line, 0.01)
+            await expect_failure(f"queued{i}", line)
+
+        with clock:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(expect_failure, "doorbell", held)
+                tg.start_soon(expect_failure, "event", event)
+                for i in range(3):
+                    tg.start_soon(queued, i)
+                await anyio.sleep(0.05)  # all of them are asleep on doorbells now
+                tg.start_soon(expect_failure, "polled", polled)
+                slow_op(polled, 1.0)
+                for _ in range(2):  # the polled wait reaches the poller
+                    await anyio.lowlevel.checkpoint()
+                poisoned_at = clock.ticks
+                sim.poison(0)  # type: ignore[attr-defined]
+        ticks = {name: at - poisoned_at for name, at in failed.items()}
+        assert len(ticks) == 6, ticks
+        # The periodic check is 2 ticks; the rest is slack for the hop to the loop.
+        assert max(ticks.values()) <= 8, ticks
         await other  # another device is unaffected
         with pytest.raises(ContextPoisonedError):
-            bad.record()
+            held.record()
+    finally:
+        for s in [*streams, other]:
+            s.close()
 
 
 POISON_SCRIPT = """
@@ -67,7 +121,7 @@ import ctypes, threading, time, anyio
 from aiocuda.device import Device
 from aiocuda.stream import Stream
 from aiocuda.errors import ContextPoisonedError
-from _workload import _kernel, poison_op
+from _workload import _kernel, poison_op, slow_op
 
 libcuda = ctypes.CDLL("libcuda.so.1")  # CDLL: the GIL is released during each call
 libcuda.cuStreamQuery.argtypes = [ctypes.c_void_p]
@@ -84,52 +138,90 @@ def watch(handle: int, t: float) -> None:
             return
 
 
+async def long_waits() -> None:
+    # Rounds of doorbell waits, all completed: the waker is left with nothing to wait for.
+    streams = [Stream(0) for _ in range(4)]
+    for _ in range(3):
+        for s in streams:
+            slow_op(s, 0.03)
+        async with anyio.create_task_group() as tg:
+            for s in streams:
+                tg.start_soon(_await, s)
+    for s in streams:
+        s.close()
+    await anyio.sleep(0.1)
+
+
+async def _await(s) -> None:
+    await s
+
+
 async def main():
-    busy, bad = Stream(0), Stream(0)
+    if {long_waits}:
+        await long_waits()
+    busy, line, bad = Stream(0), Stream(0), Stream(0)
     _kernel(bad, "poison")  # compile and load first: not timed
+    failed: dict[str, float] = {}
+
+    async def expect_failure(name, awaitable) -> None:
+        try:
+            await awaitable
+        except ContextPoisonedError:
+            failed[name] = time.perf_counter() - t
+
+    async def queued(i: int) -> None:
+        slow_op(line, 0.001)
+        await expect_failure(f"queued{i}", line)
+
     t = time.perf_counter()
     watcher = threading.Thread(target=watch, args=(int(bad), t))
     poison_op(bad)
-    # busy's work now comes after the fault: awaiting it can only end in the error. (Work
-    # that runs beside the fault instead -- a long kernel on another stream -- holds the
-    # driver's report back until it has finished, and may well succeed.)
-    busy.wait(bad.record())
+    # The other streams' work now comes after the fault: awaiting it can only end in the
+    # error. (Work that runs beside the fault instead -- a long kernel on another stream --
+    # holds the driver's report back until it has finished, and may well succeed.)
+    fault = bad.record()
+    busy.wait(fault)
+    line.wait(fault)
+    event = busy.record()
     watcher.start()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(expect_failure, "doorbell", busy)
+        tg.start_soon(expect_failure, "event", event)
+        for i in range(3):
+            tg.start_soon(queued, i)
+    watcher.join()
+    print("POISONED", len(failed), round(max(failed.values()) * 1e3, 1), round(driver_saw[0] * 1e3, 1))
     try:
-        await busy
-    except ContextPoisonedError as exc:
-        ms = (time.perf_counter() - t) * 1e3
-        watcher.join()
-        print("POISONED", round(ms, 1), round(driver_saw[0] * 1e3, 1), exc.name)
-        try:
-            Stream(0).record()
-        except ContextPoisonedError as later:
-            print("LATER CALLS FAIL", later.name)
-    else:
-        print("NOT POISONED")
+        Stream(0).record()
+    except ContextPoisonedError as later:
+        print("LATER CALLS FAIL", later.name)
 
 anyio.run(main, backend="{lib}")
 """
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("long_waits_before", [False, True], ids=["first", "after_long_waits"])
 @pytest.mark.parametrize("lib", ["asyncio", "trio"])
-def test_real_sticky_error_fails_pending_await(lib: str) -> None:
-    """On the GPU: an illegal-address kernel fails a pending await on another stream of
-    the context, promptly after the driver itself reports the fault (100-150 ms after the
-    launch on an H100, measured in the same process by a thread polling
-    ``cuStreamQuery``)."""
+def test_real_sticky_error_fails_every_pending_await(lib: str, long_waits_before: bool) -> None:
+    """On the GPU: an illegal-address kernel fails every pending await of the context
+    (on its doorbell, an event's, queued on one stream) within 20 ms of the driver's own
+    report of the fault (100-150 ms after the launch on an H100, measured in the same
+    process by a thread polling ``cuStreamQuery``), whether or not long waits came and
+    went before."""
     from .conftest import real_gpu_count
 
     if real_gpu_count() == 0:
         pytest.skip("no real GPU")
     if lib == "trio":
         pytest.importorskip("trio")
-    proc = run_script(POISON_SCRIPT.replace("{lib}", lib), "cuda")
-    found = re.search(r"^POISONED ([\d.]+) ([\d.]+) ", proc.stdout, re.MULTILINE)
+    script = POISON_SCRIPT.replace("{lib}", lib).replace("{long_waits}", str(long_waits_before))
+    proc = run_script(script, "cuda")
+    found = re.search(r"^POISONED (\d+) ([\d.]+) ([\d.]+)$", proc.stdout, re.MULTILINE)
     assert found, proc.stdout + proc.stderr
-    ours_ms, driver_ms = float(found[1]), float(found[2])
-    assert ours_ms - driver_ms < 40, proc.stdout
+    count, ours_ms, driver_ms = int(found[1]), float(found[2]), float(found[3])
+    assert count == 5, proc.stdout
+    assert ours_ms - driver_ms <= 20, proc.stdout
     assert "LATER CALLS FAIL" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -142,7 +234,7 @@ from _workload import slow_op
 s = Stream(0)
 eng = current_engine()
 slow_op(s, 0.05)
-eng.backend.launch_doorbell(s.handle, eng._bell)
+eng.backend.launch_doorbell(s.handle, eng._waker.bell)
 slow_op(s, 0.01)
 # Hold the GIL while the driver waits for the stream, host function included.
 libcuda = ctypes.PyDLL("libcuda.so.1")
@@ -259,7 +351,6 @@ async def test_doorbell_signal_streams_are_reused_once_idle(backend: _driver.Dri
     waits were pending, and created a stream -- a call that blocks for milliseconds while
     the GPU is busy -- for every ring from then on.)"""
     from aiocuda._completion.engine import current_engine
-    from aiocuda.device import Device
 
     engine = current_engine()
     streams = [Stream(0) for _ in range(8)]
@@ -327,7 +418,7 @@ async def test_event_await_does_not_wait_for_later_work_on_its_stream(
     event itself; on the event's own stream it would ring only after everything
     enqueued there later. (The periodic check is pushed out so it cannot mask this.)"""
 
-    monkeypatch.setattr(engine_module, "POISON_CHECK", 30.0)
+    monkeypatch.setattr(waker_module, "POISON_CHECK", 30.0)
     with Stream(0) as s:
         slow_op(s, 0.05)
         event = s.record()
@@ -450,7 +541,7 @@ async def test_a_wrong_prediction_still_wakes_through_the_doorbell(
     """A stream whose waits took 2 s now finishes in 20 ms: the doorbell, enqueued when
     the wait began, wakes the task long before the predicted end."""
 
-    monkeypatch.setattr(engine_module, "POISON_CHECK", 30.0)
+    monkeypatch.setattr(waker_module, "POISON_CHECK", 30.0)
     with Stream(0) as s:
         current_engine()._histories[s.handle] = WaitHistory(2.0)
         slow_op(s, 0.02)
@@ -477,3 +568,71 @@ def test_a_destroyed_streams_history_is_forgotten(backend: _driver.Driver) -> No
     handle = s.handle
     s.close()
     assert handle not in engine._histories
+
+
+# -- the doorbell's rings are counted, never folded into pokes ---------------------------------------
+@pytest.mark.anyio
+async def test_a_ring_after_piled_up_pokes_is_not_lost(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pokes (new deadlines for the waker) pile up while the waker is busy; it drains
+    them in one wake-up. A long wait's ring that comes afterwards must still be swept.
+    (The waker used to count off one poke per wake-up: the stale count then swallowed
+    the next real ring, and the wait slept until a periodic check, pushed out here.)"""
+    monkeypatch.setattr(waker_module, "POISON_CHECK", 30.0)
+    waker = current_engine()._waker
+    gate, busy = threading.Event(), threading.Event()
+    original = waker._sweep
+
+    def blocking_sweep(**kwargs: bool) -> None:
+        if not gate.is_set():
+            busy.set()
+            gate.wait(5)
+        original(**kwargs)
+
+    monkeypatch.setattr(waker, "_sweep", blocking_sweep)
+    adapter = current_adapter()
+    far = time.perf_counter() + 1000
+    with Stream(0) as s:
+        waker.call_at(far, adapter, lambda: None)  # the waker plans to sleep until then
+        waker.bell.ring()  # as the GPU would: the waker sweeps, and blocks there
+        assert busy.wait(5)
+        for i in range(1, 4):  # three pokes while it is busy: each asks it to wake up earlier
+            waker.call_at(far - i, adapter, lambda: None)
+        gate.set()
+        await anyio.sleep(0.05)  # the waker drains the three pokes at once
+        slow_op(s, 0.1)  # longer than the poll window: woken by its doorbell
+        with anyio.fail_after(5):
+            await s
+
+
+@pytest.mark.anyio
+async def test_the_periodic_check_finds_a_wait_behind_one_that_never_completes(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A doorbell that never rings, listed behind a wait that never completes on the same
+    device: the periodic check must still find the first one finished. (It used to query
+    only the first waiter of each device.)"""
+    engine = current_engine()
+    with Stream(0) as held, Stream(0) as s:
+        sim_backend.hold(held.handle)  # type: ignore[attr-defined]
+        slow_op(held, 0.001)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_await, held)
+            await anyio.sleep(0.05)  # listed with the waker
+            monkeypatch.setattr(engine._signals, "ring_after", lambda *args: None)  # rings are lost
+            slow_op(s, 0.05)
+            try:
+                with anyio.fail_after(5):
+                    await s
+            finally:
+                sim_backend.release(held.handle)  # type: ignore[attr-defined]
+
+
+def test_the_doorbell_says_how_many_rings_it_drained(sim_backend: _driver.Driver) -> None:
+    bell = sim_backend.new_doorbell()
+    assert bell.wait(0) == 0
+    for _ in range(3):
+        bell.ring()
+    assert bell.wait(1) == 3
+    assert bell.wait(0.001) == 0

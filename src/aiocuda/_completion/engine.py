@@ -60,8 +60,6 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
-import heapq
-import itertools
 import threading
 import time
 from collections.abc import Callable, Generator, Hashable
@@ -72,14 +70,12 @@ from ..errors import CudaError
 from .history import POLL_WINDOW, PREDICTION_LEAD, SPIN_MAX, WaitHistory
 from .loops import LoopAdapter, current_adapter
 from .signals import SignalStreams
+from .waker import POISON_CHECK, Waker
 
 if TYPE_CHECKING:
     from ..device import Device
 
 __all__ = ["POISON_CHECK", "CompletionEngine", "Waiter", "current_engine"]
-
-POISON_CHECK = 0.01
-"""Seconds between the waker's checks for poisoned contexts while long waits exist."""
 
 _perf = time.perf_counter
 
@@ -129,6 +125,10 @@ class Waiter:
         queries those whose doorbell could not be enqueued on each periodic check)."""
         self.done = False
         self.token: Any = None
+
+    @property
+    def ordinal(self) -> int:
+        return self.device.ordinal
 
     def finish(self) -> None:
         """Mark finished (exactly once), give the event back to its pool and leave the
@@ -182,19 +182,11 @@ class CompletionEngine:
     def __init__(self, backend: _driver.Driver) -> None:
         self.backend = backend
         self._query = backend.event_query
-        self._bell = backend.new_doorbell()
         self._signals = SignalStreams(backend)
+        self._waker = Waker(backend, self._resume_all)
         self._histories: dict[Hashable, WaitHistory] = {}
         self._lines: dict[Hashable, _Line] = {}
         self._lock = threading.Lock()
-        self._long: list[Waiter] = []
-        self._due: list[tuple[float, int, Waiter]] = []  # (when to poll, tie-break, waiter)
-        self._sequence = itertools.count()
-        self._waker_wakes_at = float("inf")
-        self._pokes = 0
-        """Rings of the bell that only ask the waker to plan again (no doorbell rang)."""
-        self._thread: threading.Thread | None = None
-        self._stopping = False
 
     # -- the await ----------------------------------------------------------------------
     def wait(
@@ -372,100 +364,18 @@ class CompletionEngine:
 
     # -- the doorbell and the waker thread -------------------------------------------------------
     def _ring(self, waiter: Waiter) -> None:
-        """Enqueue ``waiter``'s doorbell and list it with the waker."""
+        """List ``waiter`` with the waker, then enqueue its doorbell."""
         waiter.ringing = True
-        # List the waiter *before* enqueuing the doorbell: a ring swept before the waiter
-        # is listed would be lost (until the next periodic check).
-        with self._lock:
-            self._long.append(waiter)
-            self._start_waker()
+        self._waker.listen(waiter)
         try:
-            self._signals.ring_after(waiter.device, waiter.event, self._bell)
+            self._signals.ring_after(waiter.device, waiter.event, self._waker.bell)
         except CudaError:
             waiter.ringing = False  # poisoned context, most likely: the periodic check queries it
 
     def _hand_over_at(self, waiter: Waiter, poll_at: float) -> None:
-        """Have the waker hand ``waiter`` (rung already) to its loop's poller at ``poll_at``."""
-        with self._lock:
-            heapq.heappush(self._due, (poll_at, next(self._sequence), waiter))
-            wake_waker = poll_at < self._waker_wakes_at
-            if wake_waker:
-                self._pokes += 1
-                self._waker_wakes_at = poll_at  # one poke is enough
-            self._start_waker()
-        if wake_waker:
-            self._bell.ring()  # it sleeps past the new deadline: let it plan again
-
-    def _start_waker(self) -> None:
-        """Start the waker thread if it is not running (with ``_lock`` held)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._waker, name="aiocuda-waker", daemon=True)
-            self._thread.start()
-
-    def _waker(self) -> None:
-        bell = self._bell
-        while not self._stopping:
-            rung = bell.wait(self._sleep_time())
-            if self._stopping:
-                break
-            if rung:
-                with self._lock:
-                    poked, self._pokes = self._pokes > 0, max(0, self._pokes - 1)
-                if poked:  # only a new deadline: no doorbell to sweep for
-                    self._hand_over_due()
-                    continue
-            self._sweep(everyone=rung)
-            self._hand_over_due()
-
-    def _sleep_time(self) -> float:
-        with self._lock:
-            if not self._long:
-                self._waker_wakes_at = float("inf")
-                return 1.0
-            timeout = POISON_CHECK
-            if self._due:
-                timeout = max(0.0, min(timeout, self._due[0][0] - _perf()))
-            self._waker_wakes_at = _perf() + timeout
-            return timeout
-
-    def _sweep(self, *, everyone: bool) -> None:
-        """Resume long waiters whose events completed or failed.
-
-        Rung: query them all. Woken by the clock: query one waiter per device -- enough
-        to see a poisoned context, whose error then fails every waiter of that device --
-        and those whose doorbell could not be enqueued.
-        """
-        with self._lock:
-            waiters, self._long = self._long, []
-        by_adapter: dict[int, tuple[LoopAdapter, list[tuple[Waiter, BaseException | None]]]] = {}
-        keep: list[Waiter] = []
-        failed: dict[int, BaseException] = {}
-        probed: set[int] = set()
-        query = self._query
-        for w in waiters:
-            if w.done:
-                continue
-            ordinal = w.device.ordinal
-            error = failed.get(ordinal)
-            finished = error is not None
-            if not finished and (everyone or not w.ringing or ordinal not in probed):
-                probed.add(ordinal)
-                try:
-                    finished = query(w.event)
-                except CudaError as exc:
-                    finished, error = True, exc
-                    failed[ordinal] = exc
-            if finished:
-                by_adapter.setdefault(id(w.adapter), (w.adapter, []))[1].append((w, error))
-            else:
-                keep.append(w)
-        if keep:
-            with self._lock:
-                self._long.extend(keep)
-        for adapter, batch in by_adapter.values():
-            if not adapter.call_soon_threadsafe(functools.partial(self._resume_all, batch)):
-                for w, _ in batch:  # the loop is gone: nobody is left to wake
-                    w.finish()
+        """Have ``waiter`` (rung already) join its loop's poller at ``poll_at``."""
+        adapter = waiter.adapter
+        self._waker.call_at(poll_at, adapter, functools.partial(self._join_poller, adapter, [waiter]))
 
     def _resume_all(self, batch: list[tuple[Waiter, BaseException | None]]) -> None:
         now = _perf()
@@ -475,25 +385,9 @@ class CompletionEngine:
             elif not waiter.done:
                 waiter.adapter.resume(waiter, error)
 
-    def _hand_over_due(self) -> None:
-        """Give waiters whose predicted end is near back to their loops' pollers."""
-        now = _perf()
-        by_adapter: dict[int, tuple[LoopAdapter, list[Waiter]]] = {}
-        with self._lock:
-            while self._due and self._due[0][0] <= now:
-                _, _, waiter = heapq.heappop(self._due)
-                if not waiter.done:
-                    by_adapter.setdefault(id(waiter.adapter), (waiter.adapter, []))[1].append(waiter)
-        for adapter, waiters in by_adapter.values():
-            adapter.call_soon_threadsafe(functools.partial(self._join_poller, adapter, waiters))
-
     def stop(self) -> None:
         """Stop the waker thread (interpreter exit, backend switch)."""
-        self._stopping = True
-        self._bell.ring()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=1.0)
+        self._waker.stop()
 
 
 _engine: CompletionEngine | None = None

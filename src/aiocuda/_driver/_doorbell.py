@@ -45,7 +45,7 @@ def _destroy(sem: ctypes.Array[ctypes.c_char]) -> None:
 
 
 class SemaphoreDoorbell:
-    """A counting semaphore; each ring adds one, :meth:`wait` consumes them all.
+    """A counting semaphore; each ring adds one, :meth:`wait` consumes and counts them all.
 
     ``c_function``/``c_argument`` are what a backend passes to ``cuLaunchHostFunc``.
     The semaphore's memory lives as long as this object; keep the doorbell alive while
@@ -73,23 +73,24 @@ class SemaphoreDoorbell:
         """Ring from Python (the simulated backend's host-function thread does this)."""
         _libc.sem_post(self._address)
 
-    def wait(self, timeout: float) -> bool:
+    def wait(self, timeout: float) -> int:
         """Block (GIL released) until rung or ``timeout`` seconds pass.
 
-        Returns True if at least one ring was consumed. Every pending ring is drained, so
-        many completions in one interval cost one wake-up.
+        Returns how many rings it consumed (0 on a timeout): every pending ring is
+        drained, so many completions in one interval cost one wake-up, and the caller
+        can tell how many there were.
         """
         deadline = time.clock_gettime(time.CLOCK_REALTIME) + timeout
         frac, whole = math.modf(deadline)
         spec = _Timespec(int(whole), int(frac * 1e9))
-        rung = False
+        drained = 0
         while True:
             if _libc.sem_timedwait(self._address, ctypes.byref(spec)) == 0:
-                rung = True
+                drained = 1
                 break
             errno = ctypes.get_errno()
             if errno != 4:  # EINTR: retry; ETIMEDOUT (110) or other: give up
                 break
         while _libc.sem_trywait(self._address) == 0:
-            rung = True
-        return rung
+            drained += 1
+        return drained

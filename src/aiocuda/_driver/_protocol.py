@@ -68,9 +68,9 @@ class Doorbell(Protocol):
 
     def ring(self) -> None: ...
 
-    def wait(self, timeout: float) -> bool:
-        """Block (GIL released) until rung or ``timeout`` seconds pass; True if rung.
-        Consumes every pending ring."""
+    def wait(self, timeout: float) -> int:
+        """Block (GIL released) until rung or ``timeout`` seconds pass; returns how many
+        rings it consumed (every pending one; 0 on a timeout)."""
         ...
 
     @property
