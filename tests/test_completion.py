@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -366,7 +367,9 @@ async def test_doorbell_signal_streams_are_reused_once_idle(backend: _driver.Dri
     finally:
         for s in streams:
             s.close()
-    assert created <= len(streams) + SignalStreams.SCAN, f"{created} signal streams for 8 waits at a time"
+    assert created <= len(streams) + SignalStreams.SCAN + SignalStreams.RESERVE, (
+        f"{created} signal streams for 8 waits at a time"
+    )
 
 
 async def _await(awaitable: object) -> None:
@@ -636,3 +639,79 @@ def test_the_doorbell_says_how_many_rings_it_drained(sim_backend: _driver.Driver
         bell.ring()
     assert bell.wait(1) == 3
     assert bell.wait(0.001) == 0
+
+
+# -- nothing on the loop's thread waits on the GPU or a driver lock --------------------------------
+@pytest.mark.anyio
+async def test_awaits_make_no_streams_or_events_on_the_loop_thread(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streams for doorbells and events for awaits are made ahead of time, by the reserve
+    thread: once a first burst has sized the event pool, rounds of concurrent long
+    waits (each on its doorbell) make neither on the loop's thread. (cuStreamCreate for a
+    signal stream froze an H100's loop for 198 ms behind a long kernel.)"""
+    from aiocuda._completion.event_pool import EventPool
+
+    loop_thread = threading.get_ident()
+    on_loop: list[str] = []
+    for name in ("stream_create", "event_create"):
+        original = getattr(sim_backend, name)
+
+        def recording(*args: object, _original: Any = original, _name: str = name) -> Any:
+            if threading.get_ident() == loop_thread:
+                on_loop.append(_name)
+            return _original(*args)
+
+        monkeypatch.setattr(sim_backend, name, recording)
+
+    async def rounds(streams: list[Stream], n: int) -> None:
+        for _ in range(n):
+            for s in streams:
+                slow_op(s, 0.01)
+            async with anyio.create_task_group() as tg:
+                for s in streams:
+                    tg.start_soon(_await, s)
+
+    streams = [Stream(0) for _ in range(48)]  # made here, before the awaits: allowed
+    pool = EventPool.for_device(Device(0))
+    on_loop.clear()
+    try:
+        await rounds(streams, 1)  # a first burst beyond the event pool's reserve
+        assert "stream_create" not in on_loop
+        await anyio.sleep(0.05)  # the reserve thread catches up
+        on_loop.clear()
+        made_by_caller = pool.statistics().made_by_caller
+        await rounds(streams, 4)
+    finally:
+        for s in streams:
+            s.close()
+    assert not on_loop, on_loop
+    assert pool.statistics().made_by_caller == made_by_caller
+
+
+WRAP_SCRIPT = """
+import asyncio
+from aiocuda.errors import ArgumentError
+from aiocuda.stream import Stream
+
+async def main():
+    for value in (0xDEADBEEF0, 0xDEADBEEF3, -1, 1 << 64):
+        try:
+            s = Stream.wrap(value, device=0)
+            await s
+        except ArgumentError as exc:
+            print("REJECTED", hex(value), "stream=" in str(exc) or "stream object" in str(exc))
+        else:
+            print("ACCEPTED", hex(value))
+
+asyncio.run(main())
+"""
+
+
+def test_wrapping_a_raw_value_that_is_no_stream_raises(backend: _driver.Driver) -> None:
+    """``Stream.wrap(0xdeadbeef0)`` then ``await`` killed the process with SIGSEGV on
+    the real driver (it reads the handle as a stream object): values that cannot be a
+    stream are rejected with a typed error first. (A subprocess: a crash fails one test.)"""
+    proc = run_script(WRAP_SCRIPT, backend.name)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("REJECTED") == 4, proc.stdout + proc.stderr

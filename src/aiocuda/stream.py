@@ -138,6 +138,7 @@ class Stream:
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
         self._engine = current_engine()
+        self._engine.prepare(device)
         self._finalizer = weakref.finalize(
             self, _retire, self._driver, self._engine, handle, owned, self._pool, self._holds
         )
@@ -147,7 +148,13 @@ class Stream:
         """Use a foreign stream (CuPy, PyTorch, Numba, cuda.core, ``__cuda_stream__``, or
         a raw handle) without taking ownership: closing the wrapper never destroys it.
 
-        The foreign object is kept alive as long as the wrapper.
+        The foreign object is kept alive as long as the wrapper. Prefer passing the
+        object to its raw handle: a raw ``int`` other than 0, 1 or 2 (the legacy and
+        per-thread default streams) must be the handle of a live ``CUstream`` of this
+        process. aiocuda rejects, with :class:`~aiocuda.errors.ArgumentError`, a value
+        that cannot be one (out of range, misaligned, not readable memory), but it
+        cannot vouch for the rest: the driver reads the handle as a stream object, and
+        any other readable address makes it fail or crash the process.
         """
         if isinstance(obj, Stream):
             return obj

@@ -258,6 +258,11 @@ class CompletionEngine:
             self._histories.clear()
         self._histories[stream] = WaitHistory(duration)
 
+    def prepare(self, device: Device) -> None:
+        """Have what ``device``'s doorbells need made ahead of time, off the loop (call
+        when a stream of the device is made: cheap after the first time)."""
+        self._signals.prepare(device)
+
     def forget(self, stream: Any) -> None:
         """Drop ``stream``'s wait history and line (it is being destroyed)."""
         self._histories.pop(stream, None)

@@ -15,6 +15,7 @@ the driver's thread, ever.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -78,6 +79,44 @@ class _LibcudaHostFunc:
 
     def __call__(self, stream_value: int, function: int, argument: int) -> int:
         return int(self._fn(stream_value or None, function, argument))
+
+
+def _bad_stream(value: object, why: str) -> Exception:
+    return error_for_code(
+        ResultCode.INVALID_HANDLE,
+        "CUDA_ERROR_INVALID_HANDLE",
+        f"{value!r} is {why}: pass the stream object (CuPy, PyTorch, Numba, cuda.core, "
+        f"anything with __cuda_stream__) or the handle of a live CUstream",
+        "stream_from_value",
+    )
+
+
+class _AddressProbe:
+    """Whether memory at an address is readable, asked of the kernel (``write(2)`` of it
+    into a pipe fails with EFAULT) rather than by reading it, which would crash."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self._write = libc.write
+        self._write.restype = ctypes.c_ssize_t
+        self._write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
+        self._lock = threading.Lock()
+        self._pid = -1
+        self._fds = (-1, -1)
+
+    def __call__(self, address: int, size: int) -> bool:
+        with self._lock:
+            if self._pid != os.getpid():  # a forked child gets a pipe of its own
+                self._fds = os.pipe()
+                self._pid = os.getpid()
+            read_fd, write_fd = self._fds
+            written = int(self._write(write_fd, address, size))
+            if written > 0:
+                os.read(read_fd, written)
+            return written == size
+
+
+_readable = _AddressProbe()
 
 
 def _attribute_enum(prefix: str, enum: Any) -> dict[str, Any]:
@@ -214,6 +253,19 @@ class CudaCore:
         check(drv.cuStreamDestroy(stream), "cuStreamDestroy")
 
     def stream_from_value(self, value: int) -> Any:
+        """A foreign stream's handle from its raw value, checked as far as it can be.
+
+        0, 1 and 2 are the legacy null stream, ``CU_STREAM_LEGACY`` and
+        ``CU_STREAM_PER_THREAD``. Any other value is the address of a ``CUstream``
+        object, which the driver reads without checking: a wrong one crashes the
+        process. So the value must be a 64-bit, 8-byte aligned address of readable
+        memory, or ``ArgumentError`` is raised. Readable memory that is not a live
+        stream of this process cannot be told apart.
+        """
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 64:
+            raise _bad_stream(value, "not a 64-bit handle value")
+        if value > 2 and (value % 8 or not _readable(value, 16)):
+            raise _bad_stream(value, "not the address of a stream object in this process")
         return drv.CUstream(value)
 
     def handle_value(self, handle: Any) -> int:
