@@ -222,3 +222,29 @@ def test_priority_range_and_synchronize(backend: _driver.Driver) -> None:
         slow_op(s, 0.01)
         s.synchronize()
         assert s.query()
+
+
+async def test_awaiting_a_temporary_event_keeps_its_handle(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    """``await stream.record()``: nothing else references the Event while it is awaited.
+    Collected then, it would give its pooled handle back, the next await would record it
+    elsewhere, and this await would end early (data read before the GPU wrote it)."""
+    with Stream(0) as held, Stream(0) as other:
+        sim_backend.hold(held.handle)  # type: ignore[attr-defined]
+        slow_op(held, 0.001)
+        done = False
+
+        async def waiter() -> None:
+            nonlocal done
+            await held.record()
+            done = True
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.02)
+            gc.collect()
+            for _ in range(8):  # pooled handles are reused, most recently returned first
+                await other
+            await anyio.sleep(0.05)  # the waiter, on its doorbell by now, is checked periodically
+            assert not done, "the await ended before the work it waits for"
+            sim_backend.release(held.handle)  # type: ignore[attr-defined]
+        assert done

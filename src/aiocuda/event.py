@@ -31,6 +31,12 @@ class _OnStream(Protocol):
     def handle(self) -> Any: ...
 
 
+def _complete() -> Generator[Any, Any, None]:
+    """An await that ends at once."""
+    return
+    yield
+
+
 def _dispose(driver: Any, handle: Any, pool: EventPool | None) -> None:
     if pool is not None:
         pool.release(handle)
@@ -112,8 +118,8 @@ class Event:
 
     def __await__(self) -> Generator[Any, Any, None]:
         if self._stream_handle is None:
-            return  # never recorded: complete
-        yield from current_engine().wait(self._handle, self._stream_handle, self._device)
+            return _complete()  # never recorded: complete, as in CUDA
+        return current_engine().wait(self._handle, self._stream_handle, self._device, keep=self)
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and

@@ -201,7 +201,13 @@ class Stream:
         except BaseException:
             self._pool.release(event)
             raise
-        return self._engine.wait(event, self._handle, self.device, self._pool.release, just_recorded=True)
+        return self._engine.wait(
+            event,
+            self._handle,
+            self.device,
+            self._pool.release,
+            just_recorded=True,
+        )
 
     def synchronize(self) -> None:
         """Block the calling thread until the stream is idle. For synchronous code only:

@@ -1,58 +1,44 @@
 """The completion engine: "this point in a stream has finished" -> wake the waiting task.
 
-An await goes through these phases, cheapest first:
+:meth:`CompletionEngine.wait` is what ``await stream`` and ``await event`` run. A wait
+goes through these phases, cheapest first:
 
 1. **Already done.** ``cuEventQuery`` says the point has completed: return at once.
-2. **About to finish.** When no other task on the loop waits for the GPU and waits on
-   this stream have been short, spin on the query for up to :data:`SPIN_MAX`: as fast
-   as a blocking ``cuStreamSynchronize`` for tiny operations, while blocking the loop
-   for less than a scheduling quantum. On asyncio a task that did not spin gives up one
-   loop iteration with a bare ``yield`` (the cheapest reschedule there is) and queries
-   again: with many tasks in flight that is all most waits need.
-3. **Poll.** The waiter joins the loop's *poller*: one callback per loop iteration
-   queries every pending event and resolves the finished ones, so many completions in
-   one iteration cost one pass. Polling wakes a task within microseconds, but keeps the
-   loop busy, so a waiter polls for at most :data:`POLL_WINDOW`...
-4. **Doorbell.** ...then its wait is handed to the *doorbell*: on a private signal
-   stream of the device, ``cuStreamWaitEvent`` on the waited event followed by a host
-   function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread.
-   One waker thread sleeps on the semaphore, queries the long waiters when rung, and
-   wakes each loop once (``call_soon_threadsafe`` / ``run_sync_soon``) for all of that
-   loop's finished waiters. A waiting task costs no CPU.
+2. **About to finish.** When no other task of the loop waits for the GPU and waits at
+   this place have been short, spin on the query for up to :data:`SPIN_MAX`: as fast as
+   a blocking synchronize for tiny operations, while blocking the loop for less than a
+   scheduling quantum. On asyncio a task that did not spin gives up one loop iteration
+   with a bare ``yield`` and queries again: with many tasks in flight that is all most
+   waits need.
+3. **Poll, park, or ring.** The wait joins its loop's poller (:mod:`.poller`). A wait
+   expected to end soon is *active*: queried on every loop iteration. A wait expected to
+   end later is *parked* until shortly before then, queried now and then meanwhile; if
+   the loop would sleep in the meantime, a long parked wait rings its *doorbell*: on a
+   private signal stream (:mod:`.signals`), a wait for the event followed by a host
+   function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread --
+   wakes the waker thread (:mod:`.waker`), which wakes the loop. A sleeping task costs
+   no CPU.
 
-**Predicted waits.** Going to sleep has a price: on the virtual machines GPUs are rented
-in, each sleeping thread the wake-up passes through (the driver's callback thread, the
-waker, the loop) adds about 100 us, so a doorbell wakes a task 150-450 us after the GPU
-finished, where polling takes 5. The engine therefore remembers how long waits on each
-stream took (:class:`WaitHistory`). A wait expected to last longer than the poll
-window rings its doorbell at once and sleeps, but the waker hands it back to the poller
-shortly before its expected end: a repeated long operation (a large copy, a model's
-forward pass) is seen finishing within microseconds while costing CPU only for a
-narrow window around its end. The window is capped (:data:`MAX_POLL_SHARE`), so a
-wrong guess costs bounded CPU, and the doorbell, already enqueued, still wakes the
-task if the guess was too early.
+**Predictions.** How long a wait will take is learnt per stream *and* per place in the
+code that awaits it (:class:`~.history.WaitHistory`): the waits after a copy and the
+waits after a kernel, at two ``await`` lines, are told apart even on one stream.
 
-**Queued waits.** Waits on one stream finish in the order their points were recorded,
-so a wait recorded while earlier ones on the same stream are pending cannot finish
-before them: with a pipeline's chunks all awaiting one download stream, the length of
-each whole wait says little about when it ends, while the time from the end of the wait
-before it (one chunk's download) is steady. So the waits that began right after
-recording their point form a :class:`_Line` per stream; the history learns only the
-oldest's time since the wait before it ended, and a wait queued behind others sleeps on
-its doorbell until it becomes the oldest, then is predicted from that moment. (A queue
-expected to drain within the poll window is simply polled, and waits known to take
-microseconds skip the line altogether.)
+**Queued waits.** Waits on one stream finish in the order their points were recorded.
+Waits that began right after recording their point form a :class:`_Line` per stream,
+oldest first; only the oldest is working on its own part of the stream. A wait queued
+behind others is not queried at all until the one before it ends; then its own part is
+predicted from that moment, and the history learns only that part. (A queue expected to
+drain within the poll window is simply polled.)
 
-**Sticky errors.** The driver never runs host functions once a context is poisoned, so
-a doorbell would never ring. While long waits exist the waker also wakes every
-:data:`POISON_CHECK` seconds and queries one waiter per device; a query that raises
-:class:`~aiocuda.errors.ContextPoisonedError` fails every long waiter of that device.
-(The driver itself reports the fault of an illegal-address kernel some 100-150 ms after
-it happens; this check adds at most ``POISON_CHECK`` to that.)
+**Errors.** A query that raises fails its wait with the error. A poisoned context never
+runs host functions, so doorbells do not ring; the waker's periodic check
+(:data:`~.waker.POISON_CHECK`) queries sleeping waits, and every wait of a poisoned device
+fails with :class:`~aiocuda.errors.ContextPoisonedError`. Parked waits are queried every
+:data:`~.poller.RECHECK` and active ones every iteration, so they fail sooner.
 
-Cancellation detaches a waiter: it is dropped from the poller and the waker and its
-future is never resolved; the GPU work and the memory it uses are untouched. Loop
-closed or interpreter exiting with waits in flight: their wake-ups are dropped silently.
+**Cancellation** detaches a wait: it is dropped from the poller and the waker, and
+never resumed; the GPU work and the memory it uses are untouched. Loop closed or
+interpreter exiting with waits in flight: their wake-ups are dropped silently.
 """
 
 from __future__ import annotations
@@ -60,28 +46,48 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Hashable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from ..errors import CudaError
 from .history import POLL_WINDOW, PREDICTION_LEAD, SPIN_MAX, WaitHistory
 from .loops import LoopAdapter, current_adapter
+from .poller import ACTIVE, QUEUED, Poller
 from .signals import SignalStreams
-from .waker import POISON_CHECK, Waker
+from .waker import Batch, Waker
 
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["POISON_CHECK", "CompletionEngine", "Waiter", "current_engine"]
+__all__ = ["CompletionEngine", "Waiter", "current_engine"]
 
 _perf = time.perf_counter
 
+# Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
+# forgotten; places that await are few, unless code is generated at run time.
+_MAX_STREAMS = 4096
+_MAX_PLACES = 64
+
+
+def _place(frame: FrameType) -> Hashable:
+    """Where in the code ``frame`` (the coroutine running ``await``) awaits: its line and
+    the line that called it, so that waits awaited through a shared helper are told
+    apart by the helper's caller."""
+    # ids, not code objects: a code object's hash is computed from its contents on every
+    # call. (An id reused by a new code object merely shares a history.)
+    caller = frame.f_back
+    if caller is None:
+        return (id(frame.f_code), frame.f_lasti)
+    return (id(frame.f_code), frame.f_lasti, id(caller.f_code), caller.f_lasti)
+
 
 class Waiter:
-    """One pending await: what it waits for, how to wake its task, and its phase."""
+    """One pending await: what it waits for, how to wake its task, where it is."""
 
     __slots__ = (
         "adapter",
@@ -90,39 +96,45 @@ class Waiter:
         "event",
         "head_since",
         "line",
+        "next_check",
         "on_finish",
+        "place",
+        "poll_from",
         "poll_until",
-        "polling",
         "ringing",
         "started",
         "stream",
         "token",
+        "where",
     )
 
     def __init__(
         self,
         event: Any,
-        stream: Any,
+        stream: Hashable,
+        place: Hashable,
         device: Device,
         adapter: LoopAdapter,
         on_finish: Callable[[Any], None] | None,
     ) -> None:
         self.event = event
         self.stream = stream
+        self.place = place
         self.device = device
         self.adapter = adapter
         self.on_finish = on_finish
         self.started = _perf()
+        # Since when the work before its point has been done (None while earlier waits of
+        # its line are pending): what its history measures from.
         self.head_since: float | None = self.started
-        """Since when the work before its point has finished (None while waits recorded
-        before it on its stream are pending): what the stream's history measures from."""
         self.line: _Line | None = None
+        self.where = QUEUED  # see poller.py
+        self.poll_from = 0.0
         self.poll_until = 0.0
-        self.polling = False
-        """Whether it is in its loop's poller."""
+        self.next_check = 0.0
+        # Whether its doorbell is enqueued (the waker lists it either way, and its periodic
+        # check queries those whose doorbell could not be enqueued).
         self.ringing = False
-        """Whether its doorbell is enqueued (the waker lists every waiter given to it, and
-        queries those whose doorbell could not be enqueued on each periodic check)."""
         self.done = False
         self.token: Any = None
 
@@ -144,9 +156,7 @@ class Waiter:
 
 class _Line:
     """The pending waits on one stream that began as their points were recorded, oldest
-    first (see "Queued waits" in the module docstring). Only the oldest is working on its
-    own part of the stream; when it leaves, for whatever reason, the next one's own part
-    begins and :meth:`CompletionEngine._promote` predicts it from then."""
+    first (see "Queued waits" in the module docstring)."""
 
     __slots__ = ("_engine", "_waiters")
 
@@ -162,6 +172,8 @@ class _Line:
             return len(self._waiters) - 1
 
     def leave(self, waiter: Waiter) -> None:
+        """Drop ``waiter`` (any thread); if it was the oldest, the next one's own part of
+        the stream begins now."""
         engine = self._engine
         with engine._lock:
             waiters = self._waiters
@@ -176,15 +188,14 @@ class _Line:
 
 
 class CompletionEngine:
-    """Per-backend state: the doorbell, the waker thread, its long waiters and the
-    wait histories of streams."""
+    """Per-backend state: signal streams, the waker, wait histories and stream lines."""
 
     def __init__(self, backend: _driver.Driver) -> None:
         self.backend = backend
-        self._query = backend.event_query
+        self.query = backend.event_query
         self._signals = SignalStreams(backend)
-        self._waker = Waker(backend, self._resume_all)
-        self._histories: dict[Hashable, WaitHistory] = {}
+        self.waker = Waker(backend, self._resume_all)
+        self._histories: dict[Hashable, dict[Hashable, WaitHistory]] = {}  # stream -> place -> history
         self._lines: dict[Hashable, _Line] = {}
         self._lock = threading.Lock()
 
@@ -192,28 +203,43 @@ class CompletionEngine:
     def wait(
         self,
         event: Any,
-        stream: Any,
+        stream: Hashable,
         device: Device,
         on_finish: Callable[[Any], None] | None = None,
         *,
         just_recorded: bool = False,
+        keep: object = None,
     ) -> Generator[Any, Any, None]:
         """Suspend the current task until ``event`` (recorded on ``stream`` of ``device``)
-        completes.
+        completes; raise the driver's error if it fails.
+
+        Return this generator from ``__await__`` itself (not from a generator function
+        around it): waits are predicted per stream and per place in the code that
+        awaits, found from the frame that drives the generator.
 
         ``on_finish(event)`` runs exactly once when the wait ends for any reason
         (completion, error, cancellation); streams use it to give pooled events back.
-        ``just_recorded`` says the event was recorded an instant ago, so that the first
-        query can be skipped where the next step queries anyway.
+        ``just_recorded`` says the event was recorded an instant ago on ``stream``, after
+        everything enqueued before: the wait may then join the stream's line, and the
+        first query is skipped where the next step queries anyway. ``keep`` stays
+        referenced until the wait ends (an ``Event`` whose collection would give its
+        handle back to a pool).
         """
-        query = self._query
+        query = self.query
         waiter: Waiter | None = None
         try:
             adapter = current_adapter()
-            history = self._histories.get(stream)
-            if not adapter.waiting and (history is None or history.expected < SPIN_MAX):
-                if self._spin(event, stream, history):
-                    return
+            place: Hashable = None
+            history: WaitHistory | None = None
+            places = self._histories.get(stream)
+            if not adapter.waiting:
+                if places is not None:
+                    place = _place(sys._getframe(1))
+                    history = places.get(place)
+                if history is None or history.expected < SPIN_MAX:
+                    place = place if places is not None else _place(sys._getframe(1))
+                    if self._spin(event, stream, place, history):
+                        return
             elif not (just_recorded and adapter.bare_yield) and query(event):
                 return
             adapter.waiting += 1
@@ -223,7 +249,10 @@ class CompletionEngine:
                     yield
                     if query(event):
                         return
-                waiter = Waiter(event, stream, device, adapter, on_finish)
+                if place is None:
+                    place = _place(sys._getframe(1))
+                    history = places.get(place) if places is not None else None
+                waiter = Waiter(event, stream, place, device, adapter, on_finish)
                 # Waits known to take microseconds are polled whatever is ahead of them:
                 # they skip the line's bookkeeping.
                 lined = just_recorded and (history is None or history.expected >= SPIN_MAX)
@@ -238,33 +267,43 @@ class CompletionEngine:
             if waiter is None and on_finish is not None:
                 on_finish(event)
 
-    def _spin(self, event: Any, stream: Any, history: WaitHistory | None) -> bool:
+    def _spin(self, event: Any, stream: Hashable, place: Hashable, history: WaitHistory | None) -> bool:
         """Query in a tight loop for up to SPIN_MAX; True if the event completed."""
-        query = self._query
+        query = self.query
         start = _perf()
         deadline = start + SPIN_MAX
         while True:
             if query(event):
-                self._learn(stream, history, _perf() - start)
+                self._learn(stream, place, history, _perf() - start)
                 return True
             if _perf() > deadline:
                 return False
 
-    def _learn(self, stream: Any, history: WaitHistory | None, duration: float) -> None:
+    # -- histories and lines -------------------------------------------------------------------
+    def _history(self, waiter: Waiter) -> WaitHistory | None:
+        places = self._histories.get(waiter.stream)
+        return places.get(waiter.place) if places is not None else None
+
+    def _learn(self, stream: Hashable, place: Hashable, history: WaitHistory | None, duration: float) -> None:
         if history is not None:
             history.add(duration)
             return
-        if len(self._histories) > 4096:  # streams come and go: forget the old ones
-            self._histories.clear()
-        self._histories[stream] = WaitHistory(duration)
+        places = self._histories.get(stream)
+        if places is None:
+            if len(self._histories) > _MAX_STREAMS:
+                self._histories.clear()
+            places = self._histories[stream] = {}
+        elif len(places) > _MAX_PLACES:
+            places.clear()
+        places[place] = WaitHistory(duration)
 
     def prepare(self, device: Device) -> None:
         """Have what ``device``'s doorbells need made ahead of time, off the loop (call
         when a stream of the device is made: cheap after the first time)."""
         self._signals.prepare(device)
 
-    def forget(self, stream: Any) -> None:
-        """Drop ``stream``'s wait history and line (it is being destroyed)."""
+    def forget(self, stream: Hashable) -> None:
+        """Drop ``stream``'s wait histories and line (it is being destroyed)."""
         self._histories.pop(stream, None)
         self._lines.pop(stream, None)
 
@@ -273,126 +312,86 @@ class CompletionEngine:
         line = self._lines.get(stream)
         if line is None:
             with self._lock:
-                if len(self._lines) > 4096:  # foreign streams are never forgotten: bound them
+                if len(self._lines) > _MAX_STREAMS:
                     self._lines = {key: kept for key, kept in self._lines.items() if kept._waiters}
                 line = self._lines.setdefault(stream, _Line(self))
         return line
 
-    def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int) -> None:
-        """Poll a wait expected to end soon; ring a long one's doorbell and have the
-        waker bring it back to the poller just before its expected end. A wait with
-        ``ahead`` waits queued before it that will not all end within the poll window
-        sleeps on its doorbell until it is the oldest (:meth:`_promote`)."""
-        if history is None or history.expected * (ahead + 1) < POLL_WINDOW:
-            waiter.poll_until = waiter.started + POLL_WINDOW
-            self._join_poller(waiter.adapter, [waiter])
-            return
-        if ahead:
-            self._ring(waiter)
-            return
-        start, end = history.poll_window()
-        waiter.poll_until = waiter.started + end
-        self._ring(waiter)
-        if start <= PREDICTION_LEAD:
-            self._join_poller(waiter.adapter, [waiter])
-        else:
-            self._hand_over_at(waiter, waiter.started + start)
+    # -- planning --------------------------------------------------------------------------------
+    def _poller(self, adapter: LoopAdapter) -> Poller:
+        poller = adapter.poller
+        if poller is None or poller.engine is not self:  # first wait, or the backend was switched
+            poller = adapter.poller = Poller(self, adapter)
+        return poller  # type: ignore[no-any-return]
 
-    def _promote(self, waiter: Waiter, now: float) -> None:
-        """``waiter`` became the oldest wait of its stream's line at ``now``: the work
-        before its point is done, so predict its end from here (any thread)."""
-        waiter.head_since = now
-        history = self._histories.get(waiter.stream)
+    def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int) -> None:
+        """Plan a new wait (on its loop's thread). With ``ahead`` waits queued before it
+        that will not all end within the poll window, it waits for its turn
+        (:meth:`_promote`)."""
+        if history is None or history.expected * (ahead + 1) < POLL_WINDOW:
+            self._poller(waiter.adapter).poll(waiter, waiter.started + POLL_WINDOW)
+        elif not ahead:
+            self._plan(waiter, history, waiter.started)
+        # else: queued; its turn comes when the waits ahead of it have ended
+
+    def _plan(self, waiter: Waiter, history: WaitHistory | None, since: float) -> None:
+        """Poll or park ``waiter`` around its predicted end, its own part having begun at
+        ``since``."""
         if history is None or history.expected < POLL_WINDOW:
             start, end = 0.0, POLL_WINDOW
         else:
             start, end = history.poll_window()
-        waiter.poll_until = max(waiter.poll_until, now + end)
-        if waiter.polling or waiter.done:
-            return
-        if start > PREDICTION_LEAD:
-            self._hand_over_at(waiter, now + start)
-        elif waiter.adapter.thread == threading.get_ident():
-            self._join_poller(waiter.adapter, [waiter])
+        poller = self._poller(waiter.adapter)
+        if start <= PREDICTION_LEAD:
+            poller.poll(waiter, max(waiter.poll_until, since + end))
         else:
-            waiter.adapter.call_soon_threadsafe(functools.partial(self._join_poller, waiter.adapter, [waiter]))
+            poller.park(waiter, since + start, since + end)
 
-    # -- the loop's poller --------------------------------------------------------------------
-    def _join_poller(self, adapter: LoopAdapter, waiters: list[Waiter]) -> None:
-        """Add ``waiters`` to ``adapter``'s poller (on the loop's thread)."""
-        for w in waiters:
-            if not (w.done or w.polling):
-                w.polling = True
-                adapter.pending.append(w)
-        if adapter.pending and not adapter.poll_scheduled:
-            adapter.poll_scheduled = True
-            adapter.call_soon(functools.partial(self._poll, adapter))
+    def _promote(self, waiter: Waiter, now: float) -> None:
+        """``waiter`` became the oldest wait of its line at ``now`` (any thread)."""
+        if waiter.adapter.thread != threading.get_ident():
+            waiter.adapter.call_soon_threadsafe(functools.partial(self._promote, waiter, now))
+            return
+        waiter.head_since = now
+        if waiter.done:
+            return
+        history = self._history(waiter)
+        if waiter.where == ACTIVE and (history is None or history.expected < POLL_WINDOW):
+            waiter.poll_until = max(waiter.poll_until, now + POLL_WINDOW)
+        else:
+            self._plan(waiter, history, now)
 
-    def _poll(self, adapter: LoopAdapter) -> None:
-        adapter.poll_scheduled = False
-        now = _perf()
-        still: list[Waiter] = []
-        query = self._query
-        for w in adapter.pending:
-            if w.done:
-                w.polling = False
-                continue
-            try:
-                finished = query(w.event)
-            except CudaError as exc:
-                w.polling = False
-                adapter.resume(w, exc)
-                continue
-            if finished:
-                w.polling = False
-                self._complete(w, now)
-            elif now < w.poll_until:
-                still.append(w)
-            else:
-                w.polling = False
-                if not w.ringing:
-                    self._ring(w)
-                # else: its doorbell is enqueued; stop polling
-        adapter.pending = still
-        if still:
-            adapter.poll_scheduled = True
-            adapter.call_soon(functools.partial(self._poll, adapter))
-
-    def _complete(self, waiter: Waiter, now: float) -> None:
-        """Resume a waiter whose event completed (on its loop's thread), learning how long
-        the wait took."""
+    # -- ends of waits ---------------------------------------------------------------------------
+    def complete(self, waiter: Waiter, now: float) -> None:
+        """Resume a wait whose event completed (on its loop's thread), learning how long
+        its own part took."""
         if waiter.done:
             return
         if waiter.head_since is not None:  # (else the waits before it just ended too: no measure)
-            self._learn(waiter.stream, self._histories.get(waiter.stream), now - waiter.head_since)
+            self._learn(waiter.stream, waiter.place, self._history(waiter), now - waiter.head_since)
         waiter.adapter.resume(waiter, None)
 
-    # -- the doorbell and the waker thread -------------------------------------------------------
-    def _ring(self, waiter: Waiter) -> None:
-        """List ``waiter`` with the waker, then enqueue its doorbell."""
-        waiter.ringing = True
-        self._waker.listen(waiter)
-        try:
-            self._signals.ring_after(waiter.device, waiter.event, self._waker.bell)
-        except CudaError:
-            waiter.ringing = False  # poisoned context, most likely: the periodic check queries it
-
-    def _hand_over_at(self, waiter: Waiter, poll_at: float) -> None:
-        """Have ``waiter`` (rung already) join its loop's poller at ``poll_at``."""
-        adapter = waiter.adapter
-        self._waker.call_at(poll_at, adapter, functools.partial(self._join_poller, adapter, [waiter]))
-
-    def _resume_all(self, batch: list[tuple[Waiter, BaseException | None]]) -> None:
+    def _resume_all(self, batch: Batch) -> None:
+        """The waker's finished waits of one loop (on that loop's thread)."""
         now = _perf()
         for waiter, error in batch:
             if error is None:
-                self._complete(waiter, now)
+                self.complete(waiter, now)
             elif not waiter.done:
                 waiter.adapter.resume(waiter, error)
 
+    def ring(self, waiter: Waiter) -> None:
+        """List ``waiter`` with the waker, then enqueue its doorbell."""
+        waiter.ringing = True
+        self.waker.listen(waiter)
+        try:
+            self._signals.ring_after(waiter.device, waiter.event, self.waker.bell)
+        except CudaError:
+            waiter.ringing = False  # poisoned context, most likely: the periodic check queries it
+
     def stop(self) -> None:
         """Stop the waker thread (interpreter exit, backend switch)."""
-        self._waker.stop()
+        self.waker.stop()
 
 
 _engine: CompletionEngine | None = None

@@ -2,8 +2,8 @@
 schedule callbacks -- for asyncio (uvloop included) and trio.
 
 One :class:`LoopAdapter` exists per running loop (:func:`current_adapter` caches it).
-Besides the three operations it carries the loop's share of the engine's state: the
-waiters its *poller* queries once per loop iteration, and how many tasks are waiting.
+Besides these operations it carries the loop's share of the engine's state: its
+*poller* (:mod:`.poller`) and how many of its tasks are waiting.
 Everything on an adapter is touched only from its loop's thread, except
 :meth:`LoopAdapter.call_soon_threadsafe`.
 """
@@ -34,15 +34,14 @@ class Suspended(Protocol):
 class LoopAdapter:
     """The engine's view of one event loop (subclassed per loop library)."""
 
-    __slots__ = ("pending", "poll_scheduled", "thread", "waiting")
+    __slots__ = ("poller", "thread", "waiting")
 
     bare_yield = False
     """Whether a bare ``yield`` reschedules the task for one loop iteration (asyncio)."""
 
     def __init__(self) -> None:
-        self.pending: list[Any] = []
-        """Waiters the poller queries on each loop iteration."""
-        self.poll_scheduled = False
+        self.poller: Any = None
+        """The completion engine's poller for this loop (made by the engine)."""
         self.thread = threading.get_ident()
         """The loop's thread (adapters are made on it, by :func:`current_adapter`)."""
         self.waiting = 0
@@ -55,6 +54,11 @@ class LoopAdapter:
     def call_soon_threadsafe(self, fn: Callable[[], None]) -> bool:
         """Run ``fn`` on the loop, from any thread; False when the loop is gone."""
         raise NotImplementedError
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the loop after ``delay`` seconds (from the loop's own thread);
+        False when the loop has no timers for callbacks (trio): use the waker's."""
+        return False
 
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         """Suspend the current task until :meth:`resume`; a cancellation detaches ``waiter``."""
@@ -82,6 +86,10 @@ class AsyncioAdapter(LoopAdapter):
             self.loop.call_soon_threadsafe(fn)
         except RuntimeError:  # loop closed
             return False
+        return True
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> bool:
+        self.loop.call_later(delay, fn)
         return True
 
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:

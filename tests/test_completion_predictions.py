@@ -1,0 +1,225 @@
+"""The completion engine's predictions: wait histories, per place and per stream, and
+when the poller queries, parks and rings a wait."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable
+
+import anyio
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiocuda import _driver
+from aiocuda._completion import poller as poller_module
+from aiocuda._completion import waker as waker_module
+from aiocuda._completion.engine import Waiter, current_engine
+from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+from aiocuda._completion.poller import Poller
+from aiocuda.stream import Stream
+
+from ._control import ControlClock
+from ._workload import slow_op
+
+
+def histories(stream: Stream) -> dict[Hashable, WaitHistory]:
+    """The stream's wait histories, by the place that awaited."""
+    return current_engine()._histories.get(stream.handle, {})
+
+
+async def steps(stream: Stream, seconds: float, n: int = 1) -> None:
+    """``n`` times: enqueue work of ``seconds`` and await it, always at one place (a
+    place is the awaiting line and the line that called it)."""
+    for _ in range(n):
+        await _step(stream, seconds)
+
+
+async def _step(stream: Stream, seconds: float) -> None:
+    slow_op(stream, seconds)
+    await stream
+
+
+# -- the history ------------------------------------------------------------------------------------
+def test_wait_history_window_is_bounded_and_brackets_a_steady_duration() -> None:
+    steady = WaitHistory(0.005)
+    for _ in range(20):
+        steady.add(0.005)
+    start, end = steady.poll_window()
+    assert start < 0.005 < end
+    assert 0 < end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * 0.005) + 1e-9
+
+    erratic = WaitHistory(0.2)
+    for d in (0.05, 0.4, 0.1, 0.3, 0.02):
+        erratic.add(d)
+    start, end = erratic.poll_window()
+    assert 0 <= start < end
+    assert end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * erratic.expected) + 1e-9
+
+
+@given(durations=st.lists(st.floats(min_value=1e-6, max_value=5.0), min_size=1, max_size=30))
+def test_wait_history_window_never_exceeds_its_cpu_cap(durations: list[float]) -> None:
+    history = WaitHistory(durations[0])
+    for d in durations[1:]:
+        history.add(d)
+    start, end = history.poll_window()
+    assert 0 <= start < end
+    assert end - start <= max(POLL_WINDOW, MAX_POLL_SHARE * history.expected) * (1 + 1e-9)
+
+
+def test_wait_history_restarts_when_the_work_got_much_shorter() -> None:
+    history = WaitHistory(0.2)
+    history.add(0.0001)
+    assert history.expected == 0.0001
+
+
+def test_a_destroyed_streams_history_is_forgotten(backend: _driver.Driver) -> None:
+    """The driver may give a new stream the handle of a destroyed one: it must not
+    inherit that stream's wait histories."""
+    engine = current_engine()
+    s = Stream(0)
+    engine._histories[s.handle] = {None: WaitHistory(0.2)}
+    handle = s.handle
+    s.close()
+    assert handle not in engine._histories
+
+
+# -- per place ----------------------------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_waits_are_predicted_per_place_not_only_per_stream(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Short waits after copies and long waits after kernels, alternating on one stream
+    at two places: each place keeps its own history. (One history per stream restarted
+    at every short wait, so every long wait was planned as a short one.)"""
+
+    async def after_copy(s: Stream) -> None:
+        await s  # nothing enqueued: a short wait
+
+    async def after_kernel(s: Stream) -> None:
+        slow_op(s, 0.03)
+        await s
+
+    with Stream(0) as s:
+        for _ in range(4):
+            await after_copy(s)
+            await after_kernel(s)
+        expected = sorted(h.expected for h in histories(s).values())
+    assert len(expected) == 2, expected
+    assert expected[1] > 0.02, expected  # the kernel's: not restarted by the short ones
+
+
+# -- polling, parking, ringing --------------------------------------------------------------------
+@pytest.mark.anyio
+async def test_repeated_long_waits_sleep_until_shortly_before_their_predicted_end(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once waits at one place are known to take ~100 ms, a wait is parked until shortly
+    before its predicted end and, the loop having nothing else to do, rings its doorbell
+    and is not queried meanwhile: its end is seen by polling near the prediction (or by
+    the doorbell), at no CPU before."""
+    engine = current_engine()
+    with Stream(0) as s:
+        await steps(s, 0.1, 3)  # learn
+        planned: list[float] = []  # when each wait is to become active, as a share of its expected length
+        queried: list[float] = []  # queries of a parked wait before it was to become active
+        current: list[Waiter] = []
+        park, query = Poller.park, engine.query
+
+        def recording_park(self: Poller, w: Waiter, poll_from: float, poll_until: float) -> None:
+            history = engine._history(w)
+            assert history is not None
+            planned.append((poll_from - w.started) / history.expected)
+            current[:] = [w]
+            park(self, w, poll_from, poll_until)
+
+        def recording_query(event: object) -> bool:
+            w = current[0] if current else None
+            if w is not None and not w.done and event is w.event and time.perf_counter() < w.poll_from:
+                queried.append(time.perf_counter() - w.started)
+            return query(event)
+
+        monkeypatch.setattr(Poller, "park", recording_park)
+        monkeypatch.setattr(engine, "query", recording_query)
+        await steps(s, 0.1, 4)
+    assert len(planned) == 4 and all(0.5 < share < 1 for share in planned), planned
+    assert not queried, f"queried while asleep: {queried}"
+
+
+@pytest.mark.anyio
+async def test_queued_waits_are_predicted_from_the_end_of_the_one_before(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four tasks each enqueue a 50 ms operation on one stream and await it, as a
+    pipeline's chunks await their downloads: the waits take 50, 100, 150 and 200 ms, but
+    each one's own part is the 50 ms after the one before it ended. The history learns
+    that, and each queued wait is planned only once the one before it has ended, to
+    become active shortly before its own 50 ms are up."""
+    planned: list[float] = []  # seconds after its own part began at which a wait is to poll
+    park = Poller.park
+
+    def recording(self: Poller, w: Waiter, poll_from: float, poll_until: float) -> None:
+        assert w.head_since is not None, "a queued wait was planned before the waits ahead of it ended"
+        planned.append(poll_from - w.head_since)
+        park(self, w, poll_from, poll_until)
+
+    with Stream(0) as s, Stream(0) as solo:
+        alone = []  # the control: how long one operation takes on this machine now
+        for _ in range(3):
+            started = time.perf_counter()
+            await steps(solo, 0.05)
+            alone.append(time.perf_counter() - started)
+        for round_ in range(3):
+            if round_ == 2:
+                monkeypatch.setattr(Poller, "park", recording)
+            async with anyio.create_task_group() as tg:
+                for _ in range(4):
+                    tg.start_soon(steps, s, 0.05)
+        (history,) = histories(s).values()
+    one = sorted(alone)[1]
+    # Learnt from whole waits, the history would average 2.5 operations, and the last
+    # wait would be planned 4 operations after it began.
+    assert history.expected < 1.6 * one, (history.expected, alone)
+    assert len(planned) == 4 and max(planned) < 1.6 * one, (planned, alone)
+
+
+@pytest.mark.anyio
+async def test_a_wrong_prediction_still_wakes_through_the_doorbell(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Waits at a place took 2 s; now one finishes in 20 ms: its doorbell, rung as the
+    loop went idle, wakes the task long before the predicted end. (Ticks of a control
+    clock of 5 ms: a wait woken at its prediction would last ~400.)"""
+    monkeypatch.setattr(waker_module, "POISON_CHECK", 30.0)
+    with Stream(0) as s:
+        await steps(s, 0.01)  # learnt at this place
+        (place,) = histories(s)
+        histories(s)[place] = WaitHistory(2.0)
+        with ControlClock(0.005) as clock:
+            await steps(s, 0.02)
+            assert clock.ticks < 100
+
+
+@pytest.mark.anyio
+async def test_waits_near_their_end_are_polled_not_rung(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many waits pending, each expected to end within a few milliseconds: they are
+    polled and parked, never rung (a doorbell costs the loop more than querying while it
+    turns). With ``RING_AFTER`` pushed out, only a wait planned far ahead could ring, so
+    the count is exact whatever the machine's load; waits used to ring as soon as they
+    were expected to outlast the poll window."""
+    monkeypatch.setattr(poller_module, "RING_AFTER", 60.0)
+    engine = current_engine()
+    streams = [Stream(0) for _ in range(16)]
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for s in streams:
+                tg.start_soon(steps, s, 0.003, 8)
+        assert all(histories(s) for s in streams)
+    finally:
+        for s in streams:
+            s.close()
+    stats = engine.waker.statistics()
+    assert stats.rings == 0 and stats.listed == 0, stats
