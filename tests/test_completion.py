@@ -6,6 +6,7 @@ import asyncio
 import os
 import pathlib
 import re
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -571,3 +572,63 @@ def test_wrapping_a_raw_value_that_is_no_stream_raises(backend: _driver.Driver) 
     proc = run_script(WRAP_SCRIPT, backend.name)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("REJECTED") == 4, proc.stdout + proc.stderr
+
+
+# -- the engine's time constants, against controls ------------------------------------------------
+def test_a_lone_wait_spins_for_at_most_spin_max(sim_backend: _driver.Driver) -> None:
+    """A lone wait on work that does not finish spins for at most ``SPIN_MAX`` (50 us)
+    before it gives the loop back: measured as the thread's CPU time of the await's
+    first step, less that of the same step with spinning ruled out (another wait
+    pending), the control. CPU time, not wall time: load only lowers it."""
+
+    def first_step_cpu(s: Stream) -> float:
+        step = s.__await__()
+        started = time.thread_time()
+        step.send(None)  # spins (or not), then gives up one loop iteration
+        spent = time.thread_time() - started
+        step.close()
+        return spent
+
+    async def main() -> tuple[list[float], list[float]]:
+        adapter = current_adapter()
+        spins, controls = [], []
+        with Stream(0) as s:
+            sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+            slow_op(s, 0.001)
+            for _ in range(5):
+                adapter.waiting += 1  # another task waits: no spinning
+                controls.append(first_step_cpu(s))
+                adapter.waiting -= 1
+                spins.append(first_step_cpu(s))
+            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+            await s
+        return spins, controls
+
+    spins, controls = asyncio.run(main())
+    assert max(spins) - statistics.median(controls) < 10 * 50e-6, (spins, controls)
+
+
+@pytest.mark.anyio
+async def test_the_waker_checks_sleeping_waits_every_poison_check(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """While a wait sleeps on its doorbell, the waker wakes every ``POISON_CHECK`` (10 ms)
+    to see whether a context was poisoned: counted against a control clock ticking every
+    10 ms in the same interval, which runs late exactly when the waker would."""
+    engine = current_engine()
+    with Stream(0) as s:
+        sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+        slow_op(s, 0.001)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_await, s)
+            with anyio.fail_after(10):
+                while True:
+                    if engine.waker.statistics().listed:  # asleep on its doorbell
+                        break
+                    await anyio.sleep(0.01)
+            before = engine.waker.statistics().periodic_checks
+            with ControlClock(0.01) as clock:
+                await anyio.sleep(0.3)
+                ticks, checks = clock.ticks, engine.waker.statistics().periodic_checks - before
+            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+    assert ticks >= 5 and checks >= ticks / 3, (checks, ticks)

@@ -248,3 +248,60 @@ async def test_awaiting_a_temporary_event_keeps_its_handle(sim_backend: _driver.
             assert not done, "the await ended before the work it waits for"
             sim_backend.release(held.handle)  # type: ignore[attr-defined]
         assert done
+
+
+async def test_hold_keeps_objects_while_the_work_is_pending(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Every path that drops held objects -- a later hold, an await of another stream
+    (which sweeps closed streams' holds), closing the stream -- keeps them while the work
+    they were held for is pending: the simulated stream is paused, so it stays pending
+    for as long as the test needs. Pinned copies rely on this to keep host memory alive
+    during a DMA."""
+
+    class Payload:
+        pass
+
+    sim = sim_backend
+    s, other = Stream(0), Stream(0)
+    sim.hold(s.handle)  # type: ignore[attr-defined]
+    slow_op(s, 0.001)
+    payload = Payload()
+    ref = weakref.ref(payload)
+    s.hold(payload)
+    del payload
+    s.hold()  # releases the holds whose work finished: none has
+    gc.collect()
+    assert ref() is not None, "released by a later hold while its work was pending"
+    await other
+    gc.collect()
+    assert ref() is not None, "released by an await while its work was pending"
+    handle = s.handle
+    s.close()  # the held objects outlive the stream until the work is done
+    await other
+    gc.collect()
+    assert ref() is not None, "released when the stream was closed, with its work pending"
+    sim.release(handle)  # type: ignore[attr-defined]
+    await anyio.sleep(0.01)
+    for _ in range(100):  # the work is done at once now; an await sweeps the closed stream's holds
+        await other
+        gc.collect()
+        if ref() is None:
+            break
+        await anyio.sleep(0.01)
+    assert ref() is None
+    other.close()
+
+
+async def test_elapsed_ms_is_the_drivers_figure(backend: _driver.Driver, anyio_backend: object) -> None:
+    """``end.elapsed_ms(since=start)`` is the driver's own figure for the two events (the
+    control, read through the seam in the same run), and lies within the host's view of
+    the interval: after the work it measures was enqueued, before its end was awaited."""
+    with Stream(0) as s:
+        started = time.perf_counter()
+        start = s.record(timing=True)
+        slow_op(s, 0.05)
+        end = s.record(timing=True)
+        await end
+        host_ms = (time.perf_counter() - started) * 1e3
+        elapsed = end.elapsed_ms(since=start)
+        assert elapsed == backend.event_elapsed_ms(start.handle, end.handle)
+        assert 45 <= elapsed <= host_ms, (elapsed, host_ms)

@@ -212,8 +212,12 @@ class SimCore:
         self._resolve_stream(stream).hold()
 
     def release(self, stream: Any) -> None:
-        """Let a held stream run its queued operations again."""
-        self._resolve_stream(stream).release()
+        """Let a held stream run its queued operations again (a destroyed one too: its
+        queued work still runs, as on a GPU)."""
+        if type(stream) is SimStream:
+            stream.release()
+        else:
+            self._resolve_stream(stream).release()
 
     def inject_fault(self, code: int, *, at_call: int = 1, call: str | None = None) -> None:
         """Make the ``at_call``-th seam call from now raise ``error_for_code(code, ...)``.
