@@ -169,13 +169,13 @@ def test_streams_run_concurrently(sim: SimDriver) -> None:
     log, op = recorder()
     a = sim.stream_create(non_blocking=True, priority=0)
     b = sim.stream_create(non_blocking=True, priority=0)
-    sim.hold(a)
+    sim.pause(a)
     sim._enqueue(a, op("a"), "op")
     sim._enqueue(b, op("b"), "op")
     sim.stream_synchronize(b)  # would hang if b queued behind a
     assert log == ["b"]
     assert not sim.stream_query(a)
-    sim.release(a)
+    sim.resume(a)
     sim.stream_synchronize(a)
     assert log == ["b", "a"]
 
@@ -185,7 +185,7 @@ def test_stream_wait_event_orders_across_streams_without_blocking(sim: SimDriver
     a = sim.stream_create(non_blocking=True, priority=0)
     b = sim.stream_create(non_blocking=True, priority=0)
     event = sim.event_create(timing=False, blocking_sync=False)
-    sim.hold(a)
+    sim.pause(a)
     sim._enqueue(a, op("a"), "op")
     sim.event_record(event, a)
     started = time.perf_counter()
@@ -194,7 +194,7 @@ def test_stream_wait_event_orders_across_streams_without_blocking(sim: SimDriver
     assert time.perf_counter() - started < 0.5  # no host wait
     time.sleep(0.05)
     assert log == [] and not sim.stream_query(b)
-    sim.release(a)
+    sim.resume(a)
     sim.stream_synchronize(b)
     assert log == ["a", "b"]
 
@@ -205,14 +205,14 @@ def test_stream_wait_event_across_devices(sim: SimDriver) -> None:
     event = sim.event_create(timing=False, blocking_sync=False)
     on_device(sim, 1)
     b = sim.stream_create(non_blocking=True, priority=0)
-    sim.hold(a)
+    sim.pause(a)
     sim._enqueue(a, op("a"), "op")
     sim.event_record(event, a)
     sim.stream_wait_event(b, event)
     sim._enqueue(b, op("b"), "op")
     time.sleep(0.02)
     assert log == []
-    sim.release(a)
+    sim.resume(a)
     sim.stream_synchronize(b)
     assert log == ["a", "b"]
 
@@ -223,17 +223,17 @@ def test_legacy_null_stream_synchronizes_with_blocking_streams(sim: SimDriver) -
     non_blocking = sim.stream_create(non_blocking=True, priority=0)
     null = sim.stream_from_value(0)
     assert sim.handle_value(null) == 0 and sim.stream_device_ordinal(null) == 0
-    sim.hold(blocking)
-    sim.hold(non_blocking)
+    sim.pause(blocking)
+    sim.pause(non_blocking)
     sim._enqueue(blocking, op("blocking"), "op")
     sim._enqueue(non_blocking, op("non-blocking"), "op")
     sim._enqueue(null, op("null"), "op")
     sim._enqueue(blocking, op("blocking after null"), "op")
-    sim.release(non_blocking)
+    sim.resume(non_blocking)
     sim.stream_synchronize(non_blocking)
     time.sleep(0.02)
-    assert log == ["non-blocking"]  # the null stream waits for the held blocking stream
-    sim.release(blocking)
+    assert log == ["non-blocking"]  # the null stream waits for the paused blocking stream
+    sim.resume(blocking)
     sim.stream_synchronize(blocking)
     assert log == ["non-blocking", "blocking", "null", "blocking after null"]
 
@@ -276,27 +276,27 @@ def test_event_record_query_synchronize(sim: SimDriver) -> None:
     event = sim.event_create(timing=False, blocking_sync=False)
     assert sim.event_query(event)  # never recorded: complete, as in CUDA
     sim.event_synchronize(event)
-    sim.hold(stream)
+    sim.pause(stream)
     sim.event_record(event, stream)
     assert not sim.event_query(event)
-    sim.release(stream)
+    sim.resume(stream)
     sim.event_synchronize(event)
     assert sim.event_query(event)
 
 
 def test_rerecording_moves_the_event(sim: SimDriver) -> None:
-    held = sim.stream_create(non_blocking=True, priority=0)
+    paused = sim.stream_create(non_blocking=True, priority=0)
     free = sim.stream_create(non_blocking=True, priority=0)
     event = sim.event_create(timing=False, blocking_sync=False)
-    sim.hold(held)
-    sim.event_record(event, held)
+    sim.pause(paused)
+    sim.event_record(event, paused)
     assert not sim.event_query(event)
     sim.event_record(event, free)
-    sim.event_synchronize(event)  # the held record no longer counts
+    sim.event_synchronize(event)  # the paused record no longer counts
     assert sim.event_query(event)
-    sim.event_record(event, held)
+    sim.event_record(event, paused)
     assert not sim.event_query(event)
-    sim.release(held)
+    sim.resume(paused)
 
 
 def test_elapsed_time_covers_latency(sim: SimDriver) -> None:
@@ -323,12 +323,12 @@ def test_elapsed_time_errors(sim: SimDriver) -> None:
     sim.stream_synchronize(stream)
     with pytest.raises(ArgumentError):
         sim.event_elapsed_ms(start, untimed)
-    sim.hold(stream)
+    sim.pause(stream)
     sim.event_record(end, stream)
     with pytest.raises(CudaError) as info:
         sim.event_elapsed_ms(start, end)
     assert info.value.code == ResultCode.NOT_READY == 600
-    sim.release(stream)
+    sim.resume(stream)
 
 
 def test_event_of_another_device_cannot_be_recorded(sim: SimDriver) -> None:
@@ -347,10 +347,10 @@ def test_event_of_another_device_cannot_be_recorded(sim: SimDriver) -> None:
 def test_doorbell_rings_from_the_stream(sim: SimDriver) -> None:
     stream = sim.stream_create(non_blocking=True, priority=0)
     bell = sim.new_doorbell()
-    sim.hold(stream)
+    sim.pause(stream)
     sim.launch_doorbell(stream, bell)
     assert not bell.wait(0.02)
-    sim.release(stream)
+    sim.resume(stream)
     assert bell.wait(WAIT)
 
 
@@ -463,7 +463,7 @@ def test_poison_fails_calls_and_pending_waits_fast(sim: SimDriver) -> None:
     stream = sim.stream_create(non_blocking=True, priority=0)
     event = sim.event_create(timing=False, blocking_sync=False)
     bell = sim.new_doorbell()
-    sim.hold(stream)
+    sim.pause(stream)
     sim.event_record(event, stream)
     sim.launch_doorbell(stream, bell)
     errors: list[BaseException] = []
@@ -496,7 +496,7 @@ def test_poison_fails_calls_and_pending_waits_fast(sim: SimDriver) -> None:
     ):
         with pytest.raises(ContextPoisonedError):
             call()
-    sim.release(stream)
+    sim.resume(stream)
     assert not bell.wait(0.05)  # host functions never run on a poisoned context
     assert sim.device_name(sim.device_get(0))  # device queries need no context
     on_device(sim, 1)  # the other device is unaffected
@@ -565,7 +565,7 @@ def test_poison_needs_a_sticky_code_and_a_device(sim: SimDriver) -> None:
 def test_cross_device_wait_ends_when_the_other_device_is_poisoned(sim: SimDriver) -> None:
     source = sim.stream_create(non_blocking=True, priority=0)
     event = sim.event_create(timing=False, blocking_sync=False)
-    sim.hold(source)
+    sim.pause(source)
     sim.event_record(event, source)
     on_device(sim, 1)
     waiting = sim.stream_create(non_blocking=True, priority=0)
@@ -639,7 +639,7 @@ def test_shutdown_stops_worker_threads() -> None:
             stream = sim.stream_create(non_blocking=True, priority=0)
             sim._enqueue(stream, lambda: None, "op")
             streams.append(stream)
-    sim.hold(streams[0])
+    sim.pause(streams[0])
     sim._enqueue(streams[0], lambda: None, "op")
     sim.set_latency("slow", 10.0)
     sim._enqueue(streams[1], lambda: None, "slow")
@@ -655,7 +655,7 @@ def test_shutdown_stops_worker_threads() -> None:
 
 def test_shutdown_wakes_host_waits(fresh: SimDriver) -> None:
     stream = fresh.stream_create(non_blocking=True, priority=0)
-    fresh.hold(stream)
+    fresh.pause(stream)
     fresh._enqueue(stream, lambda: None, "op")
     errors: list[BaseException] = []
 
@@ -692,7 +692,7 @@ def test_idle_workers_leave_and_come_back(fresh: SimDriver, monkeypatch: pytest.
 def test_switching_backend_shuts_the_old_one_down() -> None:
     old = _driver.use_backend("sim", devices=1)
     stream = old.stream_create(non_blocking=True, priority=0)
-    old.hold(stream)  # type: ignore[attr-defined]
+    old.pause(stream)  # type: ignore[attr-defined]
     old.launch_doorbell(stream, old.new_doorbell())
     _driver.use_backend("sim", devices=1)
     with pytest.raises(CudaError):
@@ -716,13 +716,13 @@ _actions = st.lists(
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(actions=_actions, release_order=st.permutations(range(_STREAMS)), unheld=st.integers(0, _STREAMS))
+@given(actions=_actions, resume_order=st.permutations(range(_STREAMS)), running=st.integers(0, _STREAMS))
 def test_random_programs_keep_stream_order_and_waits(
-    sim: SimDriver, actions: list[Any], release_order: list[int], unheld: int
+    sim: SimDriver, actions: list[Any], resume_order: list[int], running: int
 ) -> None:
-    """Streams in ``release_order[unheld:]`` are held while the program is enqueued, then
-    released one by one: a missing dependency shows as an op run too early."""
-    held = release_order[unheld:]
+    """Streams in ``resume_order[running:]`` are paused while the program is enqueued, then
+    resumed one by one: a missing dependency shows as an op run too early."""
+    paused = resume_order[running:]
     streams = [sim.stream_create(non_blocking=True, priority=0) for _ in range(2)]
     streams += [sim.stream_create(non_blocking=False, priority=0), sim.stream_from_value(0)]
     events = [sim.event_create(timing=False, blocking_sync=False) for _ in range(_EVENTS)]
@@ -747,8 +747,8 @@ def test_random_programs_keep_stream_order_and_waits(
         elif s == _BLOCKING:
             frontier[s] |= frontier[_NULL]
 
-    for index in held:
-        sim.hold(streams[index])
+    for index in paused:
+        sim.pause(streams[index])
     for op_id, action in enumerate(actions):
         kind, s = action[0], action[1]
         legacy_order(s)
@@ -762,9 +762,9 @@ def test_random_programs_keep_stream_order_and_waits(
         else:
             sim.stream_wait_event(streams[s], events[action[2]])
             frontier[s] |= captured[action[2]]
-    for index in held:
+    for index in paused:
         time.sleep(0.002)  # let whatever can run, run
-        sim.release(streams[index])
+        sim.resume(streams[index])
     for stream in streams:
         sim.stream_synchronize(stream)
     assert sorted(log) == sorted(required)

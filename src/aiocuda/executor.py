@@ -1,4 +1,4 @@
-"""The executor: pipelines of copies and kernels that keep every engine of every GPU busy.
+"""The executor: pipelines of copies and kernels that keep the copy units and SMs of every GPU busy.
 
 An :class:`Executor` owns, per device, a small set of streams -- one for host-to-device
 copies, one or more for kernels (``compute``), one for device-to-host copies, one for
@@ -10,7 +10,7 @@ A pipeline (:meth:`Executor.map`) sends each chunk of host input through::
 
 Steps of one chunk are ordered by events between streams, on the GPU; chunks follow each
 other on each stream, so while chunk *i* is computed, chunk *i + 1* is being uploaded and
-chunk *i - 1* downloaded: both copy engines and the SMs work at once, on every device.
+chunk *i - 1* downloaded: both copy directions and the SMs work at once, on every device.
 
 Example::
 
@@ -79,7 +79,7 @@ class Executor:
             (default 2: a chunk's kernels may start while the previous chunk's last
             wave of blocks is still finishing, as with one stream per chunk).
         chunks_per_device: chunks in flight on one device at most (default 8: the
-            three engines busy with several chunks queued, so that the time the host
+            three units (h2d, compute, d2h) busy with several chunks queued, so that the time the host
             takes to see a chunk finish and admit the next never idles the GPU).
         memory_fraction: share of each device's free memory (measured on entering) that
             the chunks in flight may reserve; placement waits beyond it.

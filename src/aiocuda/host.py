@@ -150,7 +150,7 @@ def _unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
     # The driver waits for an idle device: unpin off the loop, keeping the array (whose
     # memory must not go back to its allocator while still registered) until then.
-    offloop.release(device, "mem_host_unregister", ptr, keep=array)
+    offloop.dispose(device, device._driver.mem_host_unregister, ptr, keep=array)
 
 
 def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:

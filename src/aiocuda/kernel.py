@@ -33,6 +33,7 @@ from typing import Any
 from . import _driver
 from ._kernels.packing import ParamBuffer, build_launcher
 from ._kernels.signature import Signature
+from ._util import NoPublicConstructor
 from .device import Device, as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
@@ -67,7 +68,7 @@ def _dim3(value: Dim3, what: str) -> tuple[int, int, int]:
     return (*dims, 1, 1)[:3]
 
 
-class Kernel:
+class Kernel(metaclass=NoPublicConstructor):
     """A ``__global__`` function of a :class:`~aiocuda.module.Module`, on any device.
 
     Obtain with ``module.kernel(name)``. The driver function is looked up lazily on each
@@ -75,6 +76,7 @@ class Kernel:
     """
 
     __slots__ = ("__weakref__", "_functions", "_launchers", "_lock", "module", "name", "signature")
+    _factories = "Module.kernel(name)"
 
     def __init__(self, module: Module, name: str, signature: Signature | None = None) -> None:
         self.module = module

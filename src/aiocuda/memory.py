@@ -17,7 +17,7 @@ Lifetime rules (what makes cancellation safe):
 * Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
   (see :mod:`aiocuda.stream`), not by the buffer.
 
-Out of memory: an allocation that fails releases the pool's cached memory
+Out of memory: an allocation that fails trims the pool's cached memory
 (``cuMemPoolTrimTo``), retries once, then raises :class:`~aiocuda.errors.OutOfMemoryError`
 saying what was asked, what the pool uses and what the device has free. The pool stays
 usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
@@ -43,6 +43,7 @@ import anyio
 
 from . import _driver
 from ._memory import offloop as _offloop
+from ._util import NoPublicConstructor
 from .device import Device, as_device
 from .errors import CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
@@ -103,13 +104,13 @@ class PoolStatistics:
     live_buffers: int
     """``allocations - frees``."""
     out_of_memory_recoveries: int
-    """Allocations that succeeded only after releasing cached memory."""
+    """Allocations that succeeded only after trimming cached memory."""
     release_threshold: int
     max_size: int
     """The pool's size limit in bytes; 0 for none."""
 
 
-class MemoryPool:
+class MemoryPool(metaclass=NoPublicConstructor):
     """A stream-ordered memory pool on one device.
 
     Obtain with :meth:`for_device` (the pool aiocuda allocates from by default: the
@@ -117,6 +118,8 @@ class MemoryPool:
     :meth:`default` (the driver's default pool itself) or :meth:`create` (a new pool,
     optionally with a size limit). Pools are shared across threads and event loops.
     """
+
+    _factories = "MemoryPool.for_device(), MemoryPool.default() or MemoryPool.create()"
 
     __slots__ = (
         "__weakref__",
@@ -157,7 +160,7 @@ class MemoryPool:
         pool = _default_pools.get(key)
         if pool is None:
             dev.make_current()
-            pool = cls(dev, dev._driver.mempool_default(dev._handle), owned=False)
+            pool = cls._create(dev, dev._driver.mempool_default(dev._handle), owned=False)
             pool.release_threshold = DEFAULT_RELEASE_THRESHOLD
             _default_pools[key] = pool
         return pool
@@ -195,7 +198,7 @@ class MemoryPool:
         dev = as_device(device)
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
-        pool = cls(dev, handle, owned=True, max_size=max_size)
+        pool = cls._create(dev, handle, owned=True, max_size=max_size)
         weakref.finalize(pool, _destroy_pool, dev, handle)
         pool.release_threshold = release_threshold
         return pool
@@ -208,7 +211,7 @@ class MemoryPool:
         own operations on another stream order themselves after it (see
         :meth:`DeviceBuffer._used_on`); foreign work on another stream needs
         ``other.wait(stream)`` first. A size of 0 gives an empty buffer with a null
-        pointer. Raises :class:`OutOfMemoryError` (after releasing
+        pointer. Raises :class:`OutOfMemoryError` (after trimming
         cached memory and retrying once) or :class:`~aiocuda.errors.ArgumentError`.
         """
         if stream is None:
@@ -257,7 +260,7 @@ class MemoryPool:
         return self._recover(nbytes, stream, exc)
 
     def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
-        """Out of memory: release cached memory, retry once, else raise a clear error."""
+        """Out of memory: trim cached memory, retry once, else raise a clear error."""
         self.trim(0)
         try:
             ptr = self._call_alloc(nbytes, stream)
@@ -272,7 +275,7 @@ class MemoryPool:
             self._fail(err, "cuMemAllocFromPoolAsync")
         return ptr
 
-    def _release(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
+    def _free_on(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
         """Free ``ptr`` on its last-use ``stream`` after the events in ``waits``: the
         general case of :meth:`DeviceBuffer.free`, which inlines the common one."""
         self.device.make_current()  # a finaliser may run on a thread without the context
@@ -301,7 +304,7 @@ class MemoryPool:
             f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
             f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
             f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
-            f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
+            f"trimmed and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
             code=ResultCode.OUT_OF_MEMORY,
             name="CUDA_ERROR_OUT_OF_MEMORY",
             call="cuMemAllocFromPoolAsync",
@@ -379,7 +382,7 @@ class MemoryPool:
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Give cached memory back to the device until at most ``keep_bytes`` stay
-        reserved (memory in use is never released). Memory freed stream-ordered counts as
+        reserved (memory in use is never given back). Memory freed stream-ordered counts as
         in use until its stream has reached the free."""
         self.device.make_current()
         self._driver.mempool_trim_to(self._handle, keep_bytes)
@@ -437,11 +440,11 @@ _current_pools: dict[tuple[int, int], MemoryPool] = {}
 
 
 def _destroy_pool(device: Device, handle: Any) -> None:
-    _offloop.release(device, "mempool_destroy", handle)  # off the loop: it may wait for the GPU
+    _offloop.dispose(device, device._driver.mempool_destroy, handle)  # off the loop: it may wait for the GPU
 
 
 @final
-class DeviceBuffer:
+class DeviceBuffer(metaclass=NoPublicConstructor):
     """A range of device memory from a :class:`MemoryPool`.
 
     ``ptr`` (an ``int``) raises :class:`~aiocuda.errors.ArgumentError` once the buffer is
@@ -461,15 +464,13 @@ class DeviceBuffer:
     """
 
     __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
+    _factories = "MemoryPool.allocate() or aiocuda.empty()"
 
     _ptr: Any  # what the backend's allocation returned: an int or int()-convertible
     _pool: MemoryPool
     _stream: Stream | None
     _waits: list[Any] | None
     size: int
-
-    def __init__(self) -> None:
-        raise TypeError("DeviceBuffers come from MemoryPool.allocate() or aiocuda.empty()")
 
     @property
     def ptr(self) -> int:
@@ -546,7 +547,7 @@ class DeviceBuffer:
                 pool._fail(err, "cuMemFreeAsync")
             except CudaError:
                 pass  # e.g. no context bound on this (finaliser's) thread: the general path binds it
-        pool._release(ptr, last, self._waits)
+        pool._free_on(ptr, last, self._waits)
 
     def _free_idle(self, stream: Stream) -> None:
         """Free on ``stream`` without ordering it after the buffer's uses: only for a
@@ -564,7 +565,7 @@ class DeviceBuffer:
         self._stream = None
         self._waits = None
         if self._ptr:
-            self._pool._release(self._ptr, stream, None)
+            self._pool._free_on(self._ptr, stream, None)
 
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:
@@ -585,7 +586,7 @@ class DeviceBuffer:
         return f"<DeviceBuffer {state} size={self.size} device={self._pool.device.ordinal}>"
 
 
-_new_buffer = object.__new__
+_new_buffer = object.__new__  # the allocation hot path fills the slots itself (see _util)
 
 
 def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:

@@ -36,7 +36,7 @@ _KINDS = ("ptx", "cubin", "fatbin", "sim")
 def _unload_all(handles: dict[tuple[int, int], tuple[Device, Any]]) -> None:
     # Off the loop: the driver unloads a module only once the device is idle.
     for device, handle in handles.values():
-        _offloop.release(device, "module_unload", handle)
+        _offloop.dispose(device, device._driver.module_unload, handle)
     handles.clear()
 
 
@@ -137,7 +137,7 @@ class Module:
         key = (name, None if signature is None else parse_signature(signature))
         found = self._kernels.get(key)
         if found is None:
-            found = self._kernels[key] = Kernel(self, name, key[1])
+            found = self._kernels[key] = Kernel._create(self, name, key[1])
         return found
 
     def symbol(self, name: str) -> str:

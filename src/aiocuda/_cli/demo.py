@@ -3,7 +3,7 @@
 Generates ``--chunks`` chunks of ``--chunk-mib`` MiB of float32 in pinned host memory,
 sends each through the executor (upload, the ``scale`` kernel, download) on every device
 (or ``--devices N``), shows a progress bar, checks every result against numpy, prints a
-summary table (busy time of each engine of each device, wall time against the bound)
+summary table (busy time of each unit of each device, wall time against the bound)
 and writes a Chrome / Perfetto trace (``--trace``, open it in https://ui.perfetto.dev).
 
 Without a GPU it runs on the simulated backend and says so: two simulated devices unless
@@ -208,15 +208,15 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     rows = [
         [
             str(e.device),
-            e.engine,
+            e.unit,
             str(e.spans),
             f"{e.busy_ms:.2f}",
             f"{e.mean_ms:.3f}",
             f"{100 * e.busy_ms / summary.wall_ms:.0f}%" if summary.wall_ms else "-",
         ]
-        for e in summary.engines
+        for e in summary.units
     ]
-    ui.table("busy time per engine", ["device", "engine", "ops", "busy ms", "mean ms", "of wall"], rows)
+    ui.table("busy time per unit", ["device", "unit", "ops", "busy ms", "mean ms", "of wall"], rows)
     ui.table(
         "pipeline",
         ["wall ms", "GPU wall ms", "bound ms", "overlap ratio", "serial ms", "GiB/s moved"],
@@ -233,7 +233,7 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     )
     ui.say(
         f"chunks per device: {placed}; overlap ratio = GPU wall / bound (1.0 is perfect; the bound is the "
-        "busiest engine plus one fill and drain)"
+        "busiest unit plus one fill and drain)"
     )
     path = ex.trace.write_chrome(args.trace)
     ui.say(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
