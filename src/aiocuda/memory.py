@@ -33,7 +33,6 @@ without a property call, and fills a slots object. Allocate plus free must stay 
 from __future__ import annotations
 
 import atexit
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,9 +42,9 @@ import anyio
 
 from . import _driver
 from ._memory import offloop as _offloop
-from ._util import NoPublicConstructor
+from ._util import NoPublicConstructor, format_bytes, invalid_value
 from .device import Device, as_device
-from .errors import CudaError, OutOfMemoryError, ResultCode
+from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
 
 __all__ = ["DEFAULT_RELEASE_THRESHOLD", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
@@ -71,13 +70,6 @@ RETRY_MAX = 0.02
 def _mark_exiting() -> None:
     global _exiting
     _exiting = True
-
-
-def _format_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    exponent = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exponent:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +186,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
             release_threshold: cached bytes kept across synchronisations.
         """
         if max_size < 0:
-            raise _argument(f"max_size must be >= 0, got {max_size}")
+            raise invalid_value(f"max_size must be >= 0, got {max_size}")
         dev = as_device(device)
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
@@ -239,7 +231,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         """A closed stream or a bad size (both raise), or an empty buffer."""
         stream.handle  # noqa: B018 - raises the stream's own "closed" error
         if nbytes < 0 or not isinstance(nbytes, int):
-            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
+            raise invalid_value(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = 0
         buf.size = 0
@@ -296,13 +288,13 @@ class MemoryPool(metaclass=NoPublicConstructor):
         stats = self.statistics()
         try:
             free, total = self.device.memory_info()
-            device_part = f"{_format_bytes(free)} free of {_format_bytes(total)} on the device"
+            device_part = f"{format_bytes(free)} free of {format_bytes(total)} on the device"
         except CudaError:
             device_part = "the device's free memory is unknown"
-        limit = f", pool limit {_format_bytes(self.max_size)}" if self.max_size else ""
+        limit = f", pool limit {format_bytes(self.max_size)}" if self.max_size else ""
         return OutOfMemoryError(
-            f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
-            f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
+            f"out of memory on device {self.device.ordinal}: asked for {format_bytes(nbytes)} ({nbytes} bytes); "
+            f"the pool has {format_bytes(stats.used_bytes)} in use and {format_bytes(stats.reserved_bytes)} "
             f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
             f"trimmed and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
             code=ResultCode.OUT_OF_MEMORY,
@@ -377,7 +369,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
     @release_threshold.setter
     def release_threshold(self, value: int) -> None:
         if value < 0:
-            raise _argument(f"release_threshold must be >= 0, got {value}")
+            raise invalid_value(f"release_threshold must be >= 0, got {value}")
         self._driver.mempool_set_attribute(self._handle, "release_threshold", value)
 
     def trim(self, keep_bytes: int = 0) -> None:
@@ -416,17 +408,18 @@ class MemoryPool(metaclass=NoPublicConstructor):
         if peer_dev is self.device:
             return  # the owner always has access (and the driver rejects changing it)
         if not peer_dev.can_access_peer(self.device):
-            raise _argument(
+            raise ArgumentError(
                 f"device {peer_dev.ordinal} cannot access device {self.device.ordinal}'s memory "
                 "(cuDeviceCanAccessPeer says no)",
                 code=ResultCode.PEER_ACCESS_UNSUPPORTED,
+                name="CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
             )
         self._driver.mempool_set_access(self._handle, peer_dev.ordinal)
 
     def __repr__(self) -> str:
         kind = "created" if self._owned else "default"
         try:
-            used = _format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
+            used = format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
         except CudaError:  # a poisoned or torn-down context
             used = "unknown"
         return (
@@ -476,7 +469,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
     def ptr(self) -> int:
         """The device address (raises ArgumentError after :meth:`free`)."""
         if self._stream is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         return int(self._ptr)
 
     @property
@@ -493,7 +486,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         """The stream of the buffer's last recorded use: where it will be freed."""
         stream = self._stream
         if stream is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         return stream
 
     @property
@@ -511,7 +504,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         if stream is previous:
             return
         if previous is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         waits = self._waits
         if waits is None:
             waits = self._waits = []
@@ -587,9 +580,3 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
 
 _new_buffer = object.__new__  # the allocation hot path fills the slots itself (see _util)
-
-
-def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:
-    from .errors import ArgumentError
-
-    return ArgumentError(message, code=code, name="CUDA_ERROR_INVALID_VALUE")

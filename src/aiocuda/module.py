@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import _driver
 from ._kernels.signature import Signature, parse_signature, ptx_signatures
 from ._memory import offloop as _offloop
+from ._util import invalid_value
 from .device import Device
 from .errors import ArgumentError
 
@@ -91,7 +92,7 @@ class Module:
             raise ArgumentError("a module image cannot be empty", name="CUDA_ERROR_INVALID_IMAGE")
         self.kind = kind or _guess_kind(image)
         if self.kind not in _KINDS:
-            raise ArgumentError(f"unknown module kind {self.kind!r}: one of {_KINDS}")
+            raise invalid_value(f"unknown module kind {self.kind!r}: one of {_KINDS}")
         if self.kind == "ptx" and not image.endswith(b"\0"):
             image += b"\0"  # the driver reads PTX as a C string
         self.image = image

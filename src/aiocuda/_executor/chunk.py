@@ -18,9 +18,9 @@ import numpy.typing as npt
 
 from .._memory import staging as _staging
 from .._memory.pinned import pinned_ranges
+from .._util import invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, as_device
-from ..errors import ArgumentError, ResultCode
 from ..stream import Stream
 from ..trace import PendingSpan, Trace
 from .lanes import DeviceLanes
@@ -122,7 +122,7 @@ class ChunkContext:
         if target is self.lanes:
             return array
         if not array.is_c_contiguous:
-            raise ArgumentError("move() needs a C-contiguous array", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("move() needs a C-contiguous array")
         source = self.lanes
         self._end_compute()
         p2p = source.p2p
@@ -253,18 +253,17 @@ class ChunkRunner:
     def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
         """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
         if not result.is_c_contiguous:
-            raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("a stage's result must be C-contiguous")
         if self.output is None:
             return np.empty(result.shape, result.dtype)
         dest = self.output(index, result)
         if not isinstance(dest, np.ndarray):
             raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
         if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
-            raise ArgumentError(
+            raise invalid_value(
                 f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
-                "(it must be C-contiguous with the same dtype and size)",
-                code=ResultCode.INVALID_VALUE,
+                "(it must be C-contiguous with the same dtype and size)"
             )
         if not dest.flags.writeable:
-            raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("output() gave a read-only array")
         return dest
