@@ -61,9 +61,7 @@ def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
     impls = {"saxpy": _saxpy, "axpy": _axpy, "fill": _fill, "empty_kernel": lambda launch, *args: None}
     for name, impl in impls.items():
         register_sim_kernel(name, impl)
-    from aiocuda._kernels.compile_cache import CompileCache
-
-    program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=CompileCache(tmp_path))
+    program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=tmp_path)
     yield program.compile()
     for name in impls:
         register_sim_kernel(name, None)

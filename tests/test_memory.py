@@ -308,8 +308,8 @@ async def test_allocate_wait_wakes_up_when_a_buffer_is_freed(
     """A free on the waiter's loop retries at once, whatever the back-off has grown to."""
     from aiocuda import memory
 
-    monkeypatch.setattr(memory, "RETRY_FIRST", 30.0)
-    monkeypatch.setattr(memory, "RETRY_MAX", 30.0)
+    monkeypatch.setattr(memory, "_RETRY_FIRST", 30.0)
+    monkeypatch.setattr(memory, "_RETRY_MAX", 30.0)
     pool = MemoryPool.create(0, max_size=64 * MiB)
     with Stream(0) as s:
         hog = pool.allocate(48 * MiB, s)

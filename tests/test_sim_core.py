@@ -360,9 +360,11 @@ def test_doorbell_behind_an_event_completes_with_it(sim: SimDriver) -> None:
     event = sim.event_create(timing=False, blocking_sync=False)
     bell = sim.new_doorbell()
     for _ in range(50):
-        sim._enqueue(stream, lambda: None, "op")
-        sim.event_record(event, stream)
+        sim.pause(stream)  # all three queued before the worker starts: a loaded machine
+        sim._enqueue(stream, lambda: None, "op")  # could otherwise finish the op before the
+        sim.event_record(event, stream)  # doorbell is even enqueued
         sim.launch_doorbell(stream, bell)
+        sim.resume(stream)
         while not sim.event_query(event):
             pass
         assert sim.stream_query(stream)

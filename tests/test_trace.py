@@ -75,25 +75,38 @@ def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None
 
 
 def test_unknown_unit_is_refused(sim_backend: Any) -> None:
-    with Stream(0) as s, pytest.raises(ValueError, match="unknown unit"):
-        Trace().start(s, "tensor", "x")
+    with Stream(0) as s, pytest.raises(ValueError, match="unknown unit"), Trace().span(s, "tensor", "x"):
+        pass
 
 
 def test_spans_recorded_by_hand(backend: Any) -> None:
     trace = Trace()
     with Stream(0) as s:
         buf = MemoryPool.for_device(s.device).allocate(1 << 16, s)
-        trace.begin(s)
-        pending = trace.start(s, "compute", "memset", chunk=7)
-        s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
-        trace.stop(pending, s)
+        with trace.span(s, "compute", "memset", chunk=7):
+            s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
+        with pytest.raises(RuntimeError), trace.span(s, "compute", "failed"):
+            raise RuntimeError  # a block that fails records nothing
         buf.free()
         s.synchronize()
-        trace.resolve(pending)
+        (span,) = trace.spans
         trace.close()
-    (span,) = trace.spans
+    assert trace.spans == (span,)
     assert (span.device, span.unit, span.name, span.chunk) == (0, "compute", "memset", 7)
     assert 0.0 <= span.start_ms <= span.end_ms
+
+
+def test_a_span_is_read_once_its_work_is_done(sim_backend: Any) -> None:
+    trace = Trace()
+    with Stream(0) as s:
+        sim_backend.pause(s.handle)
+        with trace.span(s, "compute", "waiting"):
+            pass
+        assert trace.spans == () and trace.summary().wall_ms == 0.0  # not done: not read yet
+        sim_backend.resume(s.handle)
+        s.synchronize()
+        assert [sp.name for sp in trace.spans] == ["waiting"]
+        trace.close()
 
 
 @pytest.mark.anyio

@@ -25,13 +25,13 @@ import numpy.typing as npt
 
 from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
-from .device import Device, as_device
+from .device import Device, _as_device
 from .memory import MemoryPool
 from .stream import Stream, current_stream
 
 __all__ = ["DeviceArray", "copy", "empty", "to_device", "zeros"]
 
-Shape = tuple[int, ...]
+_Shape = tuple[int, ...]
 
 
 def _check_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
@@ -52,9 +52,9 @@ class DeviceArray:
 
     def __init__(
         self,
-        shape: int | Shape,
+        shape: int | _Shape,
         dtype: npt.DTypeLike,
-        strides: Shape | None = None,
+        strides: _Shape | None = None,
         *,
         buffer: Any,
         offset: int = 0,
@@ -162,7 +162,7 @@ class DeviceArray:
         strides.extend(self.strides[dim:])
         return DeviceArray(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
 
-    def reshape(self, *shape: int | Shape) -> DeviceArray:
+    def reshape(self, *shape: int | _Shape) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
         first = shape[0] if len(shape) == 1 else None
         given: tuple[Any, ...] = first if isinstance(first, tuple) else shape
@@ -244,7 +244,7 @@ class DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
         if not self.is_c_contiguous:
             raise invalid_value("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
-        target_device = self.device if device is None else as_device(device)
+        target_device = self.device if device is None else _as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
         return await _filled(dst, copy(dst, self, stream=stream))
 
@@ -308,7 +308,7 @@ def _leave(buffer: Any, stream: Stream) -> None:
 
 
 def empty(
-    shape: int | Shape,
+    shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
     *,
     device: Device | int | None = None,
@@ -321,13 +321,13 @@ def empty(
     dims = shape_tuple(shape)
     dt = _check_dtype(dtype)
     if pool is None:
-        pool = MemoryPool.for_device(stream.device if stream is not None else as_device(device))
+        pool = MemoryPool.for_device(stream.device if stream is not None else _as_device(device))
     buf = pool.allocate(math.prod(dims) * dt.itemsize, stream)
     return DeviceArray(dims, dt, buffer=buf)
 
 
 async def zeros(
-    shape: int | Shape,
+    shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
     *,
     device: Device | int | None = None,
@@ -356,7 +356,7 @@ async def to_device(
     _check_dtype(host.dtype)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
-    s = stream if stream is not None else current_stream(as_device(device))
+    s = stream if stream is not None else current_stream(_as_device(device))
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 

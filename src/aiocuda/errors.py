@@ -26,6 +26,7 @@ included, may raise these.
 from __future__ import annotations
 
 __all__ = [
+    "STICKY_CODES",
     "ArgumentError",
     "BackendError",
     "CompileError",

@@ -237,7 +237,7 @@ class Executor:
             raise ValueError(f"on_error must be 'raise' or 'continue', got {on_error!r}")
         if placement not in ("round_robin", "least_loaded"):
             raise ValueError(f"unknown placement {placement!r}: expected 'round_robin' or 'least_loaded'")
-        return Pipeline(
+        return Pipeline._create(
             self._runner(stage, output, name),
             inputs,
             lanes=self._lanes,

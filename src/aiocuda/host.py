@@ -35,7 +35,7 @@ import numpy.typing as npt
 from ._memory import offloop, pinned_cache
 from ._memory.pinned import PinnedAllocation, pinned_ranges
 from ._util import invalid_value, shape_tuple
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 
 __all__ = [
@@ -69,7 +69,7 @@ def pinned_empty(
     dims = shape_tuple(shape)
     dt = np.dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
-    dev = as_device(device)
+    dev = _as_device(device)
     owner = PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
 
@@ -104,7 +104,7 @@ class HostRegistration:
             raise invalid_value("only a contiguous array can be registered")
         if array.nbytes == 0:
             raise invalid_value("an empty array cannot be registered")
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         self.array = array
         self.ptr = int(array.ctypes.data)

@@ -41,7 +41,7 @@ from ._driver import Dim3, LaunchConfig
 from ._kernels.packing import ParamBuffer, build_launcher
 from ._kernels.signature import Signature
 from ._util import NoPublicConstructor
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
 from .stream import Stream, current_stream
@@ -169,7 +169,7 @@ class Kernel(metaclass=NoPublicConstructor):
     # -- driver function and attributes ---------------------------------------------------------
     def function(self, device: Device | int | None = None) -> Any:
         """The driver's function handle on ``device`` (default 0), loading the module there."""
-        dev = as_device(device)
+        dev = _as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         func = self._functions.get(key)
         if func is None:
@@ -180,13 +180,13 @@ class Kernel(metaclass=NoPublicConstructor):
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix (``"num_regs"``)."""
-        dev = as_device(device)
+        dev = _as_device(device)
         return dev._driver.function_get_attribute(self.function(dev), name)
 
     def set_attribute(self, name: str, value: int, device: Device | int | None = None) -> None:
         """Set a settable attribute, e.g. ``"max_dynamic_shared_size_bytes"`` before launching
         with more than 48 KiB of dynamic shared memory. ArgumentError where not allowed."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         dev._driver.function_set_attribute(self.function(dev), name, int(value))
 
@@ -197,14 +197,14 @@ class Kernel(metaclass=NoPublicConstructor):
 
     def max_active_blocks(self, block_size: int, shared_mem: int = 0, device: Device | int | None = None) -> int:
         """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_active_blocks(self.function(dev), block_size, shared_mem)
 
     def suggested_block_size(self, shared_mem: int = 0, device: Device | int | None = None) -> tuple[int, int]:
         """``(min_grid_size, block_size)`` maximising occupancy (``cuOccupancyMaxPotentialBlockSize``):
         launch at least ``min_grid_size`` blocks of ``block_size`` threads to fill the GPU."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_potential_block_size(self.function(dev), shared_mem)
 

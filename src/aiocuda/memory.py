@@ -43,7 +43,7 @@ import anyio
 from . import _driver
 from ._memory import offloop as _offloop
 from ._util import NoPublicConstructor, format_bytes, invalid_value
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
 
@@ -58,11 +58,11 @@ _exiting = False
 """Set at interpreter exit: the process's memory goes with its contexts, and buffers
 collected during teardown must not call into a driver that may be gone."""
 
-last_finaliser_error: BaseException | None = None
+_last_finaliser_error: BaseException | None = None
 """The last error a buffer's finaliser swallowed (finalisers cannot raise); for debugging."""
 
-RETRY_FIRST = 0.0005
-RETRY_MAX = 0.02
+_RETRY_FIRST = 0.0005
+_RETRY_MAX = 0.02
 """Back-off of :meth:`MemoryPool.allocate_wait` between tries (seconds, doubling)."""
 
 
@@ -147,7 +147,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
     def default(cls, device: Device | int | None = None) -> MemoryPool:
         """The driver's default pool of ``device`` (``cuDeviceGetDefaultMemPool``), with
         its release threshold raised to :data:`DEFAULT_RELEASE_THRESHOLD` on first use."""
-        dev = as_device(device)
+        dev = _as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         pool = _default_pools.get(key)
         if pool is None:
@@ -161,7 +161,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
     def for_device(cls, device: Device | int | None = None) -> MemoryPool:
         """The pool aiocuda allocates from on ``device`` unless told otherwise: the
         default pool, or the one last passed to :meth:`set_for_device`."""
-        dev = as_device(device)
+        dev = _as_device(device)
         pool = _current_pools.get((_driver.backend_generation(), dev.ordinal))
         return pool if pool is not None else cls.default(dev)
 
@@ -187,7 +187,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         """
         if max_size < 0:
             raise invalid_value(f"max_size must be >= 0, got {max_size}")
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
         pool = cls._create(dev, handle, owned=True, max_size=max_size)
@@ -312,8 +312,8 @@ class MemoryPool(metaclass=NoPublicConstructor):
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
         Tries again whenever a buffer of this pool is freed by a task of the same event
-        loop (thread), and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
-        :data:`RETRY_MAX`), until the allocation succeeds or ``timeout`` seconds have
+        loop (thread), and otherwise with a growing back-off (0.5 ms, doubling up to
+        20 ms), until the allocation succeeds or ``timeout`` seconds have
         passed -- the last try is at the deadline -- then raises
         :class:`OutOfMemoryError` (``TimeoutError`` semantics are deliberately not used:
         callers branch on one type). The back-off stays as the fallback for what no
@@ -323,7 +323,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         wait.
         """
         deadline = None if timeout is None else anyio.current_time() + timeout
-        delay = RETRY_FIRST
+        delay = _RETRY_FIRST
         while True:
             try:
                 return self.allocate(nbytes, stream)
@@ -332,7 +332,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
                 if left is not None and left <= 0:
                     raise
             woken = await self._next_free(delay if left is None else min(delay, left))
-            delay = RETRY_FIRST if woken else min(delay * 2, RETRY_MAX)
+            delay = _RETRY_FIRST if woken else min(delay * 2, _RETRY_MAX)
 
     async def _next_free(self, seconds: float) -> bool:
         """Sleep until a buffer of this pool is freed on this thread (True) or for
@@ -404,7 +404,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
     def grant_access(self, peer: Device | int) -> None:
         """Let kernels on ``peer`` read and write this pool's memory
         (``cuMemPoolSetAccess``). Peer copies do not need it."""
-        peer_dev = as_device(peer)
+        peer_dev = _as_device(peer)
         if peer_dev is self.device:
             return  # the owner always has access (and the driver rejects changing it)
         if not peer_dev.can_access_peer(self.device):
@@ -452,7 +452,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
     class 0.05 us (it finds ``_stream`` cleared after an explicit free and returns). The
     class has no ``__dict__`` and no references back to itself, so it never sits in a
     reference cycle nor is resurrected. The finaliser only enqueues a stream-ordered
-    free, swallows errors (recording them in :data:`last_finaliser_error`) and does
+    free, swallows errors (recording the last in ``memory._last_finaliser_error``) and does
     nothing once the interpreter is exiting.
     """
 
@@ -565,8 +565,8 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
             try:
                 self.free()
             except Exception as exc:  # a finaliser cannot raise; see the class docstring
-                global last_finaliser_error
-                last_finaliser_error = exc
+                global _last_finaliser_error
+                _last_finaliser_error = exc
 
     def __enter__(self) -> DeviceBuffer:
         return self

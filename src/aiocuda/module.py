@@ -16,7 +16,7 @@ import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _driver
@@ -58,8 +58,9 @@ class Module:
     Args:
         image: PTX (text, NUL-terminated or not), cubin or fatbin bytes.
         kind: ``"ptx"``, ``"cubin"``, ``"fatbin"`` (or ``"sim"``); guessed when None.
-        signatures: kernel name -> :data:`Signature` (None if unknown), used when a kernel
-            is fetched without a declared signature. PTX images supply their own.
+        signatures: kernel name -> its parameters, in any form :meth:`kernel` takes
+            (``"const float*, float*, int"``), or None if unknown; used when a kernel is
+            fetched without a declared signature. PTX images supply their own.
         lowered_names: name expression -> exported symbol (template kernels).
     """
 
@@ -82,7 +83,7 @@ class Module:
         image: bytes,
         *,
         kind: str | None = None,
-        signatures: Mapping[str, Signature | None] | None = None,
+        signatures: Mapping[str, str | Sequence[Any] | None] | None = None,
         lowered_names: Mapping[str, str] | None = None,
         name: str = "",
         log: str = "",
@@ -97,7 +98,7 @@ class Module:
             image += b"\0"  # the driver reads PTX as a C string
         self.image = image
         known = dict(ptx_signatures(image.decode(errors="replace"))) if self.kind == "ptx" else {}
-        known.update(signatures or {})
+        known.update({k: None if v is None else parse_signature(v) for k, v in (signatures or {}).items()})
         self.signatures: dict[str, Signature | None] = known
         self.lowered_names = dict(lowered_names or {})
         self.name = name
@@ -125,11 +126,13 @@ class Module:
         loaded = sorted(ordinal for _, ordinal in self._handles)
         return f"<Module {self.name or self.kind!r} {len(self.image)} bytes, loaded on devices {loaded}>"
 
-    def kernel(self, name: str, *, signature: str | Any = None) -> Kernel:
+    def kernel(self, name: str, *, signature: str | Sequence[Any] | None = None) -> Kernel:
         """The kernel ``name`` (a plain name or a compiled name expression such as
-        ``"axpy<float>"``). ``signature`` declares its parameters (see
-        :func:`aiocuda._kernels.signature.parse_signature`); without it the signature parsed from
-        the source or PTX is used, if any. The function is looked up on first use.
+        ``"axpy<float>"``). ``signature`` declares its parameters: C-like text
+        (``"float a, const float* x, float* y, int n"``) or a sequence of numpy dtypes and
+        pointer items (``[np.float32, "float*", "ptr"]``); a TypeError names an item it
+        cannot read. Without it the signature parsed from the source or PTX is used, if
+        any. The function is looked up on first use.
 
         Returns the same :class:`~aiocuda.kernel.Kernel` (and so its cached launchers)
         for the same name and signature while it is alive."""

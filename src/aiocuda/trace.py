@@ -27,17 +27,18 @@ Pitfalls:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .device import Device
 from .stream import Stream
 
-__all__ = ["UNITS", "UnitSummary", "PendingSpan", "Span", "Trace", "TraceSummary"]
+__all__ = ["UNITS", "Span", "Trace", "TraceSummary", "UnitSummary"]
 
 UNITS = ("h2d", "compute", "d2h", "p2p")
 """Unit names, in the order traces show them."""
@@ -150,8 +151,8 @@ class _Clock:
         self.free.clear()
 
 
-class PendingSpan:
-    """A span whose events may not have completed yet; :meth:`Trace.resolve` reads it."""
+class _PendingSpan:
+    """A span whose events may not have completed yet; :meth:`Trace._resolve` reads it."""
 
     __slots__ = ("chunk", "clock", "end", "name", "start", "track", "unit")
 
@@ -171,30 +172,54 @@ class Trace:
     Usage outside the executor::
 
         trace = Trace()
-        trace.begin(stream)                    # once per device: the origin
-        pending = trace.start(stream, "compute", "my_kernel")
-        kernel.launch(..., stream=stream)
-        trace.stop(pending, stream)
+        with trace.span(stream, "compute", "my_kernel"):
+            kernel.launch(..., stream=stream)  # work enqueued on the stream in the block
         await stream
-        trace.resolve(pending)                 # after its work completed
+        print(trace.summary().table())         # spans are read once their work is done
         trace.write_chrome("trace.json")
     """
 
     def __init__(self) -> None:
         self._clocks: dict[int, _Clock] = {}
         self._spans: list[Span] = []
+        self._pending: list[_PendingSpan] = []
         self._host_origin_ms: float | None = None
 
     # -- recording ------------------------------------------------------------------------
     def begin(self, stream: Stream) -> None:
-        """Start the device's clock on ``stream`` (idempotent per device)."""
+        """Start the device's clock on ``stream`` (idempotent per device; the first span
+        on a device starts it otherwise). Spans are timed from the first device's start."""
         ordinal = stream.device.ordinal
         if ordinal not in self._clocks:
             clock = self._clocks[ordinal] = _Clock(stream.device, stream)
             if self._host_origin_ms is None:
                 self._host_origin_ms = clock.origin_host_ms
 
-    def start(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> PendingSpan:
+    @contextlib.contextmanager
+    def span(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> Iterator[None]:
+        """Time the work enqueued on ``stream`` inside the ``with`` block as one span.
+
+        ``unit`` is one of :data:`UNITS`; ``track`` tells apart streams of one unit that
+        overlap in time (compute streams); ``chunk`` labels the span. The span is read
+        (its events queried, without waiting) when :attr:`spans`, :meth:`summary` or
+        :meth:`to_chrome` is next used after its work has completed: await the stream
+        first. A block left by an exception records nothing.
+        """
+        pending = self._start(stream, unit, name, chunk=chunk, track=track)
+        try:
+            yield
+        except BaseException:
+            self._discard(pending)
+            raise
+        self._stop(pending, stream)
+        self._pending.append(pending)
+
+    def add(self, *spans: Span) -> None:
+        """Add finished spans measured elsewhere (another trace, host-side timings)."""
+        self._spans.extend(spans)
+
+    # The executor's interface: a span that starts and ends in different places.
+    def _start(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> _PendingSpan:
         """Record the start of an operation about to be enqueued on ``stream``."""
         if unit not in UNITS:
             raise ValueError(f"unknown unit {unit!r}; expected one of {UNITS}")
@@ -202,34 +227,30 @@ class Trace:
         if clock is None:
             self.begin(stream)
             clock = self._clocks[stream.device.ordinal]
-        return PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+        return _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
 
     @staticmethod
-    def stop(pending: PendingSpan, stream: Stream) -> None:
+    def _stop(pending: _PendingSpan, stream: Stream) -> None:
         """Record the end of the operation, on the stream it was enqueued on."""
         pending.end = pending.clock.mark(stream)
 
-    def resolve(self, *pending: PendingSpan) -> None:
+    def _resolve(self, *pending: _PendingSpan) -> None:
         """Turn spans whose work has completed into :class:`Span` s and recycle their
         events. Call only after awaiting work enqueued after every span's end."""
         for p in pending:
             clock = p.clock
             if p.end is None:
-                self.discard(p)
+                self._discard(p)
                 continue
             elapsed = clock.driver.event_elapsed_ms
             shift = clock.origin_host_ms - (self._host_origin_ms or clock.origin_host_ms)
             start = elapsed(clock.origin, p.start) + shift
             end = elapsed(clock.origin, p.end) + shift
             self._spans.append(Span(clock.device.ordinal, p.unit, p.track, p.name, p.chunk, start, end))
-            self.discard(p)
-
-    def add(self, *spans: Span) -> None:
-        """Add finished spans measured elsewhere (another trace, host-side timings)."""
-        self._spans.extend(spans)
+            self._discard(p)
 
     @staticmethod
-    def discard(*pending: PendingSpan) -> None:
+    def _discard(*pending: _PendingSpan) -> None:
         """Give the events of spans that will never be resolved (cancelled, failed) back.
         Re-recording a pending event later is safe: the new record replaces the old."""
         for p in pending:
@@ -239,8 +260,19 @@ class Trace:
                     free.append(handle)
             p.start = p.end = None
 
+    def _collect(self) -> None:
+        """Resolve the spans of :meth:`span` whose work has completed."""
+        if self._pending:
+            done = [p for p in self._pending if p.clock.driver.event_query(p.end)]
+            if done:
+                self._pending = [p for p in self._pending if p not in done]
+                self._resolve(*done)
+
     def close(self) -> None:
-        """Destroy the timing events (the spans stay readable)."""
+        """Destroy the timing events (the spans read so far stay readable; spans whose
+        work has not completed are dropped)."""
+        self._collect()
+        self._pending.clear()
         for clock in self._clocks.values():
             clock.close()
         self._clocks.clear()
@@ -252,10 +284,13 @@ class Trace:
     # -- reading --------------------------------------------------------------------------
     @property
     def spans(self) -> tuple[Span, ...]:
+        """The spans read so far, in the order they were read."""
+        self._collect()
         return tuple(self._spans)
 
     def summary(self) -> TraceSummary:
         """Busy time per device and unit, wall time, bound and overlap ratio."""
+        self._collect()
         spans = self._spans
         if not spans:
             return TraceSummary(0.0, 0.0, 0.0, 0.0, (), ())
@@ -284,6 +319,7 @@ class Trace:
         """The trace in Chrome's trace-event format (JSON-ready; Perfetto reads it):
         one complete event (``"ph": "X"``, microseconds) per span, ``pid`` = device,
         ``tid`` = unit track, named by metadata events."""
+        self._collect()
         events: list[dict[str, Any]] = []
         tracks: set[tuple[int, str, int]] = set()
         for s in self._spans:
