@@ -52,7 +52,7 @@ import anyio
 import numpy as np
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.device import Device
 from aiocuda.event import Event
 from aiocuda.executor import Executor

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
 from aiocuda.device import Device
 from aiocuda.executor import ChunkContext, Executor

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocuda._cli.demo import ScaleStage
+from aiocuda._cli.workload import ScaleStage
 from aiocuda._memory import offloop as _offloop
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
