@@ -37,11 +37,10 @@ with ``output=``; pageable arrays work but go through the process's pinned stagi
 Where the executor serialises (what to watch when scaling to many GPUs):
 
 * one event-loop thread enqueues every chunk of every device and takes every result,
-  at a host cost of about 0.2 ms per chunk (``benchmarks/executor_host.py``). Each GPU
-  needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's 32 MiB
-  chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk; chunks whose steps
-  take less than the host cost leave the GPU waiting for the host: make chunks big
-  (tens of MiB) rather than many;
+  at a host cost per chunk that ``benchmarks/executor_host.py`` measures. Each GPU
+  needs a new chunk every ``max(copy, kernel)``, so with N GPUs the thread has
+  ``max(copy, kernel) / N`` per chunk; chunks whose steps take less than the host cost
+  leave the GPU waiting for the host: make chunks big (tens of MiB) rather than many;
 * one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
   one waker thread for long waits;
 * one feeder task per pipeline reads the inputs and admits chunks in turn;
@@ -79,8 +78,9 @@ class Executor:
             (default 2: a chunk's kernels may start while the previous chunk's last
             wave of blocks is still finishing, as with one stream per chunk).
         chunks_per_device: chunks in flight on one device at most (default 8: the
-            three units (h2d, compute, d2h) busy with several chunks queued, so that the time the host
-            takes to see a chunk finish and admit the next never idles the GPU).
+            three units, h2d, compute and d2h, busy with several chunks queued, so that
+            the time the host takes to see a chunk finish and admit the next never
+            idles the GPU).
         memory_fraction: share of each device's free memory (measured on entering) that
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
