@@ -317,6 +317,24 @@ def test_cached_launchers_do_not_accept_what_a_new_one_refuses(module: Module) -
         s.synchronize()
 
 
+def test_every_spelling_of_a_configuration_shares_one_launcher(module: Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill = module.kernel("fill")
+    binds: list[Any] = []
+    bind = Kernel.bind
+    monkeypatch.setattr(Kernel, "bind", lambda self, *a, **k: binds.append(a) or bind(self, *a, **k))
+    with Stream(0) as s:
+        out = empty(64, np.int32, stream=s)
+        for grid in (np.int64(2), np.int32(2), 2, (2,), (2, 1, 1), LaunchConfig(2, 32)):
+            if isinstance(grid, LaunchConfig):
+                fill.launch(grid, out, 1, 64, stream=s)
+                fill[grid, s](out, 1, 64)
+            else:
+                fill.launch(grid, 32, out, 1, 64, stream=s)
+                fill[grid, 32, s](out, 1, 64)
+        s.synchronize()
+    assert len(binds) == 1
+
+
 def test_stream_must_be_a_stream(module: Module) -> None:
     fill = module.kernel("fill")
     with Stream(0) as s:

@@ -297,8 +297,9 @@ class Kernel(metaclass=NoPublicConstructor):
                 or _plain(grid, block, shared_mem, cooperative, cluster)
             )
         ):
-            launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
-            self._remember(key, launcher)
+            launcher = self._launcher(_config(grid, block, shared_mem, cooperative, cluster), _stream(s))
+            if _plain(grid, block, shared_mem, cooperative, cluster):
+                self._remember(key, launcher)
         launcher(*args)
 
     def __getitem__(self, config: Any) -> Callable[..., None]:
@@ -329,13 +330,19 @@ class Kernel(metaclass=NoPublicConstructor):
             )
         explicit = bool(rest) and rest[0] is not None
         s = _stream(rest[0] if explicit else None)
-        key = (launch_config, s)
-        launcher = self._launchers.get(key)
-        if launcher is None or s._closed:
-            launcher = self.bind(launch_config, stream=s)
-            self._remember(key, launcher)
+        launcher = self._launcher(launch_config, s)
         if explicit and _plain_subscript(parts):
             self._remember(parts, launcher)
+        return launcher
+
+    def _launcher(self, config: LaunchConfig, stream: Stream) -> Callable[..., None]:
+        """The cached launcher of ``config`` on ``stream``, made now if needed: the cache
+        every call form shares, whatever spelling of the configuration it was given."""
+        key = (config, stream)
+        launcher = self._launchers.get(key)
+        if launcher is None or stream._closed:
+            launcher = self.bind(config, stream=stream)
+            self._remember(key, launcher)
         return launcher
 
     def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None]) -> None:
