@@ -73,7 +73,7 @@ def _config(
     """The launch configuration of a ``bind``/``launch``/subscript call, checked."""
     if isinstance(grid, LaunchConfig):
         defaults = shared_mem.__class__ is int and not shared_mem and cooperative is False and cluster is None
-        if block not in (None, _CONFIG) or not defaults:
+        if (block is not None and block is not _CONFIG) or not defaults:
             raise LaunchError(
                 "a LaunchConfig carries block, shared_mem, cooperative and cluster: pass them to it",
                 name="AIOCUDA_BAD_CONFIG",
