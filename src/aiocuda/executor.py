@@ -59,7 +59,7 @@ import anyio
 import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
-from ._executor.lanes import DeviceLanes
+from ._executor.device_streams import DeviceStreams
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -113,8 +113,8 @@ class Executor:
         self._chunks_per_device = chunks_per_device
         self._memory_fraction = memory_fraction
         self._trace = Trace() if trace else None
-        self._lanes: tuple[DeviceLanes, ...] = ()
-        self._by_ordinal: dict[int, DeviceLanes] = {}
+        self._device_streams: tuple[DeviceStreams, ...] = ()
+        self._by_ordinal: dict[int, DeviceStreams] = {}
         self._admission = Admission()
         self._open = False
         self._cursor = 0
@@ -122,7 +122,7 @@ class Executor:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
-        self._open_lanes()
+        self._open_devices()
         try:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
                 for b in self.devices:
@@ -142,7 +142,7 @@ class Executor:
             finally:
                 self.close()
 
-    def _open_lanes(self) -> None:
+    def _open_devices(self) -> None:
         if self._open:
             return
         chosen = (
@@ -152,38 +152,38 @@ class Executor:
         )
         if not chosen:
             raise ValueError("an Executor needs at least one device")
-        lanes = []
+        device_streams = []
         for device in chosen:
             free, _ = device.memory_info()
-            lanes.append(
-                DeviceLanes(
+            device_streams.append(
+                DeviceStreams(
                     device,
                     compute_streams=self._compute_streams,
                     max_chunks=self._chunks_per_device,
                     budget=int(free * self._memory_fraction),
                 )
             )
-        self._lanes = tuple(lanes)
-        self._by_ordinal = {lane.device.ordinal: lane for lane in lanes}
+        self._device_streams = tuple(device_streams)
+        self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._open = True
         if self._trace is not None:
-            for lane in lanes:
-                self._trace.begin(lane.h2d)
+            for per_device in device_streams:
+                self._trace.begin(per_device.h2d)
 
     async def synchronize(self) -> None:
         """Wait until every stream of the executor is idle."""
         if not self._open:
             return
-        for lane in self._lanes:
-            for stream in lane.streams:
+        for per_device in self._device_streams:
+            for stream in per_device.streams:
                 await stream
 
     def close(self) -> None:
-        """Close the streams (work already enqueued still completes). :attr:`lanes`
+        """Close the streams (work already enqueued still completes). :attr:`device_streams`
         and :attr:`trace` stay readable."""
         self._open = False
-        for lane in self._lanes:
-            for stream in lane.streams:
+        for per_device in self._device_streams:
+            for stream in per_device.streams:
                 stream.close()
         if self._trace is not None:
             self._trace.close()
@@ -230,7 +230,7 @@ class Executor:
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
-        limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._lanes)
+        limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._device_streams)
         if limit < 1:
             raise ValueError(f"in_flight must be >= 1, got {limit}")
         if on_error not in ("raise", "continue"):
@@ -240,7 +240,7 @@ class Executor:
         return Pipeline(
             self._runner(stage, output, name),
             inputs,
-            lanes=self._lanes,
+            device_streams=self._device_streams,
             admission=self._admission,
             ordered=ordered,
             in_flight=limit,
@@ -269,16 +269,20 @@ class Executor:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
         array = as_input(host)
         nbytes = reserve(array)
-        lanes, self._cursor = await self._admission.admit(placement, self._lanes, nbytes, self._cursor)
+        device_streams, self._cursor = await self._admission.admit(
+            placement, self._device_streams, nbytes, self._cursor
+        )
         index, self._submitted = self._submitted, self._submitted + 1
         try:
-            return await self._runner(stage, output, name).run(index, array, lanes)
+            return await self._runner(stage, output, name).run(index, array, device_streams)
         finally:
-            lanes.completed += 1
-            self._admission.release(lanes, nbytes)
+            device_streams.completed += 1
+            self._admission.release(device_streams, nbytes)
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
-        return ChunkRunner(stage, self._lanes_of, self._trace, output, name or str(getattr(stage, "__name__", "stage")))
+        return ChunkRunner(
+            stage, self._streams_of, self._trace, output, name or str(getattr(stage, "__name__", "stage"))
+        )
 
     async def run(
         self,
@@ -296,28 +300,30 @@ class Executor:
     # -- state ------------------------------------------------------------------------------
     @property
     def devices(self) -> tuple[Device, ...]:
-        return tuple(lane.device for lane in self._lanes)
+        return tuple(per_device.device for per_device in self._device_streams)
 
     @property
-    def lanes(self) -> tuple[DeviceLanes, ...]:
+    def device_streams(self) -> tuple[DeviceStreams, ...]:
         """Each device's streams and load (read-only use)."""
-        return self._lanes
+        return self._device_streams
 
     @property
     def trace(self) -> Trace | None:
         """The trace, when created with ``trace=True``."""
         return self._trace
 
-    def _lanes_of(self, device: Device) -> DeviceLanes:
-        lanes = self._by_ordinal.get(device.ordinal)
-        if lanes is None:
+    def _streams_of(self, device: Device) -> DeviceStreams:
+        device_streams = self._by_ordinal.get(device.ordinal)
+        if device_streams is None:
             raise ValueError(
                 f"device {device.ordinal} is not one of this executor's devices {sorted(self._by_ordinal)}"
             )
-        return lanes
+        return device_streams
 
     def __repr__(self) -> str:
         if not self._open:
             return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
-        state = ", ".join(f"{lane.device.ordinal}: {lane.chunks} in flight" for lane in self._lanes)
+        state = ", ".join(
+            f"{per_device.device.ordinal}: {per_device.chunks} in flight" for per_device in self._device_streams
+        )
         return f"<Executor {state}>"

@@ -23,7 +23,7 @@ from ..device import Device, as_device
 from ..errors import ArgumentError, ResultCode
 from ..stream import Stream
 from ..trace import PendingSpan, Trace
-from .lanes import DeviceLanes
+from .device_streams import DeviceStreams
 
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
 
@@ -77,24 +77,35 @@ class ChunkContext:
     the chunk failed) and is then freed; keep nothing from it beyond the stage.
     """
 
-    __slots__ = ("_arrays", "_compute", "_lanes_of", "_spans", "_trace", "host", "index", "lanes", "name", "stream")
+    __slots__ = (
+        "_arrays",
+        "_compute",
+        "_spans",
+        "_streams_of",
+        "_trace",
+        "device_streams",
+        "host",
+        "index",
+        "name",
+        "stream",
+    )
 
     def __init__(
         self,
         index: int,
         host: npt.NDArray[Any],
-        lanes: DeviceLanes,
-        lanes_of: Callable[[Device], DeviceLanes],
+        device_streams: DeviceStreams,
+        streams_of: Callable[[Device], DeviceStreams],
         trace: Trace | None,
         name: str,
     ) -> None:
         self.index = index
         self.host = host
-        self.lanes = lanes
-        self._lanes_of = lanes_of
+        self.device_streams = device_streams
+        self._streams_of = streams_of
         self._trace = trace
         self.name = name
-        self.stream: Stream = lanes.compute[0]  # set by _begin_compute before the stage runs
+        self.stream: Stream = device_streams.compute[0]  # set by _begin_compute before the stage runs
         self._arrays: list[tuple[DeviceArray, Stream]] = []
         """The chunk's device arrays, each with the stream it was allocated on."""
         self._compute: PendingSpan | None = None
@@ -103,12 +114,12 @@ class ChunkContext:
     @property
     def device(self) -> Device:
         """The device the chunk is on now."""
-        return self.lanes.device
+        return self.device_streams.device
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
         """A device array for this chunk, allocated stream-ordered on :attr:`stream` from
         the device's pool, freed once the chunk's download has completed."""
-        return self._allocate(shape, dtype, self.lanes, self.stream)
+        return self._allocate(shape, dtype, self.device_streams, self.stream)
 
     def move(self, array: DeviceArray, device: Device | int) -> DeviceArray:
         """Copy ``array`` to ``device`` (one of the executor's) GPU to GPU and continue
@@ -118,12 +129,12 @@ class ChunkContext:
         The copy runs on the source device's ``p2p`` stream, so neither device's compute
         stream stalls for it.
         """
-        target = self._lanes_of(as_device(device))
-        if target is self.lanes:
+        target = self._streams_of(as_device(device))
+        if target is self.device_streams:
             return array
         if not array.is_c_contiguous:
             raise ArgumentError("move() needs a C-contiguous array", code=ResultCode.INVALID_VALUE)
-        source = self.lanes
+        source = self.device_streams
         self._end_compute()
         p2p = source.p2p
         array.buffer._used_on(p2p)  # after the stage's kernels; frees the source after the copy
@@ -137,17 +148,17 @@ class ChunkContext:
         if span is not None:
             Trace.stop(span, p2p)
             self._spans.append(span)
-        self.lanes = target
+        self.device_streams = target
         self._begin_compute(moved, copied_on=p2p)
         return moved
 
     # -- for the pipeline ---------------------------------------------------------------------
     def _allocate(
-        self, shape: int | tuple[int, ...], dtype: npt.DTypeLike, lanes: DeviceLanes, stream: Stream
+        self, shape: int | tuple[int, ...], dtype: npt.DTypeLike, device_streams: DeviceStreams, stream: Stream
     ) -> DeviceArray:
-        """An array of the chunk's, allocated on ``stream`` from ``lanes``' pool and
+        """An array of the chunk's, allocated on ``stream`` from ``device_streams``' pool and
         freed with the chunk (on that stream, once the download is done: :meth:`_free_done`)."""
-        array = empty(shape, dtype, stream=stream, pool=lanes.pool)
+        array = empty(shape, dtype, stream=stream, pool=device_streams.pool)
         self._arrays.append((array, stream))
         return array
 
@@ -155,7 +166,7 @@ class ChunkContext:
         """Switch to the next compute stream, ordered (on the GPU) after the work that
         produced ``ready`` -- and after ``copied_on``, for a copy from another device --
         then start the compute span: its start event must come after those waits."""
-        track, self.stream = self.lanes.next_compute()
+        track, self.stream = self.device_streams.next_compute()
         if copied_on is not None:
             self.stream.wait(copied_on)
         ready.buffer._used_on(self.stream)
@@ -185,7 +196,7 @@ class ChunkContext:
             buffer = array.buffer
             if buffer.freed:
                 continue
-            if buffer.stream in self._lanes_of(buffer.device).streams:
+            if buffer.stream in self._streams_of(buffer.device).streams:
                 buffer._free_idle(allocated_on)
             else:
                 buffer.free()
@@ -195,22 +206,22 @@ class ChunkContext:
 @dataclass(frozen=True, slots=True)
 class ChunkRunner:
     """How each chunk of a pipeline (or a lone :meth:`~aiocuda.executor.Executor.submit`)
-    is processed: its stage, where its results go, and the executor's lanes and trace."""
+    is processed: its stage, where its results go, and the executor's device_streams and trace."""
 
     stage: Stage
-    lanes_of: Callable[[Device], DeviceLanes]
+    streams_of: Callable[[Device], DeviceStreams]
     trace: Trace | None
     output: OutputFn | None
     name: str
 
-    async def run(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> npt.NDArray[Any]:
-        """Send one chunk, admitted on ``lanes``, through upload, stage and download;
+    async def run(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
+        """Send one chunk, admitted on ``device_streams``, through upload, stage and download;
         return the host result once it is there. Memory is returned whatever happens."""
         trace = self.trace
-        ctx = ChunkContext(index, host, lanes, self.lanes_of, trace, self.name)
+        ctx = ChunkContext(index, host, device_streams, self.streams_of, trace, self.name)
         try:
-            h2d = lanes.h2d
-            x = ctx._allocate(host.shape, host.dtype, lanes, h2d)
+            h2d = device_streams.h2d
+            x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
             span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
@@ -225,7 +236,7 @@ class ChunkRunner:
             result = x if returned is None else returned
             ctx._end_compute()
             dest = self.destination(index, result)
-            d2h = self.lanes_of(result.device).d2h
+            d2h = self.streams_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
             span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
             pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None

@@ -1,4 +1,8 @@
-"""Each device's streams, memory pool and load, as an executor uses them."""
+"""Each device's streams, memory pool and load, as an executor's pipelines use them.
+
+(Not to be confused with request lanes, :mod:`aiocuda.lanes`: one stream each, leased
+per request.)
+"""
 
 from __future__ import annotations
 
@@ -6,10 +10,10 @@ from ..device import Device
 from ..memory import MemoryPool
 from ..stream import Stream
 
-__all__ = ["DeviceLanes"]
+__all__ = ["DeviceStreams"]
 
 
-class DeviceLanes:
+class DeviceStreams:
     """One device's streams, pool and load, as an executor uses them.
 
     ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU has one copy engine per
@@ -63,6 +67,6 @@ class DeviceLanes:
 
     def __repr__(self) -> str:
         return (
-            f"<DeviceLanes device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
+            f"<DeviceStreams device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
             f"reserved={self.reserved} completed={self.completed}>"
         )
