@@ -15,14 +15,16 @@ Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, interop
 from ._driver import use_backend
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .batching import Batcher
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
+    ClosedError,
     ContextPoisonedError,
     CudaError,
     LaunchError,
@@ -33,6 +35,7 @@ from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
+from .lanes import Lane, Lanes
 from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
@@ -44,8 +47,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "Batcher",
     "ChunkContext",
     "ChunkResult",
+    "ClosedError",
     "CompileError",
     "DeviceArray",
     "DeviceBuffer",
@@ -53,6 +58,8 @@ __all__ = [
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
+    "Lane",
+    "Lanes",
     "MemoryPool",
     "Module",
     "Pipeline",
@@ -65,6 +72,7 @@ __all__ = [
     "copy_array",
     "empty",
     "enable_peer_access",
+    "interop",
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",

@@ -15,6 +15,8 @@ for the situations callers branch on:
   a device ordinal out of range, an unknown handle, a bad size. Also a :class:`ValueError`.
 * :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
   wrong argument count or type, a missing kernel image).
+* :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
+  request was not started (a service answers "unavailable").
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -25,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "ArgumentError",
     "BackendError",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -194,6 +197,12 @@ class CompileError(CudaError):
     def __init__(self, message: str, *, log: str = "", name: str = "AIOCUDA_COMPILE_ERROR") -> None:
         super().__init__(message, name=name)
         self.log = log
+
+
+class ClosedError(RuntimeError):
+    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
+    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
+    not started. Requests already started finish normally."""
 
 
 class BackendError(ValueError):

@@ -28,7 +28,9 @@ Example::
                 use(r.value)
 
 For request/response code, where many tasks each have one input, ``await
-ex.submit(stage, host)`` runs one chunk the same way, under the same per-device limits.
+ex.submit(stage, host)`` runs one chunk under the same per-device limits, all on one
+stream with one host wait (see also :mod:`aiocuda.lanes`, the request path without an
+executor).
 
 Host memory: copies run at full speed and truly asynchronously only from and to *pinned*
 memory (:func:`aiocuda.host.pinned_empty`). Pass pinned inputs, and pinned destinations
@@ -60,6 +62,7 @@ import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.device_streams import DeviceStreams
+from ._executor.lanes import Lanes
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -119,6 +122,8 @@ class Executor:
         self._open = False
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
+        self._request_lanes: dict[int, Lanes] = {}
+        """submit()'s lanes, by device ordinal."""
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
@@ -127,6 +132,10 @@ class Executor:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
                 for b in self.devices:
                     await enable_peer_access(a, b)
+            for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
+                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=0)
+                self._request_lanes[per_device.device.ordinal] = lanes
+                await lanes.start()
         except BaseException:
             self.close()
             raise
@@ -177,6 +186,10 @@ class Executor:
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 await stream
+        for lanes in self._request_lanes.values():
+            for lane in lanes.lanes:
+                for stream in lane.streams:
+                    await stream
 
     def close(self) -> None:
         """Close the streams (work already enqueued still completes). :attr:`device_streams`
@@ -185,6 +198,8 @@ class Executor:
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 stream.close()
+        for lanes in self._request_lanes.values():
+            lanes.close()
         if self._trace is not None:
             self._trace.close()
 
@@ -260,24 +275,25 @@ class Executor:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
 
-        Concurrent submits share the executor's streams and overlap like a pipeline's
-        chunks; each waits for a device with room first (``chunks_per_device`` and the
-        memory budget), so the executor's limits hold across all of them. Raises the
-        chunk's error; cancelling the awaiting task cancels the chunk (memory returned).
+        Each submit waits for a device with room first (``chunks_per_device`` and the
+        memory budget, shared with pipelines), so the executor's limits hold across all
+        of them; then the whole chunk runs on one stream of its own (a request lane,
+        :mod:`aiocuda.lanes`) with a single host wait, without a pipeline's events between
+        streams. Raises the chunk's error; cancelling the awaiting task cancels the chunk
+        (memory returned).
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
         array = as_input(host)
         nbytes = reserve(array)
-        device_streams, self._cursor = await self._admission.admit(
-            placement, self._device_streams, nbytes, self._cursor
-        )
+        placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
         try:
-            return await self._runner(stage, output, name).run(index, array, device_streams)
+            async with self._request_lanes[placed.device.ordinal].lease() as lane:
+                return await self._runner(stage, output, name).run(index, array, placed, lane)
         finally:
-            device_streams.completed += 1
-            self._admission.release(device_streams, nbytes)
+            placed.completed += 1
+            self._admission.release(placed, nbytes)
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
         return ChunkRunner(

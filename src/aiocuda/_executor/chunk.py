@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,9 @@ from ..errors import ArgumentError, ResultCode
 from ..stream import Stream
 from ..trace import PendingSpan, Trace
 from .device_streams import DeviceStreams
+
+if TYPE_CHECKING:
+    from .lanes import Lane
 
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
 
@@ -162,11 +165,14 @@ class ChunkContext:
         self._arrays.append((array, stream))
         return array
 
-    def _begin_compute(self, ready: DeviceArray, copied_on: Stream | None = None) -> None:
-        """Switch to the next compute stream, ordered (on the GPU) after the work that
-        produced ``ready`` -- and after ``copied_on``, for a copy from another device --
-        then start the compute span: its start event must come after those waits."""
-        track, self.stream = self.device_streams.next_compute()
+    def _begin_compute(
+        self, ready: DeviceArray, copied_on: Stream | None = None, *, lane: tuple[int, Stream] | None = None
+    ) -> None:
+        """Switch to the next compute stream (or to ``lane``'s, ``(track, stream)``),
+        ordered (on the GPU) after the work that produced ``ready`` -- and after
+        ``copied_on``, for a copy from another device -- then start the compute span: its
+        start event must come after those waits."""
+        track, self.stream = self.device_streams.next_compute() if lane is None else lane
         if copied_on is not None:
             self.stream.wait(copied_on)
         ready.buffer._used_on(self.stream)
@@ -214,20 +220,28 @@ class ChunkRunner:
     output: OutputFn | None
     name: str
 
-    async def run(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
+    async def run(
+        self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams, lane: Lane | None = None
+    ) -> npt.NDArray[Any]:
         """Send one chunk, admitted on ``device_streams``, through upload, stage and download;
-        return the host result once it is there. Memory is returned whatever happens."""
+        return the host result once it is there. Memory is returned whatever happens.
+
+        With a request ``lane`` (:meth:`~aiocuda.executor.Executor.submit`), every step
+        runs on the lane's stream instead of the device's h2d, compute and d2h streams:
+        no events between streams, and the download is the only host wait.
+        """
         trace = self.trace
         ctx = ChunkContext(index, host, device_streams, self.streams_of, trace, self.name)
         try:
-            h2d = device_streams.h2d
+            h2d = device_streams.h2d if lane is None else lane.stream
             x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
             span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
                 Trace.stop(span, h2d)
                 ctx._spans.append(span)
-            ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
+            # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
+            ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
             returned = self.stage(ctx, x)
             if inspect.isawaitable(returned):
                 returned = await returned
@@ -236,20 +250,21 @@ class ChunkRunner:
             result = x if returned is None else returned
             ctx._end_compute()
             dest = self.destination(index, result)
-            d2h = self.streams_of(result.device).d2h
+            on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
+            d2h = h2d if on_lane else self.streams_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
             span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
             pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
             if pinned and dest.nbytes:
-                d2h.device.make_current()
-                d2h.device._driver.memcpy_dtoh_async(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h.handle)
+                _staging.enqueue_download(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h)
                 d2h.hold(dest)
             else:
-                await _staging.device_to_host(dest, result.ptr, d2h)
+                await _staging.device_to_host(dest, result.ptr, d2h)  # waits for the stream's work
             if span is not None:
                 Trace.stop(span, d2h)
                 ctx._spans.append(span)
-            await d2h  # the download and those before it on the stream
+            if pinned or span is not None or not on_lane:
+                await d2h  # the download and those before it on the stream
             ctx._free_done()
             if trace is not None:
                 trace.resolve(*ctx._spans)
