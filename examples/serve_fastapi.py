@@ -8,7 +8,7 @@ Endpoints (bodies are raw float32 values; results too):
 
 * ``POST /affine`` -- ``2 x + 1`` on a request lane. ``X-Priority: high`` asks for a
   high-priority lane (served first when lanes are scarce; its kernels overtake normal work
-  on the GPU); ``?timeout=0.5`` answers 504 when the GPU has not finished in time (the
+  on the GPU); ``?deadline=0.5`` answers 504 when the GPU has not finished in time (the
   lane goes back at once; its work finishes on the GPU and its memory is freed after).
 * ``POST /affine/batched`` -- the same, but gathered with concurrent requests into one
   launch of up to 64 requests (``aiocuda.Batcher``): for many small requests.
@@ -102,13 +102,13 @@ def values(body: bytes) -> np.ndarray:
 @app.post("/affine")
 async def affine(
     request: Request,
-    timeout: float | None = None,
+    deadline: float | None = None,
     x_priority: Annotated[Literal["normal", "high"], Header()] = "normal",
 ) -> Response:
     gpu: GPU = request.app.state.gpu
     host = values(await request.body())
     n = host.size
-    with anyio.move_on_after(timeout if timeout is not None else float("inf")) as deadline:
+    with anyio.move_on_after(deadline if deadline is not None else float("inf")) as scope:
         async with gpu.lanes.lease(priority=x_priority) as lane:
             x = lane.upload(host)
             y = lane.empty(n)
@@ -116,8 +116,8 @@ async def affine(
                 gpu.kernel.launch((n + BLOCK - 1) // BLOCK, BLOCK, x, y, n, 2.0, 1.0, stream=lane.stream)
             result = lane.download(y)
             await lane
-    if deadline.cancelled_caught:
-        return JSONResponse({"error": f"the GPU did not finish within {timeout} s"}, status_code=504)
+    if scope.cancelled_caught:
+        return JSONResponse({"error": f"the GPU did not finish within {deadline} s"}, status_code=504)
     return Response(result.tobytes(), media_type="application/octet-stream")
 
 

@@ -26,12 +26,12 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
+import httpx
+import uvicorn
 
-from aiocuda.device import Device  # noqa: E402
-from aiocuda.lanes import Lanes  # noqa: E402
-from aiocuda.memory import MemoryPool  # noqa: E402
+from aiocuda.device import Device
+from aiocuda.lanes import Lanes
+from aiocuda.memory import MemoryPool
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
@@ -64,7 +64,7 @@ def app_module(request: pytest.FixtureRequest, sim_backend: Any) -> Any:
 async def until(condition: Callable[[], bool], what: str) -> None:
     """Poll ``condition`` until it holds (bounded, so a bug fails rather than hangs)."""
     with anyio.fail_after(60):
-        while not condition():
+        while not condition():  # noqa: ASYNC110 - the state lives in another task's objects
             await anyio.sleep(0.002)
 
 
@@ -181,7 +181,7 @@ async def test_a_request_cancelled_by_its_deadline_returns_its_lane(sim_backend:
         await idle(served.lanes)
         baseline = used_bytes()
         hold_all(sim_backend, served.lanes)  # the GPU never finishes in time
-        response = await client.post("/affine", params={"timeout": 0.05}, content=body(1000).tobytes())
+        response = await client.post("/affine", params={"deadline": 0.05}, content=body(1000).tobytes())
         assert response.status_code == 504 and "did not finish" in response.json()["error"]
         assert served.lanes.statistics().leased == 0  # back at once, its work still queued
         release_all(sim_backend, served.lanes)
