@@ -131,8 +131,13 @@ def decoded(response: httpx.Response) -> np.ndarray:
     return np.frombuffer(response.content, np.float32)
 
 
-async def test_concurrent_requests_and_health(app_module: Any, anyio_backend: Any) -> None:
-    async with serving(app_module.app) as served, httpx.AsyncClient(base_url=served.url) as client:
+@pytest.fixture(params=["serve_starlette", "serve_fastapi"])
+def any_backend_app(request: pytest.FixtureRequest, backend: Any) -> Any:
+    return example(request.param)
+
+
+async def test_concurrent_requests_and_health(any_backend_app: Any, anyio_backend: Any) -> None:
+    async with serving(any_backend_app.app) as served, httpx.AsyncClient(base_url=served.url) as client:
         inputs = [body(100 + 37 * i, seed=i) for i in range(24)]
         results: dict[int, np.ndarray] = {}
 
@@ -255,3 +260,28 @@ async def test_batched_endpoint_gathers_concurrent_requests(sim_backend: Any, an
             np.testing.assert_allclose(results[i], 2 * host + 1, rtol=1e-6)
         batcher = served.app.state.gpu.batcher
         assert batcher.statistics().items == len(inputs)
+
+
+async def test_the_torch_example_serves_its_model(backend: Any, anyio_backend: Any) -> None:
+    torch = pytest.importorskip("torch")  # CPU-only PyTorch on the simulator, CUDA on a GPU
+    module = example("serve_torch")
+    async with serving(module.app) as served, httpx.AsyncClient(base_url=served.url) as client:
+        model = served.app.state.served.model
+        rng = np.random.default_rng(0)
+        inputs = [rng.random((1 + i % 4, module.WIDTH), dtype=np.float32) for i in range(16)]
+        results: dict[int, np.ndarray] = {}
+
+        async def one(i: int) -> None:
+            results[i] = decoded(await client.post("/predict", content=inputs[i].tobytes()))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(inputs)):
+                tg.start_soon(one, i)
+        with torch.inference_mode():
+            for i, host in enumerate(inputs):
+                x = torch.from_numpy(host)
+                if served.app.state.served.on_gpu:
+                    x = x.to("cuda", torch.float16)
+                expected = model(x).float().cpu().numpy()
+                np.testing.assert_allclose(results[i].reshape(expected.shape), expected, rtol=2e-2, atol=2e-2)
+        assert (await client.get("/health")).json()["status"] == "ok"
