@@ -94,6 +94,12 @@ async def test_download_into_given_arrays_and_upload_into_given_device_array(bac
                 lane.download(lane.state, out=np.zeros(8192, np.float32)[::2])
             with pytest.raises(TypeError):
                 lane.download(host)  # type: ignore[arg-type]
+        for _ in range(3):  # setup's memory is the lane's own: it outlives every lease
+            async with lanes.lease() as lane:
+                pinned_out[:] = 0
+                lane.download(lane.upload(host + 1, out=lane.state), out=pinned_out)
+                await lane
+            np.testing.assert_array_equal(pinned_out, host + 1)
 
 
 async def test_request_memory_is_freed_when_the_lease_ends(backend: Any, anyio_backend: Any) -> None:

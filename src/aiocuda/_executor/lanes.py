@@ -80,6 +80,7 @@ class Lane:
     __slots__ = (
         "_buffers",
         "_copy_outs",
+        "_kept_for_life",
         "_keep",
         "_pool",
         "_staged",
@@ -107,6 +108,8 @@ class Lane:
         """Bytes of the staging block handed out since the lane was last awaited."""
         self._buffers: list[DeviceBuffer] = []
         """Device memory of the current lease (:meth:`empty`), freed when it ends."""
+        self._kept_for_life: list[DeviceBuffer] = []
+        """Device memory ``setup`` made: the lane's own, freed when the lanes close."""
         self._keep: list[Any] = []
         """Host arrays that enqueued copies use, kept until the lane is awaited."""
         self._copy_outs: list[tuple[int, int, int]] = []
@@ -116,7 +119,10 @@ class Lane:
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
         """A device array for this request, allocated stream-ordered on :attr:`stream` from
         the device's pool and freed (stream-ordered) when the lease ends: as cheap as
-        reusing a preallocated one. Keep nothing from it beyond the lease."""
+        reusing a preallocated one. Keep nothing from it beyond the lease.
+
+        Called from ``setup`` (at start-up), the array is the lane's own instead: it lives
+        until the lanes close (keep it in ``lane.state``)."""
         array = empty(shape, dtype, stream=self.stream, pool=self._pool)
         self._buffers.append(array.buffer)
         return array
@@ -386,6 +392,8 @@ class Lanes:
                     if inspect.isawaitable(state):
                         state = await state
                     lane.state = state
+                    lane._kept_for_life.extend(lane._buffers)  # setup's memory is the lane's own
+                    lane._buffers.clear()
                     for stream in lane.streams:
                         lane.stream = stream
                         await lane
@@ -440,6 +448,10 @@ class Lanes:
         is released once that work is done, and new leases fail. Prefer :meth:`aclose`."""
         self._state = "closed"
         for lane in self._lanes:
+            with contextlib.suppress(CudaError):
+                for buffer in lane._kept_for_life:
+                    buffer.free()
+            lane._kept_for_life.clear()
             for stream in lane.streams:
                 if not library_streams.adopted(stream):
                     if lane._staging is not None:
