@@ -72,6 +72,10 @@ from .trace import Trace
 
 __all__ = ["ChunkContext", "ChunkResult", "Executor", "Pipeline"]
 
+_SUBMIT_STAGING = 1 << 20
+"""Page-locked bytes per chunk in flight for :meth:`Executor.submit`'s pageable copies;
+larger ones go through the process's staging threads."""
+
 
 class Executor:
     """Runs pipelines over the streams and memory pools of several devices.
@@ -133,7 +137,7 @@ class Executor:
                 for b in self.devices:
                     await enable_peer_access(a, b)
             for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
-                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=0)
+                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=_SUBMIT_STAGING)
                 self._request_lanes[per_device.device.ordinal] = lanes
                 await lanes.start()
         except BaseException:

@@ -236,7 +236,10 @@ class ChunkRunner:
             h2d = device_streams.h2d if lane is None else lane.stream
             x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
             span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
-            await _staging.host_to_device(x.ptr, host, h2d)
+            if lane is not None and lane._fits(host):
+                lane.upload(host, out=x)  # through the lane's own staging: enqueued only
+            else:
+                await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
                 Trace.stop(span, h2d)
                 ctx._spans.append(span)
@@ -254,16 +257,22 @@ class ChunkRunner:
             d2h = h2d if on_lane else self.streams_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
             span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
-            pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
-            if pinned and dest.nbytes:
-                _staging.enqueue_download(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h)
-                d2h.hold(dest)
+            if on_lane and lane is not None and lane._fits(dest):
+                lane.download(result, out=dest)  # enqueued; filled by the lane's await
+                if span is not None:
+                    Trace.stop(span, d2h)
+                    ctx._spans.append(span)
+                await lane  # the one host wait
             else:
-                await _staging.device_to_host(dest, result.ptr, d2h)  # waits for the stream's work
-            if span is not None:
-                Trace.stop(span, d2h)
-                ctx._spans.append(span)
-            if pinned or span is not None or not on_lane:
+                pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
+                if pinned and dest.nbytes:
+                    _staging.enqueue_download(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h)
+                    d2h.hold(dest)
+                else:
+                    await _staging.device_to_host(dest, result.ptr, d2h)
+                if span is not None:
+                    Trace.stop(span, d2h)
+                    ctx._spans.append(span)
                 await d2h  # the download and those before it on the stream
             ctx._free_done()
             if trace is not None:

@@ -202,6 +202,14 @@ class Lane:
         if array.device is not self.device:
             raise _argument(f"{what} is on device {array.device.ordinal}, the lane on device {self.device.ordinal}")
 
+    def _fits(self, host: npt.NDArray[Any]) -> bool:
+        """Whether a copy of ``host`` goes through the lane without borrowing memory:
+        pinned, or small enough for what is left of the staging block."""
+        nbytes = host.nbytes
+        return self._staged + nbytes <= self._staging_size or (
+            pinned_ranges.owner(int(host.ctypes.data), max(nbytes, 1)) is not None
+        )
+
     def _stage(self, nbytes: int) -> int:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
         staging block while it lasts, else a block from the pinned cache kept until the
