@@ -80,8 +80,8 @@ class Lane:
     __slots__ = (
         "_buffers",
         "_copy_outs",
-        "_kept_for_life",
         "_keep",
+        "_kept_for_life",
         "_pool",
         "_staged",
         "_staging",
