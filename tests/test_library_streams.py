@@ -110,12 +110,17 @@ async def test_a_torch_lane_reused_thousands_of_times_grows_nothing(torch: Any, 
             np.testing.assert_allclose(out, expected, rtol=1e-2, atol=1e-2)
 
         await rounds(50)
+        async with lanes.lease() as lane:  # a long wait: the engine's waker thread is running now
+            slow_op(lane.stream, 0.05)
+            await lane
         gc.collect()
         threads, memory = threading.active_count(), torch.cuda.memory_allocated()
         await rounds(3000)
         gc.collect()
         assert threading.active_count() <= threads
-        assert torch.cuda.memory_allocated() <= memory
+        # Tensors of the last requests may still be held by their streams (dropped at the
+        # next await of each): a few requests' worth, where a leak would be thousands.
+        assert torch.cuda.memory_allocated() <= memory + (1 << 20)
 
 
 async def test_cupy_ops_on_lanes_under_concurrent_load(cupy: Any, anyio_backend: Any) -> None:
