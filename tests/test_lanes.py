@@ -290,3 +290,22 @@ async def test_default_count_comes_from_the_device(sim_backend: Any, anyio_backe
     async with Lanes() as lanes:
         sms = Device(0).multiprocessor_count
         assert lanes.statistics().lanes == max(8, min(64, sms // 4))
+
+
+async def test_high_priority_requests_overtake_normal_work_on_the_gpu(backend: Any, anyio_backend: Any) -> None:
+    if backend.name != "cuda":
+        pytest.skip("the simulator records stream priorities but does not schedule by them")
+    from ._workload import _kernel
+
+    device = Device(0)
+    blocks = 8 * device.multiprocessor_count  # more resident blocks than the GPU holds at once
+    cycles = int(0.02 * device.attribute("clock_rate") * 1e3)  # 20 ms per block
+    async with Lanes(count=2, priorities=("normal", "high")) as lanes:
+        async with lanes.lease() as normal:
+            for _ in range(5):  # a backlog of about 100 ms of grid-filling work at normal priority
+                _kernel(normal.stream, "spin").launch(blocks, 128, cycles, stream=normal.stream)
+            async with lanes.lease(priority="high") as urgent:
+                _kernel(urgent.stream, "spin").launch(1, 32, cycles // 20, stream=urgent.stream)
+                await urgent
+                assert not normal.stream.query()  # the urgent kernel did not wait for the backlog
+            await normal
