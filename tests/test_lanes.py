@@ -298,14 +298,16 @@ async def test_high_priority_requests_overtake_normal_work_on_the_gpu(backend: A
     from ._workload import _kernel
 
     device = Device(0)
-    blocks = 8 * device.multiprocessor_count  # more resident blocks than the GPU holds at once
-    cycles = int(0.02 * device.attribute("clock_rate") * 1e3)  # 20 ms per block
+    # One normal-priority kernel of 40 waves of full blocks (2 x 1024 threads fill an SM),
+    # 5 ms each: about 200 ms. Without priorities the urgent kernel, launched after it,
+    # would be dispatched only once all of its blocks had been; with them, at the next wave.
+    blocks = 2 * device.multiprocessor_count * 40
+    cycles = int(0.005 * device.attribute("clock_rate") * 1e3)
     async with Lanes(count=2, priorities=("normal", "high")) as lanes:
         async with lanes.lease() as normal:
-            for _ in range(5):  # a backlog of about 100 ms of grid-filling work at normal priority
-                _kernel(normal.stream, "spin").launch(blocks, 128, cycles, stream=normal.stream)
+            _kernel(normal.stream, "spin").launch(blocks, 1024, cycles, stream=normal.stream)
             async with lanes.lease(priority="high") as urgent:
-                _kernel(urgent.stream, "spin").launch(1, 32, cycles // 20, stream=urgent.stream)
+                _kernel(urgent.stream, "spin").launch(1, 32, cycles, stream=urgent.stream)
                 await urgent
                 assert not normal.stream.query()  # the urgent kernel did not wait for the backlog
             await normal
