@@ -15,15 +15,17 @@ Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, interop
 from ._driver import LaunchConfig, use_backend
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .batching import Batcher
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
+    ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
@@ -35,6 +37,7 @@ from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
+from .lanes import Lane, Lanes
 from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
@@ -47,8 +50,10 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 __all__ = [
     "ArgumentError",
     "BackendError",
+    "Batcher",
     "ChunkContext",
     "ChunkResult",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -61,6 +66,8 @@ __all__ = [
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
+    "Lane",
+    "Lanes",
     "LaunchConfig",
     "LaunchError",
     "MemoryPool",
@@ -82,6 +89,7 @@ __all__ = [
     "empty",
     "enable_peer_access",
     "errors",
+    "interop",
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",

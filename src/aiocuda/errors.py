@@ -18,6 +18,8 @@ for the situations callers branch on:
 * :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
   be loaded.
 * :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
+* :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
+  request was not started (a service answers "unavailable").
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -29,6 +31,7 @@ __all__ = [
     "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -206,6 +209,12 @@ class BackendError(CudaError, ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
+
+
+class ClosedError(RuntimeError):
+    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
+    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
+    not started. Requests already started finish normally."""
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:
