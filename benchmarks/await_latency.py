@@ -91,7 +91,7 @@ class Rig:
         if self.real:
             self._spin.launch(1, 1, int(seconds * self.clock_khz * 1e3), stream=stream)
         else:
-            self.backend._enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
+            self.backend.enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
 
     def sync(self, stream: Stream) -> None:
         self.backend.stream_synchronize(stream.handle)

@@ -75,7 +75,7 @@ async def test_a_fault_fails_every_pending_await_promptly(
             await anyio.sleep(0.1)  # the waker has nothing left to wait for
         held, line, plain, polled = streams
         for s in (held, line, plain):
-            sim.hold(s.handle)  # type: ignore[attr-defined]
+            sim.pause(s.handle)  # type: ignore[attr-defined]
         slow_op(other, 0.3)
         event = plain.record()
         failed: dict[str, int] = {}
@@ -324,7 +324,7 @@ async def test_many_completions_cost_one_wakeup(
 
         monkeypatch.setattr(adapter_cls, "call_soon_threadsafe", counting)
     with Stream(0) as s:
-        sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+        sim_backend.pause(s.handle)  # type: ignore[attr-defined]
         slow_op(s, 0.001)
         finished = 0
 
@@ -338,7 +338,7 @@ async def test_many_completions_cost_one_wakeup(
                 tg.start_soon(waiter)
             await anyio.sleep(0.05)  # every waiter is now with the doorbell
             wakeups = 0
-            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+            sim_backend.resume(s.handle)  # type: ignore[attr-defined]
     assert finished == 20
     assert wakeups <= 3, f"{wakeups} wake-ups for 20 completions"
 
@@ -475,7 +475,7 @@ async def test_the_periodic_check_finds_a_wait_behind_one_that_never_completes(
     only the first waiter of each device.)"""
     engine = current_engine()
     with Stream(0) as held, Stream(0) as s:
-        sim_backend.hold(held.handle)  # type: ignore[attr-defined]
+        sim_backend.pause(held.handle)  # type: ignore[attr-defined]
         slow_op(held, 0.001)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_await, held)
@@ -486,7 +486,7 @@ async def test_the_periodic_check_finds_a_wait_behind_one_that_never_completes(
                 with anyio.fail_after(5):
                     await s
             finally:
-                sim_backend.release(held.handle)  # type: ignore[attr-defined]
+                sim_backend.resume(held.handle)  # type: ignore[attr-defined]
 
 
 def test_the_doorbell_says_how_many_rings_it_drained(sim_backend: _driver.Driver) -> None:
@@ -593,14 +593,14 @@ def test_a_lone_wait_spins_for_at_most_spin_max(sim_backend: _driver.Driver) -> 
         adapter = current_adapter()
         spins, controls = [], []
         with Stream(0) as s:
-            sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+            sim_backend.pause(s.handle)  # type: ignore[attr-defined]
             slow_op(s, 0.001)
             for _ in range(5):
                 adapter.waiting += 1  # another task waits: no spinning
                 controls.append(first_step_cpu(s))
                 adapter.waiting -= 1
                 spins.append(first_step_cpu(s))
-            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+            sim_backend.resume(s.handle)  # type: ignore[attr-defined]
             await s
         return spins, controls
 
@@ -617,7 +617,7 @@ async def test_the_waker_checks_sleeping_waits_every_poison_check(
     10 ms in the same interval, which runs late exactly when the waker would."""
     engine = current_engine()
     with Stream(0) as s:
-        sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+        sim_backend.pause(s.handle)  # type: ignore[attr-defined]
         slow_op(s, 0.001)
         async with anyio.create_task_group() as tg:
             tg.start_soon(_await, s)
@@ -630,5 +630,5 @@ async def test_the_waker_checks_sleeping_waits_every_poison_check(
             with ControlClock(0.01) as clock:
                 await anyio.sleep(0.3)
                 ticks, checks = clock.ticks, engine.waker.statistics().periodic_checks - before
-            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+            sim_backend.resume(s.handle)  # type: ignore[attr-defined]
     assert ticks >= 5 and checks >= ticks / 3, (checks, ticks)

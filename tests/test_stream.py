@@ -229,7 +229,7 @@ async def test_awaiting_a_temporary_event_keeps_its_handle(sim_backend: _driver.
     Collected then, it would give its pooled handle back, the next await would record it
     elsewhere, and this await would end early (data read before the GPU wrote it)."""
     with Stream(0) as held, Stream(0) as other:
-        sim_backend.hold(held.handle)  # type: ignore[attr-defined]
+        sim_backend.pause(held.handle)  # type: ignore[attr-defined]
         slow_op(held, 0.001)
         done = False
 
@@ -246,7 +246,7 @@ async def test_awaiting_a_temporary_event_keeps_its_handle(sim_backend: _driver.
                 await other
             await anyio.sleep(0.05)  # the waiter, on its doorbell by now, is checked periodically
             assert not done, "the await ended before the work it waits for"
-            sim_backend.release(held.handle)  # type: ignore[attr-defined]
+            sim_backend.resume(held.handle)  # type: ignore[attr-defined]
         assert done
 
 
@@ -262,7 +262,7 @@ async def test_hold_keeps_objects_while_the_work_is_pending(sim_backend: _driver
 
     sim = sim_backend
     s, other = Stream(0), Stream(0)
-    sim.hold(s.handle)  # type: ignore[attr-defined]
+    sim.pause(s.handle)  # type: ignore[attr-defined]
     slow_op(s, 0.001)
     payload = Payload()
     ref = weakref.ref(payload)
@@ -279,7 +279,7 @@ async def test_hold_keeps_objects_while_the_work_is_pending(sim_backend: _driver
     await other
     gc.collect()
     assert ref() is not None, "released when the stream was closed, with its work pending"
-    sim.release(handle)  # type: ignore[attr-defined]
+    sim.resume(handle)  # type: ignore[attr-defined]
     await anyio.sleep(0.01)
     for _ in range(100):  # the work is done at once now; an await sweeps the closed stream's holds
         await other

@@ -15,6 +15,11 @@ for the situations callers branch on:
   a device ordinal out of range, an unknown handle, a bad size. Also a :class:`ValueError`.
 * :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
   wrong argument count or type, a missing kernel image).
+* :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
+  be loaded.
+* :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
+* :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
+  request was not started (a service answers "unavailable").
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -23,8 +28,10 @@ included, may raise these.
 from __future__ import annotations
 
 __all__ = [
+    "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -196,8 +203,18 @@ class CompileError(CudaError):
         self.log = log
 
 
-class BackendError(ValueError):
-    """An unknown or unusable driver backend was requested (``AIOCUDA_BACKEND``)."""
+class BackendError(CudaError, ValueError):
+    """An unknown driver backend was asked for (``AIOCUDA_BACKEND`` or
+    :func:`aiocuda.use_backend`). Also a :class:`ValueError`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
+
+
+class ClosedError(RuntimeError):
+    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
+    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
+    not started. Requests already started finish normally."""
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:
