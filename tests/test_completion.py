@@ -427,7 +427,7 @@ async def test_event_await_does_not_wait_for_later_work_on_its_stream(
         slow_op(s, 1.5)
         await event
         assert not s.query()  # woken by the event's doorbell, not the stream's end
-        s.synchronize()
+        await s
 
 
 # -- the doorbell's rings are counted, never folded into pokes ---------------------------------------

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import gc
 import time
+import warnings
 import weakref
 
 import anyio
+import numpy as np
 import pytest
 
+import aiocuda
 from aiocuda import _driver
 from aiocuda.device import Device
-from aiocuda.errors import ArgumentError
+from aiocuda.errors import ArgumentError, BlockingCallWarning
 from aiocuda.event import Event
 from aiocuda.stream import Stream, current_stream, use_stream
 
@@ -175,13 +178,83 @@ async def test_closing_a_stream_keeps_held_objects_alive(backend: _driver.Driver
     assert ref() is None
 
 
-def test_closed_stream_is_rejected(backend: _driver.Driver) -> None:
+def test_a_closed_stream_takes_no_work_and_says_what_to_do(backend: _driver.Driver) -> None:
     s = Stream(0)
     s.close()
     s.close()  # idempotent
-    with pytest.raises(ArgumentError):
-        s.record()
+    with pytest.raises(ArgumentError, match=r"closed.*stream="):
+        s.hold()
+    with pytest.raises(ArgumentError, match=r"closed.*stream="):
+        Event(0).record(s)
     assert "closed" in repr(s)
+
+
+async def test_a_closed_stream_can_still_be_waited_for(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Closing never cancels work already enqueued, and what waits for that work keeps
+    working: an await, a query, another stream's wait, and an array whose last work ran
+    on the stream (its next call orders itself after that work, stream= or not)."""
+    with Stream(0) as other:
+        s = Stream(0)
+        x = await aiocuda.to_device(np.arange(8, dtype=np.float32), stream=s)
+        slow_op(s, 0.05)
+        s.close()
+        assert not s.query()
+        other.wait(s)
+        assert not other.query(), "the other stream waits for the closed one's work"
+        await s
+        assert s.query() and s.record() is s.record()
+        assert (await x.to_host() == np.arange(8)).all()
+        assert (await x.to_host(stream=other) == np.arange(8)).all()
+
+
+def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
+    with Stream(0) as s:
+        for event in (Event(0).record(s), s.record()):
+            event.close()
+            with pytest.raises(ArgumentError, match="closed"):
+                event.query()
+            assert "closed" in repr(event)
+
+
+async def test_closing_an_event_while_it_is_awaited(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Its handle is destroyed (or given back to the pool) only once the await has ended:
+    a pooled handle given back mid-wait would be recorded elsewhere and end the wait early."""
+    with Stream(0) as s, Stream(0) as other:
+        sim_backend.pause(s.handle)  # type: ignore[attr-defined]
+        slow_op(s, 0.001)
+        event = s.record()
+        done = False
+
+        async def waiter() -> None:
+            nonlocal done
+            await event
+            done = True
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            await anyio.sleep(0.02)
+            event.close()
+            for _ in range(8):
+                await other
+            await anyio.sleep(0.05)
+            assert not done
+            sim_backend.resume(s.handle)  # type: ignore[attr-defined]
+        assert done
+
+
+async def test_blocking_calls_on_a_loop_thread_warn(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        with pytest.warns(BlockingCallWarning, match=r"Stream\.synchronize\(\) blocks the event loop"):
+            s.synchronize()
+        with pytest.warns(BlockingCallWarning, match=r"Event\.synchronize\(\)"):
+            s.record().synchronize()
+
+
+def test_blocking_calls_off_a_loop_do_not_warn(backend: _driver.Driver) -> None:
+    with Stream(0) as s, warnings.catch_warnings():
+        warnings.simplefilter("error", BlockingCallWarning)
+        s.synchronize()
+        s.record().synchronize()
 
 
 def test_wrap_foreign_stream_without_ownership(backend: _driver.Driver) -> None:

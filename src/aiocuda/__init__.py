@@ -25,6 +25,7 @@ from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
+    BlockingCallWarning,
     ClosedError,
     CompileError,
     ContextPoisonedError,
@@ -51,6 +52,7 @@ __all__ = [
     "ArgumentError",
     "BackendError",
     "Batcher",
+    "BlockingCallWarning",
     "ChunkContext",
     "ChunkResult",
     "ClosedError",

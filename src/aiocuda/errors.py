@@ -21,6 +21,9 @@ for the situations callers branch on:
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
 
+And one warning category, :class:`BlockingCallWarning`: a blocking call ran on an event
+loop's thread.
+
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
 """
@@ -31,6 +34,7 @@ __all__ = [
     "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "BlockingCallWarning",
     "ClosedError",
     "CompileError",
     "ContextPoisonedError",
@@ -215,6 +219,13 @@ class ClosedError(RuntimeError):
     """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
     (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
     not started. Requests already started finish normally."""
+
+
+class BlockingCallWarning(RuntimeWarning):
+    """A call that blocks the calling thread until the GPU is done (``synchronize()``)
+    ran on the thread of a running event loop, stalling every task of the loop: await
+    instead. A warning category, so that a service can turn it into an error
+    (``warnings.simplefilter("error", aiocuda.BlockingCallWarning)``) or silence it."""
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:

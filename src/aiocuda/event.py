@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
+from ._completion.loops import warn_if_on_loop
 from .device import Device, _as_device
 from .errors import ArgumentError
 
@@ -60,11 +61,13 @@ class Event:
 
     __slots__ = (
         "__weakref__",
+        "_closed",
         "_device",
         "_driver",
         "_finalizer",
         "_handle",
         "_stream_handle",
+        "_waits",
         "blocking_sync",
         "timing",
     )
@@ -78,6 +81,8 @@ class Event:
         self.blocking_sync = blocking_sync
         self._handle = self._driver.event_create(timing, blocking_sync)
         self._stream_handle: Any = None
+        self._closed = False
+        self._waits = 0
         self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
 
     @classmethod
@@ -90,6 +95,8 @@ class Event:
         self.blocking_sync = False
         self._handle = handle
         self._stream_handle = stream_handle
+        self._closed = False
+        self._waits = 0
         self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, EventPool.for_device(device))
         return self
 
@@ -100,26 +107,44 @@ class Event:
     @property
     def handle(self) -> Any:
         """The backend's event handle (``int(event.handle)`` is the raw CUevent)."""
+        return self._live()
+
+    def _live(self) -> Any:
+        if self._closed:
+            raise ArgumentError(
+                f"{self!r} is closed: record a new Event (or stream.record()) to mark a point",
+                name="CUDA_ERROR_INVALID_HANDLE",
+            )
         return self._handle
 
     def record(self, stream: _OnStream) -> Event:
         """Mark the current end of ``stream``'s work; returns ``self``."""
-        self._driver.event_record(self._handle, stream.handle)
+        self._driver.event_record(self._live(), stream.handle)
         self._stream_handle = stream.handle
         return self
 
     def query(self) -> bool:
         """True once the recorded work has finished (raises a poisoned context's error)."""
-        return self._driver.event_query(self._handle)
+        return self._driver.event_query(self._live())
 
     def synchronize(self) -> None:
-        """Block the calling thread until the event completes (for synchronous code)."""
-        self._driver.event_synchronize(self._handle)
+        """Block the calling thread until the event completes. For synchronous code only:
+        in a coroutine, ``await event`` instead (on an event loop's thread this warns,
+        :class:`~aiocuda.errors.BlockingCallWarning`)."""
+        warn_if_on_loop("Event.synchronize()")
+        self._driver.event_synchronize(self._live())
 
     def __await__(self) -> Generator[Any, Any, None]:
+        handle = self._live()
         if self._stream_handle is None:
             return _complete()  # never recorded: complete, as in CUDA
-        return current_engine().wait(self._handle, self._stream_handle, self._device, keep=self)
+        self._waits += 1
+        return current_engine().wait(handle, self._stream_handle, self._device, self._wait_ended, keep=self)
+
+    def _wait_ended(self, handle: Any) -> None:
+        self._waits -= 1
+        if self._closed and not self._waits:
+            self._finalizer()
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and
@@ -128,12 +153,21 @@ class Event:
             raise ArgumentError(
                 "elapsed_ms needs two events created with timing=True", name="CUDA_ERROR_INVALID_HANDLE"
             )
-        return self._driver.event_elapsed_ms(since._handle, self._handle)
+        return self._driver.event_elapsed_ms(since._live(), self._live())
 
     def close(self) -> None:
-        """Release the event now instead of when it is garbage-collected."""
-        self._finalizer()
+        """Release the event now instead of when it is garbage-collected (once awaits of it
+        in progress have ended). Using it afterwards raises
+        :class:`~aiocuda.errors.ArgumentError`."""
+        if not self._closed:
+            self._closed = True
+            if not self._waits:
+                self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     def __repr__(self) -> str:
-        state = "unrecorded" if self._stream_handle is None else "recorded"
+        state = "closed" if self._closed else "unrecorded" if self._stream_handle is None else "recorded"
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"

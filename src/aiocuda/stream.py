@@ -26,6 +26,7 @@ from typing import Any
 
 from ._completion.engine import CompletionEngine, current_engine
 from ._completion.event_pool import EventPool
+from ._completion.loops import warn_if_on_loop
 from .device import Device, _as_device
 from .errors import ArgumentError, CudaError
 from .event import Event
@@ -119,6 +120,7 @@ class Stream:
         "_holds",
         "_owner",
         "_pool",
+        "_tail",
         "device",
         "owned",
     )
@@ -135,6 +137,7 @@ class Stream:
         self.owned = owned
         self._owner = owner
         self._closed = False
+        self._tail: Event | None = None
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
         self._engine = current_engine()
@@ -179,8 +182,20 @@ class Stream:
     def handle(self) -> Any:
         """The backend handle, for seam calls."""
         if self._closed:
-            raise ArgumentError("the stream is closed", name="CUDA_ERROR_INVALID_HANDLE")
+            raise self._closed_error()
         return self._handle
+
+    def _closed_error(self) -> ArgumentError:
+        return ArgumentError(
+            f"{self!r} is closed: no new work can go on it; pass a live stream (stream=...) to calls that would use it",
+            name="CUDA_ERROR_INVALID_HANDLE",
+        )
+
+    def _end(self) -> Event:
+        """A closed stream's end: the point after the work enqueued before it closed."""
+        if self._tail is None:
+            raise self._closed_error()
+        return self._tail
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """The CUDA stream protocol: ``(0, raw CUstream)``."""
@@ -191,6 +206,8 @@ class Stream:
 
     # -- waiting ----------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, Any, None]:
+        if self._closed:
+            return self._end().__await__()
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
         if _orphans:
@@ -211,13 +228,20 @@ class Stream:
 
     def synchronize(self) -> None:
         """Block the calling thread until the stream is idle. For synchronous code only:
-        in a coroutine, ``await stream`` instead."""
+        in a coroutine, ``await stream`` instead (on an event loop's thread this warns,
+        :class:`~aiocuda.errors.BlockingCallWarning`)."""
+        warn_if_on_loop("Stream.synchronize()")
+        if self._closed:
+            self._driver.event_synchronize(self._end().handle)
+            return
         self._driver.stream_synchronize(self.handle)
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
 
     def query(self) -> bool:
         """True when all work enqueued so far has completed."""
+        if self._closed:
+            return self._end().query()
         return self._driver.stream_query(self.handle)
 
     # -- ordering and events ----------------------------------------------------------------
@@ -225,10 +249,13 @@ class Stream:
         """Mark the current end of this stream's work and return the Event.
 
         Without ``event`` a pooled event is used (no driver allocation) unless
-        ``timing=True`` asks for a timing event.
+        ``timing=True`` asks for a timing event. On a closed stream, the end of the work
+        enqueued before it closed (the same Event every time).
         """
         if event is not None:
             return event.record(self)
+        if self._closed and not timing:
+            return self._end()
         if timing:
             return Event(self.device, timing=True).record(self)
         handle = self._pool.acquire()
@@ -243,6 +270,9 @@ class Stream:
             return
         if not isinstance(other, Stream):
             raise TypeError(f"Stream.wait takes an Event or a Stream, not {type(other).__name__}")
+        if other._closed:
+            self._driver.stream_wait_event(self.handle, other._end().handle)
+            return
         event = other._pool.acquire()
         other._driver.event_record(event, other.handle)
         try:
@@ -267,8 +297,17 @@ class Stream:
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
         """Destroy the stream (if owned). Enqueued work still runs to completion, and
-        objects held for it stay alive until it has."""
+        objects held for it stay alive until it has.
+
+        A closed stream takes no new work, but can still be awaited, queried,
+        synchronized, recorded (the same Event: the end of the work enqueued before
+        :meth:`close`) and waited for by other streams.
+        """
         if not self._closed:
+            try:
+                self._tail = self.record()
+            except CudaError:
+                self._tail = None  # a poisoned context: waiting on it can only fail anyway
             self._closed = True
             self._finalizer()
 

@@ -11,11 +11,15 @@ Everything on an adapter is touched only from its loop's thread, except
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+import warnings
 from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
-__all__ = ["LoopAdapter", "Suspended", "current_adapter"]
+from ..errors import BlockingCallWarning
+
+__all__ = ["LoopAdapter", "Suspended", "current_adapter", "warn_if_on_loop"]
 
 
 class Suspended(Protocol):
@@ -185,3 +189,19 @@ def current_adapter() -> LoopAdapter:
                 del _adapters[k]
     _last_loop, _last_adapter = key, entry[1]
     return entry[1]
+
+
+def warn_if_on_loop(call: str) -> None:
+    """Warn (:class:`~aiocuda.errors.BlockingCallWarning`, once per calling line with
+    the default filters) when the blocking ``call`` runs on a running event loop's thread.
+    Call it from the public method itself: the warning names its caller's line."""
+    on_loop = asyncio._get_running_loop() is not None
+    if not on_loop and "trio" in sys.modules:
+        on_loop = sys.modules["trio"].lowlevel.in_trio_run()
+    if on_loop:
+        warnings.warn(
+            f"{call} blocks the event loop's thread until the GPU is done, and every task of "
+            f"the loop with it; in a coroutine, await the stream or event instead",
+            BlockingCallWarning,
+            stacklevel=3,
+        )

@@ -197,9 +197,11 @@ class SimCore:
         raise sim_error(ResultCode.INVALID_DEVICE, "device", f"not a device of this simulated driver: {dev!r}")
 
     def _event(self, event: Any) -> SimEvent:
-        if type(event) is SimEvent and not event.destroyed:
-            return event
-        raise sim_error(ResultCode.INVALID_HANDLE, "event", f"not a live simulated event: {event!r}")
+        if type(event) is SimEvent:
+            if not event.destroyed:
+                return event
+            raise sim_error(ResultCode.INVALID_HANDLE, "event", f"event {event.value:#x} was destroyed")
+        raise sim_error(ResultCode.INVALID_HANDLE, "event", f"not a simulated event: {event!r}")
 
     # -- test controls ---------------------------------------------------------------------
     def enqueue(self, stream: Any, fn: Callable[[], object], name: str = "op") -> None:
