@@ -65,11 +65,23 @@ class LoopAdapter:
         return False
 
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
-        """Suspend the current task until :meth:`resume`; a cancellation detaches ``waiter``."""
+        """Suspend the current task (``yield from`` this in the task) until one of two
+        things happens:
+
+        1. :meth:`resume` is called for ``waiter``, on the loop's thread: the task wakes
+           and the ``yield from`` returns, or raises the error given to :meth:`resume`.
+        2. The task is cancelled first: ``waiter`` is finished (detached) and the
+           cancellation propagates; a later :meth:`resume` does nothing.
+
+        Set up everything that may resume ``waiter`` before calling this: a resume from
+        another thread arrives through :meth:`call_soon_threadsafe`, after the task has
+        suspended.
+        """
         raise NotImplementedError
 
     def resume(self, waiter: Suspended, error: BaseException | None) -> None:
-        """Wake ``waiter``'s task (at most once), with ``error`` raised in it if given."""
+        """Finish ``waiter`` and wake its task (at most once), with ``error`` raised in it
+        if given. On the loop's thread."""
         raise NotImplementedError
 
 
