@@ -94,7 +94,8 @@ async def test_waits_are_predicted_per_place_not_only_per_stream(
     at every short wait, so every long wait was planned as a short one.)"""
 
     async def after_copy(s: Stream) -> None:
-        await s  # nothing enqueued: a short wait
+        slow_op(s, 0.001)
+        await s
 
     async def after_kernel(s: Stream) -> None:
         slow_op(s, 0.03)

@@ -233,13 +233,10 @@ class CompletionEngine:
             history: WaitHistory | None = None
             places = self._histories.get(stream)
             if not adapter.waiting:
-                if places is not None:
-                    place = _place(sys._getframe(1))
-                    history = places.get(place)
-                if history is None or history.expected < SPIN_MAX:
-                    place = place if places is not None else _place(sys._getframe(1))
-                    if self._spin(event, stream, place, history):
-                        return
+                place = _place(sys._getframe(1))
+                history = places.get(place) if places is not None else None
+                if (history is None or history.expected < SPIN_MAX) and self._spin(event, stream, place, history):
+                    return
             elif not (just_recorded and adapter.bare_yield) and query(event):
                 return
             adapter.waiting += 1
