@@ -689,6 +689,55 @@ def test_idle_workers_leave_and_come_back(fresh: SimDriver, monkeypatch: pytest.
     assert log == [1, 2]
 
 
+def test_many_streams_share_a_few_worker_threads(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 per-request streams, each given work at once: the pool runs them on at most
+    MAX_WORKERS threads (not one per stream), and every worker leaves once idle."""
+    from aiocuda._driver.sim import _objects, _workers
+
+    monkeypatch.setattr(_objects, "_IDLE_EXIT_S", 0.01)
+    streams = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(500)]
+    peak = 0
+
+    def op() -> None:
+        nonlocal peak
+        peak = max(peak, fresh._workers.thread_count)
+
+    for stream in streams:
+        fresh._enqueue(stream, op, "op")
+    for stream in streams:
+        fresh.stream_synchronize(stream)
+        fresh.stream_destroy(stream)
+    assert 1 <= peak <= _workers.MAX_WORKERS
+    assert wait_until(lambda: fresh._workers.thread_count == 0)
+
+
+def test_waiting_streams_hold_no_thread(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams in a latency or waiting for another stream's event cost no worker: once
+    idle, all workers leave but the one that keeps time for the latencies."""
+    from aiocuda._driver.sim import _objects
+
+    monkeypatch.setattr(_objects, "_IDLE_EXIT_S", 0.01)
+    gate = fresh.stream_create(non_blocking=True, priority=0)
+    fresh.hold(gate)
+    fresh._enqueue(gate, lambda: None, "op")
+    event = fresh.event_create(timing=False, blocking_sync=False)
+    fresh.event_record(event, gate)
+    fresh.set_latency("slow", 30.0)
+    waiting = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(100)]
+    delayed = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(100)]
+    for stream in waiting:
+        fresh.stream_wait_event(stream, event)
+    for stream in delayed:
+        fresh._enqueue(stream, lambda: None, "slow")
+    assert wait_until(lambda: len(fresh._workers._timers) == len(delayed))
+    assert wait_until(lambda: len(gate._dependents) == len(waiting))
+    assert wait_until(lambda: fresh._workers.thread_count == 1)
+    fresh.release(gate)
+    for stream in waiting:
+        fresh.stream_synchronize(stream)  # released: every waiting stream went on
+    assert not any(fresh.stream_query(s) for s in delayed)
+
+
 def test_switching_backend_shuts_the_old_one_down() -> None:
     old = _driver.use_backend("sim", devices=1)
     stream = old.stream_create(non_blocking=True, priority=0)

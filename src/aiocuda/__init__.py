@@ -10,16 +10,17 @@
     anyio.run(main)
 
 Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
-(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`).
+(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`; :func:`current_backend`
+says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 """
 
 from __future__ import annotations
 
 from . import errors
-from ._driver import use_backend
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .backend import Backend, current_backend, use_backend
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
@@ -28,6 +29,7 @@ from .errors import (
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    SimulatedBackendWarning,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
@@ -44,6 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentError",
+    "Backend",
     "ChunkContext",
     "ChunkResult",
     "CompileError",
@@ -63,6 +66,7 @@ __all__ = [
     "TraceSummary",
     "as_device_array",
     "copy_array",
+    "current_backend",
     "empty",
     "enable_peer_access",
     "is_pinned",
@@ -80,6 +84,7 @@ __all__ = [
     "LaunchError",
     "NoDeviceError",
     "OutOfMemoryError",
+    "SimulatedBackendWarning",
     "Stream",
     "current_stream",
     "device_count",

@@ -16,6 +16,9 @@ for the situations callers branch on:
 * :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
   wrong argument count or type, a missing kernel image).
 
+:class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
+instead (see :mod:`aiocuda.backend`).
+
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "ResultCode",
+    "SimulatedBackendWarning",
     "error_for_code",
 ]
 
@@ -198,6 +202,16 @@ class CompileError(CudaError):
 
 class BackendError(ValueError):
     """An unknown or unusable driver backend was requested (``AIOCUDA_BACKEND``)."""
+
+
+class SimulatedBackendWarning(UserWarning):
+    """``AIOCUDA_BACKEND=auto`` (the default) found no usable GPU and chose the simulator.
+
+    Also logged on the ``aiocuda`` logger where logging is configured. A service that
+    must never run without a GPU sets ``AIOCUDA_BACKEND=cuda``: the first use then raises
+    :class:`NoDeviceError` instead. Turning this warning into an error does the same:
+    ``warnings.simplefilter("error", aiocuda.SimulatedBackendWarning)`` before first use.
+    """
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:
