@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from aiocuda._cli import demo
+from aiocuda._cli.common import UsageError
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src"
 
@@ -40,14 +41,19 @@ def test_demo_runs_from_the_command_line(tmp_path: pathlib.Path) -> None:
 
 
 def _args(tmp_path: pathlib.Path, **overrides: Any) -> argparse.Namespace:
-    values = {"chunks": 6, "chunk_mib": 0.03125, "trace": tmp_path / "t.json", "devices": None, **overrides}
+    values: dict[str, Any] = {
+        "chunks": 6,
+        "chunk_mib": 0.03125,
+        "trace": tmp_path / "t.json",
+        "devices": None,
+        **overrides,
+    }
     return argparse.Namespace(**values)
 
 
 def test_demo_in_plain_text_on_one_device(
     sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "2")
     monkeypatch.setattr(demo, "_ui", demo._Plain)  # as without rich
     assert demo.run_demo(_args(tmp_path, devices=1)) == 0
     out = capsys.readouterr().out
@@ -57,10 +63,11 @@ def test_demo_in_plain_text_on_one_device(
 
 
 def test_demo_refuses_more_devices_than_there_are(
-    sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    sim_backend: Any, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "2")
-    assert demo.run_demo(_args(tmp_path, devices=3)) == 2
+    with pytest.raises(UsageError, match="--devices 3: the simulated backend has 2 device"):
+        demo.run_demo(_args(tmp_path, devices=3))
+    assert capsys.readouterr().out == ""  # refused before the banner
 
 
 def test_example_pipeline_runs(tmp_path: pathlib.Path) -> None:
