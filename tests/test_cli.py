@@ -106,7 +106,7 @@ def test_ctrl_c_during_the_demo_ends_it_at_once_in_one_line(tmp_path: pathlib.Pa
             if "chunks of" in line:  # the pipeline is starting: Ctrl-C now
                 break
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
     assert proc.returncode == 130, err
