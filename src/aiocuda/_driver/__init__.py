@@ -38,6 +38,7 @@ __all__ = [
     "KernelParams",
     "PoolProps",
     "backend_generation",
+    "current",
     "driver",
     "forget_backend",
     "register_sim_kernel",
@@ -162,6 +163,11 @@ def driver() -> Driver:
         use_backend(os.environ.get("AIOCUDA_BACKEND", "auto").strip().lower() or "auto")
     check_not_forked()
     assert _current is not None
+    return _current
+
+
+def current() -> Driver | None:
+    """The backend in use, or None if none is chosen yet (choosing none: for cleanups)."""
     return _current
 
 
