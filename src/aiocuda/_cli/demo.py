@@ -279,8 +279,8 @@ def run_demo(args: argparse.Namespace) -> int:
     if backend.simulated:
         ui.say(
             f"aiocuda demo on the SIMULATED backend (no GPU in use): {available} simulated devices; each upload, "
-            f"kernel and download waits {SIM_LATENCY_S * 1e3:.0f} ms of simulated GPU time, on top of the CPU time "
-            "this machine takes to do it. Times below are the simulator's, not a GPU's."
+            f"kernel and download waits {SIM_LATENCY_S * 1e3:.0f} ms of simulated GPU time, plus the time this "
+            "machine's CPU takes to run it (more while the CPU is busy). Times below are the simulator's, not a GPU's."
         )
         sim = current_simulator()
         for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
