@@ -167,3 +167,20 @@ def test_bench_lists_the_benchmarks() -> None:
         assert f"\n  {name} " in listed
     done = aiocuda("bench", "nosuch")
     assert_one_line_failure(done, 2, "no benchmark named 'nosuch'", "await_latency", "pipeline")
+
+
+def test_bench_on_the_simulator_says_so_and_passes_save_on(
+    sim_backend: object, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from aiocuda._cli import bench
+    from aiocuda._cli.main import main
+
+    (tmp_path / "tiny.py").write_text('"""A tiny benchmark."""\nimport sys\nprint("ARGS", sys.argv[1:])\n')
+    monkeypatch.setattr(bench, "_ROOT", tmp_path)
+    assert main(["bench", "--quick", "tiny"]) == 0
+    out = capfd.readouterr().out
+    assert "SIMULATED backend" in out and "not written to benchmarks/results/ (--save writes them)" in out
+    assert "ARGS ['--quick']" in out
+    assert main(["bench", "--save", "tiny"]) == 0
+    out = capfd.readouterr().out
+    assert "written to benchmarks/results/ as asked (--save)" in out and "ARGS ['--save']" in out
