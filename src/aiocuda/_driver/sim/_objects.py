@@ -414,10 +414,10 @@ class SimStream:
                 if not waits_for.stream._wait_for_me(self, waits_for):
                     self._kick()  # passed meanwhile
                 return
-            self._execute(fn, name)
+            if not self._execute(fn, name):
+                continue  # dropped: the next look at the queue clears it
             done = 1
-            while (bell := self._doorbell_at(done)) is not None:
-                self._execute(*bell)
+            while (bell := self._doorbell_at(done)) is not None and self._execute(*bell):
                 done += 1
             with self._cond:
                 if self._workers.stopping.is_set():
@@ -464,12 +464,16 @@ class SimStream:
                 return None
             return self._ops[index]
 
-    def _execute(self, fn: Operation, name: str) -> None:
-        """Run one operation; a failure is the device's, as on a GPU."""
+    def _execute(self, fn: Operation, name: str) -> bool:
+        """Run one operation (a failure is the device's, as on a GPU); False if it had to
+        be dropped instead: the device is poisoned or the driver stops."""
+        if self.device.poison is not None or self._workers.stopping.is_set():
+            return False
         try:
             fn()
         except Exception as exc:
             self._fail(name, exc)
+        return True
 
     def _fail(self, name: str, exc: Exception) -> None:
         where = f"operation {name!r} on stream {self.value:#x}"
