@@ -91,11 +91,23 @@ def test_a_closed_output_pipe_ends_quietly() -> None:
     assert done.stderr == ""
 
 
-def test_ctrl_c_during_the_demo_ends_it_at_once_in_one_line(tmp_path: pathlib.Path) -> None:
+BACKENDS = [pytest.param("sim", id="sim"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+
+
+def _needs(backend: str) -> None:
+    from .conftest import real_gpu_count
+
+    if backend == "cuda" and real_gpu_count() == 0:
+        pytest.skip("no real GPU")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_during_the_demo_ends_it_at_once_in_one_line(backend: str, tmp_path: pathlib.Path) -> None:
+    _needs(backend)
     trace = tmp_path / "trace.json"
     proc = subprocess.Popen(
         [sys.executable, "-m", "aiocuda", "demo", "--chunks", "20000", "--chunk-mib", "0.001", "--trace", str(trace)],
-        env=_env(AIOCUDA_BACKEND="sim"),
+        env=_env(AIOCUDA_BACKEND=backend),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -119,6 +131,17 @@ def test_ctrl_c_during_the_demo_ends_it_at_once_in_one_line(tmp_path: pathlib.Pa
 def test_version() -> None:
     done = aiocuda("--version")
     assert done.returncode == 0 and done.stdout.startswith("aiocuda 0.")
+
+
+@pytest.mark.gpu
+def test_info_as_json_on_the_gpu() -> None:
+    _needs("cuda")
+    done = aiocuda("info", "--json", AIOCUDA_BACKEND="cuda")
+    assert done.returncode == 0, done.stderr
+    document = json.loads(done.stdout)
+    assert document["backend"]["name"] == "cuda" and document["backend"]["simulated"] is False
+    assert len(document["devices"]) == document["backend"]["device_count"] >= 1
+    assert document["devices"][0]["compute_capability"][0] >= 7
 
 
 def test_info_as_json() -> None:
