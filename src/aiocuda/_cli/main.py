@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{where}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print(f"\n{where}: interrupted", file=sys.stderr)
+        lead = "\n" if sys.stderr.isatty() else ""  # after the terminal's ^C
+        print(f"{lead}{where}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         _quiet_stdout()
