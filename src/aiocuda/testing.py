@@ -28,7 +28,7 @@ A pytest fixture::
 A kernel implementation is called as ``impl(launch, *args)`` on a worker thread, in
 stream order, once for the whole grid (write vectorised numpy, not per-thread code):
 
-* ``launch`` is a :class:`KernelLaunch` (``name``, ``grid``, ``block``, ...);
+* ``launch`` is a :class:`KernelLaunch` (``name``, ``config``, ``grid``, ``block``, ...);
 * a pointer argument arrives as a writable 1-D numpy array of the pointee type
   (``uint8`` for ``void*``) from the pointer to the end of its allocation: slice it to
   the length you need (NULL arrives as None);
@@ -48,6 +48,8 @@ from types import TracebackType
 from typing import Any, Literal, Protocol
 
 from . import _driver
+from ._driver import LaunchConfig
+from ._util import NoPublicConstructor
 from .device import Device
 from .errors import BackendError, ResultCode
 from .kernel import register_sim_kernel
@@ -63,16 +65,14 @@ Operation = Literal[
     "memset_d8_async",
     "memset_d32_async",
     "launch_kernel",
-    "launch_kernel_ex",
     "mem_free_async",
     "event_record",
     "stream_wait_event",
     "launch_doorbell",
 ]
 """The simulated operations :meth:`Simulator.set_latency` can slow down: copies host to
-device, device to host, device to device and between devices; memsets; kernel launches
-(``launch_kernel_ex``: cooperative or clustered ones); stream-ordered frees; event
-records; cross-stream waits; host functions."""
+device, device to host, device to device and between devices; memsets; kernel launches;
+stream-ordered frees; event records; cross-stream waits; host functions."""
 
 
 class KernelLaunch(Protocol):
@@ -81,6 +81,10 @@ class KernelLaunch(Protocol):
     @property
     def name(self) -> str:
         """The kernel's name (its name expression for a template)."""
+
+    @property
+    def config(self) -> LaunchConfig:
+        """The launch's configuration (also readable through the properties below)."""
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -107,7 +111,7 @@ KernelImpl = Callable[..., object]
 """A kernel's Python implementation: ``impl(launch: KernelLaunch, *args) -> None``."""
 
 
-class Simulator:
+class Simulator(metaclass=NoPublicConstructor):
     """Controls of the simulated backend in use. Obtain with :func:`use_simulator` (a
     fresh simulator) or :func:`current_simulator` (the one ``AIOCUDA_BACKEND=sim``
     chose).
@@ -117,10 +121,10 @@ class Simulator:
     """
 
     __slots__ = ("_sim",)
+    _factories = "aiocuda.testing.use_simulator() or current_simulator()"
 
     def __init__(self, sim: Any) -> None:
-        # The simulated driver itself; users get a Simulator from the two functions below.
-        self._sim = sim
+        self._sim = sim  # the simulated driver itself
 
     def __repr__(self) -> str:
         state = repr(self._sim).removeprefix("<SimDriver ").removesuffix(">")
@@ -147,11 +151,11 @@ class Simulator:
         already running finishes. A blocking ``stream.synchronize()`` on a paused stream
         waits until it is resumed: do not call it from the thread that will resume it.
         """
-        self._sim.hold(stream.handle)
+        self._sim.pause(stream.handle)
 
     def resume(self, stream: Stream) -> None:
         """Let a paused stream run its queued work."""
-        self._sim.release(stream.handle)
+        self._sim.resume(stream.handle)
 
     @contextlib.contextmanager
     def paused(self, stream: Stream) -> Iterator[Stream]:
@@ -207,7 +211,7 @@ def use_simulator(*, devices: int = _driver.SIM_DEFAULT_DEVICES, total_memory: i
     Every device, stream and buffer made before the switch becomes unusable: call it
     before creating any (at the start of each test).
     """
-    return Simulator(_driver.use_backend("sim", devices=devices, total_memory=total_memory))
+    return Simulator._create(_driver.use_backend("sim", devices=devices, total_memory=total_memory))
 
 
 def current_simulator() -> Simulator:
@@ -216,4 +220,4 @@ def current_simulator() -> Simulator:
     backend = _driver.driver()
     if backend.name != "sim":
         raise BackendError(f"the backend in use is {backend.name!r}, not the simulator (see aiocuda.current_backend())")
-    return Simulator(backend)
+    return Simulator._create(backend)

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from .. import __version__
+from .._util import format_bytes
 from ..backend import Backend, current_backend
 from ..device import DeviceProperties, devices
 
@@ -26,15 +27,6 @@ def add_parser(commands: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
 def _backend_line(backend: Backend) -> str:
     major, minor = backend.driver_version
     if not backend.simulated:
@@ -51,20 +43,20 @@ def _rows(p: DeviceProperties) -> list[tuple[str, object]]:
     return [
         ("uuid", p.uuid),
         ("pci bus id", p.pci_bus_id),
-        ("total memory", _human_bytes(p.total_memory)),
+        ("total memory", format_bytes(p.total_memory)),
         ("compute capability", f"{p.compute_capability[0]}.{p.compute_capability[1]}"),
         ("multiprocessors", p.multiprocessor_count),
         ("max threads per block", p.max_threads_per_block),
         ("max block dims", "x".join(map(str, p.max_block_dim))),
         ("max grid dims", "x".join(map(str, p.max_grid_dim))),
-        ("shared memory per block", _human_bytes(p.max_shared_memory_per_block)),
-        ("constant memory", _human_bytes(p.total_constant_memory)),
+        ("shared memory per block", format_bytes(p.max_shared_memory_per_block)),
+        ("constant memory", format_bytes(p.total_constant_memory)),
         ("warp size", p.warp_size),
         ("registers per block", p.max_registers_per_block),
         ("clock", f"{p.clock_rate_khz / 1e3:.0f} MHz"),
         ("memory clock", f"{p.memory_clock_rate_khz / 1e3:.0f} MHz"),
         ("memory bus width", f"{p.global_memory_bus_width} bit"),
-        ("L2 cache", _human_bytes(p.l2_cache_size)),
+        ("L2 cache", format_bytes(p.l2_cache_size)),
         ("memory pools", "yes" if p.memory_pools_supported else "no"),
         ("copy engines", p.async_engine_count),
     ]

@@ -27,15 +27,18 @@ from typing import Any
 
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
+from ._launch import Dim3, LaunchConfig
 from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
 
 __all__ = [
     "BACKENDS",
     "SIM_DEFAULT_DEVICES",
+    "Dim3",
     "Doorbell",
     "Driver",
     "Handle",
     "KernelParams",
+    "LaunchConfig",
     "PoolProps",
     "backend_generation",
     "current",

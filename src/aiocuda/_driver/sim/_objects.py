@@ -15,7 +15,7 @@ run concurrently with each other and with the caller, in order within a stream, 
 idle streams cost no thread.
 
 One condition variable per stream guards its queue and counters; it is notified when an
-operation is finished, when the stream is released, and when the device is poisoned or
+operation is finished, when the stream is resumed, and when the device is poisoned or
 the driver stops -- so every host wait on a stream (``stream_synchronize``,
 ``event_synchronize``) wakes for all the reasons it could have to stop waiting.
 Operations themselves run outside the lock.
@@ -265,8 +265,8 @@ class SimStream:
         "_cond",
         "_dependents",
         "_due",
-        "_held",
         "_ops",
+        "_paused",
         "_scheduled",
         "_workers",
         "destroyed",
@@ -289,18 +289,18 @@ class SimStream:
         self._workers = workers
         self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[tuple[Operation, str]] = collections.deque()
-        self._held = False
+        self._paused = False
         self._scheduled = False  # in the pool's queue or timers, or being run by a worker
         self._due: float | None = None  # when the first operation's latency ends, once it started
         self._dependents: list[SimStream] = []  # streams whose first operation waits for this one
         device.add_stream(self)
 
     def __repr__(self) -> str:
-        held = " held" if self._held else ""
+        paused = " paused" if self._paused else ""
         gone = " destroyed" if self.destroyed else ""
         return (
             f"<SimStream {self.value:#x} device={self.device.ordinal} "
-            f"done={self.finished}/{self.submitted}{held}{gone}>"
+            f"done={self.finished}/{self.submitted}{paused}{gone}>"
         )
 
     # -- called by the core (any thread) ---------------------------------------------------
@@ -336,14 +336,14 @@ class SimStream:
         with self._cond:
             self._cond.wait_for(stop_waiting)
 
-    def hold(self) -> None:
-        """Run nothing more (after the operation in progress) until :meth:`release`."""
+    def pause(self) -> None:
+        """Run nothing more (after the operation in progress) until :meth:`resume`."""
         with self._cond:
-            self._held = True
+            self._paused = True
 
-    def release(self) -> None:
+    def resume(self) -> None:
         with self._cond:
-            self._held = False
+            self._paused = False
             self._cond.notify_all()
         self._kick()
 
@@ -439,7 +439,7 @@ class SimStream:
                 self._ops.clear()
                 self._cond.notify_all()
             return None
-        if self._held or not self._ops:
+        if self._paused or not self._ops:
             return None
         return self._ops[0]
 
@@ -454,7 +454,7 @@ class SimStream:
         """
         with self._cond:
             if (
-                self._held
+                self._paused
                 or len(self._ops) <= index
                 or self._ops[index][1] != HOST_FUNCTION
                 or HOST_FUNCTION in self._workers.latency
