@@ -16,16 +16,18 @@ says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 
 from __future__ import annotations
 
-from . import errors
+from . import errors, interop
 from ._driver import LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
 from .backend import Backend, current_backend, use_backend
+from .batching import Batcher
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
+    ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
@@ -38,6 +40,7 @@ from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
+from .lanes import Lane, Lanes
 from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
@@ -51,8 +54,10 @@ __all__ = [
     "ArgumentError",
     "Backend",
     "BackendError",
+    "Batcher",
     "ChunkContext",
     "ChunkResult",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -65,6 +70,8 @@ __all__ = [
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
+    "Lane",
+    "Lanes",
     "LaunchConfig",
     "LaunchError",
     "MemoryPool",
@@ -88,6 +95,7 @@ __all__ = [
     "empty",
     "enable_peer_access",
     "errors",
+    "interop",
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",

@@ -17,7 +17,10 @@ for the situations callers branch on:
   wrong argument count or type, a missing kernel image).
 * :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
   be loaded.
-* :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
+* :class:`BackendError` -- an unknown backend or a bad setting for one was asked for.
+  Also a :class:`ValueError`.
+* :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
+  request was not started (a service answers "unavailable").
 
 :class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
 instead (see :mod:`aiocuda.backend`).
@@ -32,6 +35,7 @@ __all__ = [
     "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -205,11 +209,18 @@ class CompileError(CudaError):
 
 
 class BackendError(CudaError, ValueError):
-    """An unknown driver backend was asked for (``AIOCUDA_BACKEND`` or
-    :func:`aiocuda.use_backend`). Also a :class:`ValueError`."""
+    """An unknown driver backend was asked for, or a bad setting for one
+    (``AIOCUDA_BACKEND``, ``AIOCUDA_SIM_DEVICES``, :func:`aiocuda.use_backend`). Also a
+    :class:`ValueError`."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
+
+
+class ClosedError(RuntimeError):
+    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
+    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
+    not started. Requests already started finish normally."""
 
 
 class SimulatedBackendWarning(UserWarning):

@@ -173,7 +173,7 @@ async def _run(args: argparse.Namespace, ui: _Plain, chosen: list[Device], n: in
                 async for _ in results:
                     ui.advance()
             wall = time.perf_counter() - started
-        placed = {lane.device.ordinal: lane.completed for lane in ex.lanes}
+        placed = {per_device.device.ordinal: per_device.completed for per_device in ex.device_streams}
     assert ex.trace is not None
     summary = ex.trace.summary()
     ok = np.allclose(host_out, scale_reference(host_in, _REPS), rtol=1e-3)
