@@ -192,7 +192,7 @@ def test_bench_lists_the_benchmarks() -> None:
     assert_one_line_failure(done, 2, "no benchmark named 'nosuch'", "await_latency", "pipeline")
 
 
-def test_bench_on_the_simulator_says_so_and_passes_save_on(
+def test_bench_on_the_simulator_says_that_nothing_is_kept(
     sim_backend: object, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
     from aiocuda._cli import bench
@@ -200,10 +200,9 @@ def test_bench_on_the_simulator_says_so_and_passes_save_on(
 
     (tmp_path / "tiny.py").write_text('"""A tiny benchmark."""\nimport sys\nprint("ARGS", sys.argv[1:])\n')
     monkeypatch.setattr(bench, "_ROOT", tmp_path)
-    assert main(["bench", "--quick", "tiny"]) == 0
-    out = capfd.readouterr().out
-    assert "SIMULATED backend" in out and "not written to benchmarks/results/ (--save writes them)" in out
-    assert "ARGS ['--quick']" in out
-    assert main(["bench", "--save", "tiny"]) == 0
-    out = capfd.readouterr().out
-    assert "written to benchmarks/results/ as asked (--save)" in out and "ARGS ['--save']" in out
+    for args, passed_on in ((["--quick", "tiny"], "['--quick']"), (["tiny"], "[]")):
+        assert main(["bench", *args]) == 0
+        out = capfd.readouterr().out
+        assert "on the SIMULATED backend (no GPU): figures to look at, not to keep" in out
+        assert "nothing is written to benchmarks/results/" in out
+        assert f"ARGS {passed_on}" in out

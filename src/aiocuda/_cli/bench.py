@@ -1,9 +1,8 @@
 """``aiocuda bench``: run the benchmark programs of a source checkout (``benchmarks/``).
 
-Each benchmark runs as its own process, with ``--quick`` and ``--save`` passed on. Results
-go to ``benchmarks/results/`` only from a run on a real GPU, or when ``--save`` asks
-(``benchmarks/_common.py`` decides): the committed results are a GPU's, and a run on the
-simulator says so before it starts.
+Each benchmark runs as its own process, with ``--quick`` passed on. ``benchmarks/results/``
+holds full runs on a real GPU only (``benchmarks/_common.py`` refuses to write there from
+the simulator or a quick run); a run that will not be written says so before it starts.
 """
 
 from __future__ import annotations
@@ -43,16 +42,13 @@ def add_parser(commands: Any) -> None:
         help="run the benchmarks (source checkout only)",
         description=textwrap.fill(
             "Run benchmark programs, each measuring aiocuda against its baselines in the same run. Results are "
-            "written to benchmarks/results/ only from a run on a real GPU, or with --save."
+            "written to benchmarks/results/ only from a full run on a real GPU."
         ),
         epilog=f"benchmarks:\n{listing}" if known else "benchmarks: none here (they come with a source checkout)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (default: all)")
-    parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke run)")
-    parser.add_argument(
-        "--save", action="store_true", help="write benchmarks/results/NAME.json even from a run on the simulator"
-    )
+    parser.add_argument("--quick", action="store_true", help="few repetitions (a smoke run; nothing is written)")
     parser.set_defaults(run=run)
 
 
@@ -64,18 +60,15 @@ def run(args: argparse.Namespace) -> int:
     unknown = [name for name in args.names if name not in known]
     if unknown:
         raise UsageError(f"no benchmark named {', '.join(map(repr, unknown))}; choose from: {', '.join(known)}")
-    if current_backend().simulated:
-        where = (
-            "written to benchmarks/results/ as asked (--save)"
-            if args.save
-            else "not written to benchmarks/results/ (--save writes them)"
-        )
+    unwritten = "on the SIMULATED backend (no GPU)" if current_backend().simulated else None
+    unwritten = unwritten or ("a --quick run" if args.quick else None)
+    if unwritten:
         print(
-            f"{prog_name()} bench: on the SIMULATED backend (no GPU): the figures are the simulator's, not a GPU's, "
-            f"and are {where}",
+            f"{prog_name()} bench: {unwritten}: figures to look at, not to keep; nothing is written to "
+            "benchmarks/results/, which holds full runs on a real GPU",
             flush=True,
         )
-    passed_on = [flag for flag, wanted in (("--quick", args.quick), ("--save", args.save)) if wanted]
+    passed_on = ["--quick"] if args.quick else []
     status = 0
     for name in args.names or known:
         status |= subprocess.call([sys.executable, str(_ROOT / f"{name}.py"), *passed_on])
