@@ -17,12 +17,16 @@ for the situations callers branch on:
   wrong argument count or type, a missing kernel image).
 * :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
   be loaded.
-* :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
+* :class:`BackendError` -- an unknown backend or a bad setting for one was asked for.
+  Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
 
-And one warning category, :class:`BlockingCallWarning`: a blocking call ran on an event
-loop's thread.
+:class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
+instead (see :mod:`aiocuda.backend`).
+
+:class:`BlockingCallWarning` says that a blocking call (``synchronize()``) ran on an
+event loop's thread.
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -43,6 +47,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "ResultCode",
+    "SimulatedBackendWarning",
     "error_for_code",
 ]
 
@@ -208,8 +213,9 @@ class CompileError(CudaError):
 
 
 class BackendError(CudaError, ValueError):
-    """An unknown driver backend was asked for (``AIOCUDA_BACKEND`` or
-    :func:`aiocuda.use_backend`). Also a :class:`ValueError`."""
+    """An unknown driver backend was asked for, or a bad setting for one
+    (``AIOCUDA_BACKEND``, ``AIOCUDA_SIM_DEVICES``, :func:`aiocuda.use_backend`). Also a
+    :class:`ValueError`."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
@@ -226,6 +232,16 @@ class BlockingCallWarning(RuntimeWarning):
     ran on the thread of a running event loop, stalling every task of the loop: await
     instead. A warning category, so that a service can turn it into an error
     (``warnings.simplefilter("error", aiocuda.BlockingCallWarning)``) or silence it."""
+
+
+class SimulatedBackendWarning(UserWarning):
+    """``AIOCUDA_BACKEND=auto`` (the default) found no usable GPU and chose the simulator.
+
+    Also logged on the ``aiocuda`` logger where logging is configured. A service that
+    must never run without a GPU sets ``AIOCUDA_BACKEND=cuda``: the first use then raises
+    :class:`NoDeviceError` instead. Turning this warning into an error does the same:
+    ``warnings.simplefilter("error", aiocuda.SimulatedBackendWarning)`` before first use.
+    """
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:
