@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from ._memory import copies as _copies
 from ._memory import staging as _staging
 from .device import Device, as_device
 from .errors import ArgumentError, ResultCode
@@ -284,15 +285,8 @@ class DeviceArray:
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
-        raw = pattern.tobytes()
         s = self._stream_for(stream)
-        driver = self.device._driver
-        self.device.make_current()
-        if raw == raw[:1] * len(raw):
-            driver.memset_d8_async(self.ptr, raw[0], self.nbytes, s.handle)
-        elif len(raw) in (4, 8) and raw == raw[:4] * (len(raw) // 4) and self.ptr % 4 == 0:
-            driver.memset_d32_async(self.ptr, int.from_bytes(raw[:4], "little"), self.nbytes // 4, s.handle)
-        else:
+        if not _copies.fill(self.ptr, self.nbytes, pattern.tobytes(), s):
             await _staging.host_to_device(self.ptr, np.full(self.shape, pattern, self.dtype), s)
         await s.record()
 
@@ -424,13 +418,7 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
-    nbytes = src.nbytes
-    driver = s.device._driver
-    s.device.make_current()
-    if src.device is dst.device:
-        driver.memcpy_dtod_async(dst.ptr, src.ptr, nbytes, s.handle)
-    else:
-        driver.memcpy_peer_async(dst.ptr, dst.device._context, src.ptr, src.device._context, nbytes, s.handle)
+    _copies.copy_between(dst.ptr, dst.device, src.ptr, src.device, src.nbytes, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
     await s.record()

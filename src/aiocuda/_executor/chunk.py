@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .._memory import copies as _copies
 from .._memory import staging as _staging
-from .._memory.pinned import pinned_ranges
 from ..array import DeviceArray, empty
 from ..device import Device, as_device
 from ..errors import ArgumentError, ResultCode
@@ -130,10 +130,7 @@ class ChunkContext:
         moved = self._allocate(array.shape, array.dtype, target, target.p2p)
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
         span = self._trace.start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
-        source.device.make_current()
-        source.device._driver.memcpy_peer_async(
-            moved.ptr, target.device._context, array.ptr, source.device._context, array.nbytes, p2p.handle
-        )
+        _copies.copy_between(moved.ptr, target.device, array.ptr, source.device, array.nbytes, p2p)
         if span is not None:
             Trace.stop(span, p2p)
             self._spans.append(span)
@@ -228,12 +225,7 @@ class ChunkRunner:
             d2h = self.lanes_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
             span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
-            pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
-            if pinned and dest.nbytes:
-                d2h.device.make_current()
-                d2h.device._driver.memcpy_dtoh_async(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h.handle)
-                d2h.hold(dest)
-            else:
+            if not _copies.download(dest, result.ptr, d2h):  # pageable: staged, awaited
                 await _staging.device_to_host(dest, result.ptr, d2h)
             if span is not None:
                 Trace.stop(span, d2h)

@@ -42,6 +42,7 @@ from collections import deque
 from typing import Any
 
 from ..device import Device
+from . import copies
 from .pinned import PinnedAllocation
 
 __all__ = ["Copiers", "Job", "Slot"]
@@ -256,10 +257,10 @@ class Copiers:
                 slot.wait_idle()
                 if job.to_device:
                     _memmove(slot.ptr, job.src + offset, size)
-                    job.device._driver.memcpy_htod_async(job.dst + offset, slot.ptr, size, job.stream_handle)
+                    copies.dma_to_device(job.device, job.dst + offset, slot.ptr, size, job.stream_handle)
                     slot.mark(job.device, job.stream_handle)
                 else:
-                    job.device._driver.memcpy_dtoh_async(slot.ptr, job.src + offset, size, job.stream_handle)
+                    copies.dma_to_host(job.device, slot.ptr, job.src + offset, size, job.stream_handle)
                     slot.mark(job.device, job.stream_handle)
                     slot.pending = (job, offset, size)
                     pending.append(slot)

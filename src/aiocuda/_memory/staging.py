@@ -43,8 +43,8 @@ import numpy.typing as npt
 from .. import _driver
 from ..device import Device
 from ..stream import Stream
+from . import copies as _copies
 from .copiers import Copiers, Job, Slot
-from .pinned import pinned_ranges
 
 __all__ = [
     "CHUNK",
@@ -176,17 +176,11 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     Returns once everything is enqueued and ``host`` may be modified again; the DMA may
     still be running (await the stream for that). Pinned sources are held until it ends.
     """
-    nbytes = int(host.nbytes)
-    if nbytes == 0:
+    if _copies.upload(dst, host, stream):
         return
+    nbytes = int(host.nbytes)
     device = stream.device
     src = int(host.ctypes.data)
-    owner = pinned_ranges.owner(src, nbytes)
-    if owner is not None:
-        device.make_current()
-        device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
-        stream.hold(owner, host)
-        return
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
@@ -194,7 +188,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
             try:
                 device.make_current()
                 _memmove(slot.ptr, src, nbytes)
-                device._driver.memcpy_htod_async(dst, slot.ptr, nbytes, stream.handle)
+                _copies.dma_to_device(device, dst, slot.ptr, nbytes, stream.handle)
                 slot.mark(device, stream.handle)
             finally:
                 staging.inline.release(slot)
@@ -213,22 +207,18 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     nbytes = int(host.nbytes)
     if nbytes == 0:
         return
-    device = stream.device
-    dst = int(host.ctypes.data)
-    owner = pinned_ranges.owner(dst, nbytes)
-    if owner is not None:
-        device.make_current()
-        device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
-        stream.hold(owner, host)
+    if _copies.download(host, src, stream):
         await stream.record()
         return
+    device = stream.device
+    dst = int(host.ctypes.data)
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
         if slot is not None:
             try:
                 device.make_current()
-                device._driver.memcpy_dtoh_async(slot.ptr, src, nbytes, stream.handle)
+                _copies.dma_to_host(device, slot.ptr, src, nbytes, stream.handle)
                 slot.mark(device, stream.handle)
                 await stream.record()
                 _memmove(dst, slot.ptr, nbytes)
