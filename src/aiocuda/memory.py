@@ -17,9 +17,10 @@ Lifetime rules (what makes cancellation safe):
 * Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
   (see :mod:`aiocuda.stream`), not by the buffer.
 
-Out of memory: an allocation that fails releases the pool's cached memory
-(``cuMemPoolTrimTo``), retries once, then raises :class:`~aiocuda.errors.OutOfMemoryError`
-saying what was asked, what the pool uses and what the device has free. The pool stays
+Out of memory: an allocation that fails trims the pool's cached memory
+(:meth:`MemoryPool.trim`) and retries, then trims the device's other pools and retries,
+then raises :class:`~aiocuda.errors.OutOfMemoryError` saying what was asked, what the
+pool uses and what the device has free. The pool stays
 usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
 timeout, for memory to be freed: back-pressure for services.
 
@@ -43,6 +44,7 @@ import anyio
 
 from . import _driver
 from ._memory import offloop as _offloop
+from ._memory.observed_frees import FreedStreams
 from .device import Device, as_device
 from .errors import CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
@@ -126,6 +128,8 @@ class MemoryPool:
         "_fail",
         "_free_call",
         "_free_waiters",
+        "_freed_handle",
+        "_freed_on",
         "_frees",
         "_handle",
         "_owned",
@@ -146,6 +150,13 @@ class MemoryPool:
         self._frees = 0
         self._free_waiters: list[tuple[int, anyio.Event]] = []
         """``allocate_wait`` calls sleeping until the next free: (loop thread, event)."""
+        self._freed_on = FreedStreams()
+        """Streams with frees the driver has not yet observed: :meth:`trim` makes it."""
+        self._freed_handle: Any = None
+        """The handle of the stream noted in ``_freed_on`` last: a free on the same
+        stream costs the free path one identity check."""
+        with _pools_lock:
+            _pools.add(self)
 
     # -- obtaining pools ----------------------------------------------------------------------
     @classmethod
@@ -257,12 +268,25 @@ class MemoryPool:
         return self._recover(nbytes, stream, exc)
 
     def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
-        """Out of memory: release cached memory, retry once, else raise a clear error."""
+        """Out of memory: trim this pool and retry, then the device's other pools and
+        retry, else raise a clear error."""
         self.trim(0)
         try:
             ptr = self._call_alloc(nbytes, stream)
         except OutOfMemoryError:
-            raise self._oom_error(nbytes) from exc
+            with _pools_lock:
+                others = [pool for pool in _pools if pool.device is self.device and pool is not self]
+            for pool in others:
+                try:
+                    pool.trim(0)
+                except CudaError:
+                    pass  # e.g. a pool whose context failed: it gives nothing back
+            if not others:
+                raise self._oom_error(nbytes) from exc
+            try:
+                ptr = self._call_alloc(nbytes, stream)
+            except OutOfMemoryError:
+                raise self._oom_error(nbytes) from exc
         self._recoveries += 1
         return ptr
 
@@ -286,8 +310,15 @@ class MemoryPool:
         if err:
             self._fail(err, "cuMemFreeAsync")
         self._frees += 1
+        if stream._handle is not self._freed_handle:
+            self._note_free(stream)
         if self._free_waiters:
             self._wake_free_waiters()
+
+    def _note_free(self, stream: Stream) -> None:
+        """A free was just enqueued on ``stream``, not the stream of the previous one."""
+        self._freed_handle = stream._handle
+        self._freed_on.note(stream)
 
     def _oom_error(self, nbytes: int) -> OutOfMemoryError:
         stats = self.statistics()
@@ -300,8 +331,9 @@ class MemoryPool:
         return OutOfMemoryError(
             f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
             f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
-            f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
-            f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
+            f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. The cached memory of the "
+            f"device's pools was trimmed and the allocation retried; memory freed on streams still running "
+            f"comes back once they finish. Free buffers, or await pool.allocate_wait(...) to wait for memory.",
             code=ResultCode.OUT_OF_MEMORY,
             name="CUDA_ERROR_OUT_OF_MEMORY",
             call="cuMemAllocFromPoolAsync",
@@ -379,10 +411,21 @@ class MemoryPool:
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Give cached memory back to the device until at most ``keep_bytes`` stay
-        reserved (memory in use is never released). Memory freed stream-ordered counts as
-        in use until its stream has reached the free."""
+        reserved (memory in use is never given back). Never waits for the GPU.
+
+        Memory freed stream-ordered is given back once its free has run: at once for
+        frees on streams that are idle now (e.g. awaited), and, for frees on streams
+        still busy (or closed meanwhile), from a background thread once the work
+        queued on the device so far has finished.
+        """
+        if not isinstance(keep_bytes, int) or keep_bytes < 0:
+            raise _argument(f"keep_bytes must be a non-negative int, not {keep_bytes!r}")
         self.device.make_current()
+        self._freed_handle = None  # the next free notes its stream again
+        unobserved = self._freed_on.observe(self.device)
         self._driver.mempool_trim_to(self._handle, keep_bytes)
+        if unobserved:
+            self._freed_on.settle(self.device, self._handle, keep_bytes)
 
     def statistics(self) -> PoolStatistics:
         """Current and peak usage (see :class:`PoolStatistics`)."""
@@ -433,6 +476,9 @@ class MemoryPool:
 
 
 _default_pools: dict[tuple[int, int], MemoryPool] = {}
+_pools: weakref.WeakSet[MemoryPool] = weakref.WeakSet()
+"""Every pool, for an out-of-memory in one to trim the device's others."""
+_pools_lock = threading.Lock()
 _current_pools: dict[tuple[int, int], MemoryPool] = {}
 
 
@@ -540,6 +586,8 @@ class DeviceBuffer:
                 (err,) = pool._free_call(ptr, last._handle)
                 if not err:
                     pool._frees += 1
+                    if last._handle is not pool._freed_handle:
+                        pool._note_free(last)
                     if pool._free_waiters:
                         pool._wake_free_waiters()
                     return

@@ -99,6 +99,7 @@ _CU_CALLS: dict[str, str] = {
     "mempool_set_attribute": "cuMemPoolSetAttribute",
     "mempool_get_attribute": "cuMemPoolGetAttribute",
     "mempool_trim_to": "cuMemPoolTrimTo",
+    "ctx_synchronize": "cuCtxSynchronize",
     "mempool_set_access": "cuMemPoolSetAccess",
     "mem_alloc_async": "cuMemAllocFromPoolAsync",
     "mem_free_async": "cuMemFreeAsync",

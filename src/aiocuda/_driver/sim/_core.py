@@ -81,6 +81,9 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
+    # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
+    _observe_frees: Callable[[int, Any], None]
+
     def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
         if devices < 1:
             raise ValueError(f"a simulated driver needs at least one device, got devices={devices}")
@@ -412,6 +415,7 @@ class SimCore:
         self._api("stream_synchronize", sim.device.ordinal)
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
+        self._observe_frees(sim.device.ordinal, sim)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         sim = self._resolve_stream(stream)
@@ -484,6 +488,7 @@ class SimCore:
         self._api("event_synchronize", ev.device_ordinal)
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
+            self._observe_frees(ev.device_ordinal, ev.point.stream)
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         first, last = self._event(start), self._event(end)
