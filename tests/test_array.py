@@ -217,6 +217,14 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
         ga.empty((-1, 2))
     with pytest.raises(ArgumentError, match="objects"):
         await ga.to_device(np.array([object()]))
+    with pytest.raises(ArgumentError, match="64-bit"):
+        ga.empty(2**62)  # 2**64 bytes of float32
+    with pytest.raises(TypeError):
+        ga.empty(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"to_host\(\)"):
+        np.asarray(dev)
+    with pytest.raises(TypeError, match=r"to_host\(\)"):
+        np.array(dev[1:])
     freed = ga.empty(16, np.uint8)
     freed.buffer.free()
     with pytest.raises(ArgumentError, match="freed"):

@@ -12,6 +12,7 @@ import pytest
 from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
+from aiocuda.errors import ArgumentError
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
 
 pytestmark = pytest.mark.anyio
@@ -85,3 +86,14 @@ async def test_blocks_of_a_previous_backend_are_not_reused(frees: list[int], any
     _driver.use_backend("sim", devices=1)
     assert _pinned_cache.take(4096) is None  # dropped (and freed, if that backend still can)
     assert cached_bytes() == 0 and is_pinned(pinned_empty(100, np.uint8))
+
+
+def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver) -> None:
+    with pytest.raises(ArgumentError, match="negative"):
+        pinned_empty((-1, 2))
+    with pytest.raises(TypeError):
+        pinned_empty(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="64-bit"):
+        pinned_empty(2**62, np.float32)
+    with pytest.raises(ArgumentError, match="objects"):
+        pinned_empty(4, object)

@@ -7,6 +7,7 @@ import gc
 import time
 
 import anyio
+import numpy as np
 import pytest
 
 from aiocuda import _driver
@@ -68,8 +69,20 @@ async def test_statistics_is_a_frozen_dataclass(backend: _driver.Driver, anyio_b
 async def test_bad_sizes_and_freed_buffers_raise_typed_errors(backend: _driver.Driver, anyio_backend: object) -> None:
     pool = MemoryPool.for_device(0)
     with Stream(0) as s:
-        with pytest.raises(ArgumentError, match="non-negative"):
+        with pytest.raises(ArgumentError, match="negative"):
             pool.allocate(-1, s)
+        for size in (1.5, 2.0, "8", None, True):
+            with pytest.raises(ArgumentError, match="must be an integer"):
+                pool.allocate(size, s)  # type: ignore[arg-type]
+        for size in (2**64, 2**70):
+            with pytest.raises(ArgumentError, match="64-bit"):
+                pool.allocate(size, s)
+        with pytest.raises(ArgumentError, match="negative"):
+            pool.trim(-1)
+        with pytest.raises(ArgumentError, match="non-negative int"):
+            pool.trim(0.5)  # type: ignore[arg-type]
+        with pool.allocate(np.int64(256), s) as buf:  # type: ignore[arg-type] # numpy integers are sizes too
+            assert buf.size == 256 and type(buf.size) is int
         empty = pool.allocate(0, s)
         assert empty.ptr == 0 and empty.size == 0
         buf = pool.allocate(256, s)

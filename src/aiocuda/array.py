@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -291,6 +291,14 @@ class DeviceArray:
         await s.record()
 
     # -- interoperability ------------------------------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> NoReturn:
+        """Refuses: the data is in device memory, and copying it to the host waits for
+        the GPU. ``await array.to_host()`` does that without blocking."""
+        raise TypeError(
+            "a DeviceArray lives in device memory and is not converted to a numpy array implicitly "
+            "(np.asarray, np.array): copy it with `await array.to_host()`"
+        )
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         from ._memory.interop import cuda_array_interface

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import operator
 import weakref
 from typing import Any, final
 
@@ -58,7 +59,7 @@ def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[An
 
 
 def _shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
+    dims = (operator.index(shape),) if not isinstance(shape, tuple) else tuple(operator.index(d) for d in shape)
     if any(d < 0 for d in dims):
         raise ArgumentError(f"negative dimension in shape {dims}", code=ResultCode.INVALID_VALUE)
     return dims
@@ -74,7 +75,16 @@ def pinned_empty(
     """
     dims = _shape_tuple(shape)
     dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise ArgumentError(
+            f"dtype {dt} holds Python objects and cannot live in pinned memory", code=ResultCode.INVALID_VALUE
+        )
     nbytes = math.prod(dims) * dt.itemsize
+    if nbytes >= 1 << 64:
+        raise ArgumentError(
+            f"a pinned array of shape {dims} and dtype {dt} would take {nbytes} bytes, more than a 64-bit size",
+            code=ResultCode.INVALID_VALUE,
+        )
     dev = as_device(device)
     owner = PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)

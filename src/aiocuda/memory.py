@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import math
+import operator
 import threading
 import weakref
 from dataclasses import dataclass
@@ -219,14 +220,15 @@ class MemoryPool:
         own operations on another stream order themselves after it (see
         :meth:`DeviceBuffer._used_on`); foreign work on another stream needs
         ``other.wait(stream)`` first. A size of 0 gives an empty buffer with a null
-        pointer. Raises :class:`OutOfMemoryError` (after releasing
-        cached memory and retrying once) or :class:`~aiocuda.errors.ArgumentError`.
+        pointer. Raises :class:`OutOfMemoryError` (after trimming cached memory and
+        retrying) or :class:`~aiocuda.errors.ArgumentError` (a size that is not a
+        non-negative integer below 2**64, or a closed stream).
         """
         if stream is None:
             stream = current_stream(self.device)
         # The stream's slots are read directly: the ``handle`` property (a closed check)
         # would cost a Python call, a fifth of this path's own work.
-        if nbytes <= 0 or stream._closed:
+        if type(nbytes) is not int or nbytes <= 0 or stream._closed:
             return self._allocate_unusual(nbytes, stream)
         try:
             err, ptr = self._alloc_call(nbytes, self._handle, stream._handle)
@@ -234,6 +236,8 @@ class MemoryPool:
                 self._fail(err, "cuMemAllocFromPoolAsync")
         except CudaError as exc:
             ptr = self._allocate_slow(nbytes, stream, exc)
+        except OverflowError:  # the bindings' size_t: at least 2**64 bytes
+            raise _argument(f"cannot allocate {nbytes} bytes: more than a 64-bit size") from None
         self._allocations += 1
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = ptr
@@ -243,11 +247,22 @@ class MemoryPool:
         buf._waits = None
         return buf
 
-    def _allocate_unusual(self, nbytes: int, stream: Stream) -> DeviceBuffer:
-        """A closed stream or a bad size (both raise), or an empty buffer."""
+    def _allocate_unusual(self, nbytes: Any, stream: Stream) -> DeviceBuffer:
+        """A closed stream or a bad size (both raise), an integer that is not an ``int``
+        (allocated as its value), or an empty buffer."""
         stream.handle  # noqa: B018 - raises the stream's own "closed" error
-        if nbytes < 0 or not isinstance(nbytes, int):
-            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
+        try:
+            size = operator.index(nbytes)
+        except TypeError:
+            size = None
+        if size is None or isinstance(nbytes, bool):
+            raise _argument(
+                f"cannot allocate {nbytes!r} bytes: the size must be an integer, not {type(nbytes).__name__}"
+            )
+        if size < 0:
+            raise _argument(f"cannot allocate {size} bytes: the size must not be negative")
+        if size:
+            return self.allocate(size, stream)
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = 0
         buf.size = 0

@@ -264,6 +264,8 @@ class SimMemory:
         self._check_pool(pool, "cuMemAllocFromPoolAsync")
         if size <= 0:
             raise _invalid("cuMemAllocFromPoolAsync", f"size must be > 0, got {size}")
+        if size >= 1 << 64:  # as the bindings do, converting to size_t
+            raise OverflowError(f"size {size} does not fit a size_t")
         sim_stream = self._resolve_stream(stream)
         if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
