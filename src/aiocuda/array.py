@@ -11,6 +11,19 @@ wait only: the GPU finishes the copy, the memory it touches stays alive until th
 (device memory is freed stream-ordered, host arrays are held by the stream), and the data
 is never torn. Work on one array from different streams is ordered automatically: the
 new stream waits for the array's previous stream on the GPU.
+
+```python
+x = await aiocuda.to_device(np.arange(1 << 20, dtype=np.float32), stream=stream)
+kernel.launch(grid, block, x, stream=stream)
+result = await x.to_host()
+```
+
+Other libraries take a DeviceArray without copying: through DLPack
+(``torch.from_dlpack(x)``, ``cupy.from_dlpack(x)``), which orders the consumer's stream
+after the array's work on the GPU, or through ``__cuda_array_interface__``
+(``torch.as_tensor(x, device="cuda")``, ``cupy.asarray(x)``, ``numba.cuda.as_cuda_array(x)``),
+which first waits for the array's pending work: await the array's stream before handing
+it over from an event loop. ``np.asarray(x)`` raises ``TypeError``: use ``to_host()``.
 """
 
 from __future__ import annotations
@@ -301,6 +314,9 @@ class DeviceArray:
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface (version 3), with the array's pending work finished
+        first (``"stream": None``): a wait, which warns on an event loop's thread, unless
+        the array's stream is idle."""
         from ._memory.interop import cuda_array_interface
 
         return cuda_array_interface(self)

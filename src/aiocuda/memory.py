@@ -1,35 +1,41 @@
 """Stream-ordered device memory: pools and buffers.
 
-Every device allocation comes from a ``cuMemPool`` through ``cuMemAllocFromPoolAsync``
-on a stream, and goes back with ``cuMemFreeAsync`` on the stream of its *last use*. Both
-calls only enqueue: allocating and freeing are ordered with the work that uses the memory,
-so neither needs a synchronisation, and a buffer dropped while a kernel or a copy still
-uses it is freed only after that work (the free is queued behind it).
+Every device allocation comes from a memory pool on a stream, and goes back to it on
+the stream of its *last use*. Both only enqueue: allocating and freeing are ordered with
+the work that uses the memory, so neither waits for the GPU, and a buffer dropped while a
+kernel or a copy still uses it is freed only after that work.
+
+```python
+pool = MemoryPool.for_device(0)
+buf = pool.allocate(1 << 20, stream)      # usable by work enqueued on stream from now on
+...
+buf.free()                                # or let it go: freed after the work using it
+```
 
 Lifetime rules (what makes cancellation safe):
 
-* A :class:`DeviceBuffer` is freed when :meth:`DeviceBuffer.free` is called or when the
-  last reference goes away, whichever comes first -- always stream-ordered, on the
-  stream recorded by the last :meth:`DeviceBuffer._used_on`. Cancelling a task that
-  awaits a copy into a buffer therefore never frees memory the copy still writes.
-* Using a buffer on a second stream records an event on the first; the eventual free
-  waits for it on the GPU, so a free on stream B cannot overtake work still queued on A.
+* A :class:`DeviceBuffer` is freed when :meth:`DeviceBuffer.free` is called, its
+  ``with`` block ends, or the last reference goes away, whichever comes first -- always
+  on the stream of its last use by aiocuda (copies, kernel launches, array operations
+  record it). Cancelling a task that awaits a copy into a buffer therefore never frees
+  memory the copy still writes.
+* A buffer used on a second stream is freed only after the work on the first too.
 * Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
   (see :mod:`aiocuda.stream`), not by the buffer.
 
 Out of memory: an allocation that fails trims the pool's cached memory
 (:meth:`MemoryPool.trim`) and retries, then trims the device's other pools and retries,
 then raises :class:`~aiocuda.errors.OutOfMemoryError` saying what was asked, what the
-pool uses and what the device has free. The pool stays
-usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
-timeout, for memory to be freed: back-pressure for services.
-
-The allocate/free path is deliberately tiny: the backend hands each pool its bound
-``cuMemAllocFromPoolAsync`` / ``cuMemFreeAsync`` (``Driver.mem_async_calls``), so the
-pool calls the bindings with no seam function in between, reads the stream's handle
-without a property call, and fills a slots object. Allocate plus free must stay within
-30 % of calling the driver directly (issue 4).
+pool uses and what the device has free. The pool stays usable.
+:meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a timeout, for
+memory to be freed: back-pressure for services.
 """
+
+# The allocate/free path is deliberately tiny: the backend hands each pool its bound
+# cuMemAllocFromPoolAsync / cuMemFreeAsync (Driver.mem_async_calls), so the pool calls
+# the bindings with no seam function in between, reads the stream's handle without a
+# property call, and fills a slots object. Allocate plus free must stay within 30 % of
+# calling the driver directly (issue 4; benchmarks/memory.py measures it).
 
 from __future__ import annotations
 
@@ -217,9 +223,9 @@ class MemoryPool:
         """Allocate ``nbytes`` stream-ordered on ``stream`` (default: the current stream).
 
         The memory may be used by work enqueued on ``stream`` after this call. aiocuda's
-        own operations on another stream order themselves after it (see
-        :meth:`DeviceBuffer._used_on`); foreign work on another stream needs
-        ``other.wait(stream)`` first. A size of 0 gives an empty buffer with a null
+        own operations on another stream order themselves after it; foreign work on
+        another stream needs ``other.wait(stream)`` first. A size of 0 gives an empty
+        buffer with a null
         pointer. Raises :class:`OutOfMemoryError` (after trimming cached memory and
         retrying) or :class:`~aiocuda.errors.ArgumentError` (a size that is not a
         non-negative integer below 2**64, or a closed stream).
@@ -364,15 +370,12 @@ class MemoryPool:
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
         Tries again whenever a buffer of this pool is freed by a task of the same event
-        loop (thread), and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
-        :data:`RETRY_MAX`), until the allocation succeeds or ``timeout`` seconds have
-        passed -- the last try is at the deadline -- then raises
-        :class:`OutOfMemoryError` (``TimeoutError`` semantics are deliberately not used:
-        callers branch on one type). The back-off stays as the fallback for what no
-        wake-up reports: buffers freed on other threads, and frees that complete later
-        (memory freed stream-ordered becomes available to other streams once its stream
-        reaches the free; the same stream may reuse it at once). Cancellable at every
-        wait.
+        loop, and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
+        :data:`RETRY_MAX` seconds) -- buffers freed on other threads, and memory freed
+        stream-ordered that other streams may use only once the free has run -- until the
+        allocation succeeds or ``timeout`` seconds have passed (the last try is at the
+        deadline); then raises :class:`OutOfMemoryError`, not ``TimeoutError``, so that
+        callers handle one type. Cancellable at every wait.
         """
         deadline = None if timeout is None else anyio.current_time() + timeout
         delay = RETRY_FIRST
@@ -503,23 +506,24 @@ def _destroy_pool(device: Device, handle: Any) -> None:
 
 @final
 class DeviceBuffer:
-    """A range of device memory from a :class:`MemoryPool`.
+    """A range of device memory from a :class:`MemoryPool` (:meth:`MemoryPool.allocate`,
+    or the buffer behind a :class:`~aiocuda.array.DeviceArray`).
 
     ``ptr`` (an ``int``) raises :class:`~aiocuda.errors.ArgumentError` once the buffer is
     freed, so a stale pointer is never handed to the GPU. Freed by :meth:`free`, a
     ``with`` block, or when collected; each time stream-ordered on the last-use stream.
-
-    Why ``__del__`` and not ``weakref.finalize`` (the project's usual choice): allocate
-    plus free must stay within 30 % of the bare driver calls, about 0.7 us of Python on
-    the GPU machines. Measured per buffer on top of creating the object (CPython 3.12,
-    development machine): ``weakref.finalize`` plus ``detach()`` on explicit free 0.87
-    us, a callback weak reference kept in a registry 0.19 us, ``__del__`` on this slots
-    class 0.05 us (it finds ``_stream`` cleared after an explicit free and returns). The
-    class has no ``__dict__`` and no references back to itself, so it never sits in a
-    reference cycle nor is resurrected. The finaliser only enqueues a stream-ordered
-    free, swallows errors (recording them in :data:`last_finaliser_error`) and does
-    nothing once the interpreter is exiting.
     """
+
+    # Why __del__ and not weakref.finalize (the project's usual choice): allocate plus
+    # free must stay within 30 % of the bare driver calls, about 0.7 us of Python on the
+    # GPU machines. Measured per buffer on top of creating the object (CPython 3.12,
+    # development machine): weakref.finalize plus detach() on explicit free 0.87 us, a
+    # callback weak reference kept in a registry 0.19 us, __del__ on this slots class
+    # 0.05 us (it finds _stream cleared after an explicit free and returns). The class
+    # has no __dict__ and no references back to itself, so it never sits in a reference
+    # cycle nor is resurrected. The finaliser only enqueues a stream-ordered free,
+    # swallows errors (recording them in last_finaliser_error) and does nothing once the
+    # interpreter is exiting.
 
     __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
 

@@ -1,18 +1,20 @@
 """Freed page-locked blocks, kept for reuse instead of given back to the driver.
 
-``cuMemFreeHost`` waits until the device is idle, and while it waits it holds a driver
-lock that other threads' calls need: measured on an H100, a ``cuMemcpyHtoDAsync`` on the
-event loop's thread stalled for the rest of a 50 ms kernel while another thread freed a
-pinned block. Freeing pinned memory while the GPU works therefore stalls the loop
-whichever thread frees it. So, like PyTorch's caching host allocator, aiocuda keeps the
-blocks of collected pinned arrays and staging slots and hands them to the next
-allocation of the same size class; ``cuMemHostAlloc`` (1-40 ms per call) is skipped too.
+Freeing pinned memory waits until the device is idle, holding a driver lock that other
+threads' calls need meanwhile, so it would stall an event loop whichever thread frees.
+So, like PyTorch's caching host allocator, aiocuda keeps the blocks of collected pinned
+arrays and staging slots and hands them to the next allocation of the same size class;
+the next allocation also skips pinning new memory.
 
 Blocks come in size classes (powers of two up to 1 MiB, then whole MiB), so a reused
 block may be larger than asked. At most :data:`LIMIT` bytes are kept; a block freed
 beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
 (:mod:`aiocuda._memory.offloop`) -- at the price above if the GPU is busy then.
 """
+
+# Measured on an H100: a cuMemcpyHtoDAsync on the event loop's thread stalled for the
+# rest of a 50 ms kernel while another thread freed a pinned block (cuMemFreeHost);
+# cuMemHostAlloc takes 1-40 ms per call.
 
 from __future__ import annotations
 

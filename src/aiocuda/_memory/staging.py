@@ -4,8 +4,8 @@ The driver copies pageable memory at a fraction of the DMA rate (one CPU thread 
 it, and a device-to-host copy into pageable memory blocks the caller until done). So
 aiocuda stages pageable arrays itself, through pinned slots:
 
-* Pinned memory (see :mod:`aiocuda.host`) is copied directly, holding the pinned owner
-  until the DMA completes.
+* Pinned memory (see :mod:`aiocuda.host`) is copied directly by
+  :mod:`aiocuda._memory.copies`, which decides pinned or pageable.
 * Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
   host copy of well under a millisecond), which skips the hop to a thread.
 * Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._memory.copiers`):
@@ -21,7 +21,8 @@ abandoned at its await, ``host`` then not written.
 
 Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
 still busy with long work (a kernel enqueued before it) ties up the slots it filled until
-that work is done, and staged copies to other streams wait for them. Pinned arrays
+that work is done. Copies to other streams go through the other slots meanwhile, but a
+large copy onto such a stream can fill them all, and the others then wait. Pinned arrays
 (:func:`aiocuda.pinned_empty`) skip staging altogether.
 
 The knobs are module constants, read when the staging resources are built: change them,
@@ -76,10 +77,10 @@ nears its end, so that the DMAs after the last host copy are short. Equal to CHU
 every chunk has that size. Per chunk a copier pays a lock, two driver calls and an event
 record, so tiny chunks are wasteful."""
 
+# Host copies from pageable memory scaled to about 8 threads on a 16-core machine and
+# got slower beyond (memory bandwidth, and the cores the event loop and the driver need).
 COPY_THREADS = max(2, min(8, _usable_cpus() // 2))
-"""Copier threads. Host copies from pageable memory scale to about 8 threads on a
-16-core machine and get slower beyond (memory bandwidth, and the cores the event loop
-and the driver need)."""
+"""Copier threads: half the usable CPUs, at least 2 and at most 8."""
 
 SLOTS_PER_THREAD = 2
 """Slots per copier thread: two let a thread copy one chunk while the DMA of its

@@ -3,10 +3,12 @@
 The hot calls (``mem_alloc_async``, ``mem_free_async``, the ``memcpy_*_async`` family)
 bind their ``cuda.bindings.driver`` function once, at first use, and compare the result
 with ``CUDA_SUCCESS`` before doing anything else. Memory pools go one step further and
-call the bindings themselves (:meth:`CudaMemory.mem_async_calls`): allocation plus free
-must stay within 30 % of calling the bindings directly, and a seam function in between
-costs about 0.15 us per call on the GPU machines.
+call the bindings themselves (:meth:`CudaMemory.mem_async_calls`).
 """
+
+# Why pools call the bindings themselves: allocation plus free must stay within 30 % of
+# calling the bindings directly, and a seam function in between costs about 0.15 us per
+# call on the GPU machines.
 
 from __future__ import annotations
 

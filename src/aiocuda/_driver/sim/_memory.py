@@ -404,9 +404,10 @@ class SimMemory:
             state.remove(ptr)
 
     def _wait_until_devices_idle(self) -> None:
-        """As the driver does before freeing or unpinning page-locked memory (measured on
-        an H100: ``cuMemFreeHost`` and ``cuMemHostUnregister`` return only once a kernel
-        running on any stream has finished): wait for what every device has been given."""
+        """As the driver does before freeing or unpinning page-locked memory: wait for
+        what every device has been given."""
+        # Measured on an H100: cuMemFreeHost and cuMemHostUnregister return only once a
+        # kernel running on any stream has finished.
         for device in self._devices:
             for stream in device.streams():
                 point = SimPoint(stream, stream.submitted)
