@@ -96,7 +96,7 @@ async def test_freeing_pinned_memory_does_not_wait_for_the_gpu(backend: _driver.
         registered = np.ones(1 << 17, np.float64)
         registration = register_host(registered)
         if backend.name == "sim":
-            backend.hold(s.handle)  # type: ignore[attr-defined]
+            backend.pause(s.handle)  # type: ignore[attr-defined]
             s.record()  # queued behind the pause: the device is busy until resumed
         else:
             slow_op(s, 2.0)
@@ -113,7 +113,7 @@ async def test_freeing_pinned_memory_does_not_wait_for_the_gpu(backend: _driver.
         blocked = dropper.is_alive()
         took = time.perf_counter() - started
         if backend.name == "sim":
-            backend.release(s.handle)  # type: ignore[attr-defined]
+            backend.resume(s.handle)  # type: ignore[attr-defined]
         dropper.join()
         assert not blocked, "freeing pinned memory waited for the GPU"
         assert backend.name == "sim" or took < 1.0, f"freeing pinned memory took {took * 1e3:.0f} ms"

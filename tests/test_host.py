@@ -97,3 +97,15 @@ def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver
         pinned_empty(2**62, np.float32)
     with pytest.raises(ArgumentError, match="objects"):
         pinned_empty(4, object)
+
+
+def test_a_pinned_array_collected_while_its_thread_holds_the_cache_lock(frees: list[int]) -> None:
+    """The garbage collector may run a pinned array's finaliser on a thread that is
+    inside the cache (taking a block, say): the block is filed later, not deadlocked on."""
+    array = pinned_empty(3000, np.uint8)
+    ptr = int(array.ctypes.data)
+    with _pinned_cache._cache.lock:
+        del array
+        gc.collect()  # the finaliser gives the block back here
+    again = pinned_empty(3000, np.uint8)
+    assert int(again.ctypes.data) == ptr and frees == []

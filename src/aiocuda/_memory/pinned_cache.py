@@ -19,6 +19,7 @@ beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -50,51 +51,80 @@ def _world(driver: Any) -> object:
 
 
 class _Cache:
+    # give() runs in finalisers, which the garbage collector may start on a thread that
+    # already holds the lock (inside take(), say): it only queues the block, and whoever
+    # holds the lock next files the queue. A blocking acquire there deadlocked.
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.blocks: dict[int, list[tuple[Device, int]]] = {}  # size class -> (device, ptr)
         self.bytes = 0
         self.world: object = None
+        self.returned: deque[tuple[Device, int, int]] = deque()
+        """Blocks given back and not yet filed: (device, ptr, size)."""
 
     def take(self, size: int) -> int | None:
         with self.lock:
-            self._forget_other_worlds()
+            overflow = self._file_returned()
             found = self.blocks.get(size)
-            if not found:
-                return None
-            self.bytes -= size
-            return found.pop()[1]
+            ptr = None
+            if found:
+                self.bytes -= size
+                ptr = found.pop()[1]
+        _free_blocks(overflow)
+        return ptr
 
     def give(self, device: Device, ptr: int, size: int) -> None:
-        with self.lock:
-            self._forget_other_worlds()
-            if self.bytes + size <= LIMIT and _world(device._driver) is self.world:
-                self.blocks.setdefault(size, []).append((device, ptr))
-                self.bytes += size
-                return
-        offloop.release(device, "mem_host_free", ptr)
+        self.returned.append((device, ptr, size))
+        self.file()
+
+    def file(self) -> None:
+        """File the blocks given back, unless this or another thread holds the lock (the
+        holder files them, or the next caller does)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            overflow = self._file_returned()
+        finally:
+            self.lock.release()
+        _free_blocks(overflow)
 
     def empty(self) -> int:
         with self.lock:
+            overflow = self._file_returned()
             dropped, self.blocks, freed = self.blocks, {}, self.bytes
             self.bytes = 0
-        _free_all(dropped)
+        _free_blocks(overflow)
+        _free_blocks([entry for entries in dropped.values() for entry in entries])
         return freed
 
-    def _forget_other_worlds(self) -> None:
+    def _file_returned(self) -> list[tuple[Device, int]]:
+        """Under the lock: keep the returned blocks that fit, after dropping the blocks
+        of another backend; returns the blocks to free."""
+        overflow = self._forget_other_worlds()
+        returned = self.returned
+        while returned:
+            device, ptr, size = returned.popleft()
+            if self.bytes + size <= LIMIT and _world(device._driver) is self.world:
+                self.blocks.setdefault(size, []).append((device, ptr))
+                self.bytes += size
+            else:
+                overflow.append((device, ptr))
+        return overflow
+
+    def _forget_other_worlds(self) -> list[tuple[Device, int]]:
         """After a switch to another backend, blocks of the previous one are not handed
-        out again (a switch from CUDA to CUDA keeps them: they stay valid)."""
+        out again (a switch from CUDA to CUDA keeps them: they stay valid); returns them."""
         world = _world(_driver.driver())
-        if world is not self.world:
-            self.world = world
-            stale, self.blocks, self.bytes = self.blocks, {}, 0
-            _free_all(stale)
+        if world is self.world:
+            return []
+        self.world = world
+        stale, self.blocks, self.bytes = self.blocks, {}, 0
+        return [entry for entries in stale.values() for entry in entries]
 
 
-def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
-    for entries in blocks.values():
-        for device, ptr in entries:
-            offloop.release(device, "mem_host_free", ptr)
+def _free_blocks(blocks: list[tuple[Device, int]]) -> None:
+    for device, ptr in blocks:
+        offloop.dispose(device, device._driver.mem_host_free, ptr)
 
 
 _cache = _Cache()
@@ -112,10 +142,11 @@ def give(device: Device, ptr: int, size: int) -> None:
 
 
 def empty() -> int:
-    """Free every cached block (on the off-loop thread); returns the bytes released."""
+    """Free every cached block (on the off-loop thread); returns the bytes freed."""
     return _cache.empty()
 
 
 def cached_bytes() -> int:
     """Bytes of pinned blocks kept for reuse."""
+    _cache.file()
     return _cache.bytes

@@ -111,7 +111,7 @@ class SimPool:
         self.reserved = 0
         self.reserved_high = 0
         self.cached: dict[int, list[tuple[np.ndarray, Any]]] = {}
-        """Unused blocks by size, each with the stream whose free released it."""
+        """Unused blocks by size, each with the stream whose free returned it."""
         self.reuse = dict.fromkeys(_REUSE_ATTRIBUTES, 1)
         self.cached_bytes = 0
         self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
@@ -406,8 +406,8 @@ class SimMemory:
     def _wait_until_devices_idle(self) -> None:
         """As the driver does before freeing or unpinning page-locked memory: wait for
         what every device has been given."""
-        # Measured on an H100: cuMemFreeHost and cuMemHostUnregister return only once a
-        # kernel running on any stream has finished.
+        # On an H100, cuMemFreeHost and cuMemHostUnregister returned only once a kernel
+        # running on any stream had finished; the sim imitates that.
         for device in self._devices:
             for stream in device.streams():
                 point = SimPoint(stream, stream.submitted)
