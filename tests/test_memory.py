@@ -429,6 +429,18 @@ async def test_trim_gives_back_frees_of_a_closed_stream(backend: _driver.Driver,
     assert pool.statistics().reserved_bytes == 0
 
 
+async def test_trim_gives_back_frees_of_a_collected_stream(backend: _driver.Driver, anyio_backend: object) -> None:
+    pool = MemoryPool.create(0)
+    s = Stream(0)
+    pool.allocate(8 * MiB, s).free()
+    await s
+    del s
+    gc.collect()
+    pool.trim(0)
+    await _offloop_done()
+    assert pool.statistics().reserved_bytes == 0
+
+
 async def test_out_of_memory_in_one_pool_trims_the_devices_other_pools(
     backend: _driver.Driver, anyio_backend: object
 ) -> None:

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = ["FreedStreams"]
 
+_PRUNE_AT = 64
+"""Noted streams beyond which collected ones are dropped (remembering that they were)."""
+
 
 class FreedStreams:
     """The streams a pool freed memory on since the driver last observed their frees."""
@@ -51,6 +54,11 @@ class FreedStreams:
                 return
             if known is not None:  # a collected stream's id, reused
                 self._lost = True
+            elif len(self._streams) >= _PRUNE_AT:
+                dead = [k for k, ref in self._streams.items() if ref() is None]
+                for k in dead:
+                    del self._streams[k]
+                self._lost = self._lost or bool(dead)
             self._streams[key] = weakref.ref(stream)
 
     def observe(self, device: Device) -> bool:
