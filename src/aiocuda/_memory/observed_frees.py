@@ -47,8 +47,11 @@ class FreedStreams:
 
     def note(self, stream: Stream) -> None:
         """``stream`` has just been given a free."""
+        key = id(stream)
+        known = self._streams.get(key)
+        if known is not None and known() is stream:
+            return  # noted already: no lock (a dict read is atomic)
         with self._lock:
-            key = id(stream)
             known = self._streams.get(key)
             if known is not None and known() is stream:
                 return
