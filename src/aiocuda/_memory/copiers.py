@@ -49,13 +49,16 @@ import ctypes
 import threading
 import weakref
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._driver import Doorbell
 from ..device import Device
 from ..errors import CudaError
 from . import copies, offloop
 from .pinned import PinnedAllocation
+
+if TYPE_CHECKING:
+    from ..stream import Stream
 
 __all__ = ["Copiers", "Job", "Slot"]
 
@@ -166,10 +169,10 @@ def _destroy_now(events: list[tuple[Device, Any]], signals: list[tuple[Device, A
 class Job:
     """One staged copy, cut into chunks for the copier threads.
 
-    ``to_device``: ``src`` is a host address and ``dst`` an address in ``device``'s
-    memory, copied on the stream ``stream_handle``; otherwise the reverse. ``keep`` (the
-    host array) is held until the job is done. :meth:`wait` blocks until then and raises
-    the first error a chunk met.
+    ``to_device``: ``src`` is a host address and ``dst`` an address in the memory of
+    ``stream``'s device, copied on ``stream``; otherwise the reverse. ``keep`` (the host
+    array) is held until the job is done. :meth:`wait` blocks until then and raises the
+    first error a chunk met.
     """
 
     __slots__ = (
@@ -182,24 +185,16 @@ class Job:
         "nbytes",
         "next_offset",
         "src",
+        "stream",
         "stream_handle",
         "to_device",
     )
 
-    def __init__(
-        self,
-        *,
-        to_device: bool,
-        device: Device,
-        stream_handle: Any,
-        dst: int,
-        src: int,
-        nbytes: int,
-        keep: Any,
-    ) -> None:
+    def __init__(self, *, to_device: bool, stream: Stream, dst: int, src: int, nbytes: int, keep: Any) -> None:
         self.to_device = to_device
-        self.device = device
-        self.stream_handle = stream_handle
+        self.stream = stream
+        self.device: Device = stream.device
+        self.stream_handle: Any = stream.handle
         self.dst = dst
         self.src = src
         self.nbytes = nbytes
@@ -338,10 +333,10 @@ class Copiers:
                 job.device.make_current()
                 if job.to_device:
                     _memmove(slot.ptr, job.src + offset, size)
-                    copies.dma_to_device(job.device, job.dst + offset, slot.ptr, size, job.stream_handle)
+                    copies.enqueue_upload(job.dst + offset, slot.ptr, size, job.stream)
                     slot.mark(job.device, job.stream_handle)
                 else:
-                    copies.dma_to_host(job.device, slot.ptr, job.src + offset, size, job.stream_handle)
+                    copies.enqueue_download(slot.ptr, job.src + offset, size, job.stream)
                     slot.mark(job.device, job.stream_handle)
                     slot.pending = (job, offset, size)
                     continue

@@ -8,10 +8,10 @@ Two levels:
   a pageable one is not (they return False, enqueue nothing, and the caller stages it
   through :mod:`aiocuda._memory.staging`). :func:`copy_between` copies device memory on
   one device or between two, :func:`fill` sets bytes with a memset.
-* Addresses: :func:`dma_to_device` and :func:`dma_to_host` enqueue one DMA between a
-  pinned host address and device memory, for callers that keep the host memory alive
-  themselves (staging slots); :func:`copy_device` copies between two device addresses
-  the stream's device can reach.
+* Addresses: :func:`enqueue_upload` and :func:`enqueue_download` enqueue one DMA
+  between a pinned host address and device memory, for callers that keep the host
+  memory alive themselves (staging slots, request lanes); :func:`copy_device` copies
+  between two device addresses the stream's device can reach.
 
 Everything here only enqueues: nothing waits for the GPU.
 """
@@ -31,20 +31,22 @@ if TYPE_CHECKING:
 __all__ = [
     "copy_between",
     "copy_device",
-    "dma_to_device",
-    "dma_to_host",
     "download",
+    "enqueue_download",
+    "enqueue_upload",
     "fill",
     "upload",
 ]
 
 
-def upload(dst: int, host: npt.NDArray[Any], stream: Stream) -> bool:
+def upload(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any] | None = None) -> bool:
     """Enqueue the copy of C-contiguous ``host`` to device address ``dst`` on ``stream``
-    if ``host`` is pinned, holding it until the DMA is done; True if enqueued.
+    if ``host`` is pinned; True if enqueued.
 
-    False, with nothing enqueued, for pageable memory: stage it instead. An empty array
-    needs no copy (True).
+    The array and its pinned memory are kept alive until the DMA is done: held by the
+    stream, or appended to ``keep`` by a caller that keeps them until it has awaited the
+    stream itself. False, with nothing enqueued, for pageable memory: stage it instead.
+    An empty array needs no copy (True).
     """
     nbytes = int(host.nbytes)
     if nbytes == 0:
@@ -53,20 +55,19 @@ def upload(dst: int, host: npt.NDArray[Any], stream: Stream) -> bool:
     owner = pinned_ranges.owner(src, nbytes)
     if owner is None:
         return False
-    device = stream.device
-    device.make_current()
-    device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
-    stream.hold(owner, host)
+    enqueue_upload(dst, src, nbytes, stream)
+    _keep(stream, keep, owner, host)
     return True
 
 
-def download(host: npt.NDArray[Any], src: int, stream: Stream) -> bool:
+def download(host: npt.NDArray[Any], src: int, stream: Stream, keep: list[Any] | None = None) -> bool:
     """Enqueue the copy of ``host.nbytes`` from device address ``src`` into C-contiguous
-    ``host`` on ``stream`` if ``host`` is pinned, holding it until the DMA is done; True
-    if enqueued (``host`` holds the data once the stream reaches this point).
+    ``host`` on ``stream`` if ``host`` is pinned; True if enqueued (``host`` holds the
+    data once the stream has passed this point).
 
-    False, with nothing enqueued, for pageable memory: stage it instead. An empty array
-    needs no copy (True).
+    The array and its pinned memory are kept alive as by :func:`upload`. False, with
+    nothing enqueued, for pageable memory: stage it instead. An empty array needs no copy
+    (True).
     """
     nbytes = int(host.nbytes)
     if nbytes == 0:
@@ -75,25 +76,35 @@ def download(host: npt.NDArray[Any], src: int, stream: Stream) -> bool:
     owner = pinned_ranges.owner(dst, nbytes)
     if owner is None:
         return False
-    device = stream.device
-    device.make_current()
-    device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
-    stream.hold(owner, host)
+    enqueue_download(dst, src, nbytes, stream)
+    _keep(stream, keep, owner, host)
     return True
 
 
-def dma_to_device(device: Device, dst: int, src: int, nbytes: int, stream_handle: Any) -> None:
-    """Enqueue a DMA of ``nbytes`` from pinned host address ``src`` to ``device``'s
-    address ``dst`` on the stream ``stream_handle``. The caller has bound ``device``'s
-    context and keeps the host memory untouched until the DMA is done."""
-    device._driver.memcpy_htod_async(dst, src, nbytes, stream_handle)
+def _keep(stream: Stream, keep: list[Any] | None, owner: Any, host: Any) -> None:
+    if keep is None:
+        stream.hold(owner, host)
+    else:
+        keep.append(owner)
+        keep.append(host)
 
 
-def dma_to_host(device: Device, dst: int, src: int, nbytes: int, stream_handle: Any) -> None:
-    """Enqueue a DMA of ``nbytes`` from ``device``'s address ``src`` to pinned host
-    address ``dst`` on the stream ``stream_handle``. The caller has bound ``device``'s
-    context and keeps the host memory alive until the DMA is done."""
-    device._driver.memcpy_dtoh_async(dst, src, nbytes, stream_handle)
+def enqueue_upload(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Enqueue the DMA of ``nbytes`` from page-locked host address ``src`` to device
+    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
+    (and unchanged) until the stream has passed the copy."""
+    device = stream.device
+    device.make_current()
+    device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
+
+
+def enqueue_download(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Enqueue the DMA of ``nbytes`` from device address ``src`` to page-locked host
+    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
+    until the stream has passed the copy, and reads it only then."""
+    device = stream.device
+    device.make_current()
+    device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
 
 
 def copy_device(dst: int, src: int, nbytes: int, stream: Stream) -> None:

@@ -201,6 +201,8 @@ def _order_consumer(array: DeviceArray, stream: int | None) -> None:
         return
     producer = array.stream
     value = 1 if stream is None else stream
+    if value == _stream_value(producer):
+        return  # the consumer's stream is the producer's: ordered already
     try:
         consumer = Stream.wrap(value, device=array.device)
         consumer.wait(producer)

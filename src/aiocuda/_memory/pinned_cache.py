@@ -46,8 +46,9 @@ def size_class(nbytes: int) -> int:
 
 def _world(driver: Any) -> object:
     """What a block's memory belongs to: the process's CUDA driver (whose primary
-    contexts, and so pinned blocks, outlive a backend switch), or one simulator."""
-    return "cuda" if driver.name == "cuda" else driver
+    contexts, and so pinned blocks, outlive a backend switch), or one simulator (None:
+    no backend is in use)."""
+    return "cuda" if driver is not None and driver.name == "cuda" else driver
 
 
 class _Cache:
@@ -113,8 +114,9 @@ class _Cache:
 
     def _forget_other_worlds(self) -> list[tuple[Device, int]]:
         """After a switch to another backend, blocks of the previous one are not handed
-        out again (a switch from CUDA to CUDA keeps them: they stay valid); returns them."""
-        world = _world(_driver.driver())
+        out again (a switch from CUDA to CUDA keeps them: they stay valid); returns them. Chooses no
+        backend: a block given back after the simulator was closed is freed."""
+        world = _world(_driver.current())
         if world is self.world:
             return []
         self.world = world

@@ -189,7 +189,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
             try:
                 device.make_current()
                 _memmove(slot.ptr, src, nbytes)
-                _copies.dma_to_device(device, dst, slot.ptr, nbytes, stream.handle)
+                _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
                 slot.mark(device, stream.handle)
             finally:
                 staging.inline.release(slot)
@@ -219,7 +219,7 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
         if slot is not None:
             try:
                 device.make_current()
-                _copies.dma_to_host(device, slot.ptr, src, nbytes, stream.handle)
+                _copies.enqueue_download(slot.ptr, src, nbytes, stream)
                 slot.mark(device, stream.handle)
                 await stream.record()
                 _memmove(dst, slot.ptr, nbytes)
@@ -234,8 +234,7 @@ async def _staged(
 ) -> None:
     job = Job(
         to_device=to_device,
-        device=stream.device,
-        stream_handle=stream.handle,
+        stream=stream,
         dst=dst,
         src=src,
         nbytes=nbytes,
