@@ -19,7 +19,7 @@ from __future__ import annotations
 from . import errors, interop
 from ._driver import LaunchConfig
 from ._memory.interop import as_device_array
-from .array import DeviceArray, empty, to_device, zeros
+from .array import DeviceArray, empty, empty_pitched, to_device, zeros
 from .array import copy as copy_array
 from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
@@ -93,6 +93,7 @@ __all__ = [
     "device_count",
     "devices",
     "empty",
+    "empty_pitched",
     "enable_peer_access",
     "errors",
     "interop",

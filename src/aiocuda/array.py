@@ -43,7 +43,11 @@ from .device import Device, _as_device
 from .memory import MemoryPool
 from .stream import Stream, current_stream
 
-__all__ = ["DeviceArray", "copy", "empty", "to_device", "zeros"]
+__all__ = ["PITCH_ALIGNMENT", "DeviceArray", "copy", "empty", "empty_pitched", "to_device", "zeros"]
+
+PITCH_ALIGNMENT = 256
+"""Default row alignment of :func:`empty_pitched`, in bytes: the alignment of every
+device allocation, so each row starts as aligned as the array does."""
 
 _Shape = tuple[int, ...]
 
@@ -209,12 +213,26 @@ class DeviceArray:
         return chosen
 
     # -- transfers -------------------------------------------------------------------------------
+    def _layout(self) -> _copies.Strided:
+        return _copies.Strided(self.ptr, self.strides, self.device)
+
+    def _forward(self) -> tuple[DeviceArray, tuple[slice, ...] | None]:
+        """This view walked forwards along every axis, and the index that turns an array
+        of the forward view's order back into this one's (None: nothing was reversed).
+        DMA copies cannot reverse; numpy on the host can, for free."""
+        if all(stride >= 0 for stride in self.strides):
+            return self, None
+        back = tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in self.strides)
+        return self[back], back
+
     async def to_host(self, out: npt.NDArray[Any] | None = None, *, stream: Stream | None = None) -> npt.NDArray[Any]:
         """Copy to host memory and return the numpy array (``out`` if given).
 
-        ``out`` must have the same shape and dtype and be writeable; any layout works
-        (a non-contiguous ``out`` costs one host copy). Pinned ``out`` arrays are written
-        by DMA directly. Non-contiguous device views copy their whole byte span.
+        ``out`` must have the same shape and dtype and be writeable; any layout works.
+        Pinned ``out`` arrays are written by DMA directly. A non-contiguous view is
+        copied by 2D/3D copies, so only its own elements cross to the host (a view of
+        narrow rows in a span little larger than itself, such as one channel of an
+        image, copies its whole span instead, which is faster there).
         """
         if out is not None:
             if not isinstance(out, np.ndarray):
@@ -226,22 +244,42 @@ class DeviceArray:
             if not out.flags.writeable:
                 raise invalid_value("out is read-only")
         s = self._stream_for(stream)
+        if out is not None and _copies.download(out, self.ptr, s, strides=self.strides):
+            await s.record()
+            return out
+        forward, back = self._forward()
+        direct = out is not None and back is None and out.flags.c_contiguous
+        target = out if direct else np.empty(self.shape, self.dtype)
+        assert target is not None
+        await forward._download(target, s)
+        result = target if back is None else target[back]
+        if out is not None:
+            if result is not out:
+                np.copyto(out, result)
+            return out
+        return result if back is None else np.ascontiguousarray(result)
+
+    async def _download(self, host: npt.NDArray[Any], stream: Stream) -> None:
+        """Copy this view, walked forwards on every axis, into C-contiguous ``host``."""
         if self.is_c_contiguous:
-            target = out if out is not None and out.flags.c_contiguous else np.empty(self.shape, self.dtype)
-            await _staging.device_to_host(target, self.ptr, s)
-        else:
+            await _staging.device_to_host(host, self.ptr, stream)
+        elif _copies.gathers_span(self.shape, self.strides, self.itemsize):
             lo, hi = byte_span(self.shape, self.strides, self.itemsize)
             span = np.empty(hi - lo, np.uint8)
-            await _staging.device_to_host(span, self.ptr + lo, s)
-            target = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides).copy()
-        if out is not None and target is not out:
-            np.copyto(out, target)
-            return out
-        return target
+            await _staging.device_to_host(span, self.ptr + lo, stream)
+            np.copyto(host, np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides))
+        else:
+            packed = empty(self.shape, self.dtype, stream=stream)
+            try:
+                _copies.copy_strided(packed._layout(), self._layout(), self.shape, self.itemsize, stream)
+                await _staging.device_to_host(host, packed.ptr, stream)
+            finally:
+                packed.buffer.free()  # stream-ordered: after the download enqueued above
 
     async def copy_from(self, source: DeviceArray | npt.NDArray[Any], *, stream: Stream | None = None) -> None:
         """Overwrite this array with ``source`` (a DeviceArray on any device, or a numpy
-        array); shapes and dtypes must match. Both must be C-contiguous if on device."""
+        array); shapes and dtypes must match, layouts may differ (a non-contiguous side
+        is copied with 2D/3D copies)."""
         if isinstance(source, DeviceArray):
             await copy(self, source, stream=stream)
             return
@@ -250,29 +288,46 @@ class DeviceArray:
             raise invalid_value(
                 f"source has shape {host.shape} and dtype {host.dtype}; expected {self.shape} and {self.dtype}"
             )
-        if not self.is_c_contiguous:
-            raise invalid_value("copying into a non-contiguous DeviceArray is not supported")
-        await _upload(self.ptr, np.ascontiguousarray(host), self._stream_for(stream))
+        s = self._stream_for(stream)
+        if self.is_c_contiguous:
+            await _upload(self.ptr, np.ascontiguousarray(host), s)
+        elif _copies.upload(self.ptr, host, s, strides=self.strides):
+            await s.record()
+        else:
+            forward, back = self._forward()
+            await forward._scatter(np.ascontiguousarray(host if back is None else host[back]), s)
+
+    async def _scatter(self, host: npt.NDArray[Any], stream: Stream) -> None:
+        """Write C-contiguous ``host`` into this view (walked forwards on every axis):
+        uploaded into a contiguous scratch array, then copied into place on the device."""
+        packed = empty(self.shape, self.dtype, stream=stream)
+        try:
+            await _staging.host_to_device(packed.ptr, host, stream)
+            _copies.copy_strided(self._layout(), packed._layout(), self.shape, self.itemsize, stream)
+        finally:
+            packed.buffer.free()  # stream-ordered: after the copies enqueued above
+        await stream.record()
 
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
-        if not self.is_c_contiguous:
-            raise invalid_value("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
         target_device = self.device if device is None else _as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
         return await _filled(dst, copy(dst, self, stream=stream))
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
-        """Set every element to ``value`` (a memset when the pattern allows it)."""
-        if not self.is_c_contiguous:
-            raise invalid_value("fill() of a non-contiguous DeviceArray is not supported")
+        """Set every element to ``value``, with memsets where the value's bytes repeat a
+        1, 2 or 4-byte word (2D memsets for a non-contiguous view)."""
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
         s = self._stream_for(stream)
-        if not _copies.fill(self.ptr, self.nbytes, pattern.tobytes(), s):
-            await _staging.host_to_device(self.ptr, np.full(self.shape, pattern, self.dtype), s)
-        await s.record()
+        forward, _ = self._forward()
+        if _copies.fill(forward._layout(), self.shape, self.itemsize, pattern.tobytes(), s):
+            await s.record()
+        elif self.is_c_contiguous:
+            await _upload(self.ptr, np.full(self.shape, pattern, self.dtype), s)
+        else:
+            await forward._scatter(np.full(self.shape, pattern, self.dtype), s)
 
     # -- interoperability ------------------------------------------------------------------------
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> NoReturn:
@@ -344,6 +399,41 @@ def empty(
     return DeviceArray(dims, dt, buffer=buf)
 
 
+def empty_pitched(
+    shape: int | _Shape,
+    dtype: npt.DTypeLike = np.float32,
+    *,
+    alignment: int = PITCH_ALIGNMENT,
+    device: Device | int | None = None,
+    stream: Stream | None = None,
+    pool: MemoryPool | None = None,
+) -> DeviceArray:
+    """A new DeviceArray whose rows (its last axis) each start at a multiple of
+    ``alignment`` bytes, as ``cuMemAllocPitch`` lays out images and tiles; contents
+    undefined. Allocated stream-ordered like :func:`empty`.
+
+    The padding shows in the strides: ``strides[-2]`` is the row pitch, so the array is
+    not C-contiguous when rows are padded, and copies to or from it are 2D copies.
+    Kernels take the pitch from ``array.strides``.
+    """
+    dims = shape_tuple(shape)
+    dt = _check_dtype(dtype)
+    if alignment <= 0 or alignment & (alignment - 1) or alignment % dt.itemsize:
+        raise invalid_value(
+            f"alignment must be a power of two and a multiple of the item size ({dt.itemsize}), not {alignment}"
+        )
+    if len(dims) < 2:
+        return empty(dims, dt, device=device, stream=stream, pool=pool)
+    pitch = -(-dims[-1] * dt.itemsize // alignment) * alignment
+    strides = [dt.itemsize, pitch]
+    for n in reversed(dims[1:-1]):
+        strides.append(strides[-1] * max(n, 1))
+    if pool is None:
+        pool = MemoryPool.for_device(stream.device if stream is not None else _as_device(device))
+    buf = pool.allocate(math.prod(dims[:-1]) * pitch if dims[-1] else 0, stream)
+    return DeviceArray(dims, dt, tuple(reversed(strides)), buffer=buf)
+
+
 async def zeros(
     shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
@@ -403,17 +493,15 @@ async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
 
 
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype, both C-contiguous), on one device
-    or between two (a peer copy, which needs no peer access). ``stream`` defaults to the
-    current stream of ``src``'s device."""
+    """Copy ``src`` into ``dst`` (same shape and dtype, any layouts: non-contiguous ones
+    with 2D/3D copies), on one device or between two (a peer copy, which needs no peer
+    access). ``stream`` defaults to the current stream of ``src``'s device."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
-    if not (dst.is_c_contiguous and src.is_c_contiguous):
-        raise invalid_value("copy() needs C-contiguous arrays")
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
-    _copies.copy_between(dst.ptr, dst.device, src.ptr, src.device, src.nbytes, s)
+    _copies.copy_strided(dst._layout(), src._layout(), src.shape, src.itemsize, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
     await s.record()

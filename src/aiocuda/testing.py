@@ -62,8 +62,11 @@ Operation = Literal[
     "memcpy_dtoh_async",
     "memcpy_dtod_async",
     "memcpy_peer_async",
+    "memcpy_pitched_async",
     "memset_d8_async",
+    "memset_d16_async",
     "memset_d32_async",
+    "memset_2d_async",
     "launch_kernel",
     "mem_free_async",
     "event_record",
@@ -71,8 +74,8 @@ Operation = Literal[
     "launch_doorbell",
 ]
 """The simulated operations :meth:`Simulator.set_latency` can slow down: copies host to
-device, device to host, device to device and between devices; memsets; kernel launches;
-stream-ordered frees; event records; cross-stream waits; host functions."""
+device, device to host, device to device and between devices; 2D and 3D copies; memsets;
+kernel launches; stream-ordered frees; event records; cross-stream waits; host functions."""
 
 
 class KernelLaunch(Protocol):

@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
 from ._launch import Dim3, LaunchConfig
-from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
+from ._protocol import Doorbell, Driver, Handle, KernelParams, PitchedCopy, PitchedSide, PoolProps
 
 __all__ = [
     "BACKENDS",
@@ -39,6 +39,8 @@ __all__ = [
     "Handle",
     "KernelParams",
     "LaunchConfig",
+    "PitchedCopy",
+    "PitchedSide",
     "PoolProps",
     "backend_generation",
     "current",

@@ -42,6 +42,37 @@ class PoolProps:
     """Upper bound of the pool's reserved memory in bytes; 0 means no bound."""
 
 
+@dataclass(frozen=True, slots=True)
+class PitchedSide:
+    """One side of a :class:`PitchedCopy`: where its rows lie."""
+
+    address: int
+    pitch: int
+    """Bytes from the start of one row to the start of the next."""
+    rows: int = 0
+    """Rows from the start of one slice to the start of the next (``CUDA_MEMCPY3D``'s
+    ``srcHeight`` / ``dstHeight``); read only when the copy's ``depth`` is above 1."""
+    on_host: bool = False
+    """Page-locked host memory rather than device memory."""
+    context: Handle = None
+    """The context owning this device memory, given on both sides of a copy between two
+    devices (``cuMemcpy3DPeerAsync``); None otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class PitchedCopy:
+    """``depth`` slices of ``height`` rows of ``width`` bytes (``cuMemcpy2DAsync`` /
+    ``cuMemcpy3DAsync`` / ``cuMemcpy3DPeerAsync``). Row ``y`` of slice ``z`` starts at
+    ``address + (z * rows + y) * pitch`` on each side; each pitch is at least ``width``
+    and, with ``depth > 1``, each side's ``rows`` at least ``height``."""
+
+    dst: PitchedSide
+    src: PitchedSide
+    width: int
+    height: int = 1
+    depth: int = 1
+
+
 class KernelParams(Protocol):
     """Kernel arguments packed once for both backends.
 
@@ -236,7 +267,20 @@ class Driver(Protocol):
 
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
 
+    def memset_d16_async(self, dst: int, value: int, count: int, stream: Handle) -> None:
+        """``count`` 16-bit words; ``dst`` 2-byte aligned."""
+
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
+
+    def memcpy_pitched_async(self, copy: PitchedCopy, stream: Handle) -> None:
+        """A 2D or 3D copy (see :class:`PitchedCopy`); host sides must be page-locked."""
+
+    def memset_2d_async(
+        self, dst: int, pitch: int, value: int, element_size: int, width: int, height: int, stream: Handle
+    ) -> None:
+        """``height`` rows of ``width`` elements of ``element_size`` bytes (1, 2 or 4:
+        ``cuMemsetD2D8Async`` / ``16`` / ``32``), ``pitch`` bytes apart; ``dst`` and
+        ``pitch`` aligned to the element size."""
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         """The device that owns a device pointer (for foreign arrays); ArgumentError

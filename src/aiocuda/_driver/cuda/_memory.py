@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import ResultCode, error_for_code
-from .._protocol import PoolProps
+from .._protocol import PitchedCopy, PitchedSide, PoolProps
 from . import _core
 from ._core import check
 
@@ -197,5 +197,65 @@ class CudaMemory:
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         check(_core.drv.cuMemsetD8Async(dst, value & 0xFF, count, stream), "cuMemsetD8Async")
 
+    def memset_d16_async(self, dst: int, value: int, count: int, stream: Any) -> None:
+        check(_core.drv.cuMemsetD16Async(dst, value & 0xFFFF, count, stream), "cuMemsetD16Async")
+
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         check(_core.drv.cuMemsetD32Async(dst, value & 0xFFFFFFFF, count, stream), "cuMemsetD32Async")
+
+    def memset_2d_async(
+        self, dst: int, pitch: int, value: int, element_size: int, width: int, height: int, stream: Any
+    ) -> None:
+        drv = _core.drv
+        if element_size == 1:
+            check(drv.cuMemsetD2D8Async(dst, pitch, value & 0xFF, width, height, stream), "cuMemsetD2D8Async")
+        elif element_size == 2:
+            check(drv.cuMemsetD2D16Async(dst, pitch, value & 0xFFFF, width, height, stream), "cuMemsetD2D16Async")
+        elif element_size == 4:
+            check(drv.cuMemsetD2D32Async(dst, pitch, value & 0xFFFFFFFF, width, height, stream), "cuMemsetD2D32Async")
+        else:
+            raise error_for_code(
+                ResultCode.INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+                f"2D memsets set 1, 2 or 4-byte elements, not {element_size}",
+                "cuMemsetD2D32Async",
+            )
+
+    def memcpy_pitched_async(self, copy: PitchedCopy, stream: Any) -> None:
+        drv = _core.drv
+        if copy.dst.context is not None and copy.src.context is not None:
+            params: Any = drv.CUDA_MEMCPY3D_PEER()
+            params.srcContext = copy.src.context
+            params.dstContext = copy.dst.context
+            call, name = drv.cuMemcpy3DPeerAsync, "cuMemcpy3DPeerAsync"
+        elif copy.depth > 1:
+            params = drv.CUDA_MEMCPY3D()
+            call, name = drv.cuMemcpy3DAsync, "cuMemcpy3DAsync"
+        else:
+            params = drv.CUDA_MEMCPY2D()
+            _side(params, "src", copy.src)
+            _side(params, "dst", copy.dst)
+            params.WidthInBytes = copy.width
+            params.Height = copy.height
+            check(drv.cuMemcpy2DAsync(params, stream), "cuMemcpy2DAsync")
+            return
+        _side(params, "src", copy.src)
+        _side(params, "dst", copy.dst)
+        params.srcHeight = copy.src.rows or copy.height
+        params.dstHeight = copy.dst.rows or copy.height
+        params.WidthInBytes = copy.width
+        params.Height = copy.height
+        params.Depth = copy.depth
+        check(call(params, stream), name)
+
+
+def _side(params: Any, prefix: str, side: PitchedSide) -> None:
+    """Fill the ``src*`` or ``dst*`` fields of a ``CUDA_MEMCPY2D/3D(_PEER)``."""
+    memory_type = _core.drv.CUmemorytype
+    if side.on_host:
+        setattr(params, f"{prefix}MemoryType", memory_type.CU_MEMORYTYPE_HOST)
+        setattr(params, f"{prefix}Host", side.address)
+    else:
+        setattr(params, f"{prefix}MemoryType", memory_type.CU_MEMORYTYPE_DEVICE)
+        setattr(params, f"{prefix}Device", side.address)
+    setattr(params, f"{prefix}Pitch", side.pitch)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from ._core import SimCore
 from ._memory import SimMemory
 from ._modules import SimModules
+from ._pitched import SimPitched
 
 __all__ = ["SimDriver"]
 
 
-class SimDriver(SimCore, SimMemory, SimModules):
+class SimDriver(SimCore, SimMemory, SimPitched, SimModules):
     """A simulated CUDA driver; see ``_core.SimCore`` for its controls."""
 
     name = "sim"

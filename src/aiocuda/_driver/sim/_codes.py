@@ -112,7 +112,10 @@ _CU_CALLS: dict[str, str] = {
     "memcpy_dtod_async": "cuMemcpyDtoDAsync",
     "memcpy_peer_async": "cuMemcpyPeerAsync",
     "memset_d8_async": "cuMemsetD8Async",
+    "memset_d16_async": "cuMemsetD16Async",
     "memset_d32_async": "cuMemsetD32Async",
+    "memcpy_pitched_async": "cuMemcpy2DAsync",
+    "memset_2d_async": "cuMemsetD2D32Async",
     "pointer_device_ordinal": "cuPointerGetAttribute",
     # modules
     "module_load_data": "cuModuleLoadData",
