@@ -16,7 +16,7 @@ says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 
 from __future__ import annotations
 
-from . import errors, interop
+from . import errors, interop, ipc, managed
 from ._driver import LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, empty_pitched, to_device, zeros
@@ -31,9 +31,11 @@ from .errors import (
     CompileError,
     ContextPoisonedError,
     CudaError,
+    ExporterLostError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    OversubscriptionError,
     SimulatedBackendWarning,
 )
 from .event import Event
@@ -67,6 +69,7 @@ __all__ = [
     "DeviceProperties",
     "Event",
     "Executor",
+    "ExporterLostError",
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
@@ -78,6 +81,7 @@ __all__ = [
     "Module",
     "NoDeviceError",
     "OutOfMemoryError",
+    "OversubscriptionError",
     "Pipeline",
     "PoolStatistics",
     "Program",
@@ -97,7 +101,9 @@ __all__ = [
     "enable_peer_access",
     "errors",
     "interop",
+    "ipc",
     "is_pinned",
+    "managed",
     "pinned_empty",
     "pinned_zeros",
     "register_host",

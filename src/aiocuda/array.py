@@ -178,7 +178,7 @@ class DeviceArray:
             offset += (i % n) * stride
         shape.extend(self.shape[dim:])
         strides.extend(self.strides[dim:])
-        return DeviceArray(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
+        return type(self)(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
 
     def reshape(self, *shape: int | _Shape) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
@@ -196,14 +196,14 @@ class DeviceArray:
             dims[dims.index(-1)] = self.size // known
         if math.prod(dims) != self.size:
             raise invalid_value(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
-        return DeviceArray(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
+        return type(self)(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
 
     def view(self, dtype: npt.DTypeLike) -> DeviceArray:
         """The same memory seen as another dtype of the same item size."""
         dt = _check_dtype(dtype)
         if dt.itemsize != self.itemsize:
             raise invalid_value(f"view needs a dtype of the same item size ({self.itemsize}), not {dt}")
-        return DeviceArray(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
+        return type(self)(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
 
     # -- stream bookkeeping ---------------------------------------------------------------------
     def _stream_for(self, stream: Stream | None) -> Stream:

@@ -6,7 +6,8 @@ driver's result code (``.code``), its symbolic name (``.name``, e.g.
 for the situations callers branch on:
 
 * :class:`OutOfMemoryError` -- an allocation could not be satisfied (also a
-  :class:`MemoryError`).
+  :class:`MemoryError`). :class:`OversubscriptionError`, a subclass, is raised before
+  asking for managed memory the device does not have.
 * :class:`ContextPoisonedError` -- a *sticky* error (illegal address, kernel assert, ...)
   has corrupted a device's context. Every later call on that device fails; the only
   cure is a new process.
@@ -21,6 +22,8 @@ for the situations callers branch on:
   Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
+* :class:`ExporterLostError` -- memory shared by another process can no longer be used:
+  that process ended, or stopped sharing it.
 
 :class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
 instead (see :mod:`aiocuda.backend`).
@@ -39,9 +42,11 @@ __all__ = [
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
+    "ExporterLostError",
     "LaunchError",
     "NoDeviceError",
     "OutOfMemoryError",
+    "OversubscriptionError",
     "ResultCode",
     "SimulatedBackendWarning",
     "error_for_code",
@@ -174,6 +179,20 @@ class CudaError(Exception):
 
 class OutOfMemoryError(CudaError, MemoryError):
     """Device (or pinned host) memory could not be allocated, even after releasing caches."""
+
+
+class OversubscriptionError(OutOfMemoryError):
+    """Managed memory beyond what the device has was asked for without saying so.
+
+    Oversubscribed managed memory migrates pages back and forth on every access and can
+    stall the GPU for every process that shares it, so aiocuda refuses it unless the
+    call passes ``oversubscribe=True``.
+    """
+
+
+class ExporterLostError(CudaError):
+    """Memory (or an event) shared by another process can no longer be used: that
+    process ended, or stopped sharing it, and the memory may already be reused."""
 
 
 class ContextPoisonedError(CudaError):

@@ -48,6 +48,8 @@ class Event:
         device: the device (or ordinal) the event belongs to; default device 0.
         timing: record timestamps so :meth:`elapsed_ms` works (costs a little on record).
         blocking_sync: make :meth:`synchronize` sleep instead of spinning.
+        interprocess: let other processes await it (:func:`aiocuda.ipc.share_event`);
+            such an event has no timing.
 
     An event that was never recorded counts as complete, as in CUDA.
     """
@@ -60,17 +62,33 @@ class Event:
         "_handle",
         "_stream_handle",
         "blocking_sync",
+        "interprocess",
         "timing",
     )
 
-    def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
+    def __init__(
+        self,
+        device: Device | int | None = None,
+        *,
+        timing: bool = False,
+        blocking_sync: bool = False,
+        interprocess: bool = False,
+    ):
         dev = _as_device(device)
+        if interprocess and (timing or blocking_sync):
+            raise ArgumentError(
+                "an interprocess event has no timing and no blocking synchronisation", name="CUDA_ERROR_INVALID_VALUE"
+            )
         dev.make_current()
         self._device = dev
         self._driver = dev._driver
         self.timing = timing
         self.blocking_sync = blocking_sync
-        self._handle = self._driver.event_create(timing, blocking_sync)
+        self.interprocess = interprocess
+        if interprocess:
+            self._handle = self._driver.ipc_event_create()
+        else:
+            self._handle = self._driver.event_create(timing, blocking_sync)
         self._stream_handle: Any = None
         self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
 
@@ -82,9 +100,25 @@ class Event:
         self._driver = device._driver
         self.timing = False
         self.blocking_sync = False
+        self.interprocess = False
         self._handle = handle
         self._stream_handle = stream_handle
         self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, EventPool.for_device(device))
+        return self
+
+    @classmethod
+    def _opened(cls, device: Device, handle: Any) -> Event:
+        """An Event over one opened from another process's handle (destroyed when
+        collected). Its recording happened there: it counts as recorded here."""
+        self = object.__new__(cls)
+        self._device = device
+        self._driver = device._driver
+        self.timing = False
+        self.blocking_sync = False
+        self.interprocess = True
+        self._handle = handle
+        self._stream_handle = handle  # no stream of ours: the handle keys its wait history
+        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, None)
         return self
 
     @property

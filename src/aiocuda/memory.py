@@ -137,6 +137,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         "_owned",
         "_recoveries",
         "device",
+        "exportable",
         "max_size",
     )
 
@@ -146,6 +147,8 @@ class MemoryPool(metaclass=NoPublicConstructor):
         self._handle = handle
         self._owned = owned
         self.max_size = max_size
+        self.exportable = False
+        """Whether other processes may use its memory (:func:`aiocuda.ipc.share_array`)."""
         self._alloc_call, self._free_call, self._fail = self._driver.mem_async_calls()
         self._recoveries = 0
         self._allocations = 0
@@ -195,6 +198,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         *,
         max_size: int = 0,
         release_threshold: int = DEFAULT_RELEASE_THRESHOLD,
+        ipc: bool = False,
     ) -> MemoryPool:
         """A new pool (``cuMemPoolCreate``) on ``device``.
 
@@ -202,14 +206,22 @@ class MemoryPool(metaclass=NoPublicConstructor):
             max_size: upper bound of the memory the pool may reserve, in bytes (0: the
                 device's memory). Allocations beyond it raise OutOfMemoryError.
             release_threshold: cached bytes kept across synchronisations.
+            ipc: let other processes use the pool's memory (see :mod:`aiocuda.ipc`;
+                :func:`aiocuda.ipc.pool` gives each device one such pool).
         """
         if max_size < 0:
             raise invalid_value(f"max_size must be >= 0, got {max_size}")
         dev = _as_device(device)
-        dev.make_current()
-        handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
-        pool = cls._create(dev, handle, owned=True, max_size=max_size)
-        weakref.finalize(pool, _destroy_pool, dev, handle)
+        return cls._new(dev, _driver.PoolProps(dev.ordinal, max_size, ipc=ipc), release_threshold)
+
+    @classmethod
+    def _new(cls, device: Device, props: _driver.PoolProps, release_threshold: int) -> MemoryPool:
+        """Create the driver's pool and its owner (of this class or a subclass)."""
+        device.make_current()
+        handle = device._driver.mempool_create(props)
+        pool = cls._create(device, handle, owned=True, max_size=props.max_size)
+        pool.exportable = props.ipc
+        weakref.finalize(pool, _destroy_pool, device, handle)
         pool.release_threshold = release_threshold
         return pool
 

@@ -40,6 +40,11 @@ class PoolProps:
     device_ordinal: int
     max_size: int = 0
     """Upper bound of the pool's reserved memory in bytes; 0 means no bound."""
+    managed: bool = False
+    """Managed memory (``CU_MEM_ALLOCATION_TYPE_MANAGED``), preferring the device; needs
+    ``max_size`` 0 and a driver that offers managed pools (CUDA 13 on Linux)."""
+    ipc: bool = False
+    """Exportable to other processes as a POSIX file descriptor."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +286,57 @@ class Driver(Protocol):
         """``height`` rows of ``width`` elements of ``element_size`` bytes (1, 2 or 4:
         ``cuMemsetD2D8Async`` / ``16`` / ``32``), ``pitch`` bytes apart; ``dst`` and
         ``pitch`` aligned to the element size."""
+
+    # -- managed memory ---------------------------------------------------------------------
+    def mem_alloc_managed(self, size: int, attach: str) -> int:
+        """``cuMemAllocManaged``; ``attach`` is ``"global"`` (any stream may use it) or
+        ``"host"`` (host only until attached to a stream)."""
+
+    def mem_free(self, ptr: int) -> None:
+        """``cuMemFree`` of a managed allocation or of a pointer imported from another
+        process's pool; it may wait for the device (call it off the loop)."""
+
+    def mem_prefetch_async(self, ptr: int, size: int, device_ordinal: int | None, stream: Handle) -> None:
+        """``cuMemPrefetchAsync`` of managed memory to a device, or to host memory when
+        ``device_ordinal`` is None."""
+
+    def mem_advise(self, ptr: int, size: int, advice: str, device_ordinal: int | None) -> None:
+        """``cuMemAdvise``: ``advice`` is a ``CU_MEM_ADVISE_*`` lowercase suffix
+        (``"set_read_mostly"``, ``"unset_accessed_by"``, ...); ``device_ordinal`` None
+        names host memory."""
+
+    def stream_attach_mem_async(self, stream: Handle, ptr: int, attach: str) -> None:
+        """``cuStreamAttachMemAsync`` of the whole managed allocation at ``ptr``:
+        ``"global"``, ``"host"`` or ``"single"`` (this stream only)."""
+
+    # -- sharing with other processes ---------------------------------------------------------
+    def ipc_event_create(self) -> Handle:
+        """An event other processes can open (``CU_EVENT_INTERPROCESS``, without timing),
+        in the current context."""
+
+    def ipc_event_handle(self, event: Handle) -> bytes:
+        """``cuIpcGetEventHandle``: the 64 bytes another process opens the event with."""
+
+    def ipc_open_event(self, handle: bytes) -> Handle:
+        """``cuIpcOpenEventHandle`` in the current context: an event to query, synchronize
+        and make streams wait for (not to record); destroyed with ``event_destroy``."""
+
+    def mempool_export_fd(self, pool: Handle) -> int:
+        """``cuMemPoolExportToShareableHandle`` of an IPC pool: a new POSIX file
+        descriptor, which the caller closes."""
+
+    def mempool_import_fd(self, fd: int) -> Handle:
+        """``cuMemPoolImportFromShareableHandle``: the pool another process exported as
+        ``fd`` (which stays the caller's to close). It allocates nothing; pointers are
+        imported from it."""
+
+    def mempool_export_pointer(self, ptr: int) -> bytes:
+        """``cuMemPoolExportPointer``: the 64 bytes naming an allocation of an IPC pool."""
+
+    def mempool_import_pointer(self, pool: Handle, data: bytes) -> int:
+        """``cuMemPoolImportPointer`` from an imported pool; the import ends with
+        ``mem_free`` or ``mem_free_async``, which must complete before the exporter frees
+        the allocation."""
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         """The device that owns a device pointer (for foreign arrays); ArgumentError

@@ -24,7 +24,6 @@ completed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import sys
 import threading
@@ -40,6 +39,7 @@ from ..array import DeviceArray
 from ..device import Device
 from ..errors import ArgumentError
 from ..stream import Stream, current_stream
+from .buffers import OwnedBuffer
 
 __all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
 
@@ -246,47 +246,6 @@ def to_dlpack(
 # -- import -----------------------------------------------------------------------------------
 
 
-class ForeignBuffer:
-    """Device memory owned by another library, seen through aiocuda.
-
-    Keeps ``owner`` alive; when collected, ``owner`` is handed to the last-use stream's
-    ``hold`` so the other library cannot reuse the memory before aiocuda's work on it is
-    done. :meth:`free` only drops the reference.
-    """
-
-    __slots__ = ("__weakref__", "_state", "device", "ptr", "size")
-
-    def __init__(self, ptr: int, size: int, device: Device, stream: Stream, owner: Any) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.device = device
-        self._state = [stream, owner]
-        weakref.finalize(self, _hand_over, self._state)
-
-    @property
-    def stream(self) -> Stream:
-        stream: Stream = self._state[0]
-        return stream
-
-    def _used_on(self, stream: Stream) -> None:
-        previous: Stream = self._state[0]
-        if stream is not previous:
-            stream.wait(previous)
-            self._state[0] = stream
-
-    def free(self) -> None:
-        """Forget the foreign memory (its owner is held until aiocuda's work completes)."""
-
-    def __repr__(self) -> str:
-        return f"<ForeignBuffer ptr={self.ptr:#x} size={self.size} owner={type(self._state[1]).__name__}>"
-
-
-def _hand_over(state: list[Any]) -> None:
-    stream, owner = state
-    with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
-        stream.hold(owner)
-
-
 def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
     address = _capi.PyCapsule_GetPointer(capsule, _CAPSULE_NAME)
     if not address:
@@ -334,7 +293,7 @@ def _wrap(
 ) -> DeviceArray:
     byte_strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
     lo, hi = byte_span(shape, byte_strides, dtype.itemsize)
-    buffer = ForeignBuffer(ptr + lo, hi - lo, device, stream, owner)
+    buffer = OwnedBuffer(ptr + lo, hi - lo, device, stream, owner)
     return DeviceArray(shape, dtype, byte_strides, buffer=buffer, offset=-lo)
 
 

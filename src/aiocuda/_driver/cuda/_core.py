@@ -23,7 +23,11 @@ from ...errors import NoDeviceError, ResultCode, error_for_code
 from .._doorbell import SemaphoreDoorbell
 from .._fork import fork_error, was_forked
 
-__all__ = ["CudaCore", "check", "drv"]
+__all__ = ["IPC_HANDLE_BYTES", "CudaCore", "check", "drv"]
+
+IPC_HANDLE_BYTES = 64
+"""``CU_IPC_HANDLE_SIZE``: the bytes of an IPC event handle and of a pool pointer's
+export data."""
 
 drv: Any = None
 """``cuda.bindings.driver``, once :meth:`CudaCore.init` has imported it."""
@@ -254,6 +258,19 @@ class CudaCore:
         if blocking_sync:
             flags |= int(drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         return check(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def ipc_event_create(self) -> Any:
+        flags = int(drv.CUevent_flags.CU_EVENT_INTERPROCESS) | int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return check(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def ipc_event_handle(self, event: Any) -> bytes:
+        handle = check(drv.cuIpcGetEventHandle(event), "cuIpcGetEventHandle")
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def ipc_open_event(self, handle: bytes) -> Any:
+        raw = drv.CUipcEventHandle()
+        ctypes.memmove(raw.getPtr(), bytes(handle).ljust(IPC_HANDLE_BYTES, b"\0"), IPC_HANDLE_BYTES)
+        return check(drv.cuIpcOpenEventHandle(raw), "cuIpcOpenEventHandle")
 
     def event_destroy(self, event: Any) -> None:
         check(drv.cuEventDestroy(event), "cuEventDestroy")

@@ -13,13 +13,14 @@ the seam in between.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from typing import Any
 
 from ...errors import ResultCode, error_for_code
 from .._protocol import PitchedCopy, PitchedSide, PoolProps
 from . import _core
-from ._core import check
+from ._core import IPC_HANDLE_BYTES, check
 
 __all__ = ["CudaMemory"]
 
@@ -69,8 +70,10 @@ class CudaMemory:
     def mempool_create(self, props: PoolProps) -> Any:
         drv = _core.drv
         p = drv.CUmemPoolProps()
-        p.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        p.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        kind = "MANAGED" if props.managed else "PINNED"
+        p.allocType = getattr(drv.CUmemAllocationType, f"CU_MEM_ALLOCATION_TYPE_{kind}")
+        handles = "POSIX_FILE_DESCRIPTOR" if props.ipc else "NONE"
+        p.handleTypes = getattr(drv.CUmemAllocationHandleType, f"CU_MEM_HANDLE_TYPE_{handles}")
         p.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         p.location.id = props.device_ordinal
         if props.max_size:
@@ -140,6 +143,49 @@ class CudaMemory:
         one goes to ``fail(err, call_name)``, which raises the matching CudaError."""
         b = _bound or _b()
         return b.alloc, b.free, _core._raise
+
+    # -- pools shared with other processes -------------------------------------------------------
+    def mempool_export_fd(self, pool: Any) -> int:
+        fd_type = _core.drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return int(
+            check(_core.drv.cuMemPoolExportToShareableHandle(pool, fd_type, 0), "cuMemPoolExportToShareableHandle")
+        )
+
+    def mempool_import_fd(self, fd: int) -> Any:
+        fd_type = _core.drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        return check(_core.drv.cuMemPoolImportFromShareableHandle(fd, fd_type, 0), "cuMemPoolImportFromShareableHandle")
+
+    def mempool_export_pointer(self, ptr: int) -> bytes:
+        data = check(_core.drv.cuMemPoolExportPointer(ptr), "cuMemPoolExportPointer")
+        return ctypes.string_at(data.getPtr(), IPC_HANDLE_BYTES)
+
+    def mempool_import_pointer(self, pool: Any, data: bytes) -> int:
+        raw = _core.drv.CUmemPoolPtrExportData()
+        ctypes.memmove(raw.getPtr(), bytes(data).ljust(IPC_HANDLE_BYTES, b"\0"), IPC_HANDLE_BYTES)
+        return int(check(_core.drv.cuMemPoolImportPointer(pool, raw), "cuMemPoolImportPointer"))
+
+    # -- managed memory -----------------------------------------------------------------------
+    def mem_alloc_managed(self, size: int, attach: str) -> int:
+        flag = _attach_flag(attach, "cuMemAllocManaged")
+        return int(check(_core.drv.cuMemAllocManaged(size, flag), "cuMemAllocManaged"))
+
+    def mem_free(self, ptr: int) -> None:
+        check(_core.drv.cuMemFree(ptr), "cuMemFree")
+
+    def mem_prefetch_async(self, ptr: int, size: int, device_ordinal: int | None, stream: Any) -> None:
+        check(_core.drv.cuMemPrefetchAsync(ptr, size, _location(device_ordinal), 0, stream), "cuMemPrefetchAsync")
+
+    def mem_advise(self, ptr: int, size: int, advice: str, device_ordinal: int | None) -> None:
+        member = getattr(_core.drv.CUmem_advise, f"CU_MEM_ADVISE_{advice.upper()}", None)
+        if member is None:
+            raise error_for_code(
+                ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", f"unknown advice {advice!r}", "cuMemAdvise"
+            )
+        check(_core.drv.cuMemAdvise(ptr, size, member, _location(device_ordinal)), "cuMemAdvise")
+
+    def stream_attach_mem_async(self, stream: Any, ptr: int, attach: str) -> None:
+        flag = _attach_flag(attach, "cuStreamAttachMemAsync")
+        check(_core.drv.cuStreamAttachMemAsync(stream, ptr, 0, flag), "cuStreamAttachMemAsync")
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         drv = _core.drv
@@ -247,6 +293,26 @@ class CudaMemory:
         params.Height = copy.height
         params.Depth = copy.depth
         check(call(params, stream), name)
+
+
+def _attach_flag(attach: str, call: str) -> int:
+    member = getattr(_core.drv.CUmemAttach_flags, f"CU_MEM_ATTACH_{attach.upper()}", None)
+    if member is None:
+        raise error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", f"unknown attach {attach!r}", call)
+    return int(member)
+
+
+def _location(device_ordinal: int | None) -> Any:
+    """A ``CUmemLocation``: the device, or host memory for None."""
+    drv = _core.drv
+    location = drv.CUmemLocation()
+    if device_ordinal is None:
+        location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+        location.id = 0
+    else:
+        location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        location.id = device_ordinal
+    return location
 
 
 def _side(params: Any, prefix: str, side: PitchedSide) -> None:

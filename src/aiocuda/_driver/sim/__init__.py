@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._core import SimCore
+from ._ipc import SimSharing
 from ._memory import SimMemory
 from ._modules import SimModules
 from ._pitched import SimPitched
@@ -10,7 +11,7 @@ from ._pitched import SimPitched
 __all__ = ["SimDriver"]
 
 
-class SimDriver(SimCore, SimMemory, SimPitched, SimModules):
+class SimDriver(SimCore, SimMemory, SimPitched, SimSharing, SimModules):
     """A simulated CUDA driver; see ``_core.SimCore`` for its controls."""
 
     name = "sim"

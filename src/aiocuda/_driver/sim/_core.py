@@ -65,6 +65,8 @@ from ._codes import sim_error
 from ._faults import FaultPlan
 from ._objects import (
     HOST_FUNCTION,
+    REMOTE_POLL,
+    RemotePoint,
     SimContext,
     SimDevice,
     SimEvent,
@@ -443,7 +445,9 @@ class SimCore:
         sim = self._resolve_stream(stream)
         ev = self._event(event)
         self._api("stream_wait_event", sim.device.ordinal)
-        point = ev.point
+        point: SimPoint | RemotePoint | None = ev.point
+        if ev.remote is not None:
+            point = RemotePoint(ev.remote, ev.remote.recorded)
         if point is not None and not point.reached():
             self._submit(sim, StreamWait(point), "stream_wait_event")
 
@@ -485,6 +489,8 @@ class SimCore:
         self._api("event_destroy", ev.device_ordinal)
         ev.destroyed = True
         self._events.pop(ev.value, None)
+        if ev.shared is not None and (ev.point is None or ev.point.reached()):
+            ev.shared.slots.give_back(ev.shared)  # (one still pending keeps its slot for good)
 
     def event_record(self, event: Any, stream: Any) -> None:
         ev = self._event(event)
@@ -496,18 +502,39 @@ class SimCore:
                 "event_record",
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
+        if ev.remote is not None:
+            raise sim_error(
+                ResultCode.NOT_SUPPORTED, "event_record", "the simulator does not record into an event opened by IPC"
+            )
         point = SimPoint(sim, 0)
-        point.seq = self._submit(sim, point.stamp, "event_record")
+        stamp = point.stamp
+        if ev.shared is not None:
+            slot, generation = ev.shared, ev.shared.record()
+
+            def stamp() -> None:
+                point.stamp()
+                slot.reach(generation)
+
+        point.seq = self._submit(sim, stamp, "event_record")
         ev.point = point
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event)
         self._api("event_query", ev.device_ordinal)
+        if ev.remote is not None:
+            return bool(ev.remote.done())
         return ev.point is None or ev.point.reached()
 
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event)
         self._api("event_synchronize", ev.device_ordinal)
+        if ev.remote is not None:
+            generation = ev.remote.recorded
+            while ev.remote.completed() < generation:
+                if self._closed:
+                    raise sim_error(ResultCode.DEINITIALIZED, "event_synchronize", "the simulated driver was shut down")
+                time.sleep(REMOTE_POLL)
+            return
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
             self._observe_frees(ev.device_ordinal, ev.point.stream)

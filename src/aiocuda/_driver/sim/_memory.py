@@ -44,11 +44,15 @@ import numpy as np
 from ...errors import CudaError, ResultCode, error_for_code
 from .._protocol import PoolProps
 from ._objects import SimDevice, SimPoint
+from ._shared import SharedRegion
 
 __all__ = ["SimMemory", "SimPool"]
 
 _ALIGN = 256
 """Alignment of simulated device allocations (the driver guarantees at least 256)."""
+
+IPC_POOL_BYTES = 4 << 30
+"""Most memory one simulated IPC pool holds (its shared mapping's size)."""
 
 _REUSE_ATTRIBUTES = (
     "reuse_follow_event_dependencies",
@@ -89,9 +93,12 @@ class SimPool:
         "cached_bytes",
         "destroyed",
         "freeing_on",
+        "imported",
         "is_default",
+        "managed",
         "max_size",
         "ordinal",
+        "region",
         "release_threshold",
         "reserved",
         "reserved_high",
@@ -121,6 +128,11 @@ class SimPool:
         that freed them: no trim gives them back."""
         self.destroyed = False
         self.access: set[int] = {ordinal}
+        self.managed = False
+        self.region: SharedRegion | None = None
+        """Where an IPC pool's blocks live (shared with the processes that import it)."""
+        self.imported = False
+        """Imported from another process: pointers are imported from it, nothing allocated."""
 
     def __repr__(self) -> str:
         return f"<SimPool device={self.ordinal} used={self.used} reserved={self.reserved}>"
@@ -129,7 +141,7 @@ class SimPool:
 class _Block:
     """One entry of the allocation table: a device or pinned-host range."""
 
-    __slots__ = ("array", "free_token", "kind", "ordinal", "pool", "size", "start")
+    __slots__ = ("array", "free_token", "imported", "kind", "managed", "ordinal", "pool", "size", "start")
 
     def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
         self.start = start
@@ -138,6 +150,12 @@ class _Block:
         self.kind = kind  # "device", "host" (mem_host_alloc) or "registered"
         self.ordinal = ordinal
         self.pool = pool
+        """The pool it came from; None for managed allocations and imported pointers."""
+        self.managed = False
+        """Managed memory (host code may use it too)."""
+        self.imported = False
+        """A pointer imported from another process's pool (``mem_free``/``mem_free_async``
+        end the import)."""
         self.free_token: object | None = None
         """Set while a free is enqueued; a same-stream reuse clears it, cancelling that free."""
 
@@ -178,7 +196,13 @@ class SimMemory:
         self._api("mempool_create", props.device_ordinal)
         if props.max_size < 0:
             raise _invalid("cuMemPoolCreate", f"max_size must be >= 0, got {props.max_size}")
+        if props.managed and (props.max_size or props.ipc):
+            raise _invalid("cuMemPoolCreate", "a managed pool has no size limit and cannot be exported")
         pool = SimPool(props.device_ordinal, props.max_size, is_default=False)
+        pool.managed = props.managed
+        if props.ipc:
+            total = self._devices[props.device_ordinal].total_mem
+            pool.region = SharedRegion.create(min(IPC_POOL_BYTES, props.max_size or total))
         state = self._mem()
         with state.lock:
             state.pools.append(pool)
@@ -269,6 +293,8 @@ class SimMemory:
         sim_stream = self._resolve_stream(stream)
         if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
+        if pool.imported:
+            raise _invalid("cuMemAllocFromPoolAsync", "an imported pool allocates nothing")
         state = self._mem()
         with state.lock:
             reused = state.take_freeing(pool, sim_stream, size)
@@ -278,22 +304,34 @@ class SimMemory:
             if array is None:
                 device = self._devices[pool.ordinal]
                 over_pool = pool.max_size and pool.reserved + size > pool.max_size
-                if over_pool or device.used_bytes + size > device.total_mem:
+                carved = None if pool.region is None else pool.region.carve(size)
+                if over_pool or device.used_bytes + size > device.total_mem or (pool.region and carved is None):
                     raise error_for_code(
                         ResultCode.OUT_OF_MEMORY,
                         "CUDA_ERROR_OUT_OF_MEMORY",
                         "out of memory",
                         "cuMemAllocFromPoolAsync",
                     )
-                array = _aligned_bytes(size)
+                array = carved if carved is not None else _aligned_bytes(size)
                 pool.reserved += size
                 pool.reserved_high = max(pool.reserved_high, pool.reserved)
                 device.used_bytes += size
             pool.used += size
             pool.used_high = max(pool.used_high, pool.used)
             start = array.ctypes.data
-            state.insert(_Block(start, size, array, "device", pool.ordinal, pool))
+            block = _Block(start, size, array, "device", pool.ordinal, pool)
+            block.managed = pool.managed
+            state.insert(block)
         return start
+
+    def _new_block(self, size: int, ordinal: int) -> _Block:
+        """A device block of ``size`` bytes that no pool owns (managed memory)."""
+        array = _aligned_bytes(size)
+        block = _Block(array.ctypes.data, size, array, "device", ordinal, None)
+        state = self._mem()
+        with state.lock:
+            state.insert(block)
+        return block
 
     def mem_free_async(self, ptr: int, stream: Any) -> None:
         sim_stream = self._resolve_stream(stream)
@@ -304,8 +342,14 @@ class SimMemory:
             block = state.blocks.get(ptr)
             if block is None or block.kind != "device" or block.free_token is not None:
                 raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+            if block.imported:
+                block.free_token = token
+                self._enqueue(stream, lambda: state.end_import(block), "mem_free_async")
+                return
             pool, array = block.pool, block.array
-            assert pool is not None and array is not None
+            if pool is None:
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is managed memory: free it with cuMemFree")
+            assert array is not None
             block.free_token = token
             pool.freeing_on.setdefault((sim_stream, block.size), {})[ptr] = block
 
@@ -424,7 +468,7 @@ class SimMemory:
         if not ptr:
             raise _invalid(call, "null host pointer")
         block = self._mem().find(ptr, 1)
-        if block is not None and block.kind == "device":
+        if block is not None and block.kind == "device" and not block.managed:
             raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
 
     def _enqueue_checked(
@@ -572,6 +616,31 @@ class _MemoryState:
                 if pool.reserved > pool.release_threshold:
                     self.trim_cached(pool, pool.release_threshold)
 
+    def imported_pool(self, ordinal: int, region: SharedRegion) -> SimPool:
+        """A pool imported from another process (or this one), over its shared region."""
+        pool = SimPool(ordinal, 0, is_default=False)
+        pool.region = region
+        pool.imported = True
+        return pool
+
+    def import_block(self, pool: SimPool, address: int, size: int) -> int:
+        """Enter an imported allocation into the table; its address in this mapping."""
+        assert pool.region is not None
+        offset = address - pool.region.base
+        with self.lock:
+            if address in self.blocks:
+                raise _invalid("cuMemPoolImportPointer", f"0x{address:x} is imported already")
+            block = _Block(address, size, pool.region.bytes[offset : offset + size], "device", pool.ordinal, None)
+            block.imported = True
+            self.insert(block)
+        return address
+
+    def end_import(self, block: _Block) -> None:
+        """An imported pointer's free ran: forget it (the exporter owns the memory)."""
+        with self.lock:
+            if self.blocks.get(block.start) is block:
+                self.remove(block.start)
+
     def insert(self, block: _Block) -> None:
         self.blocks[block.start] = block
         bisect.insort(self.starts, block.start)
@@ -645,6 +714,8 @@ class _MemoryState:
                 start = arrays[i][0].ctypes.data
                 if observed_only and start in pool.unobserved:
                     continue
+                if pool.region is not None:
+                    pool.region.release(arrays[i][0])
                 del arrays[i]
                 pool.unobserved.pop(start, None)
                 pool.cached_bytes -= size

@@ -37,6 +37,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import STICKY_CODES, CudaError, ResultCode
 from ._codes import sim_error
@@ -45,6 +46,7 @@ from ._workers import Workers
 __all__ = [
     "HOST_FUNCTION",
     "Poison",
+    "RemotePoint",
     "SimContext",
     "SimDevice",
     "SimEvent",
@@ -196,10 +198,32 @@ class SimPoint:
         self.time = time.perf_counter()
 
 
-class SimEvent:
-    """An event: where it was last recorded (``point``), or None if never recorded."""
+class RemotePoint:
+    """A point of a stream in another process, seen through an interprocess event's
+    shared counters (``_shared.EventSlot``): reached once the counter of reached
+    generations gets to ``generation``. It belongs to no stream here, so a stream waiting
+    for it looks again on a timer, and a host waits by polling."""
 
-    __slots__ = ("blocking_sync", "destroyed", "device_ordinal", "point", "timing", "value")
+    __slots__ = ("generation", "slot")
+
+    stream = None
+
+    def __init__(self, slot: Any, generation: int) -> None:
+        self.slot = slot
+        self.generation = generation
+
+    def reached(self) -> bool:
+        return bool(self.slot.completed() >= self.generation)
+
+
+class SimEvent:
+    """An event: where it was last recorded (``point``), or None if never recorded.
+
+    An interprocess event also has ``shared``, its counters for other processes; an
+    event opened from another process's handle has ``remote`` instead (and no point).
+    """
+
+    __slots__ = ("blocking_sync", "destroyed", "device_ordinal", "point", "remote", "shared", "timing", "value")
 
     def __init__(self, device_ordinal: int, timing: bool, blocking_sync: bool) -> None:
         self.value = next_handle_value()
@@ -208,6 +232,8 @@ class SimEvent:
         self.blocking_sync = blocking_sync
         self.point: SimPoint | None = None
         self.destroyed = False
+        self.shared: Any = None
+        self.remote: Any = None
 
     def __repr__(self) -> str:
         if self.point is None:
@@ -219,6 +245,9 @@ class SimEvent:
 
 _IDLE_EXIT_S = 1.0
 """How long an idle worker thread lingers before leaving (new work starts one again)."""
+
+REMOTE_POLL = 0.0002
+"""Seconds between looks at another process's point (:class:`RemotePoint`)."""
 
 _TURN_OPERATIONS = 64
 """Operations a stream runs before it lets other queued streams have a worker."""
@@ -242,14 +271,15 @@ class StreamWait:
 
     __slots__ = ("point",)
 
-    def __init__(self, point: SimPoint) -> None:
+    def __init__(self, point: SimPoint | RemotePoint) -> None:
         self.point = point
 
     def __call__(self) -> None:
         pass  # nothing to do once the point is passed
 
     def passed(self) -> bool:
-        return self.point.reached() or self.point.stream.device.poison is not None
+        stream = self.point.stream
+        return self.point.reached() or (stream is not None and stream.device.poison is not None)
 
 
 class SimStream:
@@ -409,6 +439,9 @@ class SimStream:
                     return
                 waits_for = fn.point if type(fn) is StreamWait and not fn.passed() else None
                 if waits_for is not None:
+                    if waits_for.stream is None:  # another process's point: look again soon
+                        self._workers.after(time.monotonic() + REMOTE_POLL, self)
+                        return
                     self._scheduled = False
             if waits_for is not None:
                 if not waits_for.stream._wait_for_me(self, waits_for):
