@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 import time
+import weakref
 
 import anyio
 import numpy as np
@@ -461,3 +463,18 @@ async def test_out_of_memory_in_one_pool_trims_the_devices_other_pools(
         buffer.free()
         await s
         second.trim(0)
+
+
+def test_the_off_loop_thread_lets_go_of_what_a_call_kept(sim_backend: _driver.Driver) -> None:
+    """Objects a disposal keeps alive go once it ran, not when the next call comes (an
+    IPC export's buffer is let go this way, and nothing else may follow for a while)."""
+
+    class Kept:
+        pass
+
+    kept = Kept()
+    gone = threading.Event()
+    weakref.finalize(kept, gone.set)
+    _offloop.dispose(Device(0), lambda: None, keep=kept)
+    del kept
+    assert gone.wait(30), "the off-loop thread still holds what its last call kept"

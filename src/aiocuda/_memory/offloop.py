@@ -53,6 +53,7 @@ class _Worker:
                 fn(*args)
             except Exception:
                 _log.exception("aiocuda: %s failed on the off-loop thread", getattr(fn, "__qualname__", fn))
+            del fn, args  # what a call keeps goes now, not when the next call comes
 
 
 _worker: _Worker | None = None
