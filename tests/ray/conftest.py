@@ -1,4 +1,4 @@
-"""One local Ray cluster for every test here, on the simulated backend.
+"""One local Ray cluster for the tests here (ended after the last), on the simulated backend.
 
 The cluster declares more GPUs than the machine has (Ray only counts them): each actor
 takes one, and on the simulated backend each becomes a simulated device. CPUs are few
@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPUS = 16
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[Any]:
     """A local Ray cluster whose workers can import ``tests.ray._stages``."""
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED")}
@@ -63,11 +63,11 @@ def _shared_pool(actors: int) -> Iterator[Any]:
     anyio.run(pool.aclose)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool2(ray_cluster: Any) -> Iterator[Any]:
     yield from _shared_pool(2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def pool4(ray_cluster: Any) -> Iterator[Any]:
     yield from _shared_pool(4)

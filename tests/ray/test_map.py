@@ -33,8 +33,11 @@ def chunks(n: int, size: int = 4096, marked: tuple[int, ...] = ()) -> list[np.nd
 
 
 async def until(condition: Callable[[], Awaitable[bool]]) -> None:
-    """Wait until ``condition()`` holds; the test's timeout bounds the wait."""
-    while not await condition():
+    """Wait until ``condition()`` holds; the test's timeout bounds the wait. (A poll:
+    the state is in other processes, with nothing to notify this one.)"""
+    while True:
+        if await condition():
+            return
         await anyio.sleep(0.02)
 
 
