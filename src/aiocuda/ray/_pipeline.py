@@ -4,9 +4,9 @@ A feeder task reads the inputs, waits for a free slot (``in_flight`` chunks betw
 admission and delivery, at most) and for an actor with room (``chunks_per_actor``,
 placement as in the executor: :mod:`aiocuda._executor.placement`), then starts one task per
 chunk. A chunk task puts its input into the object store (off the loop: a large put is
-a memory copy), calls the actor, and awaits the result, which it hands to the consumer;
-the consumer receives them in input order or as they complete, and frees the slot by
-taking one.
+a memory copy; small inputs travel inside the call), calls the actor, and awaits the
+result, which it hands to the consumer; the consumer receives them in input order or as
+they complete, and frees the slot by taking one.
 
 An actor that dies fails its chunks with Ray's ``RayActorError``: each is placed again
 on a live actor (its input is still in the store), up to ``retries`` times, and
@@ -43,11 +43,12 @@ from ._pool import ActorLostError, ActorPool, ActorSlot
 if sys.version_info < (3, 11):
     from exceptiongroup import BaseExceptionGroup
 
-__all__ = ["PUT_INLINE_LIMIT", "RayPipeline"]
+__all__ = ["INLINE_LIMIT", "RayPipeline"]
 
-PUT_INLINE_LIMIT = 1 << 20
-"""Inputs up to this size are put into the object store on the loop's thread (a copy of
-well under a millisecond); larger ones from a worker thread."""
+INLINE_LIMIT = 100 << 10
+"""Inputs up to this size travel inside the actor call (as Ray inlines small arguments:
+no store round trip); larger ones are put into the object store first, from a worker
+thread (a large put is a memory copy), and the call passes the reference."""
 
 
 class _InputFailed:
@@ -235,11 +236,11 @@ class RayPipeline:
         held: ActorSlot | None = slot  # the actor whose reservation this task holds
         try:
             try:
-                ref = await _put(host)
+                arg = await _argument(host)
                 attempts = 0
                 while True:
                     try:
-                        result = ChunkResult(index, slot.index, await self._run(slot, ref), None)
+                        result = ChunkResult(index, slot.index, await self._run(slot, arg), None)
                         break
                     except ActorLostError as lost:
                         if attempts >= self._retries or not self._pool.live:
@@ -257,11 +258,12 @@ class RayPipeline:
                 self._release(held, nbytes)
         self._send.send_nowait(result)
 
-    async def _run(self, slot: ActorSlot, ref: Any) -> npt.NDArray[Any]:
-        """The chunk in the store under ``ref``, run on ``slot``'s actor."""
+    async def _run(self, slot: ActorSlot, arg: Any) -> npt.NDArray[Any]:
+        """The chunk (``arg``: the array, or its reference in the store) run on
+        ``slot``'s actor."""
         if slot.lost is not None:
             raise ActorLostError(_lost_message(slot, self._pool)) from slot.lost
-        call = slot.actor.run.remote(self._key, ref)
+        call = slot.actor.run.remote(self._key, arg)
         try:
             value: npt.NDArray[Any] = await _refs.result(call)
         except ray.exceptions.RayActorError as exc:
@@ -277,9 +279,10 @@ class RayPipeline:
         self._pool.admission.release(slot, nbytes)
 
 
-async def _put(host: npt.NDArray[Any]) -> Any:
-    if host.nbytes <= PUT_INLINE_LIMIT:
-        return ray.put(host)
+async def _argument(host: npt.NDArray[Any]) -> Any:
+    """What a chunk's actor calls get for ``host`` (see :data:`INLINE_LIMIT`)."""
+    if host.nbytes <= INLINE_LIMIT:
+        return host
     return await anyio.to_thread.run_sync(ray.put, host)
 
 
