@@ -16,7 +16,7 @@ Measured in the same run, on device 0:
 Wall times are host ``perf_counter`` from the first enqueue to the last result, medians
 over rounds that run serial, hand-written and executor back to back (the copy engines'
 speed drifts over seconds on a shared machine, so contenders are interleaved in time).
-The *bound* is what perfect overlap would take: the busiest engine's 16 chunks plus one
+The *bound* is what perfect overlap would take: the busiest unit's 16 chunks plus one
 fill and drain (the other two steps of one chunk), from the stage times measured alone;
 the *duplex bound* takes the copies' times while both directions run. The hand-written
 loop's own ratio to the bound is reported beside the executor's.
@@ -52,7 +52,7 @@ import anyio
 import numpy as np
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.device import Device
 from aiocuda.event import Event
 from aiocuda.executor import Executor
@@ -279,7 +279,7 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
         "wall_ms": round(summary.wall_ms, 3),
         "bound_ms": round(summary.bound_ms, 3),
         "overlap_ratio": round(summary.overlap_ratio, 4),
-        "busy_ms": {f"{e.device}/{e.engine}": round(e.busy_ms, 3) for e in summary.engines},
+        "busy_ms": {f"{e.device}/{e.unit}": round(e.busy_ms, 3) for e in summary.units},
     }
     if ndev < 2:
         return

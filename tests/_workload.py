@@ -39,7 +39,7 @@ def slow_op(stream: Stream, seconds: float) -> None:
     """Enqueue work that keeps ``stream`` busy for about ``seconds``."""
     backend = stream.device._driver
     if backend.name == "sim":
-        backend._enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
+        backend.enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
         return
     cycles = int(seconds * stream.device.attribute("clock_rate") * 1e3)
     _kernel(stream, "spin").launch(1, 1, cycles, stream=stream)
@@ -53,6 +53,6 @@ def poison_op(stream: Stream) -> None:
         def fault() -> None:
             raise IndexError("simulated out-of-bounds write")
 
-        backend._enqueue(stream.handle, fault, "poison")  # type: ignore[attr-defined]
+        backend.enqueue(stream.handle, fault, "poison")  # type: ignore[attr-defined]
         return
     _kernel(stream, "poison").launch(1, 1, None, stream=stream)

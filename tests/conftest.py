@@ -74,5 +74,5 @@ def backend(request: pytest.FixtureRequest) -> Iterator[_driver.Driver]:
 
 @pytest.fixture
 def sim_backend() -> Iterator[_driver.Driver]:
-    """The simulated backend alone, for tests of sim-only controls (hold, faults)."""
+    """The simulated backend alone, for tests of sim-only controls (pause, faults)."""
     yield _driver.use_backend("sim", devices=2)

@@ -51,7 +51,7 @@ def test_demo_in_plain_text_on_one_device(
     monkeypatch.setattr(demo, "_ui", demo._Plain)  # as without rich
     assert demo.run_demo(_args(tmp_path, devices=1)) == 0
     out = capsys.readouterr().out
-    assert "6/6 chunks" in out and "busy time per engine" in out and "results match numpy" in out
+    assert "6/6 chunks" in out and "busy time per unit" in out and "results match numpy" in out
     assert "chunks per device: {0: 6}" in out
     assert (tmp_path / "t.json").is_file()
 

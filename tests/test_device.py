@@ -77,8 +77,9 @@ def test_peer_access_between_simulated_devices(sim_backend: _driver.Driver) -> N
 
 
 def test_unknown_backend_name() -> None:
-    with pytest.raises(BackendError, match="choose one of cuda, sim, auto"):
+    with pytest.raises(BackendError, match="choose one of cuda, sim, auto") as info:
         aiocuda.use_backend("rocm")
+    assert isinstance(info.value, aiocuda.CudaError) and isinstance(info.value, ValueError)
     proc = run_python("import aiocuda.device as d; d.devices()", AIOCUDA_BACKEND="opencl")
     assert proc.returncode != 0 and "BackendError" in proc.stderr and "opencl" in proc.stderr
 

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
 from aiocuda.device import Device
 from aiocuda.executor import ChunkContext, Executor
@@ -92,13 +92,13 @@ async def test_run_returns_values_and_accepts_async_iterables(backend: Any, anyi
 async def test_as_completed_yields_finished_chunks_first(slow_sim: Any, anyio_backend: Any) -> None:
     stage = ScaleStage(REPS)
     async with Executor([0, 1]) as ex:
-        slow_sim.hold(ex.lanes[0].d2h.handle)  # device 0 cannot finish anything
+        slow_sim.pause(ex.lanes[0].d2h.handle)  # device 0 cannot finish anything
         order = []
         async with ex.map(stage, chunks(8), ordered=False) as results:
             async for r in results:
                 order.append(r)
                 if len(order) == 4:
-                    slow_sim.release(ex.lanes[0].d2h.handle)
+                    slow_sim.resume(ex.lanes[0].d2h.handle)
     assert [r.device for r in order[:4]] == [1, 1, 1, 1]
     assert sorted(r.index for r in order) == list(range(8))
 
@@ -234,13 +234,13 @@ async def test_one_two_and_eight_devices(count: int, anyio_backend: Any) -> None
 @pytest.mark.parametrize("placement", ["round_robin", "least_loaded"])
 async def test_placement_skips_a_full_device(placement: Any, slow_sim: Any, anyio_backend: Any) -> None:
     async with Executor(chunks_per_device=2) as ex:
-        slow_sim.hold(ex.lanes[0].h2d.handle)  # device 0 stays full once it has 2 chunks
+        slow_sim.pause(ex.lanes[0].h2d.handle)  # device 0 stays full once it has 2 chunks
         devices_seen = []
         async with ex.map(ScaleStage(REPS), chunks(10), ordered=False, placement=placement) as results:
             async for r in results:
                 devices_seen.append(r.device)
                 if len(devices_seen) == 8:
-                    slow_sim.release(ex.lanes[0].h2d.handle)
+                    slow_sim.resume(ex.lanes[0].h2d.handle)
     assert devices_seen[:8] == [1] * 8
     assert sorted(devices_seen) == [0, 0] + [1] * 8
 
@@ -248,13 +248,13 @@ async def test_placement_skips_a_full_device(placement: Any, slow_sim: Any, anyi
 async def test_least_loaded_sends_small_chunks_away_from_a_big_one(sim_backend: Any, anyio_backend: Any) -> None:
     inputs = [np.ones(n, np.float32) for n in (40_000, 100, 100, 100, 100)]
     async with Executor() as ex:
-        sim_backend.hold(ex.lanes[0].h2d.handle)  # the big chunk stays in flight on device 0
+        sim_backend.pause(ex.lanes[0].h2d.handle)  # the big chunk stays in flight on device 0
         got = []
         async with ex.map(ScaleStage(REPS), inputs, ordered=False, placement="least_loaded") as results:
             async for r in results:
                 got.append(r)
                 if len(got) == 4:
-                    sim_backend.release(ex.lanes[0].h2d.handle)
+                    sim_backend.resume(ex.lanes[0].h2d.handle)
     assert [(r.index, r.device) for r in got[4:]] == [(0, 0)]
     assert {r.device for r in got[:4]} == {1}
 
@@ -341,8 +341,8 @@ async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> 
     async with Executor([0, 1], trace=True) as ex:
         values = await ex.run(stage, inputs)
         assert ex.trace is not None
-        engines = {(s.device, s.engine) for s in ex.trace.spans}
-    assert (0, "p2p") in engines and (1, "p2p") in engines
+        units = {(s.device, s.unit) for s in ex.trace.spans}
+    assert (0, "p2p") in units and (1, "p2p") in units
     for value, host in zip(values, inputs, strict=True):
         np.testing.assert_allclose(value, scale_reference(scale_reference(host, REPS), REPS), rtol=1e-5)
 

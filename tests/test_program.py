@@ -178,7 +178,7 @@ def test_compile_error_carries_the_log(backend: _driver.Driver, tmp_path: pathli
         pytest.skip("needs NVRTC and a GPU")
     bad = 'extern "C" __global__ void broken(int* x) { x[0] = undeclared_name; }'
     with pytest.raises(CompileError) as info:
-        Program(bad, cache=CompileCache(tmp_path)).compile()
+        Program(bad, cache=tmp_path).compile()
     assert "undeclared_name" in info.value.log
     assert "undeclared_name" in str(info.value)
 
@@ -190,25 +190,33 @@ def test_second_compile_comes_from_the_cache(
     if backend.name != "cuda":
         pytest.skip("needs NVRTC and a GPU")
     source = 'extern "C" __global__ void cached_kernel(int* x) { x[0] = 1; }'
-    first = Program(source, cache=CompileCache(tmp_path)).compile()
+    first = Program(source, cache=tmp_path).compile()
     assert first.kind == "cubin"
 
     def must_not_compile(*args: Any) -> Any:
         raise AssertionError("NVRTC was called although the cache holds the image")
 
-    monkeypatch.setattr(program, "_nvrtc_compile", must_not_compile)
-    second = Program(source, cache=CompileCache(tmp_path)).compile()
+    monkeypatch.setattr(nvrtc, "compile_program", must_not_compile)
+    second = Program(source, cache=tmp_path).compile()
     assert second.image == first.image
     # and in a new process, through AIOCUDA_CACHE_DIR
     code = (
-        "import aiocuda.program as p, sys\n"
-        "p._nvrtc_compile = lambda *a: sys.exit('compiled again')\n"
+        "import aiocuda._kernels.nvrtc as n, aiocuda.program as p, sys\n"
+        "n.compile_program = lambda *a: sys.exit('compiled again')\n"
         f"p.Program({source!r}).compile()\n"
     )
     env = {**os.environ, "AIOCUDA_CACHE_DIR": str(tmp_path), "AIOCUDA_BACKEND": "cuda"}
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(program.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_cache_argument_takes_a_switch_or_a_folder(tmp_path: pathlib.Path) -> None:
+    assert Program("", cache=False)._cache is None
+    assert Program("", cache=tmp_path)._cache is not None
+    assert Program("", cache=str(tmp_path))._cache is not None
+    with pytest.raises(TypeError, match="cache must be True, False or a folder path"):
+        Program("", cache=42)  # type: ignore[arg-type]
 
 
 def test_compiler_identity_from_the_wheel_without_loading_nvrtc(

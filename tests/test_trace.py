@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiocuda._cli.demo import ScaleStage
+from aiocuda._cli.workload import ScaleStage
 from aiocuda._memory import offloop as _offloop
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
@@ -53,7 +53,7 @@ def test_summary_arithmetic_on_known_spans() -> None:
 
 def test_empty_trace_summarises_to_zero() -> None:
     s = Trace().summary()
-    assert (s.wall_ms, s.bound_ms, s.overlap_ratio, s.engines) == (0.0, 0.0, 0.0, ())
+    assert (s.wall_ms, s.bound_ms, s.overlap_ratio, s.units) == (0.0, 0.0, 0.0, ())
 
 
 def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None:
@@ -67,33 +67,46 @@ def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
         assert isinstance(e["ts"], float | int) and e["dur"] >= 0
     first = next(e for e in complete if e["pid"] == 0)
-    assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"engine": "h2d", "chunk": 0})
+    assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"unit": "h2d", "chunk": 0})
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert names[(0, first["tid"])] == "h2d"
     assert "compute 1" in names.values()
     assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {"GPU 0", "GPU 1"}
 
 
-def test_unknown_engine_is_refused(sim_backend: Any) -> None:
-    with Stream(0) as s, pytest.raises(ValueError, match="unknown engine"):
-        Trace().start(s, "tensor", "x")
+def test_unknown_unit_is_refused(sim_backend: Any) -> None:
+    with Stream(0) as s, pytest.raises(ValueError, match="unknown unit"), Trace().span(s, "tensor", "x"):
+        pass
 
 
 def test_spans_recorded_by_hand(backend: Any) -> None:
     trace = Trace()
     with Stream(0) as s:
         buf = MemoryPool.for_device(s.device).allocate(1 << 16, s)
-        trace.begin(s)
-        pending = trace.start(s, "compute", "memset", chunk=7)
-        s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
-        trace.stop(pending, s)
+        with trace.span(s, "compute", "memset", chunk=7):
+            s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
+        with pytest.raises(RuntimeError), trace.span(s, "compute", "failed"):
+            raise RuntimeError  # a block that fails records nothing
         buf.free()
         s.synchronize()
-        trace.resolve(pending)
+        (span,) = trace.spans
         trace.close()
-    (span,) = trace.spans
-    assert (span.device, span.engine, span.name, span.chunk) == (0, "compute", "memset", 7)
+    assert trace.spans == (span,)
+    assert (span.device, span.unit, span.name, span.chunk) == (0, "compute", "memset", 7)
     assert 0.0 <= span.start_ms <= span.end_ms
+
+
+def test_a_span_is_read_once_its_work_is_done(sim_backend: Any) -> None:
+    trace = Trace()
+    with Stream(0) as s:
+        sim_backend.pause(s.handle)
+        with trace.span(s, "compute", "waiting"):
+            pass
+        assert trace.spans == () and trace.summary().wall_ms == 0.0  # not done: not read yet
+        sim_backend.resume(s.handle)
+        s.synchronize()
+        assert [sp.name for sp in trace.spans] == ["waiting"]
+        trace.close()
 
 
 @pytest.mark.anyio
@@ -107,19 +120,19 @@ async def test_executor_trace_shows_overlap(sim_backend: Any, anyio_backend: Any
         assert ex.trace is not None
         s = ex.trace.summary()
         spans = ex.trace.spans
-    assert sorted(sp.chunk or 0 for sp in spans if sp.engine == "compute") == list(range(8))
+    assert sorted(sp.chunk or 0 for sp in spans if sp.unit == "compute") == list(range(8))
     step_ms = LATENCY_S * 1e3
-    for engine in ("h2d", "compute", "d2h"):
-        assert s.busy_ms(0, engine) >= 8 * step_ms * 0.9
+    for unit in ("h2d", "compute", "d2h"):
+        assert s.busy_ms(0, unit) >= 8 * step_ms * 0.9
     # Each span starts when its stream gets to it: a chunk's steps never overlap each other.
     by_chunk: dict[int, dict[str, Span]] = {}
     for sp in spans:
         assert sp.chunk is not None
-        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+        by_chunk.setdefault(sp.chunk, {})[sp.unit] = sp
     for steps in by_chunk.values():
         assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
         assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
-    assert s.wall_ms < 0.7 * s.serial_ms  # engines overlapped
+    assert s.wall_ms < 0.7 * s.serial_ms  # units overlapped
     assert 0.8 < s.overlap_ratio < 1.6
     assert s.bound_ms >= 8 * step_ms + 2 * step_ms * 0.9
 
@@ -137,7 +150,7 @@ async def test_executor_trace_on_every_backend(backend: Any, anyio_backend: Any)
     by_chunk: dict[int, dict[str, Span]] = {}
     for sp in spans:
         assert sp.duration_ms >= 0 and sp.chunk is not None
-        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+        by_chunk.setdefault(sp.chunk, {})[sp.unit] = sp
     for steps in by_chunk.values():  # GPU-side order of each chunk's steps
         assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
         assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
@@ -152,11 +165,11 @@ async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: 
 
 
 @pytest.mark.anyio
-async def test_gpu_pipeline_overlaps_its_engines(backend: Any, anyio_backend: Any) -> None:
+async def test_gpu_pipeline_overlaps_its_units(backend: Any, anyio_backend: Any) -> None:
     if backend.name != "cuda":
         pytest.skip("overlap of real copy engines and SMs: GPU only")
     # 12 x 32 MiB: each step takes ~0.6 ms on the GPU, well above the executor's host
-    # cost per chunk (~0.2 ms), so that what is measured is the engines' overlap.
+    # cost per chunk (~0.2 ms), so that what is measured is the units' overlap.
     chunks = pinned_empty((12, 8 << 20), np.float32)
     chunks[:] = 1.0
     out = pinned_empty(chunks.shape, np.float32)

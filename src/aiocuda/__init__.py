@@ -16,13 +16,15 @@ Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
 from __future__ import annotations
 
 from . import errors
-from ._driver import use_backend
+from ._driver import LaunchConfig, use_backend
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
+    BackendError,
+    CompileError,
     ContextPoisonedError,
     CudaError,
     LaunchError,
@@ -36,55 +38,57 @@ from .kernel import Kernel, KernelAttributes, register_sim_kernel
 from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
-from .program import CompileError, Program, ProgramOptions
+from .program import Program, ProgramOptions
 from .stream import Stream, current_stream, use_stream
 from .trace import Trace, TraceSummary
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "ArgumentError",
+    "BackendError",
     "ChunkContext",
     "ChunkResult",
     "CompileError",
+    "ContextPoisonedError",
+    "CudaError",
+    "Device",
     "DeviceArray",
     "DeviceBuffer",
+    "DeviceProperties",
+    "Event",
     "Executor",
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
+    "LaunchConfig",
+    "LaunchError",
     "MemoryPool",
     "Module",
+    "NoDeviceError",
+    "OutOfMemoryError",
     "Pipeline",
     "PoolStatistics",
     "Program",
     "ProgramOptions",
+    "Stream",
     "Trace",
     "TraceSummary",
     "as_device_array",
     "copy_array",
+    "current_stream",
+    "device_count",
+    "devices",
     "empty",
     "enable_peer_access",
+    "errors",
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",
     "register_host",
     "register_sim_kernel",
     "to_device",
-    "zeros",
-    "ContextPoisonedError",
-    "CudaError",
-    "Device",
-    "DeviceProperties",
-    "Event",
-    "LaunchError",
-    "NoDeviceError",
-    "OutOfMemoryError",
-    "Stream",
-    "current_stream",
-    "device_count",
-    "devices",
-    "errors",
     "use_backend",
     "use_stream",
+    "zeros",
 ]

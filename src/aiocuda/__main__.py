@@ -14,18 +14,10 @@ import subprocess
 import sys
 
 from . import _driver
+from ._util import format_bytes
 from .device import devices
 
 __all__ = ["main"]
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{int(value)} B"
-        value /= 1024
-    return f"{n} B"  # unreachable
 
 
 def info(_: argparse.Namespace) -> int:
@@ -39,20 +31,20 @@ def info(_: argparse.Namespace) -> int:
         rows = [
             ("uuid", p.uuid),
             ("pci bus id", p.pci_bus_id),
-            ("total memory", _human_bytes(p.total_memory)),
+            ("total memory", format_bytes(p.total_memory)),
             ("compute capability", f"{p.compute_capability[0]}.{p.compute_capability[1]}"),
             ("multiprocessors", p.multiprocessor_count),
             ("max threads per block", p.max_threads_per_block),
             ("max block dims", "x".join(map(str, p.max_block_dim))),
             ("max grid dims", "x".join(map(str, p.max_grid_dim))),
-            ("shared memory per block", _human_bytes(p.max_shared_memory_per_block)),
-            ("constant memory", _human_bytes(p.total_constant_memory)),
+            ("shared memory per block", format_bytes(p.max_shared_memory_per_block)),
+            ("constant memory", format_bytes(p.total_constant_memory)),
             ("warp size", p.warp_size),
             ("registers per block", p.max_registers_per_block),
             ("clock", f"{p.clock_rate_khz / 1e3:.0f} MHz"),
             ("memory clock", f"{p.memory_clock_rate_khz / 1e3:.0f} MHz"),
             ("memory bus width", f"{p.global_memory_bus_width} bit"),
-            ("L2 cache", _human_bytes(p.l2_cache_size)),
+            ("L2 cache", format_bytes(p.l2_cache_size)),
             ("memory pools", "yes" if p.memory_pools_supported else "no"),
             ("copy engines", p.async_engine_count),
         ]

@@ -15,6 +15,9 @@ for the situations callers branch on:
   a device ordinal out of range, an unknown handle, a bad size. Also a :class:`ValueError`.
 * :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
   wrong argument count or type, a missing kernel image).
+* :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
+  be loaded.
+* :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -23,6 +26,7 @@ included, may raise these.
 from __future__ import annotations
 
 __all__ = [
+    "STICKY_CODES",
     "ArgumentError",
     "BackendError",
     "CompileError",
@@ -196,8 +200,12 @@ class CompileError(CudaError):
         self.log = log
 
 
-class BackendError(ValueError):
-    """An unknown or unusable driver backend was requested (``AIOCUDA_BACKEND``)."""
+class BackendError(CudaError, ValueError):
+    """An unknown driver backend was asked for (``AIOCUDA_BACKEND`` or
+    :func:`aiocuda.use_backend`). Also a :class:`ValueError`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:

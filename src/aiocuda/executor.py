@@ -1,4 +1,4 @@
-"""The executor: pipelines of copies and kernels that keep every engine of every GPU busy.
+"""The executor: pipelines of copies and kernels that keep the copy units and SMs of every GPU busy.
 
 An :class:`Executor` owns, per device, a small set of streams -- one for host-to-device
 copies, one or more for kernels (``compute``), one for device-to-host copies, one for
@@ -10,7 +10,7 @@ A pipeline (:meth:`Executor.map`) sends each chunk of host input through::
 
 Steps of one chunk are ordered by events between streams, on the GPU; chunks follow each
 other on each stream, so while chunk *i* is computed, chunk *i + 1* is being uploaded and
-chunk *i - 1* downloaded: both copy engines and the SMs work at once, on every device.
+chunk *i - 1* downloaded: both copy directions and the SMs work at once, on every device.
 
 Example::
 
@@ -37,11 +37,10 @@ with ``output=``; pageable arrays work but go through the process's pinned stagi
 Where the executor serialises (what to watch when scaling to many GPUs):
 
 * one event-loop thread enqueues every chunk of every device and takes every result,
-  at a host cost of about 0.2 ms per chunk (``benchmarks/executor_host.py``). Each GPU
-  needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's 32 MiB
-  chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk; chunks whose steps
-  take less than the host cost leave the GPU waiting for the host: make chunks big
-  (tens of MiB) rather than many;
+  at a host cost per chunk that ``benchmarks/executor_host.py`` measures. Each GPU
+  needs a new chunk every ``max(copy, kernel)``, so with N GPUs the thread has
+  ``max(copy, kernel) / N`` per chunk; chunks whose steps take less than the host cost
+  leave the GPU waiting for the host: make chunks big (tens of MiB) rather than many;
 * one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
   one waker thread for long waits;
 * one feeder task per pipeline reads the inputs and admits chunks in turn;
@@ -79,8 +78,9 @@ class Executor:
             (default 2: a chunk's kernels may start while the previous chunk's last
             wave of blocks is still finishing, as with one stream per chunk).
         chunks_per_device: chunks in flight on one device at most (default 8: the
-            three engines busy with several chunks queued, so that the time the host
-            takes to see a chunk finish and admit the next never idles the GPU).
+            three units, h2d, compute and d2h, busy with several chunks queued, so that
+            the time the host takes to see a chunk finish and admit the next never
+            idles the GPU).
         memory_fraction: share of each device's free memory (measured on entering) that
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
@@ -237,7 +237,7 @@ class Executor:
             raise ValueError(f"on_error must be 'raise' or 'continue', got {on_error!r}")
         if placement not in ("round_robin", "least_loaded"):
             raise ValueError(f"unknown placement {placement!r}: expected 'round_robin' or 'least_loaded'")
-        return Pipeline(
+        return Pipeline._create(
             self._runner(stage, output, name),
             inputs,
             lanes=self._lanes,

@@ -3,7 +3,7 @@
 Generates ``--chunks`` chunks of ``--chunk-mib`` MiB of float32 in pinned host memory,
 sends each through the executor (upload, the ``scale`` kernel, download) on every device
 (or ``--devices N``), shows a progress bar, checks every result against numpy, prints a
-summary table (busy time of each engine of each device, wall time against the bound)
+summary table (busy time of each unit of each device, wall time against the bound)
 and writes a Chrome / Perfetto trace (``--trace``, open it in https://ui.perfetto.dev).
 
 Without a GPU it runs on the simulated backend and says so: two simulated devices unless
@@ -12,8 +12,8 @@ and kernels so that the overlap is visible in the trace (the times are the simul
 not a GPU's). The progress bar and table use ``rich`` when installed (``pip install
 aiocuda[demo]``), plain text otherwise.
 
-The ``scale`` workload (kernel, its simulated implementation, the numpy reference) is
-shared with ``benchmarks/pipeline.py`` and the tests.
+The ``scale`` workload (kernel, its simulated implementation, the numpy reference) lives
+in :mod:`aiocuda._cli.workload`, shared with ``benchmarks/pipeline.py`` and the tests.
 """
 
 from __future__ import annotations
@@ -22,71 +22,21 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
 
 import anyio
 import numpy as np
-import numpy.typing as npt
 
 from .. import _driver
-from ..array import DeviceArray
 from ..device import Device, devices
-from ..executor import ChunkContext, Executor
+from ..executor import Executor
 from ..host import pinned_empty
-from ..kernel import Kernel, register_sim_kernel
-from ..program import Program
+from .workload import ScaleStage, scale_reference
 
-__all__ = ["SCALE_SOURCE", "ScaleStage", "run_demo", "scale_reference"]
+__all__ = ["run_demo"]
 
-SCALE_SOURCE = r"""
-extern "C" __global__ void scale(float* x, int n, int reps) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float v = x[i];
-        for (int r = 0; r < reps; r++) v = v * 1.000001f + 0.5f;
-        x[i] = v;
-    }
-}
-"""
-"""The reference pipeline's kernel (``../shared/reference/anchor_probe.py``): ``reps``
-dependent multiply-adds per element, so its length is set by ``reps``."""
-
-_A = float(np.float32(1.000001))
-_BLOCK = 256
 SIM_DEFAULT_DEVICES = 2
 SIM_LATENCY_S = 0.002
 """Simulated time of each upload, kernel and download in the demo on the simulator."""
-
-
-def scale_reference(x: npt.NDArray[np.float32], reps: int) -> npt.NDArray[np.float32]:
-    """What ``scale`` computes, in closed form (float64, then float32): ``v -> a v + b``
-    ``reps`` times is ``a^reps v + b (a^reps - 1) / (a - 1)``. The GPU's float32 loop
-    differs by rounding, about ``reps * 2**-24`` relative: compare with ``rtol=1e-3``."""
-    power = _A**reps
-    return (x.astype(np.float64) * power + 0.5 * (power - 1.0) / (_A - 1.0)).astype(np.float32)
-
-
-def _sim_scale(launch: Any, x: npt.NDArray[np.float32], n: np.int32, reps: np.int32) -> None:
-    view = x[: int(n)]
-    view[:] = scale_reference(view, int(reps))
-
-
-class ScaleStage:
-    """A pipeline stage running ``scale`` in place on each chunk (one launch per chunk).
-
-    Compiles once (NVRTC on a GPU, cached on disk; on the simulator the kernel runs as
-    numpy through a registered implementation); modules load lazily per device.
-    """
-
-    def __init__(self, reps: int) -> None:
-        register_sim_kernel("scale", _sim_scale)
-        self.reps = reps
-        self.kernel: Kernel = Program(SCALE_SOURCE, name="scale.cu").compile().kernel("scale")
-        self.__name__ = f"scale x{reps}"
-
-    def __call__(self, ctx: ChunkContext, x: DeviceArray) -> None:
-        n = x.size
-        self.kernel.launch((n + _BLOCK - 1) // _BLOCK, _BLOCK, x, n, self.reps, stream=ctx.stream)
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -208,15 +158,15 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     rows = [
         [
             str(e.device),
-            e.engine,
+            e.unit,
             str(e.spans),
             f"{e.busy_ms:.2f}",
             f"{e.mean_ms:.3f}",
             f"{100 * e.busy_ms / summary.wall_ms:.0f}%" if summary.wall_ms else "-",
         ]
-        for e in summary.engines
+        for e in summary.units
     ]
-    ui.table("busy time per engine", ["device", "engine", "ops", "busy ms", "mean ms", "of wall"], rows)
+    ui.table("busy time per unit", ["device", "unit", "ops", "busy ms", "mean ms", "of wall"], rows)
     ui.table(
         "pipeline",
         ["wall ms", "GPU wall ms", "bound ms", "overlap ratio", "serial ms", "GiB/s moved"],
@@ -233,7 +183,7 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     )
     ui.say(
         f"chunks per device: {placed}; overlap ratio = GPU wall / bound (1.0 is perfect; the bound is the "
-        "busiest engine plus one fill and drain)"
+        "busiest unit plus one fill and drain)"
     )
     path = ex.trace.write_chrome(args.trace)
     ui.say(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")

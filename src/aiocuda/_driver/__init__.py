@@ -22,13 +22,16 @@ from typing import Any
 
 from ..errors import BackendError, NoDeviceError
 from ._fork import check_not_forked
+from ._launch import Dim3, LaunchConfig
 from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
 
 __all__ = [
+    "Dim3",
     "Doorbell",
     "Driver",
     "Handle",
     "KernelParams",
+    "LaunchConfig",
     "PoolProps",
     "backend_generation",
     "driver",

@@ -18,11 +18,11 @@ import numpy.typing as npt
 
 from .._memory import staging as _staging
 from .._memory.pinned import pinned_ranges
+from .._util import NoPublicConstructor, invalid_value
 from ..array import DeviceArray, empty
-from ..device import Device, as_device
-from ..errors import ArgumentError, ResultCode
+from ..device import Device, _as_device
 from ..stream import Stream
-from ..trace import PendingSpan, Trace
+from ..trace import Trace, _PendingSpan
 from .lanes import DeviceLanes
 
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
@@ -62,7 +62,7 @@ class ChunkResult:
         return self.output
 
 
-class ChunkContext:
+class ChunkContext(metaclass=NoPublicConstructor):
     """What a stage gets besides its input: where to enqueue, and chunk-scoped memory.
 
     Attributes:
@@ -78,6 +78,7 @@ class ChunkContext:
     """
 
     __slots__ = ("_arrays", "_compute", "_lanes_of", "_spans", "_trace", "host", "index", "lanes", "name", "stream")
+    _factories = "the executor (a stage receives one)"
 
     def __init__(
         self,
@@ -97,8 +98,8 @@ class ChunkContext:
         self.stream: Stream = lanes.compute[0]  # set by _begin_compute before the stage runs
         self._arrays: list[tuple[DeviceArray, Stream]] = []
         """The chunk's device arrays, each with the stream it was allocated on."""
-        self._compute: PendingSpan | None = None
-        self._spans: list[PendingSpan] = []
+        self._compute: _PendingSpan | None = None
+        self._spans: list[_PendingSpan] = []
 
     @property
     def device(self) -> Device:
@@ -118,24 +119,24 @@ class ChunkContext:
         The copy runs on the source device's ``p2p`` stream, so neither device's compute
         stream stalls for it.
         """
-        target = self._lanes_of(as_device(device))
+        target = self._lanes_of(_as_device(device))
         if target is self.lanes:
             return array
         if not array.is_c_contiguous:
-            raise ArgumentError("move() needs a C-contiguous array", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("move() needs a C-contiguous array")
         source = self.lanes
         self._end_compute()
         p2p = source.p2p
         array.buffer._used_on(p2p)  # after the stage's kernels; frees the source after the copy
         moved = self._allocate(array.shape, array.dtype, target, target.p2p)
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
-        span = self._trace.start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
+        span = self._trace._start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
         source.device.make_current()
         source.device._driver.memcpy_peer_async(
             moved.ptr, target.device._context, array.ptr, source.device._context, array.nbytes, p2p.handle
         )
         if span is not None:
-            Trace.stop(span, p2p)
+            Trace._stop(span, p2p)
             self._spans.append(span)
         self.lanes = target
         self._begin_compute(moved, copied_on=p2p)
@@ -160,12 +161,12 @@ class ChunkContext:
             self.stream.wait(copied_on)
         ready.buffer._used_on(self.stream)
         if self._trace is not None:
-            self._compute = self._trace.start(self.stream, "compute", self.name, chunk=self.index, track=track)
+            self._compute = self._trace._start(self.stream, "compute", self.name, chunk=self.index, track=track)
 
     def _end_compute(self) -> None:
         span, self._compute = self._compute, None
         if span is not None:
-            Trace.stop(span, self.stream)
+            Trace._stop(span, self.stream)
             self._spans.append(span)
 
     def _free(self) -> None:
@@ -207,14 +208,14 @@ class ChunkRunner:
         """Send one chunk, admitted on ``lanes``, through upload, stage and download;
         return the host result once it is there. Memory is returned whatever happens."""
         trace = self.trace
-        ctx = ChunkContext(index, host, lanes, self.lanes_of, trace, self.name)
+        ctx = ChunkContext._create(index, host, lanes, self.lanes_of, trace, self.name)
         try:
             h2d = lanes.h2d
             x = ctx._allocate(host.shape, host.dtype, lanes, h2d)
-            span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
+            span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace else None
             await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
-                Trace.stop(span, h2d)
+                Trace._stop(span, h2d)
                 ctx._spans.append(span)
             ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
             returned = self.stage(ctx, x)
@@ -227,7 +228,7 @@ class ChunkRunner:
             dest = self.destination(index, result)
             d2h = self.lanes_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
-            span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
+            span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace else None
             pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
             if pinned and dest.nbytes:
                 d2h.device.make_current()
@@ -236,35 +237,34 @@ class ChunkRunner:
             else:
                 await _staging.device_to_host(dest, result.ptr, d2h)
             if span is not None:
-                Trace.stop(span, d2h)
+                Trace._stop(span, d2h)
                 ctx._spans.append(span)
             await d2h  # the download and those before it on the stream
             ctx._free_done()
             if trace is not None:
-                trace.resolve(*ctx._spans)
+                trace._resolve(*ctx._spans)
                 ctx._spans.clear()
             return dest
         finally:
             ctx._end_compute()
             ctx._free()
             if trace is not None and ctx._spans:
-                trace.discard(*ctx._spans)
+                trace._discard(*ctx._spans)
 
     def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
         """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
         if not result.is_c_contiguous:
-            raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("a stage's result must be C-contiguous")
         if self.output is None:
             return np.empty(result.shape, result.dtype)
         dest = self.output(index, result)
         if not isinstance(dest, np.ndarray):
             raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
         if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
-            raise ArgumentError(
+            raise invalid_value(
                 f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
-                "(it must be C-contiguous with the same dtype and size)",
-                code=ResultCode.INVALID_VALUE,
+                "(it must be C-contiguous with the same dtype and size)"
             )
         if not dest.flags.writeable:
-            raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("output() gave a read-only array")
         return dest

@@ -12,8 +12,8 @@ __all__ = ["DeviceLanes"]
 class DeviceLanes:
     """One device's streams, pool and load, as an executor uses them.
 
-    ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU has one copy engine per
-    direction, so more streams would not add bandwidth); ``compute`` holds
+    ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU copies each direction
+    on its own hardware, so more streams would not add bandwidth); ``compute`` holds
     ``compute_streams`` streams used in turn by successive chunks (more than one lets
     small kernels of different chunks run side by side).
     """

@@ -28,6 +28,7 @@ import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
+from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .lanes import DeviceLanes
 from .placement import Admission, PlacementName
@@ -53,7 +54,7 @@ _Item = ChunkResult | _InputFailed | None
 """What chunk tasks and the feeder send the consumer (None: the inputs are exhausted)."""
 
 
-class Pipeline:
+class Pipeline(metaclass=NoPublicConstructor):
     """A running :meth:`~aiocuda.executor.Executor.map`; an async context manager whose
     value is an async iterator of :class:`ChunkResult`.
 
@@ -64,6 +65,8 @@ class Pipeline:
     error has been raised (``on_error="raise"``), awaits left in the block are cancelled
     and the block ends there.
     """
+
+    _factories = "Executor.map()"
 
     def __init__(
         self,

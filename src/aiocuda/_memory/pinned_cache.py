@@ -70,7 +70,7 @@ class _Cache:
                 self.blocks.setdefault(size, []).append((device, ptr))
                 self.bytes += size
                 return
-        offloop.release(device, "mem_host_free", ptr)
+        offloop.dispose(device, device._driver.mem_host_free, ptr)
 
     def empty(self) -> int:
         with self.lock:
@@ -92,7 +92,7 @@ class _Cache:
 def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
     for entries in blocks.values():
         for device, ptr in entries:
-            offloop.release(device, "mem_host_free", ptr)
+            offloop.dispose(device, device._driver.mem_host_free, ptr)
 
 
 _cache = _Cache()
@@ -110,7 +110,7 @@ def give(device: Device, ptr: int, size: int) -> None:
 
 
 def empty() -> int:
-    """Free every cached block (on the off-loop thread); returns the bytes released."""
+    """Free every cached block (on the off-loop thread); returns the bytes freed."""
     return _cache.empty()
 
 

@@ -77,7 +77,7 @@ class SimCore:
     """Mixin of SimDriver: the core of the Driver protocol, simulated, plus test controls.
 
     Test controls (not seam calls; they never count for fault injection):
-    :meth:`hold` / :meth:`release`, :meth:`inject_fault`, :meth:`poison`,
+    :meth:`enqueue`, :meth:`pause` / :meth:`resume`, :meth:`inject_fault`, :meth:`poison`,
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
@@ -202,18 +202,29 @@ class SimCore:
         raise sim_error(ResultCode.INVALID_HANDLE, "event", f"not a live simulated event: {event!r}")
 
     # -- test controls ---------------------------------------------------------------------
-    def hold(self, stream: Any) -> None:
-        """Stop ``stream`` from starting any more operations until :meth:`release`.
+    def enqueue(self, stream: Any, fn: Callable[[], object], name: str = "op") -> None:
+        """Run ``fn()`` on ``stream``'s worker thread, in stream order, as one operation.
+
+        A stand-in for GPU work in tests: ``fn`` may sleep (a slow kernel) or raise (a
+        faulting one: a :class:`~aiocuda.errors.CudaError` with a sticky code, or any
+        other exception, poisons the device; a non-sticky CudaError is reported at the
+        device's next call). ``name`` is what :meth:`set_latency` matches. ``fn`` must
+        not call the driver. ``stream`` is a handle or a raw stream value.
+        """
+        self._enqueue(stream, fn, name)
+
+    def pause(self, stream: Any) -> None:
+        """Stop ``stream`` from starting any more operations until :meth:`resume`.
 
         Operations enqueued meanwhile queue up; one already running finishes. Host
-        waits on a held stream (``stream_synchronize``) block until it is released --
-        do not synchronize a held stream from the thread that will release it.
+        waits on a paused stream (``stream_synchronize``) block until it is resumed --
+        do not synchronize a paused stream from the thread that will resume it.
         """
-        self._resolve_stream(stream).hold()
+        self._resolve_stream(stream).pause()
 
-    def release(self, stream: Any) -> None:
-        """Let a held stream run its queued operations again."""
-        self._resolve_stream(stream).release()
+    def resume(self, stream: Any) -> None:
+        """Let a paused stream run its queued operations again."""
+        self._resolve_stream(stream).resume()
 
     def inject_fault(self, code: int, *, at_call: int = 1, call: str | None = None) -> None:
         """Make the ``at_call``-th seam call from now raise ``error_for_code(code, ...)``.

@@ -16,7 +16,7 @@ next operation starts a new one. So streams run concurrently with each other and
 the caller, in order within a stream, and idle streams cost no thread.
 
 One condition variable per stream guards its queue and counters; it is notified when an
-operation is added or finished, when the stream is released, and when the device is
+operation is added or finished, when the stream is resumed, and when the device is
 poisoned or the driver stops -- so every wait on a stream (``stream_synchronize``,
 ``event_synchronize``, a ``stream_wait_event`` in another stream's worker) wakes for
 all the reasons it could have to stop waiting. Operations themselves run outside the
@@ -251,8 +251,8 @@ class SimStream:
     __slots__ = (
         "__weakref__",
         "_cond",
-        "_held",
         "_ops",
+        "_paused",
         "_thread",
         "_workers",
         "destroyed",
@@ -275,16 +275,16 @@ class SimStream:
         self._workers = workers
         self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[tuple[Operation, str]] = collections.deque()
-        self._held = False
+        self._paused = False
         self._thread: threading.Thread | None = None
         device.add_stream(self)
 
     def __repr__(self) -> str:
-        held = " held" if self._held else ""
+        paused = " paused" if self._paused else ""
         gone = " destroyed" if self.destroyed else ""
         return (
             f"<SimStream {self.value:#x} device={self.device.ordinal} "
-            f"done={self.finished}/{self.submitted}{held}{gone}>"
+            f"done={self.finished}/{self.submitted}{paused}{gone}>"
         )
 
     # -- called by the core (any thread) ---------------------------------------------------
@@ -322,14 +322,14 @@ class SimStream:
         with self._cond:
             self._cond.wait_for(stop_waiting)
 
-    def hold(self) -> None:
-        """Run nothing more (after the operation in progress) until :meth:`release`."""
+    def pause(self) -> None:
+        """Run nothing more (after the operation in progress) until :meth:`resume`."""
         with self._cond:
-            self._held = True
+            self._paused = True
 
-    def release(self) -> None:
+    def resume(self) -> None:
         with self._cond:
-            self._held = False
+            self._paused = False
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -381,7 +381,7 @@ class SimStream:
         and see ``stream_query`` report the stream busy right after ``await stream``.
         """
         with self._cond:
-            if self._held or len(self._ops) <= index or self._ops[index][1] != HOST_FUNCTION:
+            if self._paused or len(self._ops) <= index or self._ops[index][1] != HOST_FUNCTION:
                 return None
             return self._ops[index]
 
@@ -391,7 +391,7 @@ class SimStream:
             if self._workers.stopping.is_set() or self.device.poison is not None:
                 self._ops.clear()
                 return None
-            if self._ops and not self._held:
+            if self._ops and not self._paused:
                 return self._ops[0]
             if self.destroyed and not self._ops:
                 return None
