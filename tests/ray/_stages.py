@@ -13,10 +13,10 @@ from aiocuda import _driver
 from aiocuda.array import DeviceArray
 from aiocuda.executor import ChunkContext, Executor
 
-_held: list[Any] = []
-"""Streams this actor process holds (simulated backend)."""
-_holding = True
-"""Whether :func:`hold_all` holds (until :func:`stop_holding`)."""
+_paused: list[Any] = []
+"""Streams this actor process paused (simulated backend)."""
+_pausing = True
+"""Whether :func:`pause_all` pauses (until :func:`stop_pausing`)."""
 
 
 def identity(ctx: ChunkContext, x: DeviceArray) -> None:
@@ -28,38 +28,38 @@ def fail_on_marked(ctx: ChunkContext, x: DeviceArray) -> None:
         raise ValueError("marked chunk rejected")
 
 
-def hold_marked(ctx: ChunkContext, x: DeviceArray) -> None:
+def pause_marked(ctx: ChunkContext, x: DeviceArray) -> None:
     """Hold the compute stream of a marked chunk: it (and what waits for it on the
-    actor's download stream) stays unfinished until :func:`release_held`."""
+    actor's download stream) stays unfinished until :func:`resume_paused`."""
     if ctx.host.flat[0] < 0:
-        hold(ctx)
+        pause(ctx)
 
 
-def hold_all(ctx: ChunkContext, x: DeviceArray) -> None:
-    """Hold every chunk's compute stream, until :func:`stop_holding`."""
-    if _holding:
-        hold(ctx)
+def pause_all(ctx: ChunkContext, x: DeviceArray) -> None:
+    """Pause every chunk's compute stream, until :func:`stop_pausing`."""
+    if _pausing:
+        pause(ctx)
 
 
-def hold(ctx: ChunkContext) -> None:
-    if not any(stream is ctx.stream for stream in _held):
-        _driver.driver().hold(ctx.stream.handle)  # type: ignore[attr-defined]
-        _held.append(ctx.stream)
+def pause(ctx: ChunkContext) -> None:
+    if not any(stream is ctx.stream for stream in _paused):
+        _driver.driver().pause(ctx.stream.handle)  # type: ignore[attr-defined]
+        _paused.append(ctx.stream)
 
 
-def stop_holding(executor: Executor) -> int:
-    """Hold no more streams, and release the held ones; how many there were."""
-    global _holding
-    _holding = False
-    return release_held(executor)
+def stop_pausing(executor: Executor) -> int:
+    """Pause no more streams, and resume the paused ones; how many there were."""
+    global _pausing
+    _pausing = False
+    return resume_paused(executor)
 
 
-def release_held(executor: Executor) -> int:
-    """Release every held stream of this actor; how many there were."""
-    count = len(_held)
-    for stream in _held:
-        _driver.driver().release(stream.handle)  # type: ignore[attr-defined]
-    _held.clear()
+def resume_paused(executor: Executor) -> int:
+    """Resume every paused stream of this actor; how many there were."""
+    count = len(_paused)
+    for stream in _paused:
+        _driver.driver().resume(stream.handle)  # type: ignore[attr-defined]
+    _paused.clear()
     return count
 
 

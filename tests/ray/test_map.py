@@ -1,7 +1,7 @@
 """aiocuda.ray.map on a local Ray cluster (simulated backend): results, ordering,
 back-pressure, failing chunks, dying actors, cancellation.
 
-No test relies on timing: chunks are made to wait by holding their streams in the
+No test relies on timing: chunks are made to wait by pausing their streams in the
 actors (the simulator's control), and the tests wait for states (chunks in flight,
 chunks completed) read from the actors.
 """
@@ -72,12 +72,12 @@ async def test_map_runs_a_class_stage_once_per_actor(shared_pool: Any) -> None:
 
 
 async def test_results_come_in_input_order_whatever_finishes_first(pool2: Any) -> None:
-    """Chunk 0 is held on actor 0, so the chunks on actor 1 finish before it; ordered
+    """Chunk 0 is paused on actor 0, so the chunks on actor 1 finish before it; ordered
     delivery still starts with chunk 0."""
     data = chunks(8, marked=(0,))
     before = await completed(pool2)
     got: list[int] = []
-    async with aray.map(_stages.hold_marked, data, actors=pool2) as results:
+    async with aray.map(_stages.pause_marked, data, actors=pool2) as results:
 
         async def consume() -> None:
             async for r in results:
@@ -87,7 +87,7 @@ async def test_results_come_in_input_order_whatever_finishes_first(pool2: Any) -
             tg.start_soon(consume)
             await until(lambda: _grew(pool2, before, actor=1, by=4))
             assert got == []
-            assert sum(await pool2.call(_stages.release_held)) == 1
+            assert sum(await pool2.call(_stages.resume_paused)) == 1
     assert got == list(range(8))
 
 
@@ -95,15 +95,15 @@ async def _grew(pool: Any, before: list[int], actor: int, by: int) -> bool:
     return (await completed(pool))[actor] >= before[actor] + by
 
 
-async def test_as_completed_yields_the_held_chunk_after_the_others(pool2: Any) -> None:
+async def test_as_completed_yields_the_paused_chunk_after_the_others(pool2: Any) -> None:
     data = chunks(8, marked=(0,))
     got: list[tuple[int, int]] = []
-    async with aray.map(_stages.hold_marked, data, actors=pool2, ordered=False) as results:
+    async with aray.map(_stages.pause_marked, data, actors=pool2, ordered=False) as results:
         async for r in results:
             got.append((r.index, r.device))
             if len(got) == 1:
                 assert r.device == 1  # everything on actor 0 waits behind chunk 0
-                assert sum(await pool2.call(_stages.release_held)) == 1
+                assert sum(await pool2.call(_stages.resume_paused)) == 1
     assert sorted(i for i, _ in got) == list(range(8))
     assert got[0][0] != 0
 
@@ -118,12 +118,12 @@ async def test_back_pressure_bounds_chunks_per_actor_and_inputs_read(ray_cluster
             yield x
 
     async with new_pool(2, chunks_per_actor=2) as pool:
-        async with aray.map(_stages.hold_all, inputs(), actors=pool) as results:
+        async with aray.map(_stages.pause_all, inputs(), actors=pool) as results:
             await until(lambda: _equal(in_flight(pool), [2, 2]))
             assert results.admitted == 4
             assert [slot.chunks for slot in pool.slots] == [2, 2]
             assert read <= 5  # the fifth input waits for an actor with room
-            assert sum(await pool.call(_stages.stop_holding)) == 4
+            assert sum(await pool.call(_stages.stop_pausing)) == 4
             got = [r.index async for r in results]
         assert got == list(range(12))
         assert results.peak_in_flight <= 4
@@ -202,7 +202,7 @@ async def test_chunks_fail_clearly_when_no_actor_is_left(ray_cluster: Any, tmp_p
 async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster: Any) -> None:
     async with new_pool(2, chunks_per_actor=3) as pool:
         with anyio.CancelScope() as scope:
-            async with aray.map(_stages.hold_all, chunks(20, size=1 << 16), actors=pool) as results:
+            async with aray.map(_stages.pause_all, chunks(20, size=1 << 16), actors=pool) as results:
                 await until(lambda: _equal(in_flight(pool), [3, 3]))
                 used = [s.used_bytes for s in await pool.statistics()]
                 assert all(u > 0 for u in used)
@@ -214,8 +214,8 @@ async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster
         stats = await pool.statistics()
         assert [s.cancelled for s in stats] == [3, 3]
         assert [s.completed for s in stats] == [0, 0]
-        assert sum(await pool.call(_stages.stop_holding)) == 4  # two compute streams each
-        await until(lambda: _equal(_used(pool), [0, 0]))  # freed after the held work
+        assert sum(await pool.call(_stages.stop_pausing)) == 4  # two compute streams each
+        await until(lambda: _equal(_used(pool), [0, 0]))  # freed after the paused work
 
 
 async def _used(pool: Any) -> list[int]:

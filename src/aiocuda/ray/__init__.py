@@ -101,7 +101,7 @@ def map(
         pool, owns = actors, False
     else:
         pool, owns = ActorPool(actors, **pool_options), True
-    return RayPipeline(
+    return RayPipeline._create(
         stage,
         inputs,
         pool=pool,

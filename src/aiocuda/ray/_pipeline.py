@@ -37,6 +37,7 @@ import ray.exceptions
 from .._executor.chunk import ChunkResult
 from .._executor.pipeline import OnError, _aiter, as_input
 from .._executor.placement import PlacementName
+from .._util import NoPublicConstructor
 from . import _refs
 from ._pool import ActorLostError, ActorPool, ActorSlot
 
@@ -63,7 +64,7 @@ class _InputFailed:
 _Item = ChunkResult | _InputFailed | None
 
 
-class RayPipeline:
+class RayPipeline(metaclass=NoPublicConstructor):
     """A running :func:`aiocuda.ray.map`; an async context manager whose value is an
     async iterator of :class:`~aiocuda.executor.ChunkResult`.
 
@@ -74,6 +75,8 @@ class RayPipeline:
     :attr:`delivered`, :attr:`failures`, :attr:`retried` (chunks placed again after
     their actor died).
     """
+
+    _factories = "aiocuda.ray.map()"
 
     def __init__(
         self,
@@ -233,7 +236,7 @@ class RayPipeline:
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], slot: ActorSlot) -> None:
         nbytes = int(host.nbytes)
-        held: ActorSlot | None = slot  # the actor whose reservation this task holds
+        reserved_on: ActorSlot | None = slot  # the actor this task has a reservation on
         try:
             try:
                 arg = await _argument(host)
@@ -249,13 +252,13 @@ class RayPipeline:
                     attempts += 1
                     self.retried += 1
                     self._release(slot, nbytes)
-                    held = None
-                    slot = held = await self._admit(host)
+                    reserved_on = None
+                    slot = reserved_on = await self._admit(host)
             except Exception as exc:
                 result = ChunkResult(index, slot.index, None, _refs.unwrap(exc))
         finally:
-            if held is not None:
-                self._release(held, nbytes)
+            if reserved_on is not None:
+                self._release(reserved_on, nbytes)
         self._send.send_nowait(result)
 
     async def _run(self, slot: ActorSlot, arg: Any) -> npt.NDArray[Any]:
