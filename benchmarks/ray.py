@@ -37,6 +37,7 @@ from __future__ import annotations
 import gc
 import os
 import pathlib
+import shutil
 import statistics
 import sys
 import time
@@ -217,6 +218,8 @@ def main() -> None:
         "rounds": rounds,
         "cpus": cpus,
         "ray": ray.__version__,
+        # Ray's object store lives in /dev/shm when it fits there (else in /tmp, slower).
+        "dev_shm_gib": round(shutil.disk_usage("/dev/shm").total / (1 << 30), 1) if os.path.isdir("/dev/shm") else 0,
         "simulated": on_sim,
     }
     init = {"include_dashboard": False, "configure_logging": False, "object_store_memory": 4 << 30}

@@ -11,6 +11,8 @@ runs on a cluster of machines: start Ray there, and ``ray.init(address="auto")``
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import numpy as np
 import ray
@@ -63,7 +65,7 @@ async def main(actors: int) -> None:
 
 
 if __name__ == "__main__":
-    simulated = aiocuda.use_backend("auto").name == "sim"
+    simulated = aiocuda.use_backend(os.environ.get("AIOCUDA_BACKEND", "auto")).name == "sim"
     # Without a GPU, declare two to Ray: each actor then gets a simulated one.
     ray.init(num_gpus=2 if simulated else None, include_dashboard=False)
     try:

@@ -24,6 +24,7 @@ requests over HTTP, checks the answers and shuts everything down.
 
 from __future__ import annotations
 
+import os
 import socket
 import urllib.request
 
@@ -84,7 +85,7 @@ def free_port() -> int:
 
 
 def main() -> None:
-    simulated = aiocuda.use_backend("auto").name == "sim"
+    simulated = aiocuda.use_backend(os.environ.get("AIOCUDA_BACKEND", "auto")).name == "sim"
     ray.init(num_gpus=1 if simulated else None, include_dashboard=False)
     try:
         port = free_port()

@@ -1,5 +1,5 @@
 """The Ray examples run from the source tree as a user would run them (each starts and
-ends its own local Ray; the simulated backend without a GPU)."""
+ends its own local Ray), on the simulated backend and, where there is one, on the GPU."""
 
 from __future__ import annotations
 
@@ -10,12 +10,27 @@ import sys
 
 import pytest
 
+from ..conftest import real_gpu_count
 from .conftest import ROOT
 
 
-def run_example(name: str) -> str:
+@pytest.fixture(
+    params=[
+        pytest.param("sim", id="sim"),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
+    ]
+)
+def example_backend(request: pytest.FixtureRequest) -> str:
+    """The backend the example runs on (``AIOCUDA_BACKEND``, which its actors inherit)."""
+    if request.param == "cuda" and real_gpu_count() == 0:
+        pytest.skip("no real GPU")
+    return str(request.param)
+
+
+def run_example(name: str, backend: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["AIOCUDA_BACKEND"] = backend
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name)],
         cwd=ROOT,
@@ -29,8 +44,8 @@ def run_example(name: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_example() -> None:
-    out = run_example("ray_pipeline.py")
+def test_pipeline_example(example_backend: str) -> None:
+    out = run_example("ray_pipeline.py", example_backend)
     assert "ok: results match numpy" in out
 
 
@@ -39,6 +54,6 @@ def test_pipeline_example() -> None:
     importlib.util.find_spec("starlette") is None or importlib.util.find_spec("fastapi") is None,
     reason="Ray Serve is not installed (pip install 'ray[serve]')",
 )
-def test_serve_example() -> None:
-    out = run_example("ray_serve.py")
+def test_serve_example(example_backend: str) -> None:
+    out = run_example("ray_serve.py", example_backend)
     assert "ok: every answer matches numpy" in out
