@@ -47,6 +47,11 @@ def pause(ctx: ChunkContext) -> None:
         _paused.append(ctx.stream)
 
 
+def paused_streams(executor: Executor) -> int:
+    """How many streams this actor has paused."""
+    return len(_paused)
+
+
 def stop_pausing(executor: Executor) -> int:
     """Pause no more streams, and resume the paused ones; how many there were."""
     global _pausing

@@ -86,9 +86,14 @@ async def test_results_come_in_input_order_whatever_finishes_first(pool2: Any) -
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
             await until(lambda: _grew(pool2, before, actor=1, by=4))
+            await until(lambda: _paused(pool2, 1))
             assert got == []
             assert sum(await pool2.call(_stages.resume_paused)) == 1
     assert got == list(range(8))
+
+
+async def _paused(pool: Any, streams: int) -> bool:
+    return sum(await pool.call(_stages.paused_streams)) == streams
 
 
 async def _grew(pool: Any, before: list[int], actor: int, by: int) -> bool:
@@ -102,7 +107,7 @@ async def test_as_completed_yields_the_paused_chunk_after_the_others(pool2: Any)
         async for r in results:
             got.append((r.index, r.device))
             if len(got) == 1:
-                assert r.device == 1  # everything on actor 0 waits behind chunk 0
+                await until(lambda: _paused(pool2, 1))  # chunk 0 (on actor 0) reached its stage
                 assert sum(await pool2.call(_stages.resume_paused)) == 1
     assert sorted(i for i, _ in got) == list(range(8))
     assert got[0][0] != 0
@@ -120,6 +125,7 @@ async def test_back_pressure_bounds_chunks_per_actor_and_inputs_read(ray_cluster
     async with new_pool(2, chunks_per_actor=2) as pool:
         async with aray.map(_stages.pause_all, inputs(), actors=pool) as results:
             await until(lambda: _equal(in_flight(pool), [2, 2]))
+            await until(lambda: _paused(pool, 4))  # every chunk reached its stage
             assert results.admitted == 4
             assert [slot.chunks for slot in pool.slots] == [2, 2]
             assert read <= 5  # the fifth input waits for an actor with room
@@ -155,7 +161,7 @@ async def test_a_failing_chunk(pool2: Any, on_error: str) -> None:
             async with aray.map(_stages.fail_on_marked, data, actors=pool2) as results:
                 async for _ in results:
                     pass
-        assert await in_flight(pool2) == [0, 0]
+        await until(lambda: _equal(in_flight(pool2), [0, 0]))  # the others stopped
         return
     async with aray.map(_stages.fail_on_marked, data, actors=pool2, on_error="continue") as results:
         got = [r async for r in results]
@@ -204,8 +210,8 @@ async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster
         with anyio.CancelScope() as scope:
             async with aray.map(_stages.pause_all, chunks(20, size=1 << 16), actors=pool) as results:
                 await until(lambda: _equal(in_flight(pool), [3, 3]))
-                used = [s.used_bytes for s in await pool.statistics()]
-                assert all(u > 0 for u in used)
+                await until(lambda: _paused(pool, 4))  # both compute streams of each actor
+                await until(lambda: _all_positive(_used(pool)))  # the chunks hold device memory
                 scope.cancel()
                 async for _ in results:
                     pass
@@ -219,12 +225,11 @@ async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster
 
 
 async def _used(pool: Any) -> list[int]:
-    await pool.call(_synchronize)
     return [s.used_bytes for s in await pool.statistics()]
 
 
-async def _synchronize(executor: Any) -> None:
-    await executor.synchronize()
+async def _all_positive(awaitable: Awaitable[list[int]]) -> bool:
+    return all(v > 0 for v in await awaitable)
 
 
 async def test_register_upload_reads_the_object_store_in_place(ray_cluster: Any) -> None:
