@@ -36,9 +36,9 @@ from .._executor.pipeline import OnError
 from .._executor.placement import PlacementName
 from ._actor import ActorStatistics, GpuActor
 from ._pipeline import RayPipeline
-from ._pool import ActorLostError, ActorPool
+from ._pool import ActorLostError, ActorPool, ActorSlot
 
-__all__ = ["ActorLostError", "ActorPool", "ActorStatistics", "GpuActor", "RayPipeline", "map"]
+__all__ = ["ActorLostError", "ActorPool", "ActorSlot", "ActorStatistics", "GpuActor", "RayPipeline", "map"]
 
 
 def map(

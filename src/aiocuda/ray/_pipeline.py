@@ -270,7 +270,7 @@ class RayPipeline(metaclass=NoPublicConstructor):
         try:
             value: npt.NDArray[Any] = await _refs.result(call)
         except ray.exceptions.RayActorError as exc:
-            self._pool.lose(slot, exc)
+            self._pool._lose(slot, exc)
             raise ActorLostError(_lost_message(slot, self._pool)) from exc
         except BaseException:
             _refs.cancel(call)  # cancelled here (or the call failed): stop it there too

@@ -12,6 +12,7 @@ import ray
 import ray.exceptions
 
 from .._executor.placement import Admission
+from .._util import NoPublicConstructor
 from . import _refs, _transfer
 from ._actor import ActorStatistics, GpuActor
 
@@ -29,8 +30,10 @@ class ActorLostError(RuntimeError):
     Ray's error, which says why the actor went."""
 
 
-class ActorSlot:
-    """One actor of a pool and its load, as placement sees it."""
+class ActorSlot(metaclass=NoPublicConstructor):
+    """One actor of a pool and its load, as placement sees it (:attr:`ActorPool.slots`)."""
+
+    _factories = "ActorPool"
 
     __slots__ = ("actor", "budget", "chunks", "completed", "index", "lost", "max_chunks", "reserved")
 
@@ -127,7 +130,8 @@ class ActorPool:
         if not self._slots:
             remote = _RemoteGpuActor.options(**self._options)
             self._slots = tuple(
-                ActorSlot(remote.remote(*self._actor_args), i, self._chunks_per_actor) for i in range(self._count)
+                ActorSlot._create(remote.remote(*self._actor_args), i, self._chunks_per_actor)
+                for i in range(self._count)
             )
 
     async def wait_ready(self) -> list[ActorStatistics]:
@@ -208,7 +212,7 @@ class ActorPool:
             try:
                 out.append(await _refs.value(ref))
             except ray.exceptions.RayActorError as exc:
-                self.lose(slot, exc)
+                self._lose(slot, exc)
                 out.append(None)
         return out
 
@@ -218,7 +222,7 @@ class ActorPool:
         refs = [slot.actor.call.remote(fn, *args) for slot in self.live]
         return [await _refs.value(ref) for ref in refs]
 
-    def lose(self, slot: ActorSlot, error: BaseException) -> None:
+    def _lose(self, slot: ActorSlot, error: BaseException) -> None:
         """Record that ``slot``'s actor is gone: placement skips it from now on, unless
         no actor is left (then chunks are still placed, and fail at once)."""
         if slot.lost is None:
