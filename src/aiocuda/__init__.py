@@ -15,13 +15,14 @@ Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
 
 from __future__ import annotations
 
-from . import errors, interop
-from ._driver import LaunchConfig, use_backend
+from . import errors, interop, profiler
+from ._driver import JitOptions, LaunchConfig, use_backend
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
 from .batching import Batcher
-from .device import Device, DeviceProperties, device_count, devices
+from .context import Context, ContextFlags
+from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
@@ -55,6 +56,8 @@ __all__ = [
     "ChunkResult",
     "ClosedError",
     "CompileError",
+    "Context",
+    "ContextFlags",
     "ContextPoisonedError",
     "CudaError",
     "Device",
@@ -64,6 +67,7 @@ __all__ = [
     "Event",
     "Executor",
     "HostRegistration",
+    "JitOptions",
     "Kernel",
     "KernelAttributes",
     "Lane",
@@ -74,6 +78,7 @@ __all__ = [
     "Module",
     "NoDeviceError",
     "OutOfMemoryError",
+    "PeerAttributes",
     "Pipeline",
     "PoolStatistics",
     "Program",
@@ -93,6 +98,7 @@ __all__ = [
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",
+    "profiler",
     "register_host",
     "register_sim_kernel",
     "to_device",

@@ -271,8 +271,8 @@ class SimMemory:
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
-            if block is None or block.kind != "device" or block.free_token is not None:
-                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+            if block is None or block.kind != "device" or block.pool is None or block.free_token is not None:
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool")
             pool, array = block.pool, block.array
             assert pool is not None and array is not None
             block.free_token = token
@@ -314,6 +314,19 @@ class SimMemory:
     def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
         self.mem_free_async(ptr, stream)
         return (0,)
+
+    def _allocate_module_memory(self, ordinal: int, size: int) -> tuple[int, np.ndarray]:
+        """Zeroed device memory for a module's variable (no pool; freed by the unload)."""
+        array = _aligned_bytes(max(1, size))
+        state = self._mem()
+        with state.lock:
+            state.insert(_Block(array.ctypes.data, size, array, "device", ordinal, None))
+        return array.ctypes.data, array
+
+    def _free_module_memory(self, ptr: int) -> None:
+        state = self._mem()
+        with state.lock:
+            state.remove(ptr)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
