@@ -193,7 +193,9 @@ def cuda_struct(dtype: np.dtype) -> np.dtype:
     offsets, itemsize, align = _layout(dtype)
     if given == offsets and dtype.itemsize == itemsize:
         chosen_offsets, chosen_size = given, itemsize
-    elif given == [sum(f[0].itemsize for f in fields[:i]) for i in range(len(fields))]:
+    elif given == [sum(f[0].itemsize for f in fields[:i]) for i in range(len(fields))] and dtype.itemsize == sum(
+        f[0].itemsize for f in fields
+    ):
         chosen_offsets, chosen_size = offsets, itemsize  # packed: numpy's default layout
     else:
         for name, (field, offset) in zip(names, ((f[0], int(f[1])) for f in fields), strict=True):
