@@ -10,16 +10,18 @@
     anyio.run(main)
 
 Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
-(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`).
+(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`; :func:`current_backend`
+says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 """
 
 from __future__ import annotations
 
 from . import errors, interop, profiler
-from ._driver import JitOptions, LaunchConfig, use_backend
+from ._driver import JitOptions, LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
 from .context import Context, ContextFlags
 from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
@@ -33,6 +35,7 @@ from .errors import (
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    SimulatedBackendWarning,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
@@ -50,6 +53,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 __all__ = [
     "ArgumentError",
+    "Backend",
     "BackendError",
     "Batcher",
     "ChunkContext",
@@ -83,11 +87,13 @@ __all__ = [
     "PoolStatistics",
     "Program",
     "ProgramOptions",
+    "SimulatedBackendWarning",
     "Stream",
     "Trace",
     "TraceSummary",
     "as_device_array",
     "copy_array",
+    "current_backend",
     "current_stream",
     "device_count",
     "devices",

@@ -441,6 +441,8 @@ def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
     * a scalar arrives as a numpy scalar of the declared type.
 
     An ``IndexError`` or ``ValueError`` it raises poisons the device with
-    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU.
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU. For the
+    simulator's other controls in your tests (pausing a stream, latencies, faults), see
+    :mod:`aiocuda.testing`.
     """
     _driver.register_sim_kernel(name, impl)

@@ -18,10 +18,12 @@ source with the same options for the same architecture and NVRTC version reads t
 image instead of compiling. An entry is a file in the cache folder, written atomically;
 delete the folder to clear the cache.
 
-On the simulated backend there is no compiler: ``compile`` records the kernel names the
-source defines (plain ``__global__`` functions, and templates through their name
-expressions) in a sim image; kernels then run through Python implementations
-registered with ``SimDriver.register_kernel``.
+On the simulated backend, ``compile`` still compiles with NVRTC where it is installed
+(NVRTC needs no GPU), for the simulated device's architecture, so a bad program fails
+there too with :class:`CompileError`; without NVRTC it skips that check. The module it
+returns records the kernel names the source defines (plain ``__global__`` functions, and
+templates through their name expressions), and the kernels run as the Python
+implementations registered for them (:func:`aiocuda.testing.Simulator.register_kernel`).
 """
 
 from __future__ import annotations
@@ -145,6 +147,7 @@ class Program:
         variables = source_variables(self.source)
         if dev._driver.name == "sim":
             image = self._sim_image(signatures, variables)
+            self._compile_where_nvrtc_is(dev)
             return Module(image, kind="sim", signatures=signatures, name=self.name, variables=variables)
         entry = self._compile_real(dev)
         return Module(
@@ -165,6 +168,15 @@ class Program:
                 f"source; it defines {sorted(signatures) or 'no kernels'}"
             )
         return _driver.sim_image(signatures, sim_variables(variables))
+
+    def _compile_where_nvrtc_is(self, device: Device) -> None:
+        """On the simulator: compile (through the cache) to report errors in the source,
+        unless NVRTC is not installed."""
+        try:
+            self._compile_real(device)
+        except CompileError as exc:
+            if exc.name != nvrtc.NO_NVRTC:
+                raise
 
     def _compile_real(self, device: Device) -> CachedImage:
         # The key names the device's architecture rather than the one NVRTC will be asked

@@ -183,10 +183,6 @@ class Driver(Protocol):
 
     def context_get_cache_config(self) -> str: ...
 
-    def ctx_synchronize(self) -> None:
-        """Block until all work of the current context has finished (``cuCtxSynchronize``);
-        how the thread waits follows the context's scheduling flags."""
-
     # -- streams and events ----------------------------------------------------------------
     def stream_create(self, non_blocking: bool, priority: int) -> Handle: ...
 
@@ -256,7 +252,14 @@ class Driver(Protocol):
 
     def mempool_get_attribute(self, pool: Handle, attribute: str) -> int: ...
 
-    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None: ...
+    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None:
+        """Give cached memory back; only memory whose free the host has observed
+        complete (through a synchronisation of the freeing stream, or of the context)."""
+
+    def ctx_synchronize(self) -> None:
+        """Block until all work of the current context has finished (``cuCtxSynchronize``);
+        the pools observe every free of the context then. How the thread waits follows
+        the context's scheduling flags."""
 
     def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""

@@ -112,9 +112,6 @@ class CudaContexts:
         member = self._member("cache configuration", config, "cuFuncSetCacheConfig")
         check(_core.drv.cuFuncSetCacheConfig(func, member), "cuFuncSetCacheConfig")
 
-    def ctx_synchronize(self) -> None:
-        check(_core.drv.cuCtxSynchronize(), "cuCtxSynchronize")
-
     # -- peers ---------------------------------------------------------------------------------
     def device_p2p_attribute(self, dev: Any, peer: Any, attribute: str) -> int:
         member = self._member("peer attribute", attribute, "cuDeviceGetP2PAttribute")

@@ -159,12 +159,6 @@ class SimContexts:
     def context_get_cache_config(self) -> str:
         return self._current("context_get_cache_config").cache_config
 
-    def ctx_synchronize(self) -> None:
-        ordinal = self._device_of_current()
-        self._api("ctx_synchronize", ordinal)
-        for stream in self._devices[ordinal].streams():
-            self._wait_for(SimPoint(stream, stream.submitted), "ctx_synchronize")
-
     # -- peers ---------------------------------------------------------------------------------
     def device_p2p_attribute(self, dev: Any, peer: Any, attribute: str) -> int:
         self._counted("device_p2p_attribute")
