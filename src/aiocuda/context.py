@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import anyio.to_thread
 
 from ._util import NoPublicConstructor, invalid_value
-from .errors import ArgumentError
+from .errors import ArgumentError, ContextPoisonedError, CudaError
 
 if TYPE_CHECKING:
     from .device import Device
@@ -203,7 +203,9 @@ class Context(metaclass=NoPublicConstructor):
             for name in names:
                 try:
                     out[name] = self._driver.context_get_limit(name)
-                except ArgumentError:  # not supported on this device
+                except ContextPoisonedError:
+                    raise
+                except CudaError:  # a limit this device or driver does not support
                     continue
         return out
 
