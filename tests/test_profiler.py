@@ -98,3 +98,15 @@ def test_ranges_on_the_real_driver(backend: _driver.Driver) -> None:
     """Without Nsight attached NVTX calls do nothing, with or without the library."""
     with nvtx_range("outer"):
         start_range("inner", color=0x112233).end()
+
+
+def test_the_simulator_reports_profiling() -> None:
+    from aiocuda.testing import use_simulator
+
+    with use_simulator() as sim:
+        with profile():
+            assert sim.profiling
+            with nvtx_range("typed"):
+                pass
+        assert not sim.profiling
+        assert [event[0] for event in sim.nvtx_events()] == ["start", "end"]
