@@ -15,6 +15,8 @@ from aiocuda.executor import ChunkContext, Executor
 
 _paused: list[Any] = []
 """Streams this actor process paused (simulated backend)."""
+_reached = 0
+"""Chunks that reached :func:`pause` in this actor process."""
 _pausing = True
 """Whether :func:`pause_all` pauses (until :func:`stop_pausing`)."""
 
@@ -42,14 +44,17 @@ def pause_all(ctx: ChunkContext, x: DeviceArray) -> None:
 
 
 def pause(ctx: ChunkContext) -> None:
+    """Pause the chunk's stream (once; streams may be shared by chunks)."""
+    global _reached
+    _reached += 1
     if not any(stream is ctx.stream for stream in _paused):
         _driver.driver().pause(ctx.stream.handle)  # type: ignore[attr-defined]
         _paused.append(ctx.stream)
 
 
-def paused_streams(executor: Executor) -> int:
-    """How many streams this actor has paused."""
-    return len(_paused)
+def reached(executor: Executor) -> int:
+    """How many chunks reached :func:`pause` in this actor."""
+    return _reached
 
 
 def stop_pausing(executor: Executor) -> int:
