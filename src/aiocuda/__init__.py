@@ -16,14 +16,15 @@ says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 
 from __future__ import annotations
 
-from . import errors, interop, ipc, managed
-from ._driver import LaunchConfig
+from . import errors, interop, ipc, managed, profiler
+from ._driver import JitOptions, LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, empty_pitched, to_device, zeros
 from .array import copy as copy_array
 from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
-from .device import Device, DeviceProperties, device_count, devices
+from .context import Context, ContextFlags
+from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
@@ -61,6 +62,8 @@ __all__ = [
     "ChunkResult",
     "ClosedError",
     "CompileError",
+    "Context",
+    "ContextFlags",
     "ContextPoisonedError",
     "CudaError",
     "Device",
@@ -71,6 +74,7 @@ __all__ = [
     "Executor",
     "ExporterLostError",
     "HostRegistration",
+    "JitOptions",
     "Kernel",
     "KernelAttributes",
     "Lane",
@@ -82,6 +86,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "OversubscriptionError",
+    "PeerAttributes",
     "Pipeline",
     "PoolStatistics",
     "Program",
@@ -106,6 +111,7 @@ __all__ = [
     "managed",
     "pinned_empty",
     "pinned_zeros",
+    "profiler",
     "register_host",
     "register_sim_kernel",
     "to_device",

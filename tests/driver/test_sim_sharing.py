@@ -105,7 +105,7 @@ def test_managed_memory_is_checked(sim: SimDriver) -> None:
         sim.mem_advise(ptr, 16, "set_fast", 0)
     with pytest.raises(ArgumentError, match="unknown attach"):
         sim.stream_attach_mem_async(stream, ptr, "nowhere")
-    with pytest.raises(ArgumentError, match="cuMemFree"):
+    with pytest.raises(ArgumentError, match="free it with cuMemFree"):
         sim.mem_free_async(ptr, stream)
     with pytest.raises(ArgumentError, match="no size limit"):
         sim.mempool_create(PoolProps(0, max_size=1 << 20, managed=True))

@@ -41,7 +41,7 @@ from ..host import is_pinned, pinned_empty
 from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
 
-__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count"]
+__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count", "stream_priority"]
 
 Priority = Literal["normal", "high"]
 PRIORITIES: tuple[Priority, ...] = ("normal", "high")
@@ -52,6 +52,13 @@ Setup = Callable[["Lane"], Any]
 
 _ALIGN = 256
 _memmove = ctypes.memmove
+
+
+def stream_priority(device: Device, priority: Priority) -> int:
+    """The stream priority a request priority stands for on ``device``: ``"normal"`` is
+    the least urgent the driver has (the default of every stream), ``"high"`` the most."""
+    least, greatest = Stream.priority_range(device)
+    return greatest if priority == "high" else least
 
 
 def default_count(device: Device) -> int:
@@ -404,8 +411,7 @@ class Lanes:
         device = self._device
         device.make_current()
         count = self._count if self._count is not None else default_count(device)
-        least, greatest = Stream.priority_range(device)
-        value = {"normal": least, "high": greatest}
+        value = {p: stream_priority(device, p) for p in self._priorities}
         lanes = []
         for index in range(count):
             streams = {p: Stream(device, priority=value[p]) for p in self._priorities}

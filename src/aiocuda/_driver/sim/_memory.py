@@ -341,14 +341,15 @@ class SimMemory:
         with state.lock:
             block = state.blocks.get(ptr)
             if block is None or block.kind != "device" or block.free_token is not None:
-                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool")
             if block.imported:
                 block.free_token = token
                 self._enqueue(stream, lambda: state.end_import(block), "mem_free_async")
                 return
             pool, array = block.pool, block.array
             if pool is None:
-                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is managed memory: free it with cuMemFree")
+                hint = " (managed memory: free it with cuMemFree)" if block.managed else ""
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool{hint}")
             assert array is not None
             block.free_token = token
             pool.freeing_on.setdefault((sim_stream, block.size), {})[ptr] = block
@@ -388,6 +389,19 @@ class SimMemory:
     def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
         self.mem_free_async(ptr, stream)
         return (0,)
+
+    def _allocate_module_memory(self, ordinal: int, size: int) -> tuple[int, np.ndarray]:
+        """Zeroed device memory for a module's variable (no pool; freed by the unload)."""
+        array = _aligned_bytes(max(1, size))
+        state = self._mem()
+        with state.lock:
+            state.insert(_Block(array.ctypes.data, size, array, "device", ordinal, None))
+        return array.ctypes.data, array
+
+    def _free_module_memory(self, ptr: int) -> None:
+        state = self._mem()
+        with state.lock:
+            state.remove(ptr)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
@@ -704,12 +718,13 @@ class _MemoryState:
         return None
 
     def trim_cached(self, pool: SimPool, keep: int, *, observed_only: bool = True) -> None:
-        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left;
-        with ``observed_only``, only those whose free the host has observed."""
+        """Give cached (unused) blocks back while at least ``keep`` bytes stay reserved
+        (``cuMemPoolTrimTo`` keeps at least its ``minBytesToKeep``); with
+        ``observed_only``, only blocks whose free the host has observed."""
         for size in sorted(pool.cached, reverse=True):
             arrays = pool.cached[size]
             for i in range(len(arrays) - 1, -1, -1):
-                if pool.reserved <= keep:
+                if pool.reserved - size < keep:
                     break
                 start = arrays[i][0].ctypes.data
                 if observed_only and start in pool.unobserved:
