@@ -48,7 +48,7 @@ from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
 from .program import Program, ProgramOptions
-from .stream import Stream, current_stream, use_stream
+from .stream import Stream, StreamCallback, current_stream, use_stream
 from .trace import Trace, TraceSummary
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
@@ -93,6 +93,7 @@ __all__ = [
     "ProgramOptions",
     "SimulatedBackendWarning",
     "Stream",
+    "StreamCallback",
     "Trace",
     "TraceSummary",
     "as_device_array",

@@ -21,16 +21,18 @@ import contextlib
 import contextvars
 import weakref
 from collections import deque
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+from ._completion import callbacks as _callbacks
+from ._completion.callbacks import StreamCallback
 from ._completion.engine import CompletionEngine, current_engine
 from ._completion.event_pool import EventPool
 from .device import Device, _as_device
 from .errors import ArgumentError, CudaError
 from .event import Event
 
-__all__ = ["Stream", "current_stream", "use_stream"]
+__all__ = ["Stream", "StreamCallback", "current_stream", "use_stream"]
 
 _Holds = deque[tuple[Any, tuple[Any, ...]]]
 
@@ -249,6 +251,19 @@ class Stream:
             # The wait captured the event's current point; re-recording it later cannot
             # affect the wait (CUDA semantics), so the event can be reused at once.
             other._pool.release(event)
+
+    def call_when_done(self, callback: Callable[..., Any], *args: Any) -> StreamCallback:
+        """Call ``callback(*args)`` on the running event loop once the work enqueued on
+        this stream so far is done, after the callbacks scheduled before it on this
+        stream; returns at once with a :class:`StreamCallback` (``cancel()`` it, or
+        ``await`` it for what ``callback`` returned).
+
+        ``callback`` is a plain function run on the loop's thread, never on a driver
+        thread, so it may use aiocuda. If the device's context is poisoned before the
+        GPU gets there, it is never called: the handle fails with
+        :class:`~aiocuda.errors.ContextPoisonedError` instead.
+        """
+        return _callbacks.call_when_done(self, callback, args)
 
     def hold(self, *objs: Any) -> None:
         """Keep ``objs`` alive until all work enqueued on this stream so far completes.
