@@ -232,7 +232,10 @@ def _imported_pointer(
         if handle is None:
             if fd is None:
                 raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
-            handle = connection.pools[pool_key] = driver.mempool_import_fd(fd)
+            handle = driver.mempool_import_fd(fd)
+            if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
+                driver.mempool_set_access(handle, device.ordinal)
+            connection.pools[pool_key] = handle
         ptr = driver.mempool_import_pointer(handle, shared.pointer)
         imported = Import(connection, device, ptr, shared.size)
         sharing.imports[key] = imported

@@ -71,13 +71,16 @@ Operation = Literal[
     "memset_2d_async",
     "launch_kernel",
     "mem_free_async",
+    "mem_prefetch_async",
+    "stream_attach_mem_async",
     "event_record",
     "stream_wait_event",
     "launch_doorbell",
 ]
 """The simulated operations :meth:`Simulator.set_latency` can slow down: copies host to
 device, device to host, device to device and between devices; 2D and 3D copies; memsets;
-kernel launches; stream-ordered frees; event records; cross-stream waits; host functions."""
+kernel launches; stream-ordered frees; managed-memory prefetches and attachments; event
+records; cross-stream waits; host functions."""
 
 
 class KernelLaunch(Protocol):

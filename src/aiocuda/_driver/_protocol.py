@@ -300,6 +300,10 @@ class Driver(Protocol):
     def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
 
+    def mempool_get_access(self, pool: Handle, device_ordinal: int) -> bool:
+        """Whether device ``device_ordinal`` may read and write the pool's memory
+        (``cuMemPoolGetAccess``); an imported pool may not grant it yet."""
+
     def mem_alloc_async(self, size: int, pool: Handle, stream: Handle) -> int:
         """``cuMemAllocFromPoolAsync``; OutOfMemoryError when the pool cannot grow.
 

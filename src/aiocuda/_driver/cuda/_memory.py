@@ -115,6 +115,10 @@ class CudaMemory:
         desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         check(drv.cuMemPoolSetAccess(pool, [desc], 1), "cuMemPoolSetAccess")
 
+    def mempool_get_access(self, pool: Any, device_ordinal: int) -> bool:
+        flags = check(_core.drv.cuMemPoolGetAccess(pool, _location(device_ordinal)), "cuMemPoolGetAccess")
+        return bool(flags == _core.drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
     # -- device allocation ------------------------------------------------------------------
     def mem_alloc_async(self, size: int, pool: Any, stream: Any) -> Any:
         """Returns the ``CUdeviceptr`` itself (``int()`` gives the address): converting

@@ -278,6 +278,12 @@ class SimMemory:
         self._check_ordinal(peer_ordinal, "cuMemPoolSetAccess")
         pool.access.add(peer_ordinal)
 
+    def mempool_get_access(self, pool: SimPool, device_ordinal: int) -> bool:
+        self._api("mempool_get_access", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolGetAccess")
+        self._check_ordinal(device_ordinal, "cuMemPoolGetAccess")
+        return device_ordinal in pool.access
+
     def _check_pool(self, pool: Any, call: str) -> None:
         if not isinstance(pool, SimPool) or pool.destroyed:
             raise error_for_code(ResultCode.INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "not a live memory pool", call)
