@@ -68,7 +68,7 @@ class Export:
     """The interprocess :class:`~aiocuda.event.Event` marking the end of the producer's work."""
     pool_key: bytes
     imports_left: int
-    leases: int = 0
+    held: int = 0
     """Imports acquired and not yet released."""
 
 
@@ -78,7 +78,7 @@ class _Peer:
 
     sock: socket.socket
     pools_sent: set[bytes] = field(default_factory=set)
-    leases: collections.Counter[bytes] = field(default_factory=collections.Counter)
+    held: collections.Counter[bytes] = field(default_factory=collections.Counter)
 
 
 class _Reply:
@@ -269,7 +269,7 @@ class Service:
     def _settle(self, export: Export) -> None:
         """(Lock held.) Unpin an export nobody holds or will import any more; its buffer
         and event are let go on the off-loop thread, where the device's context is bound."""
-        if export.imports_left <= 0 and export.leases <= 0 and self._exports.pop(export.token, None) is not None:
+        if export.imports_left <= 0 and export.held <= 0 and self._exports.pop(export.token, None) is not None:
             kept, export.buffer, export.event = (export.buffer, export.event), None, None
             _offloop.dispose(kept[0].device, _no_op, keep=kept)
 
@@ -350,20 +350,20 @@ class Service:
             self._selector.unregister(peer.sock)
             peer.sock.close()
             with self._lock:
-                for token, count in peer.leases.items():
+                for token, count in peer.held.items():
                     export = self._exports.get(token)
                     if export is not None:
-                        export.leases -= count
+                        export.held -= count
                         self._settle(export)
             return
         op, token = data[:1], data[1 : 1 + TOKEN_BYTES]
         if op == _RELEASE:
             with self._lock:
                 export = self._exports.get(token)
-                if peer.leases[token] > 0:
-                    peer.leases[token] -= 1
+                if peer.held[token] > 0:
+                    peer.held[token] -= 1
                     if export is not None:
-                        export.leases -= 1
+                        export.held -= 1
                         self._settle(export)
             return
         with self._lock:
@@ -372,8 +372,8 @@ class Service:
                 reply, fd = _REFUSED + b"no such export, or every import it was shared for was made", None
             else:
                 export.imports_left -= 1
-                export.leases += 1
-                peer.leases[token] += 1
+                export.held += 1
+                peer.held[token] += 1
                 reply = _GRANTED + export.pool_key
                 fd = None if export.pool_key in peer.pools_sent else self._pool_fds[export.pool_key]
                 peer.pools_sent.add(export.pool_key)
