@@ -207,7 +207,9 @@ class Service:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.address = f"\0aiocuda-ipc-{self.pid}-{secrets.token_hex(8)}"
-        self._lock = threading.Lock()
+        # Reentrant: a finaliser (a pool's, closing its descriptor) may run on a thread
+        # that holds it.
+        self._lock = threading.RLock()
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
         self._selector.register(self._wake_read, selectors.EVENT_READ, None)
@@ -237,6 +239,7 @@ class Service:
                     key = secrets.token_bytes(POOL_KEY_BYTES)
                     self._pool_keys[pool] = key
                     self._pool_fds[key] = fd
+                    weakref.finalize(pool, self._forget_pool, key)
                     fd = -1
             if fd >= 0:
                 os.close(fd)  # another thread exported the pool meanwhile
@@ -245,6 +248,13 @@ class Service:
         with self._lock:
             self._exports[export.token] = export
         return export
+
+    def _forget_pool(self, key: bytes) -> None:
+        """A pool is gone (and every export of it, which kept it): close its descriptor."""
+        with self._lock:
+            fd = self._pool_fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
 
     def take_local(self, token: bytes) -> tuple[Any, Any] | None:
         """An import of ``token`` by this very process: the export's buffer and event
