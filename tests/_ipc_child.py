@@ -72,3 +72,21 @@ def produce(backend: str, inbox: Any, outbox: Any) -> None:
         await anyio.to_thread.run_sync(inbox.get)
 
     _report(outbox, main)
+
+
+def reopen(backend: str, inbox: Any, outbox: Any) -> None:
+    """Open each descriptor the test sends, answer the first value read, drop the array;
+    until None."""
+    _use(backend)
+
+    async def main() -> None:
+        import aiocuda
+        from aiocuda import ipc
+
+        stream = aiocuda.Stream(0)
+        while (shared := await anyio.to_thread.run_sync(inbox.get)) is not None:
+            array = await ipc.open_array(shared, stream=stream)
+            outbox.put(("read", int((await array.to_host(stream=stream))[0])))
+            del array
+
+    _report(outbox, main)

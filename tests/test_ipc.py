@@ -165,6 +165,24 @@ async def test_memory_outlives_neither_side(backend: _driver.Driver, child_backe
         consumer.end()
 
 
+async def test_one_allocation_shared_again_and_again(
+    backend: _driver.Driver, child_backend: str, anyio_backend: object
+) -> None:
+    """Each round shares the same allocation anew while the other process drops the
+    last round's import: an import ending must never free the next round's."""
+    child = Child(_ipc_child.reopen, child_backend)
+    try:
+        stream = aiocuda.Stream(0)
+        array = aiocuda.empty(1024, np.int32, stream=stream, pool=ipc.pool(0))
+        for round_ in range(20):
+            await array.fill(round_, stream=stream)
+            child.inbox.put(ipc.share_array(array))
+            assert await child.expect("read") == round_
+        child.inbox.put(None)
+    finally:
+        child.end()
+
+
 async def test_sharing_in_one_process(backend: _driver.Driver, anyio_backend: object) -> None:
     """The descriptor pickles; opened in the process that shared it, it is the same
     memory; each share allows the imports it was made for; the pool is exportable."""

@@ -47,7 +47,7 @@ import numpy as np
 
 from . import _driver
 from ._memory.buffers import OwnedBuffer
-from ._memory.ipc_service import Connection, Import, service
+from ._memory.ipc_service import service
 from ._util import invalid_value
 from .array import DeviceArray
 from .device import Device, _as_device, devices
@@ -195,51 +195,21 @@ def _import(shared: SharedArray, device: Device, stream: Stream) -> tuple[OwnedB
     sharing = service()
     connection = sharing.connection(shared.exporter)
     pool_key, fd = connection.request(shared.token)
-    driver = device._driver
     try:
-        device.make_current()
-        imported = _imported_pointer(connection, pool_key, fd, shared, device)
-        imported.tokens.append(shared.token)
-        ready = Event._opened(device, driver.ipc_open_event(shared.ready.handle))
+        use = sharing.open_import(connection, pool_key, fd, shared.pointer, shared.token, device)
     except BaseException:
         connection.release(shared.token)
         raise
     finally:
         if fd is not None:
             os.close(fd)
-    buffer = OwnedBuffer(imported.ptr, shared.size, device, stream, imported)
-    imported.buffers.add(buffer)
+    buffer = OwnedBuffer(use.imported.ptr, shared.size, device, stream, use)
+    use.imported.buffers.add(buffer)
     if connection.lost is not None:
         buffer.lose(connection.lost)
+    device.make_current()
+    ready = Event._opened(device, device._driver.ipc_open_event(shared.ready.handle))
     return buffer, ready
-
-
-_imports_lock = threading.Lock()
-
-
-def _imported_pointer(
-    connection: Connection, pool_key: bytes, fd: int | None, shared: SharedArray, device: Device
-) -> Import:
-    """The import of the shared allocation in this process (made once per allocation)."""
-    driver = device._driver
-    key = (connection.address, shared.pointer)
-    sharing = service()
-    with _imports_lock:
-        imported = sharing.imports.get(key)
-        if imported is not None:
-            return imported
-        handle = connection.pools.get(pool_key)
-        if handle is None:
-            if fd is None:
-                raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
-            handle = driver.mempool_import_fd(fd)
-            if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
-                driver.mempool_set_access(handle, device.ordinal)
-            connection.pools[pool_key] = handle
-        ptr = driver.mempool_import_pointer(handle, shared.pointer)
-        imported = Import(connection, device, ptr, shared.size)
-        sharing.imports[key] = imported
-        return imported
 
 
 def share_event(event: Event) -> SharedEvent:

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from ..device import Device
     from ..memory import MemoryPool
 
-__all__ = ["REPLY_TIMEOUT", "Export", "Import", "Service", "service"]
+__all__ = ["REPLY_TIMEOUT", "Connection", "Export", "Import", "Service", "Use", "service"]
 
 REPLY_TIMEOUT = 30.0
 """Seconds an import waits for the exporting process to answer before it counts as lost."""
@@ -169,36 +169,40 @@ class Connection:
 
 
 class Import:
-    """One pointer imported from another process: the owner of the buffers over it.
+    """One allocation imported from another process, shared by every buffer this
+    process opened over it (each through a :class:`Use`).
 
-    Collected once every buffer over it is freed and their work is done; then the
-    pointer is freed off the loop and each import of it released (see the module
-    docstring)."""
+    Kept by the service while it is in use. When its last use ends, ending it is handed
+    to the off-loop thread, which -- under the service's import lock, so that no new
+    open can import the same allocation meanwhile -- frees the pointer if no new use
+    came, and then releases the tokens of the uses that ended (see the module
+    docstring): the free completes before the exporter hears of it."""
 
-    def __init__(self, connection: Connection, device: Device, ptr: int, size: int) -> None:
+    def __init__(self, key: tuple[str, bytes], connection: Connection, device: Device, ptr: int) -> None:
+        self.key = key
         self.connection = connection
         self.device = device
         self.ptr = ptr
-        self.size = size
-        self.tokens: list[bytes] = []
+        self.users = 0
+        self.ended: list[bytes] = []
+        """Tokens of uses that ended, to release once the pointer is freed (or kept)."""
+        self.ending = False
         self.buffers: weakref.WeakSet[Any] = weakref.WeakSet()
         connection.imports.add(self)
-        weakref.finalize(self, _end_import, connection, device, ptr, self.tokens).atexit = False
 
     def lose(self, error: ExporterLostError) -> None:
         for buffer in list(self.buffers):
             buffer.lose(error)
 
 
-def _end_import(connection: Connection, device: Device, ptr: int, tokens: list[bytes]) -> None:
-    def end() -> None:
-        with contextlib.suppress(Exception):  # the exporter gone, the context poisoned...
-            device.make_current()
-            device._driver.mem_free(ptr)
-        for token in tokens:
-            connection.release(token)
+class Use:
+    """One open of a shared allocation: the owner of the buffer it gave (an
+    :class:`~aiocuda._memory.buffers.OwnedBuffer`, which lets it go once the work on
+    the buffer is done)."""
 
-    _offloop.submit(end)
+    def __init__(self, service: Service, imported: Import, token: bytes) -> None:
+        self.imported = imported
+        weakref.finalize(self, service._use_ended, imported, token).atexit = False
 
 
 class Service:
@@ -219,7 +223,8 @@ class Service:
         self._pool_keys: weakref.WeakKeyDictionary[MemoryPool, bytes] = weakref.WeakKeyDictionary()
         self._pool_fds: dict[bytes, int] = {}
         self._connections: dict[str, Connection] = {}
-        self.imports: weakref.WeakValueDictionary[tuple[str, bytes], Import] = weakref.WeakValueDictionary()
+        self._imports: dict[tuple[str, bytes], Import] = {}
+        self._import_lock = threading.RLock()  # (reentrant for the same reason)
         self._thread = threading.Thread(target=self._serve, name="aiocuda-ipc", daemon=True)
         self._thread.start()
 
@@ -306,6 +311,55 @@ class Service:
             self._connections[address] = connection
         self._call_soon(lambda: self._selector.register(connection.sock, selectors.EVENT_READ, connection))
         return connection
+
+    def open_import(
+        self, connection: Connection, pool_key: bytes, fd: int | None, pointer: bytes, token: bytes, device: Device
+    ) -> Use:
+        """A use of the allocation ``pointer`` names, importing the pool (from ``fd``,
+        which stays the caller's) and the pointer the first time; ``token`` is the
+        export the exporter granted, released when the use ends."""
+        driver = device._driver
+        key = (connection.address, pointer)
+        with self._import_lock:
+            imported = self._imports.get(key)
+            if imported is None:
+                handle = connection.pools.get(pool_key)
+                if handle is None:
+                    if fd is None:
+                        raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
+                    device.make_current()
+                    handle = driver.mempool_import_fd(fd)
+                    if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
+                        driver.mempool_set_access(handle, device.ordinal)
+                    connection.pools[pool_key] = handle
+                device.make_current()
+                ptr = driver.mempool_import_pointer(handle, pointer)
+                imported = self._imports[key] = Import(key, connection, device, ptr)
+            imported.users += 1
+            return Use(self, imported, token)
+
+    def _use_ended(self, imported: Import, token: bytes) -> None:
+        """A :class:`Use` went (a finaliser, on any thread)."""
+        with self._import_lock:
+            imported.users -= 1
+            imported.ended.append(token)
+            if imported.users or imported.ending:
+                return
+            imported.ending = True
+        _offloop.submit(self._end_import, imported)
+
+    def _end_import(self, imported: Import) -> None:
+        """(The off-loop thread.) Free an import nobody uses, then release its tokens."""
+        with self._import_lock:
+            imported.ending = False
+            tokens, imported.ended = imported.ended, []
+            if not imported.users and self._imports.get(imported.key) is imported:
+                del self._imports[imported.key]
+                with contextlib.suppress(Exception):  # the exporter gone, the context poisoned...
+                    imported.device.make_current()
+                    imported.device._driver.mem_free(imported.ptr)
+        for token in tokens:
+            imported.connection.release(token)
 
     # -- the thread -----------------------------------------------------------------------------
     def _call_soon(self, fn: Callable[[], object]) -> None:
