@@ -168,9 +168,8 @@ async def test_device_to_device_copy(backend: _driver.Driver, anyio_backend: obj
     np.testing.assert_array_equal(await dst.to_host(), host[::-1])
 
 
+@pytest.mark.multi_gpu
 async def test_peer_copy_between_devices(backend: _driver.Driver, anyio_backend: object) -> None:
-    if backend.device_count() < 2:
-        pytest.skip("needs two devices")
     host = _random((1000,), np.float64)
     on0 = await ga.to_device(host, device=0)
     on1 = await on0.copy(device=1)

@@ -109,15 +109,8 @@ _have_cupy = importlib.util.find_spec("cupy") is not None
 _have_torch = importlib.util.find_spec("torch") is not None
 
 
-def _real_only(backend: _driver.Driver) -> None:
-    if backend.name != "cuda":
-        pytest.skip("CuPy/PyTorch round trips need the real driver")
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
-async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import torch
 
     host = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
@@ -140,10 +133,8 @@ async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object)
     assert int(torch.from_dlpack(contiguous).sum()) == 700
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")
-async def test_cupy_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_cupy_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import cupy
 
     host = np.arange(3000, dtype=np.int32).reshape(60, 50)

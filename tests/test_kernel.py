@@ -359,11 +359,8 @@ def test_sim_implementation_sees_the_launch(sim_backend: _driver.Driver) -> None
 
 
 @pytest.mark.anyio
+@pytest.mark.multi_gpu
 async def test_module_loads_lazily_on_each_device(module: Module, anyio_backend: object) -> None:
-    from aiocuda.device import device_count
-
-    if device_count() < 2:
-        pytest.skip("needs two devices")
     n = 32
     fill = module.kernel("fill")
     for ordinal in (0, 1):

@@ -152,9 +152,7 @@ async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: 
 
 
 @pytest.mark.anyio
-async def test_gpu_pipeline_overlaps_its_engines(backend: Any, anyio_backend: Any) -> None:
-    if backend.name != "cuda":
-        pytest.skip("overlap of real copy engines and SMs: GPU only")
+async def test_gpu_pipeline_overlaps_its_engines(cuda_backend: Any, anyio_backend: Any) -> None:
     # 12 x 32 MiB: each step takes ~0.6 ms on the GPU, well above the executor's host
     # cost per chunk (~0.2 ms), so that what is measured is the engines' overlap.
     chunks = pinned_empty((12, 8 << 20), np.float32)
