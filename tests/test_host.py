@@ -85,3 +85,32 @@ async def test_blocks_of_a_previous_backend_are_not_reused(frees: list[int], any
     _driver.use_backend("sim", devices=1)
     assert _pinned_cache.take(4096) is None  # dropped (and freed, if that backend still can)
     assert cached_bytes() == 0 and is_pinned(pinned_empty(100, np.uint8))
+
+
+async def test_a_block_given_back_inside_the_cache_does_not_deadlock(
+    frees: list[int], anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The garbage collector runs a collected array's finalizer, which gives its block
+    back, on whatever thread allocates: also on one inside the cache's own lock (seen
+    under CPU load: a collection started while take() freed a previous backend's
+    blocks). Here the finalizer runs where that collection did."""
+    _drop(pinned_empty(100, np.uint8))
+    _driver.use_backend("sim", devices=1)  # the next take() frees the cached block
+    release = _offloop.release
+    reentered: list[bool] = []
+
+    def release_inside_a_finalizer(device: Any, call: str, ptr: int, **kwargs: Any) -> None:
+        if not reentered:
+            # give() would take the lock: probe it with a timeout first, so that a
+            # regression fails this test instead of hanging the run.
+            reentered.append(_pinned_cache._cache.lock.acquire(timeout=5))
+            if reentered[0]:
+                _pinned_cache._cache.lock.release()
+                _pinned_cache.give(device, ptr, 4096)  # another backend's block: released
+                return
+        release(device, call, ptr, **kwargs)
+
+    monkeypatch.setattr(_offloop, "release", release_inside_a_finalizer)
+    assert _pinned_cache.take(4096) is None
+    assert reentered == [True], "a block given back inside the cache's lock would deadlock"
+    assert _offloop.drain(timeout=30)

@@ -49,7 +49,9 @@ def _world(driver: Any) -> object:
 
 class _Cache:
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # Re-entrant: give() runs from finalizers, which the garbage collector may call on
+        # a thread inside take() or give() already (any allocation can start a collection).
+        self.lock = threading.RLock()
         self.blocks: dict[int, list[tuple[Device, int]]] = {}  # size class -> (device, ptr)
         self.bytes = 0
         self.world: object = None
