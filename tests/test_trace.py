@@ -104,7 +104,8 @@ async def gated_run(
     ex: Executor, stage: Any, chunks: np.ndarray, out: np.ndarray, monkeypatch: pytest.MonkeyPatch
 ) -> TraceSummary:
     """Run every chunk through ``ex`` with its upload stream held until all of their work
-    is enqueued, and summarise the trace of that run.
+    is enqueued, and summarise the trace of that run (``ex`` must admit every chunk at
+    once: ``chunks_per_device`` at least their number).
 
     The executor enqueues a chunk's steps without waiting on the host in between (the
     order is kept by events between its streams), so the GPU then runs a schedule the
@@ -151,7 +152,7 @@ async def test_executor_trace_shows_overlap(
         sim_backend.set_latency(op, LATENCY_S)
     chunks = pinned_empty((8, 256), np.float32)
     out = pinned_empty((8, 256), np.float32)
-    async with Executor([0], trace=True) as ex:
+    async with Executor([0], trace=True, chunks_per_device=len(chunks)) as ex:
         s = await gated_run(ex, ScaleStage(10), chunks, out, monkeypatch)
         assert ex.trace is not None
         spans = ex.trace.spans
@@ -212,7 +213,7 @@ async def test_gpu_pipeline_overlaps_its_engines(
     chunks = pinned_empty((12, 8 << 20), np.float32)
     chunks[:] = 1.0
     out = pinned_empty(chunks.shape, np.float32)
-    async with Executor([0], trace=True) as ex:
+    async with Executor([0], trace=True, chunks_per_device=len(chunks)) as ex:
         stage = ScaleStage(800)
         await ex.run(stage, chunks, output=lambda i, _: out[i])  # warm-up: pool, module
         # Garbage of earlier tests (compiled modules, above all) is unloaded off the loop,
