@@ -110,7 +110,7 @@ def real_gpu_count() -> int:
 def _need_real_gpu(request: pytest.FixtureRequest) -> None:
     count = real_gpu_count()
     if count == 0:
-        pytest.skip(f"no real GPU ({_probe()[1]})")
+        pytest.skip(f"no real GPU ({_probe()[1][:60]})")
     if count < 2 and request.node.get_closest_marker("multi_gpu") is not None:
         pytest.skip("needs two GPUs; this machine has one")
 

@@ -106,6 +106,7 @@ async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_
 # -- real libraries, on the GPU machine ---------------------------------------------------------
 
 _have_cupy = importlib.util.find_spec("cupy") is not None
+_have_numba = importlib.util.find_spec("numba") is not None
 _have_torch = importlib.util.find_spec("torch") is not None
 
 
@@ -147,3 +148,24 @@ async def test_cupy_round_trips(cuda_backend: _driver.Driver, anyio_backend: obj
     strided = cupy.arange(500, dtype=cupy.float32).reshape(20, 25)[::3, 1::4]
     imported = as_device_array(strided)
     np.testing.assert_array_equal(await imported.to_host(), cupy.asnumpy(strided))
+
+
+@pytest.mark.skipif(not _have_numba, reason="numba-cuda not installed")
+async def test_numba_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Numba reads an aiocuda array through ``__cuda_array_interface__`` and aiocuda
+    imports a Numba device array the same way, views included."""
+    from numba import cuda as numba_cuda
+
+    host = np.arange(2000, dtype=np.float32).reshape(40, 50)
+    dev = await ga.to_device(host)
+    seen = numba_cuda.as_cuda_array(dev)
+    assert seen.device_ctypes_pointer.value == dev.ptr and seen.shape == host.shape
+    np.testing.assert_array_equal(seen.copy_to_host(), host)
+
+    theirs = numba_cuda.to_device(np.arange(600, dtype=np.int64).reshape(20, 30))
+    numba_cuda.synchronize()
+    imported = as_device_array(theirs)
+    assert imported.ptr == theirs.device_ctypes_pointer.value
+    np.testing.assert_array_equal(await imported.to_host(), theirs.copy_to_host())
+    view = as_device_array(theirs[::2, 3:])
+    np.testing.assert_array_equal(await view.to_host(), theirs.copy_to_host()[::2, 3:])
