@@ -38,7 +38,7 @@ import anyio
 import numpy as np
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage
+from aiocuda._cli.workload import ScaleStage
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
 from aiocuda.kernel import register_sim_kernel

@@ -199,7 +199,7 @@ def _null_free(ptr: Any, stream: Any) -> tuple[int]:
 
 def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
     """aiocuda allocate + free per op minus the same two (stub) driver calls made directly."""
-    pool = MemoryPool(stream.device, None, owned=False)
+    pool = MemoryPool._create(stream.device, None, owned=False)
     pool._alloc_call, pool._free_call = _null_alloc, _null_free
 
     def ours(k: int) -> None:

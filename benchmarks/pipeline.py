@@ -19,7 +19,7 @@ speed drifts over seconds on a shared machine, so contenders are interleaved in 
 The whole measurement, stage times included, is made three times; each ratio is taken
 within a run, and the median of the three is reported, the runs beside it. The trace of
 one more executor run is reported against the bound from the stage times measured alone.
-The *bound* is what perfect overlap would take: the busiest engine's 16 chunks plus one
+The *bound* is what perfect overlap would take: the busiest unit's 16 chunks plus one
 fill and drain (the other two steps of one chunk), from the stage times measured alone;
 the *duplex bound* takes the copies' times while both directions run. The hand-written
 loop's own ratio to the bound is reported beside the executor's.
@@ -55,7 +55,7 @@ import anyio
 import numpy as np
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.device import Device
 from aiocuda.event import Event
 from aiocuda.executor import Executor
@@ -292,13 +292,13 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
         await executor_run(ex, rig, BALANCED, CHUNKS)
         summary = ex.trace.summary()
     # The trace's wall time against the bound from the stage times measured alone: a bound
-    # built from the trace's own busy times would grow with whatever slowed the engines.
+    # built from the trace's own busy times would grow with whatever slowed the units.
     stage_bound = result.baselines[f"bound_reps{BALANCED}_ms"]
     result.extra[f"trace_1gpu_reps{BALANCED}"] = {
         "wall_ms": round(summary.wall_ms, 3),
         "stage_bound_ms": stage_bound,
         "wall_over_stage_bound": round(summary.wall_ms / stage_bound, 4),
-        "busy_ms": {f"{e.device}/{e.engine}": round(e.busy_ms, 3) for e in summary.engines},
+        "busy_ms": {f"{e.device}/{e.unit}": round(e.busy_ms, 3) for e in summary.units},
     }
     if ndev >= 2:
         await _scaling(rig, ndev, samples, result)

@@ -52,7 +52,7 @@ def slow_op(stream: Stream, seconds: float) -> None:
     """Enqueue work that keeps ``stream`` busy for about ``seconds``."""
     backend = stream.device._driver
     if backend.name == "sim":
-        backend._enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
+        backend.enqueue(stream.handle, lambda: time.sleep(seconds), "spin")  # type: ignore[attr-defined]
         return
     cycles = int(seconds * stream.device.attribute("clock_rate") * 1e3)
     _kernel(stream, "spin").launch(1, 1, cycles, stream=stream)
@@ -66,7 +66,7 @@ def poison_op(stream: Stream) -> None:
         def fault() -> None:
             raise IndexError("simulated out-of-bounds write")
 
-        backend._enqueue(stream.handle, fault, "poison")  # type: ignore[attr-defined]
+        backend.enqueue(stream.handle, fault, "poison")  # type: ignore[attr-defined]
         return
     _kernel(stream, "poison").launch(1, 1, None, stream=stream)
 
@@ -87,7 +87,7 @@ class Gate:
         backend = stream.device._driver
         if backend.name == "sim":
             opened = self._opened
-            backend._enqueue(stream.handle, lambda: opened.wait(timeout), "gate")  # type: ignore[attr-defined]
+            backend.enqueue(stream.handle, lambda: opened.wait(timeout), "gate")  # type: ignore[attr-defined]
             return
         self._flag = pinned_zeros(1, np.int32)  # the kernel reads it until it is set
         cycles = int(timeout * stream.device.attribute("clock_rate") * 1e3)

@@ -4,13 +4,14 @@
   present, marked ``gpu`` so that ``-m gpu`` selects it.
 * ``cuda_backend``: the real driver alone, for tests that mean nothing on the simulator
   (their items are marked ``gpu``).
-* ``sim_backend``: the simulator alone, for tests of its controls (hold, faults).
+* ``sim_backend``: the simulator alone, for tests of its controls (pause, faults).
 * ``anyio_backend``: asyncio, asyncio + uvloop and trio, through anyio's pytest plugin.
 
 The GPU lane: with ``--require-gpu`` or ``AIOCUDA_BACKEND=cuda``, a real GPU is asked
 for, so a missing or broken one fails every test that needs it (with the probe's
 reason) instead of skipping it, and the run fails if no ``gpu`` test passed. Without
-it the ``cuda`` tests skip where there is no GPU, as on CI.
+it the ``cuda`` tests skip where there is no GPU, as on CI, and the run ends with one
+line saying that they were skipped and how to run them.
 
 Markers: ``gpu`` (needs the real driver), ``multi_gpu`` (needs two devices: the
 simulator has two; on the real driver it skips on a one-GPU machine).
@@ -79,9 +80,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """One line on the GPU tests: in the GPU lane how many passed, elsewhere why they
+    were skipped and how to run them."""
     if _gpu_lane:
         verdict = "" if _gpu_passed else ": the GPU lane was asked for and no gpu test passed (run fails)"
         terminalreporter.write_line(f"aiocuda GPU lane: {_gpu_passed} gpu tests passed{verdict}")
+        return
+    skipped = terminalreporter.stats.get("skipped", [])
+    marked = [getattr(r, "keywords", {}) for r in skipped]  # a skipped module's report has none
+    gpu = [k for k in marked if "gpu" in k or "multi_gpu" in k]
+    multi = [k for k in gpu if "multi_gpu" in k]
+    count = _probe()[0]
+    if gpu and count == 0:
+        terminalreporter.write_line(
+            f"{len(gpu)} GPU tests skipped: there is no NVIDIA GPU and driver here (the other tests ran on the "
+            "simulated backend). On a machine with a GPU, ./aio test runs them too; ./aio test -m gpu runs those alone."
+        )
+    elif multi and count == 1:
+        terminalreporter.write_line(f"{len(multi)} multi-GPU tests skipped: they need two GPUs, this machine has one.")
 
 
 @functools.cache
@@ -159,5 +175,5 @@ def cuda_backend(request: pytest.FixtureRequest) -> Iterator[_driver.Driver]:
 
 @pytest.fixture
 def sim_backend() -> Iterator[_driver.Driver]:
-    """The simulated backend alone, for tests of sim-only controls (hold, faults)."""
+    """The simulated backend alone, for tests of sim-only controls (pause, faults)."""
     yield _driver.use_backend("sim", devices=2)

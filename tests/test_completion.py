@@ -233,7 +233,7 @@ async def test_many_completions_cost_one_wakeup(
 
         monkeypatch.setattr(adapter_cls, "call_soon_threadsafe", counting)
     with Stream(0) as s:
-        sim_backend.hold(s.handle)  # type: ignore[attr-defined]
+        sim_backend.pause(s.handle)  # type: ignore[attr-defined]
         slow_op(s, 0.001)
         finished = 0
 
@@ -246,7 +246,7 @@ async def test_many_completions_cost_one_wakeup(
             for _ in range(20):
                 tg.start_soon(waiter)
             await anyio.sleep(0.05)  # every waiter is now with the doorbell
-            sim_backend.release(s.handle)  # type: ignore[attr-defined]
+            sim_backend.resume(s.handle)  # type: ignore[attr-defined]
     assert finished == 20
     assert wakeups <= 3, f"{wakeups} wake-ups for 20 completions"
 

@@ -1,8 +1,8 @@
-"""The README says what the code and the GPU results say.
+"""The README and docs/ say what the code and the GPU results say.
 
-Its measured figures and the engine constants it quotes are generated
-(``scripts/results-table``): a README edited by hand, a changed constant or a new
-results file without a regenerated README fails here. Its list of markers is the one
+Their measured figures and the engine constants they quote are generated
+(``scripts/results-table``): a figure edited by hand, a changed constant or a new
+results file without regenerated docs fails here. Its list of markers is the one
 pytest registers, and every registered marker is used by a test.
 """
 
@@ -16,7 +16,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def test_readme_figures_match_the_results_files_and_the_code() -> None:
+def test_doc_figures_match_the_results_files_and_the_code() -> None:
     done = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "results-table"), "--check"],
         capture_output=True,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from aiocuda import _driver
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
 from aiocuda.device import Device
 from aiocuda.executor import ChunkContext, Executor
@@ -92,13 +92,13 @@ async def test_run_returns_values_and_accepts_async_iterables(backend: Any, anyi
 async def test_as_completed_yields_finished_chunks_first(slow_sim: Any, anyio_backend: Any) -> None:
     stage = ScaleStage(REPS)
     async with Executor([0, 1]) as ex:
-        slow_sim.hold(ex.lanes[0].d2h.handle)  # device 0 cannot finish anything
+        slow_sim.pause(ex.device_streams[0].d2h.handle)  # device 0 cannot finish anything
         order = []
         async with ex.map(stage, chunks(8), ordered=False) as results:
             async for r in results:
                 order.append(r)
                 if len(order) == 4:
-                    slow_sim.release(ex.lanes[0].d2h.handle)
+                    slow_sim.resume(ex.device_streams[0].d2h.handle)
     assert [r.device for r in order[:4]] == [1, 1, 1, 1]
     assert sorted(r.index for r in order) == list(range(8))
 
@@ -147,7 +147,7 @@ async def test_cancel_mid_pipeline_returns_memory_and_corrupts_nothing(slow_sim:
         assert scope.cancelled_caught and seen == 3
         await ex.synchronize()
         assert used_bytes() == baseline
-        assert all(lane.chunks == 0 and lane.reserved == 0 for lane in ex.lanes)
+        assert all(per_device.chunks == 0 and per_device.reserved == 0 for per_device in ex.device_streams)
         inputs = chunks(8, 4096, pinned=True, seed=7)
         values = await ex.run(stage, inputs)
     for value, host in zip(values, inputs, strict=True):
@@ -234,13 +234,13 @@ async def test_one_two_and_eight_devices(count: int, anyio_backend: Any) -> None
 @pytest.mark.parametrize("placement", ["round_robin", "least_loaded"])
 async def test_placement_skips_a_full_device(placement: Any, slow_sim: Any, anyio_backend: Any) -> None:
     async with Executor(chunks_per_device=2) as ex:
-        slow_sim.hold(ex.lanes[0].h2d.handle)  # device 0 stays full once it has 2 chunks
+        slow_sim.pause(ex.device_streams[0].h2d.handle)  # device 0 stays full once it has 2 chunks
         devices_seen = []
         async with ex.map(ScaleStage(REPS), chunks(10), ordered=False, placement=placement) as results:
             async for r in results:
                 devices_seen.append(r.device)
                 if len(devices_seen) == 8:
-                    slow_sim.release(ex.lanes[0].h2d.handle)
+                    slow_sim.resume(ex.device_streams[0].h2d.handle)
     assert devices_seen[:8] == [1] * 8
     assert sorted(devices_seen) == [0, 0] + [1] * 8
 
@@ -248,13 +248,13 @@ async def test_placement_skips_a_full_device(placement: Any, slow_sim: Any, anyi
 async def test_least_loaded_sends_small_chunks_away_from_a_big_one(sim_backend: Any, anyio_backend: Any) -> None:
     inputs = [np.ones(n, np.float32) for n in (40_000, 100, 100, 100, 100)]
     async with Executor() as ex:
-        sim_backend.hold(ex.lanes[0].h2d.handle)  # the big chunk stays in flight on device 0
+        sim_backend.pause(ex.device_streams[0].h2d.handle)  # the big chunk stays in flight on device 0
         got = []
         async with ex.map(ScaleStage(REPS), inputs, ordered=False, placement="least_loaded") as results:
             async for r in results:
                 got.append(r)
                 if len(got) == 4:
-                    sim_backend.release(ex.lanes[0].h2d.handle)
+                    sim_backend.resume(ex.device_streams[0].h2d.handle)
     assert [(r.index, r.device) for r in got[4:]] == [(0, 0)]
     assert {r.device for r in got[:4]} == {1}
 
@@ -262,12 +262,12 @@ async def test_least_loaded_sends_small_chunks_away_from_a_big_one(sim_backend: 
 async def test_memory_budget_limits_bytes_in_flight(sim_backend: Any, anyio_backend: Any) -> None:
     inputs = chunks(6, 25_000)  # 100 kB each: 200 kB reserved per chunk
     async with Executor([0]) as ex:
-        ex.lanes[0].budget = 450_000  # two chunks fit, not three
+        ex.device_streams[0].budget = 450_000  # two chunks fit, not three
         peak = 0
 
         def stage(ctx: ChunkContext, x: DeviceArray) -> None:
             nonlocal peak
-            peak = max(peak, ex.lanes[0].chunks)
+            peak = max(peak, ex.device_streams[0].chunks)
 
         values = await ex.run(stage, inputs)
     assert peak == 2
@@ -340,8 +340,8 @@ async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> 
     async with Executor([0, 1], trace=True) as ex:
         values = await ex.run(stage, inputs)
         assert ex.trace is not None
-        engines = {(s.device, s.engine) for s in ex.trace.spans}
-    assert (0, "p2p") in engines and (1, "p2p") in engines
+        units = {(s.device, s.unit) for s in ex.trace.spans}
+    assert (0, "p2p") in units and (1, "p2p") in units
     for value, host in zip(values, inputs, strict=True):
         np.testing.assert_allclose(value, scale_reference(scale_reference(host, REPS), REPS), rtol=1e-5)
 
@@ -404,7 +404,7 @@ async def test_pipelines_share_an_executor_concurrently(slow_sim: Any, anyio_bac
         async with anyio.create_task_group() as tg:
             tg.start_soon(run, "a", a, REPS)
             tg.start_soon(run, "b", b, 2 * REPS)
-        assert all(lane.chunks == 0 for lane in ex.lanes)
+        assert all(per_device.chunks == 0 for per_device in ex.device_streams)
     for value, host in zip(found["a"], a, strict=True):
         np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
     for value, host in zip(found["b"], b, strict=True):
@@ -438,7 +438,7 @@ async def test_submit_from_many_tasks_respects_the_device_limits(slow_sim: Any, 
 
         def stage(ctx: ChunkContext, x: DeviceArray) -> None:
             nonlocal peak
-            peak = max(peak, *(lane.chunks for lane in ex.lanes))
+            peak = max(peak, *(per_device.chunks for per_device in ex.device_streams))
             scale(ctx, x)
 
         async def one(i: int) -> None:
@@ -447,8 +447,8 @@ async def test_submit_from_many_tasks_respects_the_device_limits(slow_sim: Any, 
         async with anyio.create_task_group() as tg:
             for i in range(10):
                 tg.start_soon(one, i)
-        assert sum(lane.completed for lane in ex.lanes) == 10
-        assert min(lane.completed for lane in ex.lanes) >= 3  # least loaded: both devices work
+        assert sum(per_device.completed for per_device in ex.device_streams) == 10
+        assert min(per_device.completed for per_device in ex.device_streams) >= 3  # least loaded: both devices work
     assert peak == 2
     for i, host in enumerate(inputs):
         np.testing.assert_allclose(found[i], scale_reference(host, REPS), rtol=1e-5)
@@ -461,7 +461,7 @@ async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend:
             await ex.submit(ScaleStage(REPS), chunks(1, 50_000)[0])
         assert scope.cancelled_caught
         await ex.synchronize()
-        assert used_bytes() == baseline and ex.lanes[0].chunks == 0
+        assert used_bytes() == baseline and ex.device_streams[0].chunks == 0
 
         def boom(ctx: ChunkContext, x: DeviceArray) -> None:
             raise Boom("submitted")

@@ -96,21 +96,21 @@ async def test_a_block_given_back_inside_the_cache_does_not_deadlock(
     blocks). Here the finalizer runs where that collection did."""
     _drop(pinned_empty(100, np.uint8))
     _driver.use_backend("sim", devices=1)  # the next take() frees the cached block
-    release = _offloop.release
+    dispose = _offloop.dispose
     reentered: list[bool] = []
 
-    def release_inside_a_finalizer(device: Any, call: str, ptr: int, **kwargs: Any) -> None:
+    def dispose_inside_a_finalizer(device: Any, call: Any, ptr: int, *args: Any, **kwargs: Any) -> None:
         if not reentered:
             # give() would take the lock: probe it with a timeout first, so that a
             # regression fails this test instead of hanging the run.
             reentered.append(_pinned_cache._cache.lock.acquire(timeout=5))
             if reentered[0]:
                 _pinned_cache._cache.lock.release()
-                _pinned_cache.give(device, ptr, 4096)  # another backend's block: released
+                _pinned_cache.give(device, ptr, 4096)  # another backend's block: disposed of
                 return
-        release(device, call, ptr, **kwargs)
+        dispose(device, call, ptr, *args, **kwargs)
 
-    monkeypatch.setattr(_offloop, "release", release_inside_a_finalizer)
+    monkeypatch.setattr(_offloop, "dispose", dispose_inside_a_finalizer)
     assert _pinned_cache.take(4096) is None
     assert reentered == [True], "a block given back inside the cache's lock would deadlock"
     assert _offloop.drain(timeout=30)

@@ -18,10 +18,10 @@ from aiocuda import _driver
 from aiocuda.array import empty, to_device
 from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, CudaError, LaunchError
-from aiocuda.kernel import Kernel, register_sim_kernel
+from aiocuda.kernel import Kernel, LaunchConfig, register_sim_kernel
 from aiocuda.module import Module
 from aiocuda.program import Program
-from aiocuda.stream import Stream
+from aiocuda.stream import Stream, use_stream
 
 SOURCE = r"""
 extern "C" __global__ void saxpy(float a, const float* __restrict__ x, float* y, int n) {
@@ -63,9 +63,7 @@ def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
     impls = {"saxpy": _saxpy, "axpy": _axpy, "fill": _fill, "empty_kernel": lambda launch, *args: None}
     for name, impl in impls.items():
         register_sim_kernel(name, impl)
-    from aiocuda._kernels.compile_cache import CompileCache
-
-    program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=CompileCache(tmp_path))
+    program = Program(SOURCE, name_expressions=["axpy<float>", "axpy<double>"], cache=tmp_path)
     yield program.compile()
     for name in impls:
         register_sim_kernel(name, None)
@@ -242,6 +240,150 @@ def test_bad_launch_configuration(module: Module) -> None:
             saxpy.launch(1, 2048, 1.0, 0, 0, 0, stream=s)  # more threads than a block may have
 
 
+def test_launch_config_checks_and_normalises() -> None:
+    config = LaunchConfig((4, np.int64(2)), 128, shared_mem=64, cluster=2)
+    assert (config.grid, config.block, config.shared_mem, config.cluster, config.cooperative) == (
+        (4, 2, 1),
+        (128, 1, 1),
+        64,
+        (2, 1, 1),
+        False,
+    )
+    assert config == LaunchConfig((4, 2, 1), (128,), shared_mem=64, cluster=(2, 1, 1)) and len({config, config}) == 1
+    with pytest.raises(AttributeError):
+        config.grid = (1, 1, 1)  # type: ignore[misc]
+    for bad in [
+        {"grid": 1.0},
+        {"grid": True},
+        {"grid": (1, 2.0)},
+        {"grid": ()},
+        {"grid": [1]},
+        {"block": 0},
+        {"shared_mem": -1},
+        {"shared_mem": 1.0},
+        {"cooperative": 1},
+        {"cluster": (2, 0)},
+    ]:
+        kwargs: dict[str, Any] = {"grid": 1, "block": 32, **bad}
+        with pytest.raises(LaunchError) as info:
+            LaunchConfig(**kwargs)
+        assert info.value.name == "AIOCUDA_BAD_CONFIG", bad
+
+
+@pytest.mark.anyio
+async def test_launch_config_call_forms(module: Module, anyio_backend: object) -> None:
+    n = 64
+    fill = module.kernel("fill")
+    config = LaunchConfig(1, 64)
+    with Stream(0) as s:
+        out = empty(n, np.int32, stream=s)
+        fill.launch(config, out, 1, n, stream=s)
+        assert (await out.to_host(stream=s) == 1).all()
+        fill.bind(config, stream=s)(out, 2, n)
+        assert (await out.to_host(stream=s) == 2).all()
+        fill[config, s](out, 3, n)
+        assert (await out.to_host(stream=s) == 3).all()
+        with use_stream(s):
+            fill[config](out, 4, n)
+        assert (await out.to_host(stream=s) == 4).all()
+        with pytest.raises(LaunchError, match="LaunchConfig carries"):
+            fill.bind(config, 64, stream=s)
+        with pytest.raises(LaunchError, match="LaunchConfig carries"):
+            fill.launch(config, out, 5, n, stream=s, shared_mem=16)
+
+
+def test_cached_launchers_do_not_accept_what_a_new_one_refuses(module: Module) -> None:
+    """1.0 == 1 and True == 1: the launcher cache must not let them past the checks."""
+    fill = module.kernel("fill")
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        fill.launch(1, 32, out, 1, 32, stream=s)
+        fill.launch((1, 1), 32, out, 1, 32, stream=s)
+        fill[1, 32, s](out, 1, 32)
+        fill[1, 32, s, 0](out, 1, 32)
+        for grid, block, options in [
+            (1.0, 32, {}),
+            (True, 32, {}),
+            (1, 32.0, {}),
+            ((1.0, 1), 32, {}),
+            (1, 32, {"shared_mem": 0.0}),
+            (1, 32, {"cooperative": 0}),
+        ]:
+            with pytest.raises(LaunchError, match="must be"):
+                fill.launch(grid, block, out, 1, 32, stream=s, **options)
+        for subscript in [(1.0, 32, s), (1, True, s), (1, 32, s, 0.0)]:
+            with pytest.raises(LaunchError, match="must be"):
+                fill[subscript]
+        with pytest.raises(LaunchError, match="grid must be"):
+            fill.launch([1], 32, out, 1, 32, stream=s)  # unhashable
+        s.synchronize()
+
+
+def test_every_spelling_of_a_configuration_shares_one_launcher(module: Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    fill = module.kernel("fill")
+    binds: list[Any] = []
+    bind = Kernel.bind
+    monkeypatch.setattr(Kernel, "bind", lambda self, *a, **k: binds.append(a) or bind(self, *a, **k))
+    with Stream(0) as s:
+        out = empty(64, np.int32, stream=s)
+        for grid in (np.int64(2), np.int32(2), 2, (2,), (2, 1, 1), LaunchConfig(2, 32)):
+            if isinstance(grid, LaunchConfig):
+                fill.launch(grid, out, 1, 64, stream=s)
+                fill[grid, s](out, 1, 64)
+            else:
+                fill.launch(grid, 32, out, 1, 64, stream=s)
+                fill[grid, 32, s](out, 1, 64)
+        s.synchronize()
+    assert len(binds) == 1
+
+
+def test_stream_must_be_a_stream(module: Module) -> None:
+    fill = module.kernel("fill")
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        with pytest.raises(LaunchError, match="stream must be an aiocuda Stream, got str"):
+            fill.launch(1, 32, out, 1, 32, stream="x")  # type: ignore[arg-type]
+        with pytest.raises(LaunchError, match="stream must be an aiocuda Stream"):
+            fill.bind(1, 32, stream=s.handle)
+        with pytest.raises(LaunchError, match="stream must be an aiocuda Stream"):
+            fill[1, 32, "x"]
+        with pytest.raises(LaunchError, match=r"Stream\.wrap"):
+            fill.launch(LaunchConfig(1, 32), out, 1, 32, stream=_ForeignStream(s))  # type: ignore[arg-type]
+        s.synchronize()
+
+
+class _ForeignStream:
+    def __init__(self, stream: Stream) -> None:
+        self.stream = stream
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return self.stream.__cuda_stream__()
+
+
+def test_arrays_must_have_the_pointee_type(module: Module) -> None:
+    saxpy = module.kernel("saxpy")  # float a, const float* x, float* y, int n
+
+    class Foreign:
+        def __init__(self, ptr: int, typestr: str) -> None:
+            self.__cuda_array_interface__ = {"data": (ptr, False), "shape": (8,), "typestr": typestr, "version": 3}
+
+    with Stream(0) as s:
+        x32, x64 = empty(8, np.float32, stream=s), empty(8, np.float64, stream=s)
+        y = empty(8, np.float32, stream=s)
+        go = saxpy.bind(1, 32, stream=s)
+        for wrong in (x64, Foreign(x64.ptr, "<f8"), empty(8, np.int32, stream=s)):
+            for launch in (go, saxpy[1, 32, s], lambda *a: saxpy.launch(1, 32, *a, stream=s)):
+                with pytest.raises(LaunchError, match=r"argument 1 \(float32\* x\).*the kernel reads float32"):
+                    launch(2.0, wrong, y, 8)
+        go(2.0, x32, y, 8)  # the right type, and every form an array is not checked as
+        go(2.0, Foreign(x32.ptr, "<f4"), y, 8)
+        go(2.0, x64.buffer, y, 8)
+        go(2.0, x64.ptr, y, 8)
+        untyped = module.kernel("fill", signature="void*, int, int")
+        untyped.launch(1, 8, x64, 0, 16, stream=s)  # void* takes any array
+        s.synchronize()
+
+
 def test_missing_kernel_is_a_clear_error(module: Module) -> None:
     with pytest.raises(ArgumentError, match="nope"):
         module.kernel("nope").function(0)
@@ -398,9 +540,9 @@ def test_seam_launch_calls(backend: _driver.Driver, module: Module) -> None:
         out = empty(32, np.int32, stream=s)
         host = np.zeros(32, np.int32)
         params = ParamBuffer(fill.signature)
-        for value, launch in [(5, backend.launch_kernel), (6, backend.launch_kernel_ex)]:
+        for value, config in [(5, LaunchConfig(1, 32)), (6, LaunchConfig(1, 32, cooperative=True))]:
             params.pack((out, value, 32), s)
-            launch(func, (1, 1, 1), (32, 1, 1), 0, s.handle, params)
+            backend.launch_kernel(func, config, s.handle, params)
             backend.memcpy_dtoh_async(host.ctypes.data, out.ptr, host.nbytes, s.handle)
             s.synchronize()
             assert (host == value).all()

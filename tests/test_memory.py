@@ -95,14 +95,14 @@ async def test_release_threshold_and_trim(backend: _driver.Driver, anyio_backend
         assert pool.statistics().used_bytes_peak == 0
 
 
-async def test_out_of_memory_releases_cache_then_raises_clearly(backend: _driver.Driver, anyio_backend: object) -> None:
+async def test_out_of_memory_trims_cache_then_raises_clearly(backend: _driver.Driver, anyio_backend: object) -> None:
     limit = 256 * MiB
     pool = MemoryPool.create(0, max_size=limit)
     with Stream(0) as s:
         pool.allocate(160 * MiB, s).free()
         await s
         s.synchronize()
-        second = pool.allocate(128 * MiB, s)  # needs the cached 160 MiB released (sim) or reused
+        second = pool.allocate(128 * MiB, s)  # needs the cached 160 MiB trimmed (sim) or reused
         if backend.name == "sim":
             assert pool.statistics().out_of_memory_recoveries == 1
         with pytest.raises(OutOfMemoryError) as info:
@@ -128,14 +128,14 @@ async def test_allocate_wait_applies_back_pressure(backend: _driver.Driver, anyi
 
         freed = False
 
-        async def release_later() -> None:
+        async def free_later() -> None:
             nonlocal freed
             await anyio.sleep(0.05)
             freed = True
             hog.free()
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(release_later)
+            tg.start_soon(free_later)
             got = await pool.allocate_wait(48 * MiB, s, timeout=5)
             assert freed, "allocate_wait returned memory that was still in use"
         got.free()
@@ -161,13 +161,13 @@ async def test_free_waits_for_work_on_every_stream_that_used_it(
     await a
     before = pool.statistics().used_bytes
     buf = pool.allocate(MiB, a)
-    sim_backend.hold(a.handle)  # type: ignore[attr-defined]
-    slow_op(a, 0.0)  # queued behind the hold: "work on a" that uses buf
+    sim_backend.pause(a.handle)  # type: ignore[attr-defined]
+    slow_op(a, 0.0)  # queued behind the pause: "work on a" that uses buf
     buf._used_on(b)
     buf.free()  # enqueued on b, which must wait for a
     await anyio.sleep(0.05)
     assert pool.statistics().used_bytes == before + MiB
-    sim_backend.release(a.handle)  # type: ignore[attr-defined]
+    sim_backend.resume(a.handle)  # type: ignore[attr-defined]
     await a
     await b
     assert pool.statistics().used_bytes == before
@@ -284,16 +284,16 @@ async def test_sim_reuses_memory_freed_on_the_same_stream_at_once(
     pool = MemoryPool.create(0, max_size=MiB)
     a, b = Stream(0), Stream(0)
     await a
-    sim_backend.hold(a.handle)  # type: ignore[attr-defined]
+    sim_backend.pause(a.handle)  # type: ignore[attr-defined]
     first = pool.allocate(MiB, a)
     ptr = first.ptr
-    first.free()  # enqueued behind the hold: has not run
+    first.free()  # enqueued behind the pause: has not run
     with pytest.raises(OutOfMemoryError):
         pool.allocate(MiB, b)  # another stream must wait for the free to run
     again = pool.allocate(MiB, a)
     assert again.ptr == ptr
     again.free()
-    sim_backend.release(a.handle)  # type: ignore[attr-defined]
+    sim_backend.resume(a.handle)  # type: ignore[attr-defined]
     await a
     assert pool.statistics().used_bytes == 0
     pool.allocate(MiB, b).free()
@@ -308,8 +308,8 @@ async def test_allocate_wait_wakes_up_when_a_buffer_is_freed(
     """A free on the waiter's loop retries at once, whatever the back-off has grown to."""
     from aiocuda import memory
 
-    monkeypatch.setattr(memory, "RETRY_FIRST", 30.0)
-    monkeypatch.setattr(memory, "RETRY_MAX", 30.0)
+    monkeypatch.setattr(memory, "_RETRY_FIRST", 30.0)
+    monkeypatch.setattr(memory, "_RETRY_MAX", 30.0)
     pool = MemoryPool.create(0, max_size=64 * MiB)
     with Stream(0) as s:
         hog = pool.allocate(48 * MiB, s)

@@ -156,6 +156,41 @@ def test_sim_compile_records_kernels(sim_backend: _driver.Driver) -> None:
         Program(source, name_expressions=["c<float>"]).compile()
 
 
+def _nvrtc_installed() -> bool:
+    try:
+        nvrtc.load()
+    except CompileError:
+        return False
+    return True
+
+
+def test_the_simulator_compiles_with_nvrtc_and_reports_bad_source(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path
+) -> None:
+    """NVRTC needs no GPU: on the simulator a program that does not compile fails as it
+    would on a GPU, while a good one becomes a sim module whose kernels run in Python."""
+    if not _nvrtc_installed():
+        pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    with pytest.raises(CompileError) as info:
+        Program("void f( { }", name="bad.cu", cache=tmp_path).compile()
+    assert "bad.cu" in str(info.value) and "error" in info.value.log
+    good = Program('extern "C" __global__ void fine(int* x) { x[0] = 1; }', cache=tmp_path).compile()
+    assert good.kind == "sim" and good.kernel("fine").function() is not None
+
+
+def test_the_simulator_without_nvrtc_skips_the_compile(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing() -> Any:
+        raise CompileError("no NVRTC here", name=nvrtc.NO_NVRTC)
+
+    monkeypatch.setattr(nvrtc, "load", missing)
+    monkeypatch.setattr(nvrtc, "_identity", None)
+    monkeypatch.setattr(nvrtc, "_NVRTC_WHEEL_DIRS", ())
+    module = Program('extern "C" __global__ void g(int* x) { x[0] = 1; }', cache=tmp_path).compile()
+    assert module.kind == "sim" and module.kernel("g").function() is not None
+
+
 # -- NVRTC -----------------------------------------------------------------------------------------
 def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     import cuda.bindings
@@ -175,7 +210,7 @@ def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> Non
 def test_compile_error_carries_the_log(cuda_backend: _driver.Driver, tmp_path: pathlib.Path) -> None:
     bad = 'extern "C" __global__ void broken(int* x) { x[0] = undeclared_name; }'
     with pytest.raises(CompileError) as info:
-        Program(bad, cache=CompileCache(tmp_path)).compile()
+        Program(bad, cache=tmp_path).compile()
     assert "undeclared_name" in info.value.log
     assert "undeclared_name" in str(info.value)
 
@@ -184,25 +219,33 @@ def test_second_compile_comes_from_the_cache(
     cuda_backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = 'extern "C" __global__ void cached_kernel(int* x) { x[0] = 1; }'
-    first = Program(source, cache=CompileCache(tmp_path)).compile()
+    first = Program(source, cache=tmp_path).compile()
     assert first.kind == "cubin"
 
     def must_not_compile(*args: Any) -> Any:
         raise AssertionError("NVRTC was called although the cache holds the image")
 
-    monkeypatch.setattr(program, "_nvrtc_compile", must_not_compile)
-    second = Program(source, cache=CompileCache(tmp_path)).compile()
+    monkeypatch.setattr(nvrtc, "compile_program", must_not_compile)
+    second = Program(source, cache=tmp_path).compile()
     assert second.image == first.image
     # and in a new process, through AIOCUDA_CACHE_DIR
     code = (
-        "import aiocuda.program as p, sys\n"
-        "p._nvrtc_compile = lambda *a: sys.exit('compiled again')\n"
+        "import aiocuda._kernels.nvrtc as n, aiocuda.program as p, sys\n"
+        "n.compile_program = lambda *a: sys.exit('compiled again')\n"
         f"p.Program({source!r}).compile()\n"
     )
     env = {**os.environ, "AIOCUDA_CACHE_DIR": str(tmp_path), "AIOCUDA_BACKEND": "cuda"}
     env["PYTHONPATH"] = os.pathsep.join([str(pathlib.Path(program.__file__).parents[1]), env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_cache_argument_takes_a_switch_or_a_folder(tmp_path: pathlib.Path) -> None:
+    assert Program("", cache=False)._cache is None
+    assert Program("", cache=tmp_path)._cache is not None
+    assert Program("", cache=str(tmp_path))._cache is not None
+    with pytest.raises(TypeError, match="cache must be True, False or a folder path"):
+        Program("", cache=42)  # type: ignore[arg-type]
 
 
 def test_compiler_identity_from_the_wheel_without_loading_nvrtc(

@@ -105,17 +105,17 @@ async def test_concurrent_copies_on_two_devices_and_many_streams(
 async def test_a_slot_is_reused_only_after_its_dma_completed(
     sim_backend: Any, anyio_backend: object, small_staging: None
 ) -> None:
-    """On a held stream no DMA runs: the copy must stop once every slot holds a chunk
-    whose DMA is pending, not overwrite one (the DMAs, run at release, would read it)."""
+    """On a paused stream no DMA runs: the copy must stop once every slot holds a chunk
+    whose DMA is pending, not overwrite one (the DMAs, run on resume, would read it)."""
     host = _random_bytes(3 * SLOTS * CHUNK)
     with Stream(0) as s:
         dev = ga.empty(host.shape, np.uint8, stream=s)
         await s
-        sim_backend.hold(s.handle)
+        sim_backend.pause(s.handle)
         async with anyio.create_task_group() as tg:
             tg.start_soon(dev.copy_from, host)
             await anyio.sleep(0.2)  # every slot filled; the copiers wait for their fences
-            sim_backend.release(s.handle)
+            sim_backend.resume(s.handle)
         assert _digest(await dev.to_host(stream=s)) == _digest(host)
 
 
@@ -127,7 +127,7 @@ async def test_a_cancelled_copy_is_done_with_the_host_array_when_the_await_ends(
     with Stream(0) as s:
         dev = ga.empty(host.shape, np.uint8, stream=s)
         await s
-        sim_backend.hold(s.handle)
+        sim_backend.pause(s.handle)
         ended = anyio.Event()
 
         async def cancelled_copy(scope: anyio.CancelScope) -> None:
@@ -142,7 +142,7 @@ async def test_a_cancelled_copy_is_done_with_the_host_array_when_the_await_ends(
             scope.cancel()
             await anyio.sleep(0.2)
             assert not ended.is_set()  # the copiers still read host: the await goes on
-            sim_backend.release(s.handle)
+            sim_backend.resume(s.handle)
             await ended.wait()
         host[:] = 0  # the caller may now reuse the array
         assert _digest(await dev.to_host(stream=s)) == digest
@@ -156,7 +156,7 @@ async def test_a_copy_cancelled_before_it_starts_enqueues_nothing_afterwards(
     busy, victim = Stream(0), Stream(0)
     busy_array = ga.empty(3 * SLOTS * CHUNK, np.uint8, stream=busy)
     await busy
-    sim_backend.hold(busy.handle)
+    sim_backend.pause(busy.handle)
     nbytes = 2 * CHUNK
     async with anyio.create_task_group() as tg:
         tg.start_soon(busy_array.copy_from, _random_bytes(busy_array.size))  # occupies every copier
@@ -166,7 +166,7 @@ async def test_a_copy_cancelled_before_it_starts_enqueues_nothing_afterwards(
             await ga.to_device(np.ones(nbytes, np.uint8), stream=victim)
         reused = ga.empty(nbytes, np.uint8, stream=victim)  # the same memory, in the sim
         await reused.fill(7, stream=victim)
-        sim_backend.release(busy.handle)
+        sim_backend.resume(busy.handle)
     await busy
     await victim
     assert (await reused.to_host(stream=victim) == 7).all()

@@ -12,7 +12,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda._memory import offloop as _offloop
 from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
@@ -57,7 +57,7 @@ def test_summary_arithmetic_on_known_spans() -> None:
 
 def test_empty_trace_summarises_to_zero() -> None:
     s = Trace().summary()
-    assert (s.wall_ms, s.bound_ms, s.overlap_ratio, s.engines) == (0.0, 0.0, 0.0, ())
+    assert (s.wall_ms, s.bound_ms, s.overlap_ratio, s.units) == (0.0, 0.0, 0.0, ())
 
 
 def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None:
@@ -71,33 +71,46 @@ def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
         assert isinstance(e["ts"], float | int) and e["dur"] >= 0
     first = next(e for e in complete if e["pid"] == 0)
-    assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"engine": "h2d", "chunk": 0})
+    assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"unit": "h2d", "chunk": 0})
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
     assert names[(0, first["tid"])] == "h2d"
     assert "compute 1" in names.values()
     assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {"GPU 0", "GPU 1"}
 
 
-def test_unknown_engine_is_refused(sim_backend: Any) -> None:
-    with Stream(0) as s, pytest.raises(ValueError, match="unknown engine"):
-        Trace().start(s, "tensor", "x")
+def test_unknown_unit_is_refused(sim_backend: Any) -> None:
+    with Stream(0) as s, pytest.raises(ValueError, match="unknown unit"), Trace().span(s, "tensor", "x"):
+        pass
 
 
 def test_spans_recorded_by_hand(backend: Any) -> None:
     trace = Trace()
     with Stream(0) as s:
         buf = MemoryPool.for_device(s.device).allocate(1 << 16, s)
-        trace.begin(s)
-        pending = trace.start(s, "compute", "memset", chunk=7)
-        s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
-        trace.stop(pending, s)
+        with trace.span(s, "compute", "memset", chunk=7):
+            s.device._driver.memset_d8_async(buf.ptr, 3, buf.size, s.handle)
+        with pytest.raises(RuntimeError), trace.span(s, "compute", "failed"):
+            raise RuntimeError  # a block that fails records nothing
         buf.free()
         s.synchronize()
-        trace.resolve(pending)
+        (span,) = trace.spans
         trace.close()
-    (span,) = trace.spans
-    assert (span.device, span.engine, span.name, span.chunk) == (0, "compute", "memset", 7)
+    assert trace.spans == (span,)
+    assert (span.device, span.unit, span.name, span.chunk) == (0, "compute", "memset", 7)
     assert 0.0 <= span.start_ms <= span.end_ms
+
+
+def test_a_span_is_read_once_its_work_is_done(sim_backend: Any) -> None:
+    trace = Trace()
+    with Stream(0) as s:
+        sim_backend.pause(s.handle)
+        with trace.span(s, "compute", "waiting"):
+            pass
+        assert trace.spans == () and trace.summary().wall_ms == 0.0  # not done: not read yet
+        sim_backend.resume(s.handle)
+        s.synchronize()
+        assert [sp.name for sp in trace.spans] == ["waiting"]
+        trace.close()
 
 
 async def gated_run(
@@ -119,18 +132,18 @@ async def gated_run(
     trace.clear()
     enqueued = 0
     all_enqueued = anyio.Event()
-    stop = Trace.stop
+    stop = Trace._stop
 
     def counting_stop(pending: Any, stream: Stream) -> None:
         nonlocal enqueued
         stop(pending, stream)
-        if pending.engine == "d2h":
+        if pending.unit == "d2h":
             enqueued += 1
             if enqueued == len(chunks):
                 all_enqueued.set()
 
-    with monkeypatch.context() as patch, Gate(ex.lanes[0].h2d) as gate:
-        patch.setattr(Trace, "stop", staticmethod(counting_stop))
+    with monkeypatch.context() as patch, Gate(ex.device_streams[0].h2d) as gate:
+        patch.setattr(Trace, "_stop", staticmethod(counting_stop))
         async with anyio.create_task_group() as tg:
             run = functools.partial(ex.run, stage, chunks, output=lambda i, _: out[i], in_flight=len(chunks))
             tg.start_soon(run)
@@ -156,19 +169,19 @@ async def test_executor_trace_shows_overlap(
         s = await gated_run(ex, ScaleStage(10), chunks, out, monkeypatch)
         assert ex.trace is not None
         spans = ex.trace.spans
-    assert sorted(sp.chunk or 0 for sp in spans if sp.engine == "compute") == list(range(8))
+    assert sorted(sp.chunk or 0 for sp in spans if sp.unit == "compute") == list(range(8))
     step_ms = LATENCY_S * 1e3
-    for engine in ("h2d", "compute", "d2h"):
-        assert s.busy_ms(0, engine) >= 8 * step_ms * 0.9
+    for unit in ("h2d", "compute", "d2h"):
+        assert s.busy_ms(0, unit) >= 8 * step_ms * 0.9
     # Each span starts when its stream gets to it: a chunk's steps never overlap each other.
     by_chunk: dict[int, dict[str, Span]] = {}
     for sp in spans:
         assert sp.chunk is not None
-        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+        by_chunk.setdefault(sp.chunk, {})[sp.unit] = sp
     for steps in by_chunk.values():
         assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
         assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
-    # Engines overlapped: in turn, the 24 steps take 2.4 times the bound of 10 steps.
+    # Units overlapped: in turn, the 24 steps take 2.4 times the bound of 10 steps.
     tables = s.table()
     assert s.bound_ms >= 8 * step_ms + 2 * step_ms * 0.9, tables
     assert s.overlap_ratio < 1.3, tables
@@ -188,7 +201,7 @@ async def test_executor_trace_on_every_backend(backend: Any, anyio_backend: Any)
     by_chunk: dict[int, dict[str, Span]] = {}
     for sp in spans:
         assert sp.duration_ms >= 0 and sp.chunk is not None
-        by_chunk.setdefault(sp.chunk, {})[sp.engine] = sp
+        by_chunk.setdefault(sp.chunk, {})[sp.unit] = sp
     for steps in by_chunk.values():  # GPU-side order of each chunk's steps
         assert steps["h2d"].end_ms <= steps["compute"].start_ms + 0.5
         assert steps["compute"].end_ms <= steps["d2h"].start_ms + 0.5
@@ -203,7 +216,7 @@ async def test_executor_without_trace_has_none(sim_backend: Any, anyio_backend: 
 
 
 @pytest.mark.anyio
-async def test_gpu_pipeline_overlaps_its_engines(
+async def test_gpu_pipeline_overlaps_its_units(
     cuda_backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the GPU, with the uploads held until every chunk's work is enqueued (see
@@ -226,7 +239,7 @@ async def test_gpu_pipeline_overlaps_its_engines(
     np.testing.assert_allclose(out, scale_reference(chunks, 800), rtol=1e-3)
     tables = s.table()
     assert s.busy_ms(0, "h2d") > 0 and s.busy_ms(0, "d2h") > 0 and s.busy_ms(0, "compute") > 0, tables
-    # A schedule that lost one engine's overlap (uploads and downloads in turn, say)
+    # A schedule that lost one unit's overlap (uploads and downloads in turn, say)
     # takes about twice the bound; the copies' slowdown when both directions run is
     # inside the busy times the bound is built from.
     assert s.overlap_ratio < 1.2, tables

@@ -10,81 +10,99 @@
     anyio.run(main)
 
 Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
-(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`).
+(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`; :func:`current_backend`
+says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 """
 
 from __future__ import annotations
 
-from . import errors
-from ._driver import use_backend
+from . import errors, interop
+from ._driver import LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .backend import Backend, current_backend, use_backend
+from .batching import Batcher
 from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
+    BackendError,
+    ClosedError,
+    CompileError,
     ContextPoisonedError,
     CudaError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    SimulatedBackendWarning,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
+from .lanes import Lane, Lanes
 from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
-from .program import CompileError, Program, ProgramOptions
+from .program import Program, ProgramOptions
 from .stream import Stream, current_stream, use_stream
 from .trace import Trace, TraceSummary
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = [
     "ArgumentError",
+    "Backend",
+    "BackendError",
+    "Batcher",
     "ChunkContext",
     "ChunkResult",
+    "ClosedError",
     "CompileError",
+    "ContextPoisonedError",
+    "CudaError",
+    "Device",
     "DeviceArray",
     "DeviceBuffer",
+    "DeviceProperties",
+    "Event",
     "Executor",
     "HostRegistration",
     "Kernel",
     "KernelAttributes",
+    "Lane",
+    "Lanes",
+    "LaunchConfig",
+    "LaunchError",
     "MemoryPool",
     "Module",
+    "NoDeviceError",
+    "OutOfMemoryError",
     "Pipeline",
     "PoolStatistics",
     "Program",
     "ProgramOptions",
+    "SimulatedBackendWarning",
+    "Stream",
     "Trace",
     "TraceSummary",
     "as_device_array",
     "copy_array",
+    "current_backend",
+    "current_stream",
+    "device_count",
+    "devices",
     "empty",
     "enable_peer_access",
+    "errors",
+    "interop",
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",
     "register_host",
     "register_sim_kernel",
     "to_device",
-    "zeros",
-    "ContextPoisonedError",
-    "CudaError",
-    "Device",
-    "DeviceProperties",
-    "Event",
-    "LaunchError",
-    "NoDeviceError",
-    "OutOfMemoryError",
-    "Stream",
-    "current_stream",
-    "device_count",
-    "devices",
-    "errors",
     "use_backend",
     "use_stream",
+    "zeros",
 ]

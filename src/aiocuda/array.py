@@ -24,50 +24,21 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import staging as _staging
-from .device import Device, as_device
-from .errors import ArgumentError, ResultCode
+from ._util import byte_span, c_strides, invalid_value, shape_tuple
+from .device import Device, _as_device
 from .memory import MemoryPool
 from .stream import Stream, current_stream
 
 __all__ = ["DeviceArray", "copy", "empty", "to_device", "zeros"]
 
-Shape = tuple[int, ...]
-
-
-def _argument(message: str) -> ArgumentError:
-    return ArgumentError(message, code=ResultCode.INVALID_VALUE, name="CUDA_ERROR_INVALID_VALUE")
-
-
-def _c_strides(shape: Shape, itemsize: int) -> Shape:
-    strides = []
-    step = itemsize
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= max(dim, 1)
-    return tuple(reversed(strides))
-
-
-def _byte_span(shape: Shape, strides: Shape, itemsize: int) -> tuple[int, int]:
-    """``(lo, hi)``: the byte range, relative to the first element, that the view touches."""
-    if any(d == 0 for d in shape):
-        return 0, 0
-    lo = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s < 0)
-    hi = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s > 0) + itemsize
-    return lo, hi
+_Shape = tuple[int, ...]
 
 
 def _check_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     dt = np.dtype(dtype)
     if dt.hasobject:
-        raise _argument(f"dtype {dt} holds Python objects and cannot live in device memory")
+        raise invalid_value(f"dtype {dt} holds Python objects and cannot live in device memory")
     return dt
-
-
-def _shape(shape: int | Shape) -> Shape:
-    dims = (operator.index(shape),) if not isinstance(shape, tuple) else tuple(operator.index(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise _argument(f"negative dimension in shape {dims}")
-    return dims
 
 
 class DeviceArray:
@@ -81,23 +52,23 @@ class DeviceArray:
 
     def __init__(
         self,
-        shape: int | Shape,
+        shape: int | _Shape,
         dtype: npt.DTypeLike,
-        strides: Shape | None = None,
+        strides: _Shape | None = None,
         *,
         buffer: Any,
         offset: int = 0,
     ) -> None:
-        self.shape = _shape(shape)
+        self.shape = shape_tuple(shape)
         self.dtype = _check_dtype(dtype)
-        self.strides = _c_strides(self.shape, self.dtype.itemsize) if strides is None else tuple(strides)
+        self.strides = c_strides(self.shape, self.dtype.itemsize) if strides is None else tuple(strides)
         if len(self.strides) != len(self.shape):
-            raise _argument(f"strides {self.strides} do not match shape {self.shape}")
+            raise invalid_value(f"strides {self.strides} do not match shape {self.shape}")
         self.buffer = buffer
         self.offset = offset
-        lo, hi = _byte_span(self.shape, self.strides, self.dtype.itemsize)
+        lo, hi = byte_span(self.shape, self.strides, self.dtype.itemsize)
         if hi > lo and (offset + lo < 0 or offset + hi > buffer.size):
-            raise _argument(
+            raise invalid_value(
                 f"an array of shape {self.shape} and strides {self.strides} at offset {offset} does not fit "
                 f"in a buffer of {buffer.size} bytes"
             )
@@ -139,7 +110,7 @@ class DeviceArray:
     def is_c_contiguous(self) -> bool:
         return self.size == 0 or all(
             s == c
-            for s, c, d in zip(self.strides, _c_strides(self.shape, self.itemsize), self.shape, strict=True)
+            for s, c, d in zip(self.strides, c_strides(self.shape, self.itemsize), self.shape, strict=True)
             if d != 1
         )
 
@@ -191,29 +162,29 @@ class DeviceArray:
         strides.extend(self.strides[dim:])
         return DeviceArray(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
 
-    def reshape(self, *shape: int | Shape) -> DeviceArray:
+    def reshape(self, *shape: int | _Shape) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
         first = shape[0] if len(shape) == 1 else None
         given: tuple[Any, ...] = first if isinstance(first, tuple) else shape
         dims = [operator.index(d) for d in given]
         if not self.is_c_contiguous:
-            raise _argument("only a C-contiguous DeviceArray can be reshaped without a copy")
+            raise invalid_value("only a C-contiguous DeviceArray can be reshaped without a copy")
         if dims.count(-1) > 1:
-            raise _argument("only one dimension can be -1")
+            raise invalid_value("only one dimension can be -1")
         known = math.prod([d for d in dims if d != -1])
         if -1 in dims:
             if known == 0 or self.size % known:
-                raise _argument(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
+                raise invalid_value(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
             dims[dims.index(-1)] = self.size // known
         if math.prod(dims) != self.size:
-            raise _argument(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
+            raise invalid_value(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
         return DeviceArray(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
 
     def view(self, dtype: npt.DTypeLike) -> DeviceArray:
         """The same memory seen as another dtype of the same item size."""
         dt = _check_dtype(dtype)
         if dt.itemsize != self.itemsize:
-            raise _argument(f"view needs a dtype of the same item size ({self.itemsize}), not {dt}")
+            raise invalid_value(f"view needs a dtype of the same item size ({self.itemsize}), not {dt}")
         return DeviceArray(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
 
     # -- stream bookkeeping ---------------------------------------------------------------------
@@ -235,17 +206,17 @@ class DeviceArray:
             if not isinstance(out, np.ndarray):
                 raise TypeError(f"out must be a numpy array, not {type(out).__name__}")
             if out.shape != self.shape or out.dtype != self.dtype:
-                raise _argument(
+                raise invalid_value(
                     f"out has shape {out.shape} and dtype {out.dtype}; expected {self.shape} and {self.dtype}"
                 )
             if not out.flags.writeable:
-                raise _argument("out is read-only")
+                raise invalid_value("out is read-only")
         s = self._stream_for(stream)
         if self.is_c_contiguous:
             target = out if out is not None and out.flags.c_contiguous else np.empty(self.shape, self.dtype)
             await _staging.device_to_host(target, self.ptr, s)
         else:
-            lo, hi = _byte_span(self.shape, self.strides, self.itemsize)
+            lo, hi = byte_span(self.shape, self.strides, self.itemsize)
             span = np.empty(hi - lo, np.uint8)
             await _staging.device_to_host(span, self.ptr + lo, s)
             target = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides).copy()
@@ -262,25 +233,25 @@ class DeviceArray:
             return
         host = np.asarray(source)
         if host.shape != self.shape or host.dtype != self.dtype:
-            raise _argument(
+            raise invalid_value(
                 f"source has shape {host.shape} and dtype {host.dtype}; expected {self.shape} and {self.dtype}"
             )
         if not self.is_c_contiguous:
-            raise _argument("copying into a non-contiguous DeviceArray is not supported")
+            raise invalid_value("copying into a non-contiguous DeviceArray is not supported")
         await _upload(self.ptr, np.ascontiguousarray(host), self._stream_for(stream))
 
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
         if not self.is_c_contiguous:
-            raise _argument("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
-        target_device = self.device if device is None else as_device(device)
+            raise invalid_value("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
+        target_device = self.device if device is None else _as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
         return await _filled(dst, copy(dst, self, stream=stream))
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
         """Set every element to ``value`` (a memset when the pattern allows it)."""
         if not self.is_c_contiguous:
-            raise _argument("fill() of a non-contiguous DeviceArray is not supported")
+            raise invalid_value("fill() of a non-contiguous DeviceArray is not supported")
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
@@ -337,7 +308,7 @@ def _leave(buffer: Any, stream: Stream) -> None:
 
 
 def empty(
-    shape: int | Shape,
+    shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
     *,
     device: Device | int | None = None,
@@ -347,16 +318,16 @@ def empty(
     """A new C-contiguous DeviceArray, contents undefined, allocated stream-ordered on
     ``stream`` (default: the current stream of ``device``) from ``pool`` (default: the
     device's pool)."""
-    dims = _shape(shape)
+    dims = shape_tuple(shape)
     dt = _check_dtype(dtype)
     if pool is None:
-        pool = MemoryPool.for_device(stream.device if stream is not None else as_device(device))
+        pool = MemoryPool.for_device(stream.device if stream is not None else _as_device(device))
     buf = pool.allocate(math.prod(dims) * dt.itemsize, stream)
     return DeviceArray(dims, dt, buffer=buf)
 
 
 async def zeros(
-    shape: int | Shape,
+    shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
     *,
     device: Device | int | None = None,
@@ -385,7 +356,7 @@ async def to_device(
     _check_dtype(host.dtype)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
-    s = stream if stream is not None else current_stream(as_device(device))
+    s = stream if stream is not None else current_stream(_as_device(device))
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 
@@ -418,9 +389,9 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     or between two (a peer copy, which needs no peer access). ``stream`` defaults to the
     current stream of ``src``'s device."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
-        raise _argument(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
+        raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
     if not (dst.is_c_contiguous and src.is_c_contiguous):
-        raise _argument("copy() needs C-contiguous arrays")
+        raise invalid_value("copy() needs C-contiguous arrays")
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)

@@ -21,7 +21,7 @@ from typing import Any
 from . import _driver
 from .errors import ArgumentError, ResultCode, error_for_code
 
-__all__ = ["Device", "DeviceProperties", "as_device", "device_count", "devices"]
+__all__ = ["Device", "DeviceProperties", "device_count", "devices"]
 
 _registry: dict[tuple[int, int], Device] = {}
 _registry_lock = threading.Lock()
@@ -208,6 +208,6 @@ def devices() -> list[Device]:
     return [Device(i) for i in range(device_count())]
 
 
-def as_device(device: Device | int | None = None) -> Device:
+def _as_device(device: Device | int | None = None) -> Device:
     """``device`` itself, or the Device of an ordinal (``None`` means device 0)."""
     return device if isinstance(device, Device) else Device(device or 0)

@@ -15,6 +15,15 @@ for the situations callers branch on:
   a device ordinal out of range, an unknown handle, a bad size. Also a :class:`ValueError`.
 * :class:`LaunchError` -- a kernel could not be launched or failed (too many resources,
   wrong argument count or type, a missing kernel image).
+* :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
+  be loaded.
+* :class:`BackendError` -- an unknown backend or a bad setting for one was asked for.
+  Also a :class:`ValueError`.
+* :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
+  request was not started (a service answers "unavailable").
+
+:class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
+instead (see :mod:`aiocuda.backend`).
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -23,8 +32,10 @@ included, may raise these.
 from __future__ import annotations
 
 __all__ = [
+    "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
@@ -32,6 +43,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "ResultCode",
+    "SimulatedBackendWarning",
     "error_for_code",
 ]
 
@@ -196,8 +208,29 @@ class CompileError(CudaError):
         self.log = log
 
 
-class BackendError(ValueError):
-    """An unknown or unusable driver backend was requested (``AIOCUDA_BACKEND``)."""
+class BackendError(CudaError, ValueError):
+    """An unknown driver backend was asked for, or a bad setting for one
+    (``AIOCUDA_BACKEND``, ``AIOCUDA_SIM_DEVICES``, :func:`aiocuda.use_backend`). Also a
+    :class:`ValueError`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
+
+
+class ClosedError(RuntimeError):
+    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
+    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
+    not started. Requests already started finish normally."""
+
+
+class SimulatedBackendWarning(UserWarning):
+    """``AIOCUDA_BACKEND=auto`` (the default) found no usable GPU and chose the simulator.
+
+    Also logged on the ``aiocuda`` logger where logging is configured. A service that
+    must never run without a GPU sets ``AIOCUDA_BACKEND=cuda``: the first use then raises
+    :class:`NoDeviceError` instead. Turning this warning into an error does the same:
+    ``warnings.simplefilter("error", aiocuda.SimulatedBackendWarning)`` before first use.
+    """
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import ArgumentError
 
 __all__ = ["Event"]
@@ -64,7 +64,7 @@ class Event:
     )
 
     def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         self._device = dev
         self._driver = dev._driver

@@ -1,4 +1,4 @@
-"""The executor: pipelines of copies and kernels that keep every engine of every GPU busy.
+"""The executor: pipelines of copies and kernels that keep the copy units and SMs of every GPU busy.
 
 An :class:`Executor` owns, per device, a small set of streams -- one for host-to-device
 copies, one or more for kernels (``compute``), one for device-to-host copies, one for
@@ -10,7 +10,7 @@ A pipeline (:meth:`Executor.map`) sends each chunk of host input through::
 
 Steps of one chunk are ordered by events between streams, on the GPU; chunks follow each
 other on each stream, so while chunk *i* is computed, chunk *i + 1* is being uploaded and
-chunk *i - 1* downloaded: both copy engines and the SMs work at once, on every device.
+chunk *i - 1* downloaded: both copy directions and the SMs work at once, on every device.
 
 Example::
 
@@ -28,7 +28,9 @@ Example::
                 use(r.value)
 
 For request/response code, where many tasks each have one input, ``await
-ex.submit(stage, host)`` runs one chunk the same way, under the same per-device limits.
+ex.submit(stage, host)`` runs one chunk under the same per-device limits, all on one
+stream with one host wait (see also :mod:`aiocuda.lanes`, the request path without an
+executor).
 
 Host memory: copies run at full speed and truly asynchronously only from and to *pinned*
 memory (:func:`aiocuda.host.pinned_empty`). Pass pinned inputs, and pinned destinations
@@ -37,11 +39,10 @@ with ``output=``; pageable arrays work but go through the process's pinned stagi
 Where the executor serialises (what to watch when scaling to many GPUs):
 
 * one event-loop thread enqueues every chunk of every device and takes every result,
-  at a host cost of about 0.2 ms per chunk (``benchmarks/executor_host.py``). Each GPU
-  needs a new chunk every ``max(copy, kernel)`` (0.6 ms for the reference's 32 MiB
-  chunks), so with N GPUs the thread has ``0.6 / N`` ms per chunk; chunks whose steps
-  take less than the host cost leave the GPU waiting for the host: make chunks big
-  (tens of MiB) rather than many;
+  at a host cost per chunk that ``benchmarks/executor_host.py`` measures. Each GPU
+  needs a new chunk every ``max(copy, kernel)``, so with N GPUs the thread has
+  ``max(copy, kernel) / N`` per chunk; chunks whose steps take less than the host cost
+  leave the GPU waiting for the host: make chunks big (tens of MiB) rather than many;
 * one completion engine per process (:mod:`aiocuda._completion`): one poller per loop,
   one waker thread for long waits;
 * one feeder task per pipeline reads the inputs and admits chunks in turn;
@@ -59,7 +60,8 @@ import anyio
 import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
-from ._executor.lanes import DeviceLanes
+from ._executor.device_streams import DeviceStreams
+from ._executor.lanes import Lanes
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -68,6 +70,10 @@ from .peer import enable_peer_access
 from .trace import Trace
 
 __all__ = ["ChunkContext", "ChunkResult", "Executor", "Pipeline"]
+
+_SUBMIT_STAGING = 1 << 20
+"""Page-locked bytes per chunk in flight for :meth:`Executor.submit`'s pageable copies;
+larger ones go through the process's staging threads."""
 
 
 class Executor:
@@ -79,8 +85,9 @@ class Executor:
             (default 2: a chunk's kernels may start while the previous chunk's last
             wave of blocks is still finishing, as with one stream per chunk).
         chunks_per_device: chunks in flight on one device at most (default 8: the
-            three engines busy with several chunks queued, so that the time the host
-            takes to see a chunk finish and admit the next never idles the GPU).
+            three units, h2d, compute and d2h, busy with several chunks queued, so that
+            the time the host takes to see a chunk finish and admit the next never
+            idles the GPU).
         memory_fraction: share of each device's free memory (measured on entering) that
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
@@ -113,20 +120,26 @@ class Executor:
         self._chunks_per_device = chunks_per_device
         self._memory_fraction = memory_fraction
         self._trace = Trace() if trace else None
-        self._lanes: tuple[DeviceLanes, ...] = ()
-        self._by_ordinal: dict[int, DeviceLanes] = {}
+        self._device_streams: tuple[DeviceStreams, ...] = ()
+        self._by_ordinal: dict[int, DeviceStreams] = {}
         self._admission = Admission()
         self._open = False
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
+        self._request_lanes: dict[int, Lanes] = {}
+        """submit()'s lanes, by device ordinal."""
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
-        self._open_lanes()
+        self._open_devices()
         try:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
                 for b in self.devices:
                     await enable_peer_access(a, b)
+            for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
+                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=_SUBMIT_STAGING)
+                self._request_lanes[per_device.device.ordinal] = lanes
+                await lanes.start()
         except BaseException:
             self.close()
             raise
@@ -142,7 +155,7 @@ class Executor:
             finally:
                 self.close()
 
-    def _open_lanes(self) -> None:
+    def _open_devices(self) -> None:
         if self._open:
             return
         chosen = (
@@ -152,39 +165,45 @@ class Executor:
         )
         if not chosen:
             raise ValueError("an Executor needs at least one device")
-        lanes = []
+        device_streams = []
         for device in chosen:
             free, _ = device.memory_info()
-            lanes.append(
-                DeviceLanes(
+            device_streams.append(
+                DeviceStreams(
                     device,
                     compute_streams=self._compute_streams,
                     max_chunks=self._chunks_per_device,
                     budget=int(free * self._memory_fraction),
                 )
             )
-        self._lanes = tuple(lanes)
-        self._by_ordinal = {lane.device.ordinal: lane for lane in lanes}
+        self._device_streams = tuple(device_streams)
+        self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._open = True
         if self._trace is not None:
-            for lane in lanes:
-                self._trace.begin(lane.h2d)
+            for per_device in device_streams:
+                self._trace.begin(per_device.h2d)
 
     async def synchronize(self) -> None:
         """Wait until every stream of the executor is idle."""
         if not self._open:
             return
-        for lane in self._lanes:
-            for stream in lane.streams:
+        for per_device in self._device_streams:
+            for stream in per_device.streams:
                 await stream
+        for lanes in self._request_lanes.values():
+            for lane in lanes.lanes:
+                for stream in lane.streams:
+                    await stream
 
     def close(self) -> None:
-        """Close the streams (work already enqueued still completes). :attr:`lanes`
+        """Close the streams (work already enqueued still completes). :attr:`device_streams`
         and :attr:`trace` stay readable."""
         self._open = False
-        for lane in self._lanes:
-            for stream in lane.streams:
+        for per_device in self._device_streams:
+            for stream in per_device.streams:
                 stream.close()
+        for lanes in self._request_lanes.values():
+            lanes.close()
         if self._trace is not None:
             self._trace.close()
 
@@ -230,17 +249,17 @@ class Executor:
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
-        limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._lanes)
+        limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._device_streams)
         if limit < 1:
             raise ValueError(f"in_flight must be >= 1, got {limit}")
         if on_error not in ("raise", "continue"):
             raise ValueError(f"on_error must be 'raise' or 'continue', got {on_error!r}")
         if placement not in ("round_robin", "least_loaded"):
             raise ValueError(f"unknown placement {placement!r}: expected 'round_robin' or 'least_loaded'")
-        return Pipeline(
+        return Pipeline._create(
             self._runner(stage, output, name),
             inputs,
-            lanes=self._lanes,
+            device_streams=self._device_streams,
             admission=self._admission,
             ordered=ordered,
             in_flight=limit,
@@ -260,25 +279,30 @@ class Executor:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
 
-        Concurrent submits share the executor's streams and overlap like a pipeline's
-        chunks; each waits for a device with room first (``chunks_per_device`` and the
-        memory budget), so the executor's limits hold across all of them. Raises the
-        chunk's error; cancelling the awaiting task cancels the chunk (memory returned).
+        Each submit waits for a device with room first (``chunks_per_device`` and the
+        memory budget, shared with pipelines), so the executor's limits hold across all
+        of them; then the whole chunk runs on one stream of its own (a request lane,
+        :mod:`aiocuda.lanes`) with a single host wait, without a pipeline's events between
+        streams. Raises the chunk's error; cancelling the awaiting task cancels the chunk
+        (memory returned).
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
         array = as_input(host)
         nbytes = reserve(array)
-        lanes, self._cursor = await self._admission.admit(placement, self._lanes, nbytes, self._cursor)
+        placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
         try:
-            return await self._runner(stage, output, name).run(index, array, lanes)
+            async with self._request_lanes[placed.device.ordinal].lease() as lane:
+                return await self._runner(stage, output, name).run(index, array, placed, lane)
         finally:
-            lanes.completed += 1
-            self._admission.release(lanes, nbytes)
+            placed.completed += 1
+            self._admission.release(placed, nbytes)
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
-        return ChunkRunner(stage, self._lanes_of, self._trace, output, name or str(getattr(stage, "__name__", "stage")))
+        return ChunkRunner(
+            stage, self._streams_of, self._trace, output, name or str(getattr(stage, "__name__", "stage"))
+        )
 
     async def run(
         self,
@@ -296,28 +320,30 @@ class Executor:
     # -- state ------------------------------------------------------------------------------
     @property
     def devices(self) -> tuple[Device, ...]:
-        return tuple(lane.device for lane in self._lanes)
+        return tuple(per_device.device for per_device in self._device_streams)
 
     @property
-    def lanes(self) -> tuple[DeviceLanes, ...]:
+    def device_streams(self) -> tuple[DeviceStreams, ...]:
         """Each device's streams and load (read-only use)."""
-        return self._lanes
+        return self._device_streams
 
     @property
     def trace(self) -> Trace | None:
         """The trace, when created with ``trace=True``."""
         return self._trace
 
-    def _lanes_of(self, device: Device) -> DeviceLanes:
-        lanes = self._by_ordinal.get(device.ordinal)
-        if lanes is None:
+    def _streams_of(self, device: Device) -> DeviceStreams:
+        device_streams = self._by_ordinal.get(device.ordinal)
+        if device_streams is None:
             raise ValueError(
                 f"device {device.ordinal} is not one of this executor's devices {sorted(self._by_ordinal)}"
             )
-        return lanes
+        return device_streams
 
     def __repr__(self) -> str:
         if not self._open:
             return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
-        state = ", ".join(f"{lane.device.ordinal}: {lane.chunks} in flight" for lane in self._lanes)
+        state = ", ".join(
+            f"{per_device.device.ordinal}: {per_device.chunks} in flight" for per_device in self._device_streams
+        )
         return f"<Executor {state}>"

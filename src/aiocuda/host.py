@@ -34,8 +34,9 @@ import numpy.typing as npt
 
 from ._memory import offloop, pinned_cache
 from ._memory.pinned import PinnedAllocation, pinned_ranges
-from .device import Device, as_device
-from .errors import ArgumentError, CudaError, ResultCode
+from ._util import invalid_value, shape_tuple
+from .device import Device, _as_device
+from .errors import CudaError, ResultCode
 
 __all__ = [
     "HostRegistration",
@@ -57,13 +58,6 @@ def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[An
     return flat.reshape(shape)
 
 
-def _shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-    if any(d < 0 for d in dims):
-        raise ArgumentError(f"negative dimension in shape {dims}", code=ResultCode.INVALID_VALUE)
-    return dims
-
-
 def pinned_empty(
     shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32, *, device: Device | int | None = None
 ) -> npt.NDArray[Any]:
@@ -72,10 +66,10 @@ def pinned_empty(
     ``device`` only chooses which context performs the allocation; the memory is
     portable, usable with every device.
     """
-    dims = _shape_tuple(shape)
+    dims = shape_tuple(shape)
     dt = np.dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
-    dev = as_device(device)
+    dev = _as_device(device)
     owner = PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
 
@@ -107,10 +101,10 @@ class HostRegistration:
         if not isinstance(array, np.ndarray):
             raise TypeError(f"register_host takes a numpy array, not {type(array).__name__}")
         if not array.flags.c_contiguous and not array.flags.f_contiguous:
-            raise ArgumentError("only a contiguous array can be registered", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("only a contiguous array can be registered")
         if array.nbytes == 0:
-            raise ArgumentError("an empty array cannot be registered", code=ResultCode.INVALID_VALUE)
-        dev = as_device(device)
+            raise invalid_value("an empty array cannot be registered")
+        dev = _as_device(device)
         dev.make_current()
         self.array = array
         self.ptr = int(array.ctypes.data)
@@ -150,7 +144,7 @@ def _unregister(device: Device, ptr: int, array: npt.NDArray[Any]) -> None:
     pinned_ranges.remove(ptr)
     # The driver waits for an idle device: unpin off the loop, keeping the array (whose
     # memory must not go back to its allocator while still registered) until then.
-    offloop.release(device, "mem_host_unregister", ptr, keep=array)
+    offloop.dispose(device, device._driver.mem_host_unregister, ptr, keep=array)
 
 
 def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -> HostRegistration:

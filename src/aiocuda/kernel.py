@@ -7,20 +7,26 @@
     go = saxpy.bind(blocks, 256, stream=s)             # prepared launcher: the fast path
     go(a, x, y, n); go(a, x2, y2, n)
     saxpy[blocks, 256, s](a, x, y, n)                  # numba-style, same as bind()
+    config = LaunchConfig(blocks, 256, shared_mem=1024)
+    saxpy.launch(config, a, x, y, n, stream=s)         # each form also takes a LaunchConfig
     await s                                            # wait for the kernels
 
-Arguments are checked against the kernel's signature before anything reaches the
-driver; a wrong count or type raises :class:`~aiocuda.errors.LaunchError` naming the
-argument. Scalars: Python ``int``/``float``/``bool`` and numpy scalars that fit the
-declared type (no silent truncation: ``1.5`` for an ``int`` fails, ``2**40`` for an
-``int`` fails). Pointers: ``DeviceArray``, ``DeviceBuffer``, objects with
-``__cuda_array_interface__``, ``int`` addresses, ``None``.
+The launch configuration (grid, block, dynamic shared memory, cluster, cooperative) is
+checked by :class:`LaunchConfig`, whichever form gives it. Arguments are checked against
+the kernel's signature before anything reaches the driver; a wrong count or type raises
+:class:`~aiocuda.errors.LaunchError` naming the argument. Scalars: Python
+``int``/``float``/``bool`` and numpy scalars that fit the declared type (no silent
+truncation: ``1.5`` for an ``int`` fails, ``2**40`` for an ``int`` fails). Pointers:
+``DeviceArray``, ``DeviceBuffer``, objects with ``__cuda_array_interface__``, ``int``
+addresses, ``None``; an array must have the declared element type (a ``float64`` array
+for a ``float*`` fails), except for ``void*`` and byte pointers, which take any.
 
 Cost: :meth:`Kernel.bind` builds, once, a function specialised for the signature and
 the launch configuration (see :mod:`aiocuda._kernels.packing`), so calling it costs one
-``struct`` pack and the driver call. :meth:`Kernel.launch` looks up such a launcher in a
-small per-kernel cache first (and the current stream when none is given), which costs a
-little more. Launches only enqueue: await the stream (or an event) for the results.
+``struct`` pack and the driver call. :meth:`Kernel.launch` and ``kernel[...]`` look up
+such a launcher in a small per-kernel cache first (and the current stream when none is
+given), which costs a little more. Launches only enqueue: await the stream (or an
+event) for the results.
 """
 
 from __future__ import annotations
@@ -31,17 +37,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _driver
+from ._driver import Dim3, LaunchConfig
 from ._kernels.packing import ParamBuffer, build_launcher
 from ._kernels.signature import Signature
-from .device import Device, as_device
+from ._util import NoPublicConstructor
+from .device import Device, _as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
 from .stream import Stream, current_stream
 
-__all__ = ["Kernel", "KernelAttributes", "register_sim_kernel"]
+__all__ = ["Kernel", "KernelAttributes", "LaunchConfig", "register_sim_kernel"]
 
-Dim3 = int | tuple[int] | tuple[int, int] | tuple[int, int, int]
 _LAUNCHER_CACHE_SIZE = 64
+_CONFIG: Any = object()
+"""``launch``'s ``block`` when not given: the first argument is a :class:`LaunchConfig`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +67,78 @@ class KernelAttributes:
     max_dynamic_shared_size_bytes: int
 
 
-def _dim3(value: Dim3, what: str) -> tuple[int, int, int]:
-    dims = (value,) if not isinstance(value, tuple) else value
-    if not 1 <= len(dims) <= 3 or any(isinstance(d, bool) or not isinstance(d, int) for d in dims):
-        raise LaunchError(f"{what} must be an int or a tuple of 1 to 3 ints, got {value!r}", name="AIOCUDA_BAD_CONFIG")
-    if any(d < 1 for d in dims):
-        raise LaunchError(f"{what} dimensions must be >= 1, got {value!r}", name="AIOCUDA_BAD_CONFIG")
-    return (*dims, 1, 1)[:3]
+def _config(
+    grid: Dim3 | LaunchConfig, block: Any, shared_mem: int, cooperative: bool, cluster: Dim3 | None
+) -> LaunchConfig:
+    """The launch configuration of a ``bind``/``launch``/subscript call, checked."""
+    if isinstance(grid, LaunchConfig):
+        defaults = shared_mem.__class__ is int and not shared_mem and cooperative is False and cluster is None
+        if (block is not None and block is not _CONFIG) or not defaults:
+            raise LaunchError(
+                "a LaunchConfig carries block, shared_mem, cooperative and cluster: pass them to it",
+                name="AIOCUDA_BAD_CONFIG",
+            )
+        return grid
+    if block is None or block is _CONFIG:
+        raise LaunchError("give the block dimensions too (or one LaunchConfig)", name="AIOCUDA_BAD_CONFIG")
+    return LaunchConfig(grid, block, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
 
 
-class Kernel:
+def _stream(stream: Any) -> Stream:
+    """``stream``, or the current stream for None; LaunchError for anything but a Stream."""
+    if stream is None:
+        return current_stream()
+    if not isinstance(stream, Stream):
+        hint = " (wrap a foreign stream with aiocuda.Stream.wrap(obj))" if hasattr(stream, "__cuda_stream__") else ""
+        raise LaunchError(
+            f"stream must be an aiocuda Stream, got {type(stream).__name__} {stream!r}{hint}",
+            name="AIOCUDA_BAD_CONFIG",
+        )
+    return stream
+
+
+def _exact_dims(*dims: Any) -> bool:
+    """True when each of ``dims`` is an int or a tuple of ints: a cache key that no float
+    or bool can equal."""
+    for value in dims:
+        cls = value.__class__
+        if cls is not int:
+            if cls is not tuple:
+                return False
+            for d in value:  # loops, not all(...): no generator to create on this path
+                if d.__class__ is not int:
+                    return False
+    return True
+
+
+def _plain(grid: Any, block: Any, shared_mem: Any, cooperative: Any, cluster: Any) -> bool:
+    """Whether ``launch``'s cache key holds only exact ints and bools (or a LaunchConfig)."""
+    if grid.__class__ is LaunchConfig:
+        return True
+    if shared_mem.__class__ is not int or cooperative.__class__ is not bool:
+        return False
+    return _exact_dims(grid, block) if cluster is None else _exact_dims(grid, block, cluster)
+
+
+def _plain_subscript(parts: tuple[Any, ...]) -> bool:
+    """Whether a subscript names its stream and holds only exact ints (or a LaunchConfig):
+    the subscripts cached under themselves."""
+    if parts[0].__class__ is LaunchConfig:
+        return len(parts) == 2 and isinstance(parts[1], Stream)
+    return (
+        3 <= len(parts) <= 4
+        and isinstance(parts[2], Stream)
+        and _exact_dims(parts[0], parts[1])
+        and (len(parts) == 3 or parts[3].__class__ is int)
+    )
+
+
+def _subscript_stream(parts: tuple[Any, ...]) -> Stream:
+    stream: Stream = parts[1] if parts[0].__class__ is LaunchConfig else parts[2]
+    return stream
+
+
+class Kernel(metaclass=NoPublicConstructor):
     """A ``__global__`` function of a :class:`~aiocuda.module.Module`, on any device.
 
     Obtain with ``module.kernel(name)``. The driver function is looked up lazily on each
@@ -75,6 +146,7 @@ class Kernel:
     """
 
     __slots__ = ("__weakref__", "_functions", "_launchers", "_lock", "module", "name", "signature")
+    _factories = "Module.kernel(name)"
 
     def __init__(self, module: Module, name: str, signature: Signature | None = None) -> None:
         self.module = module
@@ -97,7 +169,7 @@ class Kernel:
     # -- driver function and attributes ---------------------------------------------------------
     def function(self, device: Device | int | None = None) -> Any:
         """The driver's function handle on ``device`` (default 0), loading the module there."""
-        dev = as_device(device)
+        dev = _as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         func = self._functions.get(key)
         if func is None:
@@ -108,13 +180,13 @@ class Kernel:
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix (``"num_regs"``)."""
-        dev = as_device(device)
+        dev = _as_device(device)
         return dev._driver.function_get_attribute(self.function(dev), name)
 
     def set_attribute(self, name: str, value: int, device: Device | int | None = None) -> None:
         """Set a settable attribute, e.g. ``"max_dynamic_shared_size_bytes"`` before launching
         with more than 48 KiB of dynamic shared memory. ArgumentError where not allowed."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         dev._driver.function_set_attribute(self.function(dev), name, int(value))
 
@@ -125,22 +197,22 @@ class Kernel:
 
     def max_active_blocks(self, block_size: int, shared_mem: int = 0, device: Device | int | None = None) -> int:
         """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_active_blocks(self.function(dev), block_size, shared_mem)
 
     def suggested_block_size(self, shared_mem: int = 0, device: Device | int | None = None) -> tuple[int, int]:
         """``(min_grid_size, block_size)`` maximising occupancy (``cuOccupancyMaxPotentialBlockSize``):
         launch at least ``min_grid_size`` blocks of ``block_size`` threads to fill the GPU."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         return dev._driver.occupancy_max_potential_block_size(self.function(dev), shared_mem)
 
     # -- launching ----------------------------------------------------------------------------------
     def bind(
         self,
-        grid: Dim3,
-        block: Dim3,
+        grid: Dim3 | LaunchConfig,
+        block: Dim3 | None = None,
         *,
         stream: Stream | None = None,
         shared_mem: int = 0,
@@ -149,17 +221,14 @@ class Kernel:
     ) -> Callable[..., None]:
         """A launcher: a plain function ``launch(*args)`` with this configuration fixed.
 
-        The fastest way to launch the same kernel repeatedly. ``stream`` defaults to the
-        current stream (resolved now, not per call); do not use the launcher after
-        closing that stream. ``cooperative`` needs a grid whose
-        blocks can all be resident at once; ``cluster`` (thread-block cluster dimensions,
-        compute capability 9.0+) must divide the grid. Safe to call from several threads.
+        ``kernel.bind(grid, block, ...)`` or ``kernel.bind(config, stream=...)`` with a
+        :class:`LaunchConfig` (see it for what each option means). The fastest way to
+        launch the same kernel repeatedly. ``stream`` defaults to the current stream
+        (resolved now, not per call); do not use the launcher after closing that stream.
+        Safe to call from several threads.
         """
-        grid3, block3 = _dim3(grid, "grid"), _dim3(block, "block")
-        cluster3 = None if cluster is None else _dim3(cluster, "cluster")
-        if shared_mem < 0:
-            raise LaunchError(f"shared_mem must be >= 0, got {shared_mem}", name="AIOCUDA_BAD_CONFIG")
-        s = stream if stream is not None else current_stream()
+        config = _config(grid, block, shared_mem, cooperative, cluster)
+        s = _stream(stream)
         signature = self._require_signature()
         device = s.device
         func = self.function(device)
@@ -168,9 +237,7 @@ class Kernel:
         handle = s.handle
 
         def prepare(buffer: ParamBuffer) -> Any:
-            return backend.prepare_launch(
-                func, grid3, block3, shared_mem, handle, buffer, cooperative=cooperative, cluster=cluster3
-            )
+            return backend.prepare_launch(func, config, handle, buffer)
 
         raise_error = prepare(ParamBuffer(signature))[2]
 
@@ -189,48 +256,93 @@ class Kernel:
 
     def launch(
         self,
-        grid: Dim3,
-        block: Dim3,
+        grid: Dim3 | LaunchConfig,
+        block: Any = _CONFIG,
         *args: Any,
         stream: Stream | None = None,
         shared_mem: int = 0,
         cooperative: bool = False,
         cluster: Dim3 | None = None,
     ) -> None:
-        """Enqueue one launch on ``stream`` (default: the current stream). See :meth:`bind`."""
+        """Enqueue one launch on ``stream`` (default: the current stream):
+        ``kernel.launch(grid, block, *args, ...)`` or ``kernel.launch(config, *args, ...)``.
+        See :meth:`bind`."""
         s = stream if stream is not None else current_stream()
-        key = (grid, block, s, shared_mem, cooperative, cluster)
-        launcher = self._launchers.get(key)
-        if launcher is None or s._closed:  # a closed stream's handle may be reused: never launch on it
-            launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
-            self._remember(key, launcher)
+        if grid.__class__ is LaunchConfig:  # then ``block`` is the first kernel argument
+            if block is not _CONFIG:
+                args = (block, *args)
+            block = None
+            if shared_mem.__class__ is not int or shared_mem or cooperative is not False or cluster is not None:
+                _config(grid, block, shared_mem, cooperative, cluster)  # raises: the config has them
+            key: tuple[Any, ...] = (grid, s)
+        else:
+            key = (grid, block, s, shared_mem, cooperative, cluster)
+        try:
+            launcher = self._launchers.get(key)
+        except TypeError:  # unhashable: bind() reports it
+            launcher = None
+        # A cached launcher serves only the exact ints it was made for: 1.0 == 1 and
+        # True == 1 would otherwise find it, where bind() refuses them.
+        if (
+            launcher is None
+            or s._closed
+            or not (
+                (
+                    grid.__class__ is int
+                    and block.__class__ is int
+                    and shared_mem.__class__ is int
+                    and cluster is None
+                    and (cooperative is False or cooperative is True)
+                )
+                or _plain(grid, block, shared_mem, cooperative, cluster)
+            )
+        ):
+            launcher = self._launcher(_config(grid, block, shared_mem, cooperative, cluster), _stream(s))
+            if _plain(grid, block, shared_mem, cooperative, cluster):
+                self._remember(key, launcher)
         launcher(*args)
 
-    def __getitem__(self, config: tuple[Any, ...]) -> Callable[..., None]:
-        """``kernel[grid, block]``, ``kernel[grid, block, stream]`` or
-        ``kernel[grid, block, stream, shared_mem]``: a cached launcher (see :meth:`bind`)."""
+    def __getitem__(self, config: Any) -> Callable[..., None]:
+        """A cached launcher (see :meth:`bind`): ``kernel[grid, block]``,
+        ``kernel[grid, block, stream]``, ``kernel[grid, block, stream, shared_mem]``,
+        ``kernel[config]`` or ``kernel[config, stream]``."""
         try:
             launcher = self._launchers.get(config)  # keyed by the subscript itself when it names a stream
         except TypeError:  # unhashable: reported below
             launcher = None
-        if launcher is not None and len(config) <= 4 and not config[2]._closed:
-            return launcher
-        if not isinstance(config, tuple) or not 2 <= len(config) <= 4:
+        if launcher is not None:  # config is a tuple: only tuples are cached
+            if len(config) == 3 and config[0].__class__ is int and config[1].__class__ is int:
+                if not config[2]._closed:
+                    return launcher
+            elif _plain_subscript(config) and not _subscript_stream(config)._closed:
+                return launcher
+        parts = config if isinstance(config, tuple) else (config,)
+        if isinstance(parts[0], LaunchConfig) and len(parts) <= 2:
+            launch_config, rest = parts[0], parts[1:]
+        elif 2 <= len(parts) <= 4:
+            shared_mem = parts[3] if len(parts) > 3 else 0
+            launch_config, rest = _config(parts[0], parts[1], shared_mem, False, None), parts[2:3]
+        else:
             raise LaunchError(
-                "use kernel[grid, block], kernel[grid, block, stream] or kernel[grid, block, stream, shared_mem]",
+                "use kernel[grid, block], kernel[grid, block, stream], kernel[grid, block, stream, shared_mem], "
+                "kernel[config] or kernel[config, stream]",
                 name="AIOCUDA_BAD_CONFIG",
             )
-        grid, block, *rest = config
         explicit = bool(rest) and rest[0] is not None
-        s = rest[0] if explicit else current_stream()
-        shared_mem = rest[1] if len(rest) > 1 else 0
-        key = (grid, block, s, shared_mem, False, None)
+        s = _stream(rest[0] if explicit else None)
+        launcher = self._launcher(launch_config, s)
+        if explicit and _plain_subscript(parts):
+            self._remember(parts, launcher)
+        return launcher
+
+    def _launcher(self, config: LaunchConfig, stream: Stream) -> Callable[..., None]:
+        """The cached launcher of ``config`` on ``stream``, made now if needed: the cache
+        every call form shares, whatever spelling of the configuration it was given."""
+        key = (config, stream)
         launcher = self._launchers.get(key)
-        if launcher is None or s._closed:
-            launcher = self.bind(grid, block, stream=s, shared_mem=shared_mem)
+        if launcher is None or stream._closed:
+            launcher = self.bind(config, stream=stream)
             self._remember(key, launcher)
-        if explicit:
-            self._remember(config, launcher)
         return launcher
 
     def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None]) -> None:
@@ -269,6 +381,8 @@ def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
     * a scalar arrives as a numpy scalar of the declared type.
 
     An ``IndexError`` or ``ValueError`` it raises poisons the device with
-    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU.
+    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU. For the
+    simulator's other controls in your tests (pausing a stream, latencies, faults), see
+    :mod:`aiocuda.testing`.
     """
     _driver.register_sim_kernel(name, impl)

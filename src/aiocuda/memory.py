@@ -17,7 +17,7 @@ Lifetime rules (what makes cancellation safe):
 * Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
   (see :mod:`aiocuda.stream`), not by the buffer.
 
-Out of memory: an allocation that fails releases the pool's cached memory
+Out of memory: an allocation that fails trims the pool's cached memory
 (``cuMemPoolTrimTo``), retries once, then raises :class:`~aiocuda.errors.OutOfMemoryError`
 saying what was asked, what the pool uses and what the device has free. The pool stays
 usable. :meth:`MemoryPool.allocate_wait` instead waits, asynchronously and with a
@@ -33,7 +33,6 @@ without a property call, and fills a slots object. Allocate plus free must stay 
 from __future__ import annotations
 
 import atexit
-import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -43,8 +42,9 @@ import anyio
 
 from . import _driver
 from ._memory import offloop as _offloop
-from .device import Device, as_device
-from .errors import CudaError, OutOfMemoryError, ResultCode
+from ._util import NoPublicConstructor, format_bytes, invalid_value
+from .device import Device, _as_device
+from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
 
 __all__ = ["DEFAULT_RELEASE_THRESHOLD", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
@@ -58,11 +58,11 @@ _exiting = False
 """Set at interpreter exit: the process's memory goes with its contexts, and buffers
 collected during teardown must not call into a driver that may be gone."""
 
-last_finaliser_error: BaseException | None = None
+_last_finaliser_error: BaseException | None = None
 """The last error a buffer's finaliser swallowed (finalisers cannot raise); for debugging."""
 
-RETRY_FIRST = 0.0005
-RETRY_MAX = 0.02
+_RETRY_FIRST = 0.0005
+_RETRY_MAX = 0.02
 """Back-off of :meth:`MemoryPool.allocate_wait` between tries (seconds, doubling)."""
 
 
@@ -70,13 +70,6 @@ RETRY_MAX = 0.02
 def _mark_exiting() -> None:
     global _exiting
     _exiting = True
-
-
-def _format_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    exponent = min(int(math.log(n, 1024)), 4)
-    return f"{n / 1024**exponent:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[exponent]}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +96,13 @@ class PoolStatistics:
     live_buffers: int
     """``allocations - frees``."""
     out_of_memory_recoveries: int
-    """Allocations that succeeded only after releasing cached memory."""
+    """Allocations that succeeded only after trimming cached memory."""
     release_threshold: int
     max_size: int
     """The pool's size limit in bytes; 0 for none."""
 
 
-class MemoryPool:
+class MemoryPool(metaclass=NoPublicConstructor):
     """A stream-ordered memory pool on one device.
 
     Obtain with :meth:`for_device` (the pool aiocuda allocates from by default: the
@@ -117,6 +110,8 @@ class MemoryPool:
     :meth:`default` (the driver's default pool itself) or :meth:`create` (a new pool,
     optionally with a size limit). Pools are shared across threads and event loops.
     """
+
+    _factories = "MemoryPool.for_device(), MemoryPool.default() or MemoryPool.create()"
 
     __slots__ = (
         "__weakref__",
@@ -152,12 +147,12 @@ class MemoryPool:
     def default(cls, device: Device | int | None = None) -> MemoryPool:
         """The driver's default pool of ``device`` (``cuDeviceGetDefaultMemPool``), with
         its release threshold raised to :data:`DEFAULT_RELEASE_THRESHOLD` on first use."""
-        dev = as_device(device)
+        dev = _as_device(device)
         key = (_driver.backend_generation(), dev.ordinal)
         pool = _default_pools.get(key)
         if pool is None:
             dev.make_current()
-            pool = cls(dev, dev._driver.mempool_default(dev._handle), owned=False)
+            pool = cls._create(dev, dev._driver.mempool_default(dev._handle), owned=False)
             pool.release_threshold = DEFAULT_RELEASE_THRESHOLD
             _default_pools[key] = pool
         return pool
@@ -166,7 +161,7 @@ class MemoryPool:
     def for_device(cls, device: Device | int | None = None) -> MemoryPool:
         """The pool aiocuda allocates from on ``device`` unless told otherwise: the
         default pool, or the one last passed to :meth:`set_for_device`."""
-        dev = as_device(device)
+        dev = _as_device(device)
         pool = _current_pools.get((_driver.backend_generation(), dev.ordinal))
         return pool if pool is not None else cls.default(dev)
 
@@ -191,11 +186,11 @@ class MemoryPool:
             release_threshold: cached bytes kept across synchronisations.
         """
         if max_size < 0:
-            raise _argument(f"max_size must be >= 0, got {max_size}")
-        dev = as_device(device)
+            raise invalid_value(f"max_size must be >= 0, got {max_size}")
+        dev = _as_device(device)
         dev.make_current()
         handle = dev._driver.mempool_create(_driver.PoolProps(dev.ordinal, max_size))
-        pool = cls(dev, handle, owned=True, max_size=max_size)
+        pool = cls._create(dev, handle, owned=True, max_size=max_size)
         weakref.finalize(pool, _destroy_pool, dev, handle)
         pool.release_threshold = release_threshold
         return pool
@@ -208,7 +203,7 @@ class MemoryPool:
         own operations on another stream order themselves after it (see
         :meth:`DeviceBuffer._used_on`); foreign work on another stream needs
         ``other.wait(stream)`` first. A size of 0 gives an empty buffer with a null
-        pointer. Raises :class:`OutOfMemoryError` (after releasing
+        pointer. Raises :class:`OutOfMemoryError` (after trimming
         cached memory and retrying once) or :class:`~aiocuda.errors.ArgumentError`.
         """
         if stream is None:
@@ -236,7 +231,7 @@ class MemoryPool:
         """A closed stream or a bad size (both raise), or an empty buffer."""
         stream.handle  # noqa: B018 - raises the stream's own "closed" error
         if nbytes < 0 or not isinstance(nbytes, int):
-            raise _argument(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
+            raise invalid_value(f"cannot allocate {nbytes!r} bytes: the size must be a non-negative int")
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = 0
         buf.size = 0
@@ -257,7 +252,7 @@ class MemoryPool:
         return self._recover(nbytes, stream, exc)
 
     def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
-        """Out of memory: release cached memory, retry once, else raise a clear error."""
+        """Out of memory: trim cached memory, retry once, else raise a clear error."""
         self.trim(0)
         try:
             ptr = self._call_alloc(nbytes, stream)
@@ -272,7 +267,7 @@ class MemoryPool:
             self._fail(err, "cuMemAllocFromPoolAsync")
         return ptr
 
-    def _release(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
+    def _free_on(self, ptr: Any, stream: Stream, waits: list[Any] | None) -> None:
         """Free ``ptr`` on its last-use ``stream`` after the events in ``waits``: the
         general case of :meth:`DeviceBuffer.free`, which inlines the common one."""
         self.device.make_current()  # a finaliser may run on a thread without the context
@@ -293,15 +288,15 @@ class MemoryPool:
         stats = self.statistics()
         try:
             free, total = self.device.memory_info()
-            device_part = f"{_format_bytes(free)} free of {_format_bytes(total)} on the device"
+            device_part = f"{format_bytes(free)} free of {format_bytes(total)} on the device"
         except CudaError:
             device_part = "the device's free memory is unknown"
-        limit = f", pool limit {_format_bytes(self.max_size)}" if self.max_size else ""
+        limit = f", pool limit {format_bytes(self.max_size)}" if self.max_size else ""
         return OutOfMemoryError(
-            f"out of memory on device {self.device.ordinal}: asked for {_format_bytes(nbytes)} ({nbytes} bytes); "
-            f"the pool has {_format_bytes(stats.used_bytes)} in use and {_format_bytes(stats.reserved_bytes)} "
+            f"out of memory on device {self.device.ordinal}: asked for {format_bytes(nbytes)} ({nbytes} bytes); "
+            f"the pool has {format_bytes(stats.used_bytes)} in use and {format_bytes(stats.reserved_bytes)} "
             f"reserved in {stats.live_buffers} live buffers{limit}; {device_part}. Cached memory was "
-            f"released and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
+            f"trimmed and the allocation retried. Free buffers (or await pool.allocate_wait(...)).",
             code=ResultCode.OUT_OF_MEMORY,
             name="CUDA_ERROR_OUT_OF_MEMORY",
             call="cuMemAllocFromPoolAsync",
@@ -317,8 +312,8 @@ class MemoryPool:
         """Like :meth:`allocate`, but when memory is short wait for buffers to be freed.
 
         Tries again whenever a buffer of this pool is freed by a task of the same event
-        loop (thread), and otherwise with a growing back-off (:data:`RETRY_FIRST` up to
-        :data:`RETRY_MAX`), until the allocation succeeds or ``timeout`` seconds have
+        loop (thread), and otherwise with a growing back-off (0.5 ms, doubling up to
+        20 ms), until the allocation succeeds or ``timeout`` seconds have
         passed -- the last try is at the deadline -- then raises
         :class:`OutOfMemoryError` (``TimeoutError`` semantics are deliberately not used:
         callers branch on one type). The back-off stays as the fallback for what no
@@ -328,7 +323,7 @@ class MemoryPool:
         wait.
         """
         deadline = None if timeout is None else anyio.current_time() + timeout
-        delay = RETRY_FIRST
+        delay = _RETRY_FIRST
         while True:
             try:
                 return self.allocate(nbytes, stream)
@@ -337,7 +332,7 @@ class MemoryPool:
                 if left is not None and left <= 0:
                     raise
             woken = await self._next_free(delay if left is None else min(delay, left))
-            delay = RETRY_FIRST if woken else min(delay * 2, RETRY_MAX)
+            delay = _RETRY_FIRST if woken else min(delay * 2, _RETRY_MAX)
 
     async def _next_free(self, seconds: float) -> bool:
         """Sleep until a buffer of this pool is freed on this thread (True) or for
@@ -374,12 +369,12 @@ class MemoryPool:
     @release_threshold.setter
     def release_threshold(self, value: int) -> None:
         if value < 0:
-            raise _argument(f"release_threshold must be >= 0, got {value}")
+            raise invalid_value(f"release_threshold must be >= 0, got {value}")
         self._driver.mempool_set_attribute(self._handle, "release_threshold", value)
 
     def trim(self, keep_bytes: int = 0) -> None:
         """Give cached memory back to the device until at most ``keep_bytes`` stay
-        reserved (memory in use is never released). Memory freed stream-ordered counts as
+        reserved (memory in use is never given back). Memory freed stream-ordered counts as
         in use until its stream has reached the free."""
         self.device.make_current()
         self._driver.mempool_trim_to(self._handle, keep_bytes)
@@ -409,21 +404,22 @@ class MemoryPool:
     def grant_access(self, peer: Device | int) -> None:
         """Let kernels on ``peer`` read and write this pool's memory
         (``cuMemPoolSetAccess``). Peer copies do not need it."""
-        peer_dev = as_device(peer)
+        peer_dev = _as_device(peer)
         if peer_dev is self.device:
             return  # the owner always has access (and the driver rejects changing it)
         if not peer_dev.can_access_peer(self.device):
-            raise _argument(
+            raise ArgumentError(
                 f"device {peer_dev.ordinal} cannot access device {self.device.ordinal}'s memory "
                 "(cuDeviceCanAccessPeer says no)",
                 code=ResultCode.PEER_ACCESS_UNSUPPORTED,
+                name="CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
             )
         self._driver.mempool_set_access(self._handle, peer_dev.ordinal)
 
     def __repr__(self) -> str:
         kind = "created" if self._owned else "default"
         try:
-            used = _format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
+            used = format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
         except CudaError:  # a poisoned or torn-down context
             used = "unknown"
         return (
@@ -437,11 +433,11 @@ _current_pools: dict[tuple[int, int], MemoryPool] = {}
 
 
 def _destroy_pool(device: Device, handle: Any) -> None:
-    _offloop.release(device, "mempool_destroy", handle)  # off the loop: it may wait for the GPU
+    _offloop.dispose(device, device._driver.mempool_destroy, handle)  # off the loop: it may wait for the GPU
 
 
 @final
-class DeviceBuffer:
+class DeviceBuffer(metaclass=NoPublicConstructor):
     """A range of device memory from a :class:`MemoryPool`.
 
     ``ptr`` (an ``int``) raises :class:`~aiocuda.errors.ArgumentError` once the buffer is
@@ -456,11 +452,12 @@ class DeviceBuffer:
     class 0.05 us (it finds ``_stream`` cleared after an explicit free and returns). The
     class has no ``__dict__`` and no references back to itself, so it never sits in a
     reference cycle nor is resurrected. The finaliser only enqueues a stream-ordered
-    free, swallows errors (recording them in :data:`last_finaliser_error`) and does
+    free, swallows errors (recording the last in ``memory._last_finaliser_error``) and does
     nothing once the interpreter is exiting.
     """
 
     __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
+    _factories = "MemoryPool.allocate() or aiocuda.empty()"
 
     _ptr: Any  # what the backend's allocation returned: an int or int()-convertible
     _pool: MemoryPool
@@ -468,14 +465,11 @@ class DeviceBuffer:
     _waits: list[Any] | None
     size: int
 
-    def __init__(self) -> None:
-        raise TypeError("DeviceBuffers come from MemoryPool.allocate() or aiocuda.empty()")
-
     @property
     def ptr(self) -> int:
         """The device address (raises ArgumentError after :meth:`free`)."""
         if self._stream is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         return int(self._ptr)
 
     @property
@@ -492,7 +486,7 @@ class DeviceBuffer:
         """The stream of the buffer's last recorded use: where it will be freed."""
         stream = self._stream
         if stream is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         return stream
 
     @property
@@ -510,7 +504,7 @@ class DeviceBuffer:
         if stream is previous:
             return
         if previous is None:
-            raise _argument("use of a freed DeviceBuffer", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("use of a freed DeviceBuffer")
         waits = self._waits
         if waits is None:
             waits = self._waits = []
@@ -546,7 +540,7 @@ class DeviceBuffer:
                 pool._fail(err, "cuMemFreeAsync")
             except CudaError:
                 pass  # e.g. no context bound on this (finaliser's) thread: the general path binds it
-        pool._release(ptr, last, self._waits)
+        pool._free_on(ptr, last, self._waits)
 
     def _free_idle(self, stream: Stream) -> None:
         """Free on ``stream`` without ordering it after the buffer's uses: only for a
@@ -564,15 +558,15 @@ class DeviceBuffer:
         self._stream = None
         self._waits = None
         if self._ptr:
-            self._pool._release(self._ptr, stream, None)
+            self._pool._free_on(self._ptr, stream, None)
 
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:
             try:
                 self.free()
             except Exception as exc:  # a finaliser cannot raise; see the class docstring
-                global last_finaliser_error
-                last_finaliser_error = exc
+                global _last_finaliser_error
+                _last_finaliser_error = exc
 
     def __enter__(self) -> DeviceBuffer:
         return self
@@ -585,10 +579,4 @@ class DeviceBuffer:
         return f"<DeviceBuffer {state} size={self.size} device={self._pool.device.ordinal}>"
 
 
-_new_buffer = object.__new__
-
-
-def _argument(message: str, *, code: int = ResultCode.INVALID_VALUE) -> CudaError:
-    from .errors import ArgumentError
-
-    return ArgumentError(message, code=code, name="CUDA_ERROR_INVALID_VALUE")
+_new_buffer = object.__new__  # the allocation hot path fills the slots itself (see _util)

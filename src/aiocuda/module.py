@@ -16,12 +16,13 @@ import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _driver
 from ._kernels.signature import Signature, parse_signature, ptx_signatures
 from ._memory import offloop as _offloop
+from ._util import invalid_value
 from .device import Device
 from .errors import ArgumentError
 
@@ -36,7 +37,7 @@ _KINDS = ("ptx", "cubin", "fatbin", "sim")
 def _unload_all(handles: dict[tuple[int, int], tuple[Device, Any]]) -> None:
     # Off the loop: the driver unloads a module only once the device is idle.
     for device, handle in handles.values():
-        _offloop.release(device, "module_unload", handle)
+        _offloop.dispose(device, device._driver.module_unload, handle)
     handles.clear()
 
 
@@ -57,8 +58,9 @@ class Module:
     Args:
         image: PTX (text, NUL-terminated or not), cubin or fatbin bytes.
         kind: ``"ptx"``, ``"cubin"``, ``"fatbin"`` (or ``"sim"``); guessed when None.
-        signatures: kernel name -> :data:`Signature` (None if unknown), used when a kernel
-            is fetched without a declared signature. PTX images supply their own.
+        signatures: kernel name -> its parameters, in any form :meth:`kernel` takes
+            (``"const float*, float*, int"``), or None if unknown; used when a kernel is
+            fetched without a declared signature. PTX images supply their own.
         lowered_names: name expression -> exported symbol (template kernels).
     """
 
@@ -81,7 +83,7 @@ class Module:
         image: bytes,
         *,
         kind: str | None = None,
-        signatures: Mapping[str, Signature | None] | None = None,
+        signatures: Mapping[str, str | Sequence[Any] | None] | None = None,
         lowered_names: Mapping[str, str] | None = None,
         name: str = "",
         log: str = "",
@@ -91,12 +93,12 @@ class Module:
             raise ArgumentError("a module image cannot be empty", name="CUDA_ERROR_INVALID_IMAGE")
         self.kind = kind or _guess_kind(image)
         if self.kind not in _KINDS:
-            raise ArgumentError(f"unknown module kind {self.kind!r}: one of {_KINDS}")
+            raise invalid_value(f"unknown module kind {self.kind!r}: one of {_KINDS}")
         if self.kind == "ptx" and not image.endswith(b"\0"):
             image += b"\0"  # the driver reads PTX as a C string
         self.image = image
         known = dict(ptx_signatures(image.decode(errors="replace"))) if self.kind == "ptx" else {}
-        known.update(signatures or {})
+        known.update({k: None if v is None else parse_signature(v) for k, v in (signatures or {}).items()})
         self.signatures: dict[str, Signature | None] = known
         self.lowered_names = dict(lowered_names or {})
         self.name = name
@@ -124,11 +126,13 @@ class Module:
         loaded = sorted(ordinal for _, ordinal in self._handles)
         return f"<Module {self.name or self.kind!r} {len(self.image)} bytes, loaded on devices {loaded}>"
 
-    def kernel(self, name: str, *, signature: str | Any = None) -> Kernel:
+    def kernel(self, name: str, *, signature: str | Sequence[Any] | None = None) -> Kernel:
         """The kernel ``name`` (a plain name or a compiled name expression such as
-        ``"axpy<float>"``). ``signature`` declares its parameters (see
-        :func:`aiocuda._kernels.signature.parse_signature`); without it the signature parsed from
-        the source or PTX is used, if any. The function is looked up on first use.
+        ``"axpy<float>"``). ``signature`` declares its parameters: C-like text
+        (``"float a, const float* x, float* y, int n"``) or a sequence of numpy dtypes and
+        pointer items (``[np.float32, "float*", "ptr"]``); a TypeError names an item it
+        cannot read. Without it the signature parsed from the source or PTX is used, if
+        any. The function is looked up on first use.
 
         Returns the same :class:`~aiocuda.kernel.Kernel` (and so its cached launchers)
         for the same name and signature while it is alive."""
@@ -137,7 +141,7 @@ class Module:
         key = (name, None if signature is None else parse_signature(signature))
         found = self._kernels.get(key)
         if found is None:
-            found = self._kernels[key] = Kernel(self, name, key[1])
+            found = self._kernels[key] = Kernel._create(self, name, key[1])
         return found
 
     def symbol(self, name: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import array as _array
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .memory import MemoryPool
 from .stream import Stream
@@ -33,7 +33,7 @@ async def enable_peer_access(device: Device | int, peer: Device | int) -> bool:
     pool -- and a real copy from ``peer`` to ``device`` over it returned the right bytes.
     Raises :class:`~aiocuda.errors.CudaError` if that check fails. Idempotent.
     """
-    dev = as_device(device)
+    dev = _as_device(device)
     other = peer if isinstance(peer, Device) else Device(peer)
     if dev is other or not dev.can_access_peer(other):
         return False

@@ -13,18 +13,22 @@ architecture it knows, which the driver then JIT-compiles. Compilation blocks th
 calling thread for tens to hundreds of milliseconds on a miss: in a coroutine, run
 ``await anyio.to_thread.run_sync(program.compile)`` or compile at start-up.
 
-Results are cached on disk (see :mod:`aiocuda._kernels.compile_cache`): a second process
-compiling the same source with the same options for the same architecture and NVRTC
-version reads the image instead of compiling.
+Results are cached on disk (``Program(cache=...)``): a second process compiling the same
+source with the same options for the same architecture and NVRTC version reads the
+image instead of compiling. An entry is a file in the cache folder, written atomically;
+delete the folder to clear the cache.
 
-On the simulated backend there is no compiler: ``compile`` records the kernel names the
-source defines (plain ``__global__`` functions, and templates through their name
-expressions) in a sim image; kernels then run through Python implementations
-registered with ``SimDriver.register_kernel``.
+On the simulated backend, ``compile`` still compiles with NVRTC where it is installed
+(NVRTC needs no GPU), for the simulated device's architecture, so a bad program fails
+there too with :class:`CompileError`; without NVRTC it skips that check. The module it
+returns records the kernel names the source defines (plain ``__global__`` functions, and
+templates through their name expressions), and the kernels run as the Python
+implementations registered for them (:func:`aiocuda.testing.Simulator.register_kernel`).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,11 +38,11 @@ from ._kernels import compile_cache as _compile_cache
 from ._kernels import nvrtc
 from ._kernels.compile_cache import CachedImage, CompileCache, cached_compile
 from ._kernels.signature import source_signatures
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import CompileError
 from .module import Module
 
-__all__ = ["CompileError", "Program", "ProgramOptions"]
+__all__ = ["Program", "ProgramOptions"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +91,10 @@ class Program:
         name_expressions: template instantiations to compile and be able to fetch by
             that spelling, e.g. ``"axpy<float>"``.
         name: the file name NVRTC uses in its messages.
-        cache: the on-disk cache: True for the default location (``AIOCUDA_CACHE_DIR``),
-            False for none, or a :class:`~aiocuda._kernels.compile_cache.CompileCache`.
+        cache: where compiled images are cached on disk: True for the default folder
+            (``$AIOCUDA_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocuda``, else
+            ``~/.cache/aiocuda``; ``AIOCUDA_CACHE_DIR=off`` turns it off), a folder
+            path, or False for no cache.
     """
 
     __slots__ = ("_cache", "name", "name_expressions", "options", "source")
@@ -100,15 +106,19 @@ class Program:
         options: ProgramOptions | None = None,
         name_expressions: Sequence[str] = (),
         name: str = "program.cu",
-        cache: bool | CompileCache = True,
+        cache: bool | str | os.PathLike[str] = True,
     ) -> None:
         self.source = source
         self.options = options or ProgramOptions()
         self.name_expressions = tuple(name_expressions)
         self.name = name
-        self._cache: CompileCache | None = (
-            cache if isinstance(cache, CompileCache) else (_compile_cache.default_cache() if cache else None)
-        )
+        self._cache: CompileCache | None
+        if isinstance(cache, bool):
+            self._cache = _compile_cache.default_cache() if cache else None
+        elif isinstance(cache, (str, os.PathLike)):
+            self._cache = CompileCache(cache)
+        else:
+            raise TypeError(f"cache must be True, False or a folder path, not {type(cache).__name__}")
 
     def __repr__(self) -> str:
         return f"<Program {self.name!r} {len(self.source)} chars, names={list(self.name_expressions)}>"
@@ -120,10 +130,12 @@ class Program:
         one architecture, it only runs on devices of that architecture (or newer, for
         PTX). Raises :class:`CompileError` with NVRTC's log on failure.
         """
-        dev = as_device(device)
+        dev = _as_device(device)
         signatures = source_signatures(self.source, self.name_expressions)
         if dev._driver.name == "sim":
-            return Module(self._sim_image(signatures), kind="sim", signatures=signatures, name=self.name)
+            image = self._sim_image(signatures)
+            self._compile_where_nvrtc_is(dev)
+            return Module(image, kind="sim", signatures=signatures, name=self.name)
         entry = self._compile_real(dev)
         return Module(
             entry.image,
@@ -142,6 +154,15 @@ class Program:
                 f"source; it defines {sorted(signatures) or 'no kernels'}"
             )
         return _driver.sim_image(signatures)
+
+    def _compile_where_nvrtc_is(self, device: Device) -> None:
+        """On the simulator: compile (through the cache) to report errors in the source,
+        unless NVRTC is not installed."""
+        try:
+            self._compile_real(device)
+        except CompileError as exc:
+            if exc.name != nvrtc.NO_NVRTC:
+                raise
 
     def _compile_real(self, device: Device) -> CachedImage:
         # The key names the device's architecture rather than the one NVRTC will be asked

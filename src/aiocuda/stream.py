@@ -26,7 +26,7 @@ from typing import Any
 
 from ._completion.engine import CompletionEngine, current_engine
 from ._completion.event_pool import EventPool
-from .device import Device, as_device
+from .device import Device, _as_device
 from .errors import ArgumentError, CudaError
 from .event import Event
 
@@ -124,7 +124,7 @@ class Stream:
     )
 
     def __init__(self, device: Device | int | None = None, *, non_blocking: bool = True, priority: int = 0):
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         self._setup(dev, dev._driver.stream_create(non_blocking, priority), owned=True, owner=None)
 
@@ -156,7 +156,7 @@ class Stream:
             backend = Device(0)._driver
             dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value else Device(0)
         else:
-            dev = as_device(device)
+            dev = _as_device(device)
         self = object.__new__(cls)
         self._setup(dev, dev._driver.stream_from_value(value), owned=False, owner=owner)
         return self
@@ -164,7 +164,7 @@ class Stream:
     @staticmethod
     def priority_range(device: Device | int | None = None) -> tuple[int, int]:
         """``(least, greatest)`` priority; numerically lower is more urgent."""
-        dev = as_device(device)
+        dev = _as_device(device)
         dev.make_current()
         return dev._driver.stream_priority_range()
 
@@ -283,9 +283,9 @@ def current_stream(device: Device | int | None = None) -> Stream:
     """The task's current stream (set with :func:`use_stream`) if it is on ``device``;
     otherwise the device's default aiocuda stream (non-blocking, created on first use)."""
     chosen = _current.get()
-    if chosen is not None and (device is None or chosen.device is as_device(device)):
+    if chosen is not None and (device is None or chosen.device is _as_device(device)):
         return chosen
-    dev = as_device(device if device is not None else 0)
+    dev = _as_device(device if device is not None else 0)
     stream = _defaults.get(dev)
     if stream is None or stream.closed:
         stream = _defaults[dev] = Stream(dev)

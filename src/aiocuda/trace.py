@@ -1,22 +1,22 @@
 """Timelines of GPU work from event timings: Chrome / Perfetto traces and overlap summaries.
 
 A :class:`Trace` collects *spans*: one operation (a copy, a stage's kernels) on one
-engine of one device, with its start and end measured on the GPU by timing events
+unit of one device, with its start and end measured on the GPU by timing events
 recorded around it on its stream. The executor records them when created with
 ``Executor(trace=True)``; :meth:`Trace.span` lets any code do the same.
 
-Engines are what runs concurrently on a GPU: ``h2d`` and ``d2h`` (the two copy engines),
-``compute`` (the SMs), ``p2p`` (GPU-to-GPU copies). :meth:`Trace.summary` reports, per
-device and engine, the busy time (the union of its spans), and compares the wall time
-with the *bound*: what a perfect pipeline would take, the busiest engine's busy time plus
-one fill and one drain (the mean span of every other engine). ``overlap_ratio = wall /
+Units are the parts of a GPU that work concurrently: ``h2d`` and ``d2h`` (the copy
+hardware of each direction), ``compute`` (the SMs), ``p2p`` (GPU-to-GPU copies). :meth:`Trace.summary` reports, per
+device and unit, the busy time (the union of its spans), and compares the wall time
+with the *bound*: what a perfect pipeline would take, the busiest unit's busy time plus
+one fill and one drain (the mean span of every other unit). ``overlap_ratio = wall /
 bound`` is 1.0 for perfect overlap; a single stream doing everything in turn approaches
 ``serial / bound``.
 
 Pitfalls:
 
 * An event recorded on a stream completes when the stream *reaches* it, so a span's
-  start includes time the stream spent waiting (``stream.wait``) for another engine;
+  start includes time the stream spent waiting (``stream.wait``) for another unit;
   record the start after the wait, as the executor does.
 * Times of different devices come from different GPU clocks; they are aligned by the
   host time at which each device's origin event was recorded (accurate to a few
@@ -27,20 +27,21 @@ Pitfalls:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from .device import Device
 from .stream import Stream
 
-__all__ = ["ENGINES", "EngineSummary", "PendingSpan", "Span", "Trace", "TraceSummary"]
+__all__ = ["UNITS", "Span", "Trace", "TraceSummary", "UnitSummary"]
 
-ENGINES = ("h2d", "compute", "d2h", "p2p")
-"""Engine names, in the order traces show them."""
+UNITS = ("h2d", "compute", "d2h", "p2p")
+"""Unit names, in the order traces show them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +49,9 @@ class Span:
     """One traced operation; times in milliseconds since the trace began."""
 
     device: int
-    engine: str
+    unit: str
     track: int
-    """Which stream of the engine (several compute streams overlap in time)."""
+    """Which stream of the unit (several compute streams overlap in time)."""
     name: str
     chunk: int | None
     start_ms: float
@@ -62,13 +63,13 @@ class Span:
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSummary:
-    """Busy time of one engine of one device."""
+class UnitSummary:
+    """Busy time of one unit of one device."""
 
     device: int
-    engine: str
+    unit: str
     busy_ms: float
-    """Union of the engine's spans: time during which at least one of them ran."""
+    """Union of the unit's spans: time during which at least one of them ran."""
     spans: int
     mean_ms: float
 
@@ -80,26 +81,24 @@ class TraceSummary:
     wall_ms: float
     """From the first span's start to the last span's end, over every device."""
     bound_ms: float
-    """The slowest device's busiest engine, plus one fill and drain."""
+    """The slowest device's busiest unit, plus one fill and drain."""
     serial_ms: float
     """Sum of every span: the time with no overlap at all, on one device."""
     overlap_ratio: float
     """``wall_ms / bound_ms``: 1.0 is perfect."""
-    engines: tuple[EngineSummary, ...]
+    units: tuple[UnitSummary, ...]
     devices: tuple[int, ...]
 
-    def busy_ms(self, device: int, engine: str) -> float:
-        """Busy time of one engine (0.0 when it did nothing)."""
-        return next((e.busy_ms for e in self.engines if e.device == device and e.engine == engine), 0.0)
+    def busy_ms(self, device: int, unit: str) -> float:
+        """Busy time of one unit (0.0 when it did nothing)."""
+        return next((e.busy_ms for e in self.units if e.device == device and e.unit == unit), 0.0)
 
     def table(self) -> str:
-        """A plain-text table, one row per device and engine, then the totals."""
-        lines = [f"{'device':>6} {'engine':<8} {'spans':>6} {'busy ms':>10} {'mean ms':>9} {'busy %':>7}"]
-        for e in self.engines:
+        """A plain-text table, one row per device and unit, then the totals."""
+        lines = [f"{'device':>6} {'unit':<8} {'spans':>6} {'busy ms':>10} {'mean ms':>9} {'busy %':>7}"]
+        for e in self.units:
             share = 100.0 * e.busy_ms / self.wall_ms if self.wall_ms else 0.0
-            lines.append(
-                f"{e.device:>6} {e.engine:<8} {e.spans:>6} {e.busy_ms:>10.3f} {e.mean_ms:>9.3f} {share:>6.1f}%"
-            )
+            lines.append(f"{e.device:>6} {e.unit:<8} {e.spans:>6} {e.busy_ms:>10.3f} {e.mean_ms:>9.3f} {share:>6.1f}%")
         lines.append(
             f"wall {self.wall_ms:.3f} ms, bound {self.bound_ms:.3f} ms, overlap ratio {self.overlap_ratio:.3f} "
             f"(1.0 is perfect), serial {self.serial_ms:.3f} ms"
@@ -152,14 +151,14 @@ class _Clock:
         self.free.clear()
 
 
-class PendingSpan:
-    """A span whose events may not have completed yet; :meth:`Trace.resolve` reads it."""
+class _PendingSpan:
+    """A span whose events may not have completed yet; :meth:`Trace._resolve` reads it."""
 
-    __slots__ = ("chunk", "clock", "end", "engine", "name", "start", "track")
+    __slots__ = ("chunk", "clock", "end", "name", "start", "track", "unit")
 
-    def __init__(self, clock: _Clock, engine: str, track: int, name: str, chunk: int | None, start: Any) -> None:
+    def __init__(self, clock: _Clock, unit: str, track: int, name: str, chunk: int | None, start: Any) -> None:
         self.clock = clock
-        self.engine = engine
+        self.unit = unit
         self.track = track
         self.name = name
         self.chunk = chunk
@@ -173,65 +172,85 @@ class Trace:
     Usage outside the executor::
 
         trace = Trace()
-        trace.begin(stream)                    # once per device: the origin
-        pending = trace.start(stream, "compute", "my_kernel")
-        kernel.launch(..., stream=stream)
-        trace.stop(pending, stream)
+        with trace.span(stream, "compute", "my_kernel"):
+            kernel.launch(..., stream=stream)  # work enqueued on the stream in the block
         await stream
-        trace.resolve(pending)                 # after its work completed
+        print(trace.summary().table())         # spans are read once their work is done
         trace.write_chrome("trace.json")
     """
 
     def __init__(self) -> None:
         self._clocks: dict[int, _Clock] = {}
         self._spans: list[Span] = []
+        self._pending: list[_PendingSpan] = []
         self._host_origin_ms: float | None = None
 
     # -- recording ------------------------------------------------------------------------
     def begin(self, stream: Stream) -> None:
-        """Start the device's clock on ``stream`` (idempotent per device)."""
+        """Start the device's clock on ``stream`` (idempotent per device; the first span
+        on a device starts it otherwise). Spans are timed from the first device's start."""
         ordinal = stream.device.ordinal
         if ordinal not in self._clocks:
             clock = self._clocks[ordinal] = _Clock(stream.device, stream)
             if self._host_origin_ms is None:
                 self._host_origin_ms = clock.origin_host_ms
 
-    def start(self, stream: Stream, engine: str, name: str, *, chunk: int | None = None, track: int = 0) -> PendingSpan:
-        """Record the start of an operation about to be enqueued on ``stream``."""
-        if engine not in ENGINES:
-            raise ValueError(f"unknown engine {engine!r}; expected one of {ENGINES}")
-        clock = self._clocks.get(stream.device.ordinal)
-        if clock is None:
-            self.begin(stream)
-            clock = self._clocks[stream.device.ordinal]
-        return PendingSpan(clock, engine, track, name, chunk, clock.mark(stream))
+    @contextlib.contextmanager
+    def span(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> Iterator[None]:
+        """Time the work enqueued on ``stream`` inside the ``with`` block as one span.
 
-    @staticmethod
-    def stop(pending: PendingSpan, stream: Stream) -> None:
-        """Record the end of the operation, on the stream it was enqueued on."""
-        pending.end = pending.clock.mark(stream)
-
-    def resolve(self, *pending: PendingSpan) -> None:
-        """Turn spans whose work has completed into :class:`Span` s and recycle their
-        events. Call only after awaiting work enqueued after every span's end."""
-        for p in pending:
-            clock = p.clock
-            if p.end is None:
-                self.discard(p)
-                continue
-            elapsed = clock.driver.event_elapsed_ms
-            shift = clock.origin_host_ms - (self._host_origin_ms or clock.origin_host_ms)
-            start = elapsed(clock.origin, p.start) + shift
-            end = elapsed(clock.origin, p.end) + shift
-            self._spans.append(Span(clock.device.ordinal, p.engine, p.track, p.name, p.chunk, start, end))
-            self.discard(p)
+        ``unit`` is one of :data:`UNITS`; ``track`` tells apart streams of one unit that
+        overlap in time (compute streams); ``chunk`` labels the span. The span is read
+        (its events queried, without waiting) when :attr:`spans`, :meth:`summary` or
+        :meth:`to_chrome` is next used after its work has completed: await the stream
+        first. A block left by an exception records nothing.
+        """
+        pending = self._start(stream, unit, name, chunk=chunk, track=track)
+        try:
+            yield
+        except BaseException:
+            self._discard(pending)
+            raise
+        self._stop(pending, stream)
+        self._pending.append(pending)
 
     def add(self, *spans: Span) -> None:
         """Add finished spans measured elsewhere (another trace, host-side timings)."""
         self._spans.extend(spans)
 
+    # The executor's interface: a span that starts and ends in different places.
+    def _start(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> _PendingSpan:
+        """Record the start of an operation about to be enqueued on ``stream``."""
+        if unit not in UNITS:
+            raise ValueError(f"unknown unit {unit!r}; expected one of {UNITS}")
+        clock = self._clocks.get(stream.device.ordinal)
+        if clock is None:
+            self.begin(stream)
+            clock = self._clocks[stream.device.ordinal]
+        return _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+
     @staticmethod
-    def discard(*pending: PendingSpan) -> None:
+    def _stop(pending: _PendingSpan, stream: Stream) -> None:
+        """Record the end of the operation, on the stream it was enqueued on."""
+        pending.end = pending.clock.mark(stream)
+
+    def _resolve(self, *pending: _PendingSpan) -> None:
+        """Turn spans whose work has completed into :class:`Span` s and recycle their
+        events. Call only after awaiting work enqueued after every span's end."""
+        for p in pending:
+            clock = p.clock
+            if p.end is None:
+                self._discard(p)
+                continue
+            elapsed = clock.driver.event_elapsed_ms
+            shift = clock.origin_host_ms - (self._host_origin_ms or clock.origin_host_ms)
+            start = elapsed(clock.origin, p.start) + shift
+            end = elapsed(clock.origin, p.end) + shift
+            self._spans.append(Span(clock.device.ordinal, p.unit, p.track, p.name, p.chunk, start, end))
+            self._discard(p)
+
+    @staticmethod
+    def _discard(*pending: _PendingSpan) -> None:
         """Give the events of spans that will never be resolved (cancelled, failed) back.
         Re-recording a pending event later is safe: the new record replaces the old."""
         for p in pending:
@@ -241,8 +260,19 @@ class Trace:
                     free.append(handle)
             p.start = p.end = None
 
+    def _collect(self) -> None:
+        """Resolve the spans of :meth:`span` whose work has completed."""
+        if self._pending:
+            done = [p for p in self._pending if p.clock.driver.event_query(p.end)]
+            if done:
+                self._pending = [p for p in self._pending if p not in done]
+                self._resolve(*done)
+
     def close(self) -> None:
-        """Destroy the timing events (the spans stay readable)."""
+        """Destroy the timing events (the spans read so far stay readable; spans whose
+        work has not completed are dropped)."""
+        self._collect()
+        self._pending.clear()
         for clock in self._clocks.values():
             clock.close()
         self._clocks.clear()
@@ -254,50 +284,54 @@ class Trace:
     # -- reading --------------------------------------------------------------------------
     @property
     def spans(self) -> tuple[Span, ...]:
+        """The spans read so far, in the order they were read."""
+        self._collect()
         return tuple(self._spans)
 
     def summary(self) -> TraceSummary:
-        """Busy time per device and engine, wall time, bound and overlap ratio."""
+        """Busy time per device and unit, wall time, bound and overlap ratio."""
+        self._collect()
         spans = self._spans
         if not spans:
             return TraceSummary(0.0, 0.0, 0.0, 0.0, (), ())
-        engines: list[EngineSummary] = []
+        units: list[UnitSummary] = []
         bound = 0.0
         devices = sorted({s.device for s in spans})
         for device in devices:
             mine = [s for s in spans if s.device == device]
             rows = []
-            for engine in ENGINES:
-                own = [s for s in mine if s.engine == engine]
+            for unit in UNITS:
+                own = [s for s in mine if s.unit == unit]
                 if own:
                     busy = _union_ms((s.start_ms, s.end_ms) for s in own)
                     mean = sum(s.duration_ms for s in own) / len(own)
-                    rows.append(EngineSummary(device, engine, busy, len(own), mean))
+                    rows.append(UnitSummary(device, unit, busy, len(own), mean))
             busiest = max(rows, key=lambda e: e.busy_ms)
             fill_drain = sum(e.mean_ms for e in rows if e is not busiest)
             bound = max(bound, busiest.busy_ms + fill_drain)
-            engines.extend(rows)
+            units.extend(rows)
         wall = max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
         serial = sum(s.duration_ms for s in spans)
         ratio = wall / bound if bound > 0 else 0.0
-        return TraceSummary(wall, bound, serial, ratio, tuple(engines), tuple(devices))
+        return TraceSummary(wall, bound, serial, ratio, tuple(units), tuple(devices))
 
     def to_chrome(self) -> dict[str, Any]:
         """The trace in Chrome's trace-event format (JSON-ready; Perfetto reads it):
         one complete event (``"ph": "X"``, microseconds) per span, ``pid`` = device,
-        ``tid`` = engine track, named by metadata events."""
+        ``tid`` = unit track, named by metadata events."""
+        self._collect()
         events: list[dict[str, Any]] = []
         tracks: set[tuple[int, str, int]] = set()
         for s in self._spans:
-            tid = _tid(s.engine, s.track)
-            tracks.add((s.device, s.engine, s.track))
-            args: dict[str, Any] = {"engine": s.engine}
+            tid = _tid(s.unit, s.track)
+            tracks.add((s.device, s.unit, s.track))
+            args: dict[str, Any] = {"unit": s.unit}
             if s.chunk is not None:
                 args["chunk"] = s.chunk
             events.append(
                 {
                     "name": s.name,
-                    "cat": s.engine,
+                    "cat": s.unit,
                     "ph": "X",
                     "ts": round(s.start_ms * 1e3, 3),
                     "dur": round(s.duration_ms * 1e3, 3),
@@ -310,9 +344,9 @@ class Trace:
             events.append(
                 {"name": "process_name", "ph": "M", "pid": device, "tid": 0, "args": {"name": f"GPU {device}"}}
             )
-        for device, engine, track in sorted(tracks):
-            label = engine if track == 0 else f"{engine} {track}"
-            tid = _tid(engine, track)
+        for device, unit, track in sorted(tracks):
+            label = unit if track == 0 else f"{unit} {track}"
+            tid = _tid(unit, track)
             events.append({"name": "thread_name", "ph": "M", "pid": device, "tid": tid, "args": {"name": label}})
             events.append(
                 {"name": "thread_sort_index", "ph": "M", "pid": device, "tid": tid, "args": {"sort_index": tid}}
@@ -329,7 +363,7 @@ class Trace:
         return f"<Trace spans={len(self._spans)} devices={sorted(self._clocks)}>"
 
 
-def _tid(engine: str, track: int) -> int:
+def _tid(unit: str, track: int) -> int:
     """Track ids: h2d 1, compute 2 (further compute streams 21, 22, ...), d2h 3, p2p 4."""
-    base = ENGINES.index(engine) + 1
+    base = UNITS.index(unit) + 1
     return base if track == 0 else 10 * base + track

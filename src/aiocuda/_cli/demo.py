@@ -3,90 +3,48 @@
 Generates ``--chunks`` chunks of ``--chunk-mib`` MiB of float32 in pinned host memory,
 sends each through the executor (upload, the ``scale`` kernel, download) on every device
 (or ``--devices N``), shows a progress bar, checks every result against numpy, prints a
-summary table (busy time of each engine of each device, wall time against the bound)
+summary table (busy time of each unit of each device, wall time against the bound)
 and writes a Chrome / Perfetto trace (``--trace``, open it in https://ui.perfetto.dev).
 
 Without a GPU it runs on the simulated backend and says so: two simulated devices unless
 ``AIOCUDA_SIM_DEVICES`` says otherwise, small chunks, and simulated latencies for copies
 and kernels so that the overlap is visible in the trace (the times are the simulator's,
-not a GPU's). The progress bar and table use ``rich`` when installed (``pip install
+not a GPU's).
+
+Arguments are checked before anything runs (exit code 2). Ctrl-C ends it at once (exit
+code 130); the trace file is then either complete or absent, as it is written to a
+temporary name and renamed. The progress bar and table use ``rich`` when installed (``pip install
 aiocuda[demo]``), plain text otherwise.
 
-The ``scale`` workload (kernel, its simulated implementation, the numpy reference) is
-shared with ``benchmarks/pipeline.py`` and the tests.
+The ``scale`` workload (kernel, its simulated implementation, the numpy reference) lives
+in :mod:`aiocuda._cli.workload`, shared with ``benchmarks/pipeline.py`` and the tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import pathlib
 import time
 from typing import Any
 
 import anyio
 import numpy as np
-import numpy.typing as npt
 
-from .. import _driver
-from ..array import DeviceArray
+from ..backend import current_backend
 from ..device import Device, devices
-from ..executor import ChunkContext, Executor
+from ..executor import Executor
 from ..host import pinned_empty
-from ..kernel import Kernel, register_sim_kernel
-from ..program import Program
+from ..testing import current_simulator
+from .common import UsageError, exit_at_once_on_interrupt, positive_float, positive_int, writable_file
+from .workload import ScaleStage, scale_reference
 
-__all__ = ["SCALE_SOURCE", "ScaleStage", "run_demo", "scale_reference"]
+__all__ = ["add_parser", "run_demo"]
 
-SCALE_SOURCE = r"""
-extern "C" __global__ void scale(float* x, int n, int reps) {
-    int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) {
-        float v = x[i];
-        for (int r = 0; r < reps; r++) v = v * 1.000001f + 0.5f;
-        x[i] = v;
-    }
-}
-"""
-"""The reference pipeline's kernel (``../shared/reference/anchor_probe.py``): ``reps``
-dependent multiply-adds per element, so its length is set by ``reps``."""
-
-_A = float(np.float32(1.000001))
-_BLOCK = 256
-SIM_DEFAULT_DEVICES = 2
+_CHUNKS = 32
+_REPS = 800  # the reference's balanced length: kernel time close to one chunk's copy
 SIM_LATENCY_S = 0.002
 """Simulated time of each upload, kernel and download in the demo on the simulator."""
-
-
-def scale_reference(x: npt.NDArray[np.float32], reps: int) -> npt.NDArray[np.float32]:
-    """What ``scale`` computes, in closed form (float64, then float32): ``v -> a v + b``
-    ``reps`` times is ``a^reps v + b (a^reps - 1) / (a - 1)``. The GPU's float32 loop
-    differs by rounding, about ``reps * 2**-24`` relative: compare with ``rtol=1e-3``."""
-    power = _A**reps
-    return (x.astype(np.float64) * power + 0.5 * (power - 1.0) / (_A - 1.0)).astype(np.float32)
-
-
-def _sim_scale(launch: Any, x: npt.NDArray[np.float32], n: np.int32, reps: np.int32) -> None:
-    view = x[: int(n)]
-    view[:] = scale_reference(view, int(reps))
-
-
-class ScaleStage:
-    """A pipeline stage running ``scale`` in place on each chunk (one launch per chunk).
-
-    Compiles once (NVRTC on a GPU, cached on disk; on the simulator the kernel runs as
-    numpy through a registered implementation); modules load lazily per device.
-    """
-
-    def __init__(self, reps: int) -> None:
-        register_sim_kernel("scale", _sim_scale)
-        self.reps = reps
-        self.kernel: Kernel = Program(SCALE_SOURCE, name="scale.cu").compile().kernel("scale")
-        self.__name__ = f"scale x{reps}"
-
-    def __call__(self, ctx: ChunkContext, x: DeviceArray) -> None:
-        n = x.size
-        self.kernel.launch((n + _BLOCK - 1) // _BLOCK, _BLOCK, x, n, self.reps, stream=ctx.stream)
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -170,29 +128,43 @@ def _ui(total: int) -> _Plain:
 
 
 # -- the demo ------------------------------------------------------------------------------------
-def _choose_backend() -> _driver.Driver:
-    if os.environ.get("AIOCUDA_BACKEND", "auto") != "cuda":
-        os.environ.setdefault("AIOCUDA_SIM_DEVICES", str(SIM_DEFAULT_DEVICES))  # read only by the simulator
-    return _driver.driver()
+def add_parser(commands: Any) -> None:
+    """Add ``demo`` to the ``commands`` of the top-level parser."""
+    parser = commands.add_parser(
+        "demo",
+        help="run a multi-stream, multi-device pipeline and show its overlap",
+        description="Upload, scale and download generated chunks on every device through the executor, check "
+        "the results against numpy, show the busy time of every copy and compute unit and write a Perfetto "
+        "trace. Without a GPU it runs on the simulated backend (2 simulated devices unless AIOCUDA_SIM_DEVICES "
+        "says otherwise).",
+    )
+    parser.add_argument("--chunks", type=positive_int, default=_CHUNKS, help=f"number of chunks (default: {_CHUNKS})")
+    parser.add_argument(
+        "--chunk-mib",
+        type=positive_float,
+        default=None,
+        help="chunk size in MiB (default: 32 on a GPU, 0.25 simulated)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=writable_file,
+        default=pathlib.Path("aiocuda-demo-trace.json"),
+        help="Chrome / Perfetto trace file to write (default: aiocuda-demo-trace.json)",
+    )
+    parser.add_argument("--devices", type=positive_int, default=None, help="how many devices to use (default: all)")
+    parser.set_defaults(run=run_demo)
 
 
-async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
-    count = len(devices()) if args.devices is None else args.devices
-    chosen = [Device(i) for i in range(count)]
-    chunk_mib = args.chunk_mib if args.chunk_mib is not None else (0.25 if on_sim else 32.0)
-    chunks = args.chunks if args.chunks is not None else 32
-    reps = 800  # the reference's balanced length: kernel time close to one chunk's copy
-    n = int(chunk_mib * (1 << 20)) // 4
-    if n < 1 or chunks < 1:
-        raise SystemExit("demo: --chunks and --chunk-mib must be positive")
-    stage = ScaleStage(reps)
+async def _run(args: argparse.Namespace, ui: _Plain, chosen: list[Device], n: int, partial: pathlib.Path) -> int:
+    chunks = args.chunks
+    stage = ScaleStage(_REPS)
     host_in = pinned_empty((chunks, n), np.float32)
     host_in[:] = np.random.default_rng(0).random((chunks, n), dtype=np.float32)
     host_out = pinned_empty((chunks, n), np.float32)
     total_mib = chunks * n * 4 / (1 << 20)
     ui.say(
-        f"{chunks} chunks of {n * 4 / (1 << 20):.2f} MiB ({total_mib:.0f} MiB): upload, scale (reps={reps}), "
-        f"download, on {count} device(s), 3 streams each, results in input order"
+        f"{chunks} chunks of {n * 4 / (1 << 20):.2f} MiB ({total_mib:.0f} MiB): upload, scale (reps={_REPS}), "
+        f"download, on {len(chosen)} device(s), 3 streams each, results in input order"
     )
     async with Executor(chosen, trace=True) as ex:
         with ui:
@@ -201,22 +173,22 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
                 async for _ in results:
                     ui.advance()
             wall = time.perf_counter() - started
-        placed = {lane.device.ordinal: lane.completed for lane in ex.lanes}
+        placed = {per_device.device.ordinal: per_device.completed for per_device in ex.device_streams}
     assert ex.trace is not None
     summary = ex.trace.summary()
-    ok = np.allclose(host_out, scale_reference(host_in, reps), rtol=1e-3)
+    ok = np.allclose(host_out, scale_reference(host_in, _REPS), rtol=1e-3)
     rows = [
         [
             str(e.device),
-            e.engine,
+            e.unit,
             str(e.spans),
             f"{e.busy_ms:.2f}",
             f"{e.mean_ms:.3f}",
             f"{100 * e.busy_ms / summary.wall_ms:.0f}%" if summary.wall_ms else "-",
         ]
-        for e in summary.engines
+        for e in summary.units
     ]
-    ui.table("busy time per engine", ["device", "engine", "ops", "busy ms", "mean ms", "of wall"], rows)
+    ui.table("busy time per unit", ["device", "unit", "ops", "busy ms", "mean ms", "of wall"], rows)
     ui.table(
         "pipeline",
         ["wall ms", "GPU wall ms", "bound ms", "overlap ratio", "serial ms", "GiB/s moved"],
@@ -233,34 +205,44 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
     )
     ui.say(
         f"chunks per device: {placed}; overlap ratio = GPU wall / bound (1.0 is perfect; the bound is the "
-        "busiest engine plus one fill and drain)"
+        "busiest unit plus one fill and drain)"
     )
-    path = ex.trace.write_chrome(args.trace)
-    ui.say(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    ex.trace.write_chrome(partial)
+    os.replace(partial, args.trace)  # the trace file is complete or absent
+    ui.say(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     ui.say("results match numpy" if ok else "RESULTS DIFFER FROM NUMPY")
     return 0 if ok else 1
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m aiocuda demo`` (``args``: ``chunks``, ``chunk_mib``,
-    ``trace``, ``devices``)."""
-    backend = _choose_backend()
-    on_sim = backend.name == "sim"
-    available = backend.device_count()
-    if args.devices is not None and not 1 <= args.devices <= available:
-        print(f"demo: --devices must be between 1 and {available}", file=sys.stderr)
-        return 2
-    chunks = args.chunks if args.chunks is not None else 32
-    ui = _ui(chunks)
-    if on_sim:
+    """Entry point of ``aiocuda demo`` (``args``: ``chunks``, ``chunk_mib``, ``trace``,
+    ``devices``); UsageError for a bad argument, before anything is printed."""
+    backend = current_backend()
+    available = backend.device_count
+    if args.devices is not None and args.devices > available:
+        kind = "simulated backend" if backend.simulated else "CUDA driver"
+        raise UsageError(f"--devices {args.devices}: the {kind} has {available} device(s)")
+    chunk_mib = args.chunk_mib if args.chunk_mib is not None else (0.25 if backend.simulated else 32.0)
+    n = int(chunk_mib * (1 << 20)) // 4
+    if n < 1:
+        raise UsageError(f"--chunk-mib {chunk_mib}: a chunk needs at least one float32 (4 bytes)")
+    chosen = [Device(i) for i in range(available if args.devices is None else args.devices)]
+    ui = _ui(args.chunks)
+    if backend.simulated:
         ui.say(
-            f"aiocuda demo on the SIMULATED backend (no GPU in use): {available} simulated devices, "
-            f"each upload, kernel and download takes {SIM_LATENCY_S * 1e3:.0f} ms of simulated time. "
-            "Times below are the simulator's, not a GPU's."
+            f"aiocuda demo on the SIMULATED backend (no GPU in use): {available} simulated devices; each upload, "
+            f"kernel and download waits {SIM_LATENCY_S * 1e3:.0f} ms of simulated GPU time, plus the time this "
+            "machine's CPU takes to run it (more while the CPU is busy). Times below are the simulator's, not a GPU's."
         )
+        sim = current_simulator()
         for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
-            backend.set_latency(op, SIM_LATENCY_S)  # type: ignore[attr-defined]
+            sim.set_latency(op, SIM_LATENCY_S)
     else:
         names = ", ".join(sorted({d.name for d in devices()}))
         ui.say(f"aiocuda demo on the GPU: {available} x {names}")
-    return anyio.run(_run, args, ui, on_sim)
+    partial = args.trace.with_name(f".{args.trace.name}.{os.getpid()}.partial")
+    with exit_at_once_on_interrupt(lambda: partial.unlink(missing_ok=True), "demo"):
+        try:
+            return anyio.run(_run, args, ui, chosen, n, partial)
+        finally:
+            partial.unlink(missing_ok=True)

@@ -2,10 +2,15 @@
 
 ``cuLaunchHostFunc`` takes ``void (*)(void*)``; ``sem_post(sem_t*)`` has exactly that
 shape. Enqueuing libc's ``sem_post`` with the address of a semaphore we own means the
-driver's callback thread runs a few instructions of libc and never needs the GIL -- the
-deadlock numba-cuda hit (issue 317) cannot happen. The waiting side blocks in
-``sem_timedwait`` through ctypes, which releases the GIL while it waits.
+driver's callback thread runs a few instructions of libc and never needs the GIL, so it
+cannot deadlock against a thread that holds the GIL while it waits on the driver. The
+waiting side blocks in ``sem_timedwait`` through ctypes, which releases the GIL while it
+waits.
 """
+
+# Why no Python host function: cuda-bindings' cuLaunchHostFunc wrapper takes the GIL on
+# the driver's callback thread, and numba-cuda disabled its async_done tests for the
+# deadlock that follows (numba-cuda issue 317; tests/test_completion.py reproduces it).
 
 from __future__ import annotations
 

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from ._launch import LaunchConfig
+
 Handle = Any
 """An opaque backend handle (CUstream, CUevent, a sim object, ...)."""
 
@@ -253,43 +255,15 @@ class Driver(Protocol):
     def occupancy_max_potential_block_size(self, func: Handle, dynamic_smem: int) -> tuple[int, int]:
         """``(min_grid_size, block_size)``."""
 
-    def launch_kernel(
-        self,
-        func: Handle,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Handle,
-        params: KernelParams,
-    ) -> None:
-        """``cuLaunchKernel``: the hot path; implementations keep it to one driver call."""
-
-    def launch_kernel_ex(
-        self,
-        func: Handle,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Handle,
-        params: KernelParams,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
-    ) -> None:
-        """``cuLaunchKernelEx`` with cooperative and cluster-dimension attributes."""
+    def launch_kernel(self, func: Handle, config: LaunchConfig, stream: Handle, params: KernelParams) -> None:
+        """Launch ``func`` on ``stream``: ``cuLaunchKernel``, or ``cuLaunchKernelEx`` when
+        the config asks for a cluster or a cooperative launch."""
 
     def prepare_launch(
-        self,
-        func: Handle,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Handle,
-        params: KernelParams,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
+        self, func: Handle, config: LaunchConfig, stream: Handle, params: KernelParams
     ) -> tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable[[Any], None]]:
         """``(fn, args, fail)``: the bound driver call and its argument tuple, built once
-        for kernel launchers to replay (the hot path): ``err = fn(*args)[0]``, and a
-        truthy ``err`` goes to ``fail(err)``, which raises."""
+        for kernel launchers to replay (the hot path): ``err = fn(*args)[0]`` launches
+        with whatever ``params`` holds at that moment, and a truthy ``err`` goes to
+        ``fail(err)``, which raises. ``params.address`` must stay valid while the triple
+        is used."""

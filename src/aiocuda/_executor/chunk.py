@@ -11,19 +11,22 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from .._memory import staging as _staging
 from .._memory.pinned import pinned_ranges
+from .._util import NoPublicConstructor, invalid_value
 from ..array import DeviceArray, empty
-from ..device import Device, as_device
-from ..errors import ArgumentError, ResultCode
+from ..device import Device, _as_device
 from ..stream import Stream
-from ..trace import PendingSpan, Trace
-from .lanes import DeviceLanes
+from ..trace import Trace, _PendingSpan
+from .device_streams import DeviceStreams
+
+if TYPE_CHECKING:
+    from .lanes import Lane
 
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
 
@@ -62,7 +65,7 @@ class ChunkResult:
         return self.output
 
 
-class ChunkContext:
+class ChunkContext(metaclass=NoPublicConstructor):
     """What a stage gets besides its input: where to enqueue, and chunk-scoped memory.
 
     Attributes:
@@ -77,38 +80,50 @@ class ChunkContext:
     the chunk failed) and is then freed; keep nothing from it beyond the stage.
     """
 
-    __slots__ = ("_arrays", "_compute", "_lanes_of", "_spans", "_trace", "host", "index", "lanes", "name", "stream")
+    __slots__ = (
+        "_arrays",
+        "_compute",
+        "_spans",
+        "_streams_of",
+        "_trace",
+        "device_streams",
+        "host",
+        "index",
+        "name",
+        "stream",
+    )
+    _factories = "the executor (a stage receives one)"
 
     def __init__(
         self,
         index: int,
         host: npt.NDArray[Any],
-        lanes: DeviceLanes,
-        lanes_of: Callable[[Device], DeviceLanes],
+        device_streams: DeviceStreams,
+        streams_of: Callable[[Device], DeviceStreams],
         trace: Trace | None,
         name: str,
     ) -> None:
         self.index = index
         self.host = host
-        self.lanes = lanes
-        self._lanes_of = lanes_of
+        self.device_streams = device_streams
+        self._streams_of = streams_of
         self._trace = trace
         self.name = name
-        self.stream: Stream = lanes.compute[0]  # set by _begin_compute before the stage runs
+        self.stream: Stream = device_streams.compute[0]  # set by _begin_compute before the stage runs
         self._arrays: list[tuple[DeviceArray, Stream]] = []
         """The chunk's device arrays, each with the stream it was allocated on."""
-        self._compute: PendingSpan | None = None
-        self._spans: list[PendingSpan] = []
+        self._compute: _PendingSpan | None = None
+        self._spans: list[_PendingSpan] = []
 
     @property
     def device(self) -> Device:
         """The device the chunk is on now."""
-        return self.lanes.device
+        return self.device_streams.device
 
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
         """A device array for this chunk, allocated stream-ordered on :attr:`stream` from
         the device's pool, freed once the chunk's download has completed."""
-        return self._allocate(shape, dtype, self.lanes, self.stream)
+        return self._allocate(shape, dtype, self.device_streams, self.stream)
 
     def move(self, array: DeviceArray, device: Device | int) -> DeviceArray:
         """Copy ``array`` to ``device`` (one of the executor's) GPU to GPU and continue
@@ -118,54 +133,57 @@ class ChunkContext:
         The copy runs on the source device's ``p2p`` stream, so neither device's compute
         stream stalls for it.
         """
-        target = self._lanes_of(as_device(device))
-        if target is self.lanes:
+        target = self._streams_of(_as_device(device))
+        if target is self.device_streams:
             return array
         if not array.is_c_contiguous:
-            raise ArgumentError("move() needs a C-contiguous array", code=ResultCode.INVALID_VALUE)
-        source = self.lanes
+            raise invalid_value("move() needs a C-contiguous array")
+        source = self.device_streams
         self._end_compute()
         p2p = source.p2p
         array.buffer._used_on(p2p)  # after the stage's kernels; frees the source after the copy
         moved = self._allocate(array.shape, array.dtype, target, target.p2p)
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
-        span = self._trace.start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
+        span = self._trace._start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
         source.device.make_current()
         source.device._driver.memcpy_peer_async(
             moved.ptr, target.device._context, array.ptr, source.device._context, array.nbytes, p2p.handle
         )
         if span is not None:
-            Trace.stop(span, p2p)
+            Trace._stop(span, p2p)
             self._spans.append(span)
-        self.lanes = target
+        self.device_streams = target
         self._begin_compute(moved, copied_on=p2p)
         return moved
 
     # -- for the pipeline ---------------------------------------------------------------------
     def _allocate(
-        self, shape: int | tuple[int, ...], dtype: npt.DTypeLike, lanes: DeviceLanes, stream: Stream
+        self, shape: int | tuple[int, ...], dtype: npt.DTypeLike, device_streams: DeviceStreams, stream: Stream
     ) -> DeviceArray:
-        """An array of the chunk's, allocated on ``stream`` from ``lanes``' pool and
+        """An array of the chunk's, allocated on ``stream`` from ``device_streams``' pool and
         freed with the chunk (on that stream, once the download is done: :meth:`_free_done`)."""
-        array = empty(shape, dtype, stream=stream, pool=lanes.pool)
+        array = empty(shape, dtype, stream=stream, pool=device_streams.pool)
         self._arrays.append((array, stream))
         return array
 
-    def _begin_compute(self, ready: DeviceArray, copied_on: Stream | None = None) -> None:
-        """Switch to the next compute stream, ordered (on the GPU) after the work that
-        produced ``ready`` -- and after ``copied_on``, for a copy from another device --
-        then start the compute span: its start event must come after those waits."""
-        track, self.stream = self.lanes.next_compute()
+    def _begin_compute(
+        self, ready: DeviceArray, copied_on: Stream | None = None, *, lane: tuple[int, Stream] | None = None
+    ) -> None:
+        """Switch to the next compute stream (or to ``lane``'s, ``(track, stream)``),
+        ordered (on the GPU) after the work that produced ``ready`` -- and after
+        ``copied_on``, for a copy from another device -- then start the compute span: its
+        start event must come after those waits."""
+        track, self.stream = self.device_streams.next_compute() if lane is None else lane
         if copied_on is not None:
             self.stream.wait(copied_on)
         ready.buffer._used_on(self.stream)
         if self._trace is not None:
-            self._compute = self._trace.start(self.stream, "compute", self.name, chunk=self.index, track=track)
+            self._compute = self._trace._start(self.stream, "compute", self.name, chunk=self.index, track=track)
 
     def _end_compute(self) -> None:
         span, self._compute = self._compute, None
         if span is not None:
-            Trace.stop(span, self.stream)
+            Trace._stop(span, self.stream)
             self._spans.append(span)
 
     def _free(self) -> None:
@@ -185,7 +203,7 @@ class ChunkContext:
             buffer = array.buffer
             if buffer.freed:
                 continue
-            if buffer.stream in self._lanes_of(buffer.device).streams:
+            if buffer.stream in self._streams_of(buffer.device).streams:
                 buffer._free_idle(allocated_on)
             else:
                 buffer.free()
@@ -195,28 +213,39 @@ class ChunkContext:
 @dataclass(frozen=True, slots=True)
 class ChunkRunner:
     """How each chunk of a pipeline (or a lone :meth:`~aiocuda.executor.Executor.submit`)
-    is processed: its stage, where its results go, and the executor's lanes and trace."""
+    is processed: its stage, where its results go, and the executor's device_streams and trace."""
 
     stage: Stage
-    lanes_of: Callable[[Device], DeviceLanes]
+    streams_of: Callable[[Device], DeviceStreams]
     trace: Trace | None
     output: OutputFn | None
     name: str
 
-    async def run(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> npt.NDArray[Any]:
-        """Send one chunk, admitted on ``lanes``, through upload, stage and download;
-        return the host result once it is there. Memory is returned whatever happens."""
+    async def run(
+        self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams, lane: Lane | None = None
+    ) -> npt.NDArray[Any]:
+        """Send one chunk, admitted on ``device_streams``, through upload, stage and download;
+        return the host result once it is there. Memory is returned whatever happens.
+
+        With a request ``lane`` (:meth:`~aiocuda.executor.Executor.submit`), every step
+        runs on the lane's stream instead of the device's h2d, compute and d2h streams:
+        no events between streams, and the download is the only host wait.
+        """
         trace = self.trace
-        ctx = ChunkContext(index, host, lanes, self.lanes_of, trace, self.name)
+        ctx = ChunkContext._create(index, host, device_streams, self.streams_of, trace, self.name)
         try:
-            h2d = lanes.h2d
-            x = ctx._allocate(host.shape, host.dtype, lanes, h2d)
-            span = trace.start(h2d, "h2d", "h2d", chunk=index) if trace else None
-            await _staging.host_to_device(x.ptr, host, h2d)
+            h2d = device_streams.h2d if lane is None else lane.stream
+            x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
+            span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace else None
+            if lane is not None and lane._fits(host):
+                lane.upload(host, out=x)  # through the lane's own staging: enqueued only
+            else:
+                await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
-                Trace.stop(span, h2d)
+                Trace._stop(span, h2d)
                 ctx._spans.append(span)
-            ctx._begin_compute(x)  # the compute stream waits for the upload, on the GPU
+            # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
+            ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
             returned = self.stage(ctx, x)
             if inspect.isawaitable(returned):
                 returned = await returned
@@ -225,46 +254,52 @@ class ChunkRunner:
             result = x if returned is None else returned
             ctx._end_compute()
             dest = self.destination(index, result)
-            d2h = self.lanes_of(result.device).d2h
+            on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
+            d2h = h2d if on_lane else self.streams_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
-            span = trace.start(d2h, "d2h", "d2h", chunk=index) if trace else None
-            pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
-            if pinned and dest.nbytes:
-                d2h.device.make_current()
-                d2h.device._driver.memcpy_dtoh_async(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h.handle)
-                d2h.hold(dest)
+            span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace else None
+            if on_lane and lane is not None and lane._fits(dest):
+                lane.download(result, out=dest)  # enqueued; filled by the lane's await
+                if span is not None:
+                    Trace._stop(span, d2h)
+                    ctx._spans.append(span)
+                await lane  # the one host wait
             else:
-                await _staging.device_to_host(dest, result.ptr, d2h)
-            if span is not None:
-                Trace.stop(span, d2h)
-                ctx._spans.append(span)
-            await d2h  # the download and those before it on the stream
+                pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
+                if pinned and dest.nbytes:
+                    _staging.enqueue_download(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h)
+                    d2h.hold(dest)
+                else:
+                    await _staging.device_to_host(dest, result.ptr, d2h)
+                if span is not None:
+                    Trace._stop(span, d2h)
+                    ctx._spans.append(span)
+                await d2h  # the download and those before it on the stream
             ctx._free_done()
             if trace is not None:
-                trace.resolve(*ctx._spans)
+                trace._resolve(*ctx._spans)
                 ctx._spans.clear()
             return dest
         finally:
             ctx._end_compute()
             ctx._free()
             if trace is not None and ctx._spans:
-                trace.discard(*ctx._spans)
+                trace._discard(*ctx._spans)
 
     def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
         """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
         if not result.is_c_contiguous:
-            raise ArgumentError("a stage's result must be C-contiguous", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("a stage's result must be C-contiguous")
         if self.output is None:
             return np.empty(result.shape, result.dtype)
         dest = self.output(index, result)
         if not isinstance(dest, np.ndarray):
             raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
         if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
-            raise ArgumentError(
+            raise invalid_value(
                 f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
-                "(it must be C-contiguous with the same dtype and size)",
-                code=ResultCode.INVALID_VALUE,
+                "(it must be C-contiguous with the same dtype and size)"
             )
         if not dest.flags.writeable:
-            raise ArgumentError("output() gave a read-only array", code=ResultCode.INVALID_VALUE)
+            raise invalid_value("output() gave a read-only array")
         return dest

@@ -1,68 +1,566 @@
-"""Each device's streams, memory pool and load, as an executor uses them."""
+"""Request lanes: long-lived streams with staging memory, leased to one request at a time.
+
+See :mod:`aiocuda.lanes` for the user's view. Invariants the code keeps:
+
+* A lane is handed to a lease only once everything earlier leases enqueued on it has
+  finished (:meth:`Lanes._acquire` queries the previous lease's stream, and awaits it in
+  the rare case a lease ended without awaiting its work: a cancelled request). So host
+  memory the lane owns -- its staging block, the user's ``state`` -- may be written at
+  the start of a lease without any ordering.
+* Staging regions are handed out bump-style within a lease and recycled once the lane
+  has been awaited (every copy that used them has then completed).
+* Whatever enqueued work still reads or writes when a lease ends without its await is
+  handed to the stream's ``hold`` (host arrays) or freed stream-ordered (device arrays),
+  never released early.
+"""
 
 from __future__ import annotations
 
-from ..device import Device
-from ..memory import MemoryPool
+import collections
+import contextlib
+import ctypes
+import inspect
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from .._completion.event_pool import EventPool
+from .._memory import library_streams
+from .._memory import staging as _staging
+from .._memory.pinned import pinned_ranges
+from .._util import invalid_value
+from ..array import DeviceArray, empty
+from ..device import Device, _as_device
+from ..errors import ClosedError, ContextPoisonedError, CudaError
+from ..host import pinned_empty
+from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
 
-__all__ = ["DeviceLanes"]
+__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count"]
+
+Priority = Literal["normal", "high"]
+PRIORITIES: tuple[Priority, ...] = ("normal", "high")
+"""Request priorities, least urgent first."""
+
+Setup = Callable[["Lane"], Any]
+"""``setup(lane)`` (sync or async) prepares one lane at start-up; its result is ``lane.state``."""
+
+_ALIGN = 256
+_memmove = ctypes.memmove
 
 
-class DeviceLanes:
-    """One device's streams, pool and load, as an executor uses them.
+def default_count(device: Device) -> int:
+    """Lanes per device when not given: a quarter of the SMs, between 8 and 64."""
+    # One lane is one request in flight on the GPU. Kernels of a request rarely fill the
+    # device, so several run side by side; a quarter of the SMs (33 on an H100) keeps the
+    # device fed while the rest of the requests wait on the host, costing nothing.
+    return max(8, min(64, device.multiprocessor_count // 4))
 
-    ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU has one copy engine per
-    direction, so more streams would not add bandwidth); ``compute`` holds
-    ``compute_streams`` streams used in turn by successive chunks (more than one lets
-    small kernels of different chunks run side by side).
+
+class Lane:
+    """One request's stream and memory while it holds a lease (see :mod:`aiocuda.lanes`).
+
+    Attributes:
+        stream: the stream to enqueue the request's work on (the lease's priority).
+        device: the lane's device.
+        index: the lane's position in its :class:`Lanes`.
+        state: what the ``setup`` function returned for this lane at start-up (scratch
+            arrays, a library's warmed-up objects); ``None`` without one.
     """
 
     __slots__ = (
-        "_turn",
-        "budget",
-        "chunks",
-        "completed",
-        "compute",
-        "d2h",
+        "_buffers",
+        "_copy_outs",
+        "_keep",
+        "_kept_for_life",
+        "_pool",
+        "_staged",
+        "_staging",
+        "_staging_ptr",
+        "_staging_size",
+        "_streams",
         "device",
-        "h2d",
-        "max_chunks",
-        "p2p",
-        "pool",
-        "reserved",
+        "index",
+        "state",
+        "stream",
     )
 
-    def __init__(self, device: Device, *, compute_streams: int, max_chunks: int, budget: int) -> None:
-        device.make_current()
+    def __init__(self, index: int, device: Device, streams: dict[Priority, Stream], staging: int) -> None:
+        self.index = index
         self.device = device
-        self.pool = MemoryPool.for_device(device)
-        self.h2d = Stream(device)
-        self.compute = tuple(Stream(device) for _ in range(compute_streams))
-        self.d2h = Stream(device)
-        self.p2p = Stream(device)
-        self._turn = 0
-        self.max_chunks = max_chunks
-        self.budget = budget
-        self.chunks = 0
-        """Chunks admitted here and not yet finished."""
-        self.reserved = 0
-        """Device bytes reserved for those chunks."""
-        self.completed = 0
-        """Chunks finished here (successfully or not)."""
+        self._streams = streams
+        self.stream: Stream = streams["normal"]
+        self.state: Any = None
+        self._pool = MemoryPool.for_device(device)
+        self._staging = pinned_empty(staging, np.uint8, device=device) if staging else None
+        self._staging_ptr = int(self._staging.ctypes.data) if self._staging is not None else 0
+        self._staging_size = staging
+        self._staged = 0
+        """Bytes of the staging block handed out since the lane was last awaited."""
+        self._buffers: list[DeviceBuffer] = []
+        """Device memory of the current lease (:meth:`empty`), freed when it ends."""
+        self._kept_for_life: list[DeviceBuffer] = []
+        """Device memory ``setup`` made: the lane's own, freed when the lanes close."""
+        self._keep: list[Any] = []
+        """Host arrays that enqueued copies use, kept until the lane is awaited."""
+        self._copy_outs: list[tuple[int, int, int]] = []
+        """Downloads through staging to finish once awaited: (host address, staging address, bytes)."""
 
-    def next_compute(self) -> tuple[int, Stream]:
-        """``(track, stream)``: the compute stream for the next chunk, in turn."""
-        track = self._turn
-        self._turn = (track + 1) % len(self.compute)
-        return track, self.compute[track]
+    # -- memory --------------------------------------------------------------------------------
+    def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
+        """A device array for this request, allocated stream-ordered on :attr:`stream` from
+        the device's pool and freed (stream-ordered) when the lease ends: as cheap as
+        reusing a preallocated one. Keep nothing from it beyond the lease.
+
+        Called from ``setup`` (at start-up), the array is the lane's own instead: it lives
+        until the lanes close (keep it in ``lane.state``)."""
+        array = empty(shape, dtype, stream=self.stream, pool=self._pool)
+        self._buffers.append(array.buffer)
+        return array
+
+    def upload(self, host: npt.ArrayLike, out: DeviceArray | None = None) -> DeviceArray:
+        """Enqueue the copy of ``host`` to the device on :attr:`stream` and return the
+        device array (``out``, or a new one as from :meth:`empty`). Returns at once: the
+        copy runs in stream order, and ``host`` may be changed right away.
+
+        Pageable ``host`` memory is copied into the lane's page-locked staging first (on
+        the calling thread: meant for request-sized data; stage megabytes with
+        :func:`aiocuda.to_device` instead). Pinned memory is copied directly and kept
+        alive until the lane is awaited.
+        """
+        array = np.asarray(host)
+        if array.dtype.hasobject:
+            raise invalid_value(f"dtype {array.dtype} holds Python objects and cannot be copied to the device")
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        if out is None:
+            out = self.empty(array.shape, array.dtype)
+        else:
+            self._check_device_array(out, array.shape, array.dtype, "out")
+            out.buffer._used_on(self.stream)
+        nbytes = array.nbytes
+        if nbytes:
+            src = int(array.ctypes.data)
+            if pinned_ranges.owner(src, nbytes) is None:
+                staged = self._stage(nbytes)
+                _memmove(staged, src, nbytes)
+                src = staged
+            else:
+                self._keep.append(array)
+            _staging.enqueue_upload(out.ptr, src, nbytes, self.stream)
+        return out
+
+    def download(self, array: DeviceArray, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """Enqueue the copy of ``array`` to the host on :attr:`stream` and return the host
+        array (``out``, C-contiguous and writeable, or a new one). Its contents are valid
+        once the lane has been awaited (``await lane``), not before.
+
+        Pinned ``out`` memory is written by the DMA directly; pageable memory goes
+        through the lane's staging and is filled when the await completes.
+        """
+        if not isinstance(array, DeviceArray):
+            raise TypeError(f"download takes a DeviceArray, not {type(array).__name__}")
+        self._check_device_array(array, array.shape, array.dtype, "array")
+        if out is None:
+            out = np.empty(array.shape, array.dtype)
+        elif not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy array, not {type(out).__name__}")
+        elif out.shape != array.shape or out.dtype != array.dtype:
+            raise invalid_value(
+                f"out has shape {out.shape} and dtype {out.dtype}; expected {array.shape} {array.dtype}"
+            )
+        elif not (out.flags.c_contiguous and out.flags.writeable):
+            raise invalid_value("out must be C-contiguous and writeable")
+        array.buffer._used_on(self.stream)
+        nbytes = out.nbytes
+        if nbytes:
+            dst = int(out.ctypes.data)
+            if pinned_ranges.owner(dst, nbytes) is not None:
+                _staging.enqueue_download(dst, array.ptr, nbytes, self.stream)
+                self._keep.append(out)
+            else:
+                staged = self._stage(nbytes)
+                _staging.enqueue_download(staged, array.ptr, nbytes, self.stream)
+                self._copy_outs.append((dst, staged, nbytes))
+                self._keep.append(out)
+        return out
+
+    def _check_device_array(self, array: DeviceArray, shape: tuple[int, ...], dtype: Any, what: str) -> None:
+        if not isinstance(array, DeviceArray):
+            raise TypeError(f"{what} must be a DeviceArray, not {type(array).__name__}")
+        if array.shape != shape or array.dtype != dtype:
+            raise invalid_value(f"{what} has shape {array.shape} and dtype {array.dtype}; expected {shape} {dtype}")
+        if not array.is_c_contiguous:
+            raise invalid_value(f"{what} must be C-contiguous")
+        if array.device is not self.device:
+            raise invalid_value(f"{what} is on device {array.device.ordinal}, the lane on device {self.device.ordinal}")
+
+    def _fits(self, host: npt.NDArray[Any]) -> bool:
+        """Whether a copy of ``host`` goes through the lane without borrowing memory:
+        pinned, or small enough for what is left of the staging block."""
+        nbytes = host.nbytes
+        return self._staged + nbytes <= self._staging_size or (
+            pinned_ranges.owner(int(host.ctypes.data), max(nbytes, 1)) is not None
+        )
+
+    def _stage(self, nbytes: int) -> int:
+        """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
+        staging block while it lasts, else a block from the pinned cache kept until the
+        lane is awaited."""
+        start = self._staged
+        end = start + nbytes
+        if end <= self._staging_size:
+            self._staged = end + (-end % _ALIGN)
+            return self._staging_ptr + start
+        spill = pinned_empty(nbytes, np.uint8, device=self.device)
+        self._keep.append(spill)
+        return int(spill.ctypes.data)
+
+    # -- waiting -------------------------------------------------------------------------------
+    def __await__(self) -> Generator[Any, Any, None]:
+        """Wait for everything enqueued on :attr:`stream` so far, then fill the host
+        arrays of :meth:`download`. The one await a request needs."""
+        yield from self.stream.__await__()
+        self._settle()
+
+    def _settle(self) -> None:
+        """Everything enqueued so far has completed: finish downloads, recycle staging."""
+        for dst, staged, nbytes in self._copy_outs:
+            _memmove(dst, staged, nbytes)
+        self._copy_outs.clear()
+        self._keep.clear()
+        self._staged = 0
+
+    # -- leases --------------------------------------------------------------------------------
+    def _begin(self, priority: Priority) -> None:
+        self.stream = self._streams[priority]
+
+    def _end(self) -> None:
+        """The lease is over: free its device memory stream-ordered, and keep host memory
+        that copies not yet awaited use alive until they have run."""
+        with contextlib.suppress(CudaError):  # a poisoned context: the GPU will never run them
+            for buffer in self._buffers:
+                buffer.free()
+            if self._keep:
+                self.stream.hold(*self._keep)
+        self._buffers.clear()
+        self._keep.clear()
+        self._copy_outs.clear()
+        self._staged = 0  # the next lease starts once the stream is idle (Lanes._acquire)
 
     @property
     def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p)
+        """The lane's streams, one per priority it serves."""
+        return tuple(self._streams.values())
 
     def __repr__(self) -> str:
+        return f"<Lane {self.index} device={self.device.ordinal} staging={self._staging_size}>"
+
+
+@dataclass(frozen=True, slots=True)
+class LanesStatistics:
+    """A snapshot of a :class:`Lanes` (:meth:`Lanes.statistics`)."""
+
+    lanes: int
+    """Lanes in the pool."""
+    leased: int
+    """Lanes held by requests now."""
+    waiting: int
+    """Requests waiting for a lane."""
+    leases: int
+    """Leases ended so far."""
+    failed: bool
+    """Whether the device's context was poisoned (see :attr:`Lanes.failure`)."""
+
+
+class _Waiter:
+    __slots__ = ("event", "lane")
+
+    def __init__(self) -> None:
+        self.event = anyio.Event()
+        self.lane: Lane | None = None
+
+
+class _Lease:
+    """``async with lanes.lease() as lane``: the lane, held for the block."""
+
+    __slots__ = ("_lane", "_lanes", "_priority")
+
+    def __init__(self, lanes: Lanes, priority: Priority) -> None:
+        self._lanes = lanes
+        self._priority = priority
+        self._lane: Lane | None = None
+
+    async def __aenter__(self) -> Lane:
+        lane = await self._lanes._acquire(self._priority)
+        self._lane = lane
+        return lane
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            self._lanes._release(lane, exc)
+
+
+class Lanes:
+    """A pool of request lanes on one device (see :mod:`aiocuda.lanes`).
+
+    Args:
+        device: a :class:`~aiocuda.device.Device` or ordinal (default 0).
+        count: how many lanes, i.e. requests on the GPU at once (default: from the
+            device, :func:`default_count`).
+        priorities: the priorities leases may ask for: ``("normal",)`` or
+            ``("normal", "high")`` (a second stream per lane, of the device's greatest
+            priority).
+        staging: page-locked bytes per lane for copies of pageable host memory
+            (default 1 MiB); a request that needs more borrows cached pinned blocks.
+        setup: ``setup(lane)``, sync or async, run once per lane at start-up on the event
+            loop; its result becomes ``lane.state``. The lane is awaited after it.
+
+    Use as ``async with Lanes(...) as lanes:`` (in a lifespan), or call :meth:`start`
+    and :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        device: Device | int | None = None,
+        *,
+        count: int | None = None,
+        priorities: tuple[Priority, ...] = ("normal",),
+        staging: int = 1 << 20,
+        setup: Setup | None = None,
+    ) -> None:
+        if count is not None and count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if staging < 0:
+            raise ValueError(f"staging must be >= 0 bytes, got {staging}")
+        unknown = [p for p in priorities if p not in PRIORITIES]
+        if unknown or "normal" not in priorities:
+            raise ValueError(f"priorities must include 'normal' and be among {PRIORITIES}, got {priorities!r}")
+        self._device = _as_device(device)
+        self._count = count
+        self._priorities: tuple[Priority, ...] = tuple(p for p in PRIORITIES if p in priorities)
+        self._staging = staging
+        self._setup = setup
+        self._lanes: tuple[Lane, ...] = ()
+        self._free: list[Lane] = []
+        self._last: dict[int, Stream] = {}
+        """Each lane's stream of its last lease: where earlier work may still be running."""
+        self._waiters: dict[Priority, collections.deque[_Waiter]] = {p: collections.deque() for p in PRIORITIES}
+        self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
+        self._all_back: anyio.Event | None = None
+        self._leases = 0
+        self.failure: ContextPoisonedError | None = None
+        """The error that poisoned the device's context, once a lease has seen one; every
+        later lease then fails at once with a :class:`ContextPoisonedError`."""
+
+    @property
+    def device(self) -> Device:
+        return self._device
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        """Every lane (read-only use: lease them to use them)."""
+        return self._lanes
+
+    # -- lifetime ------------------------------------------------------------------------------
+    async def __aenter__(self) -> Lanes:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def start(self) -> None:
+        """Create every lane's streams and staging (off the event loop: they are blocking
+        driver calls), then run ``setup`` on each lane and await it (on the loop: libraries
+        keep per-thread state too)."""
+        if self._state != "new":
+            raise RuntimeError(f"Lanes.start() called twice (the pool is {self._state})")
+        self._state = "starting"
+        try:
+            lanes = await anyio.to_thread.run_sync(self._build)
+            self._lanes = lanes
+            for lane in lanes:
+                for stream in lane.streams:
+                    lane.stream = stream
+                    await lane  # the engine learns the stream; the event pool is filled
+                lane.stream = lane._streams["normal"]
+                if self._setup is not None:
+                    state = self._setup(lane)
+                    if inspect.isawaitable(state):
+                        state = await state
+                    lane.state = state
+                    lane._kept_for_life.extend(lane._buffers)  # setup's memory is the lane's own
+                    lane._buffers.clear()
+                    for stream in lane.streams:
+                        lane.stream = stream
+                        await lane
+                    lane.stream = lane._streams["normal"]
+                self._last[lane.index] = lane.stream
+        except BaseException:
+            self._state = "open"
+            self.close()
+            raise
+        self._free = list(reversed(lanes))  # lane 0 is leased first
+        self._state = "open"
+
+    def _build(self) -> tuple[Lane, ...]:
+        device = self._device
+        device.make_current()
+        count = self._count if self._count is not None else default_count(device)
+        least, greatest = Stream.priority_range(device)
+        value = {"normal": least, "high": greatest}
+        lanes = []
+        for index in range(count):
+            streams = {p: Stream(device, priority=value[p]) for p in self._priorities}
+            lanes.append(Lane(index, device, streams, self._staging))
+        # Awaits and holds record pooled events: make enough for every lane at once now
+        # rather than on the loop under load.
+        pool = EventPool.for_device(device)
+        events = [pool.acquire() for _ in range(4 * count * len(self._priorities))]
+        for event in events:
+            pool.release(event)
+        return tuple(lanes)
+
+    async def aclose(self) -> None:
+        """Shut down gracefully: new leases fail with :class:`~aiocuda.errors.ClosedError`;
+        requests holding or already waiting for a lane finish; then every lane's stream is
+        awaited and closed (except streams PyTorch or CuPy were given: they live until the
+        process exits) and the staging memory is released. Shielded from cancellation."""
+        if self._state in ("closed", "new"):
+            self._state = "closed"
+            return
+        self._state = "closing"
+        with anyio.CancelScope(shield=True):
+            while len(self._free) < len(self._lanes) or any(self._waiters.values()):
+                self._all_back = anyio.Event()
+                await self._all_back.wait()
+            for lane in self._lanes:
+                for stream in lane.streams:
+                    with contextlib.suppress(CudaError):
+                        await stream
+        self.close()
+
+    def close(self) -> None:
+        """Close at once: streams are closed (work already enqueued still runs), staging
+        is released once that work is done, and new leases fail. Prefer :meth:`aclose`."""
+        self._state = "closed"
+        for lane in self._lanes:
+            with contextlib.suppress(CudaError):
+                for buffer in lane._kept_for_life:
+                    buffer.free()
+            lane._kept_for_life.clear()
+            for stream in lane.streams:
+                if not library_streams.adopted(stream):
+                    if lane._staging is not None:
+                        with contextlib.suppress(CudaError):
+                            stream.hold(lane._staging)
+                    stream.close()
+            lane._staging = None
+        self._free.clear()
+
+    # -- leases --------------------------------------------------------------------------------
+    def lease(self, *, priority: Priority = "normal") -> contextlib.AbstractAsyncContextManager[Lane]:
+        """``async with lanes.lease() as lane:`` -- a lane for one request. Waits while
+        every lane is leased (back-pressure; waiting ``"high"`` requests are served first)."""
+        if priority not in self._priorities:
+            raise invalid_value(f"these lanes serve priorities {self._priorities}, not {priority!r}")
+        return _Lease(self, priority)
+
+    async def _acquire(self, priority: Priority) -> Lane:
+        if self._state != "open" or self.failure is not None:
+            self._refuse()
+        lane = self._free.pop() if self._free else await self._wait_for_lane(priority)
+        try:
+            last = self._last[lane.index]
+            if not last.query():  # a lease ended without awaiting its work (cancelled)
+                await last
+        except BaseException as exc:
+            self._release(lane, exc)
+            raise
+        lane._begin(priority)
+        self._last[lane.index] = lane.stream
+        return lane
+
+    def _refuse(self) -> None:
+        failure = self.failure
+        if failure is not None:
+            raise ContextPoisonedError(
+                f"device {self._device.ordinal} failed earlier and cannot run anything more "
+                f"(restart the process): {failure}",
+                code=failure.code,
+                name=failure.name,
+                description=failure.description,
+                call=failure.call,
+            )
+        raise ClosedError(f"the request lanes of device {self._device.ordinal} are {self._state}")
+
+    async def _wait_for_lane(self, priority: Priority) -> Lane:
+        waiter = _Waiter()
+        queue = self._waiters[priority]
+        queue.append(waiter)
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            if waiter.lane is not None:  # handed a lane just as this was cancelled: pass it on
+                self._hand_over(waiter.lane)
+            else:
+                queue.remove(waiter)
+                self._check_all_back()
+            raise
+        assert waiter.lane is not None
+        if self.failure is not None:
+            self._hand_over(waiter.lane)
+            self._refuse()
+        return waiter.lane
+
+    def _release(self, lane: Lane, exc: BaseException | None) -> None:
+        lane._end()
+        self._leases += 1
+        if isinstance(exc, ContextPoisonedError) and self.failure is None:
+            self.failure = exc
+        self._hand_over(lane)
+
+    def _hand_over(self, lane: Lane) -> None:
+        """Give a lane back: to the most urgent waiting request, else to the free list."""
+        for priority in ("high", "normal"):
+            queue = self._waiters[priority]
+            if queue:
+                waiter = queue.popleft()
+                waiter.lane = lane
+                waiter.event.set()
+                return
+        self._free.append(lane)
+        self._check_all_back()
+
+    def _check_all_back(self) -> None:
+        if self._all_back is not None and len(self._free) == len(self._lanes) and not any(self._waiters.values()):
+            self._all_back.set()
+
+    # -- state ---------------------------------------------------------------------------------
+    def statistics(self) -> LanesStatistics:
+        """How many lanes are leased, how many requests wait, and whether the GPU failed."""
+        count = len(self._lanes)
+        return LanesStatistics(
+            lanes=count,
+            leased=count - len(self._free) if self._state in ("open", "closing") else 0,
+            waiting=sum(len(q) for q in self._waiters.values()),
+            leases=self._leases,
+            failed=self.failure is not None,
+        )
+
+    def __repr__(self) -> str:
+        s = self.statistics()
         return (
-            f"<DeviceLanes device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
-            f"reserved={self.reserved} completed={self.completed}>"
+            f"<Lanes device={self._device.ordinal} {self._state} [{s.lanes} lanes: {s.leased} leased, "
+            f"{s.waiting} waiting]{' FAILED' if s.failed else ''}>"
         )

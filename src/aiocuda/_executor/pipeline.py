@@ -28,8 +28,9 @@ import anyio.lowlevel
 import numpy as np
 import numpy.typing as npt
 
+from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
-from .lanes import DeviceLanes
+from .device_streams import DeviceStreams
 from .placement import Admission, PlacementName
 
 if sys.version_info < (3, 11):
@@ -53,7 +54,7 @@ _Item = ChunkResult | _InputFailed | None
 """What chunk tasks and the feeder send the consumer (None: the inputs are exhausted)."""
 
 
-class Pipeline:
+class Pipeline(metaclass=NoPublicConstructor):
     """A running :meth:`~aiocuda.executor.Executor.map`; an async context manager whose
     value is an async iterator of :class:`ChunkResult`.
 
@@ -65,12 +66,14 @@ class Pipeline:
     and the block ends there.
     """
 
+    _factories = "Executor.map()"
+
     def __init__(
         self,
         runner: ChunkRunner,
         inputs: Iterable[npt.NDArray[Any]] | AsyncIterable[npt.NDArray[Any]],
         *,
-        lanes: Sequence[DeviceLanes],
+        device_streams: Sequence[DeviceStreams],
         admission: Admission,
         ordered: bool,
         in_flight: int,
@@ -79,7 +82,7 @@ class Pipeline:
     ) -> None:
         self._runner = runner
         self._inputs = inputs
-        self._lanes = lanes
+        self._device_streams = device_streams
         self._admission = admission
         self._ordered = ordered
         self._limit = in_flight
@@ -177,10 +180,12 @@ class Pipeline:
             async for host in _aiter(self._inputs):
                 array = as_input(host)
                 await self._slots.acquire()
-                lane, cursor = await self._admission.admit(self._placement, self._lanes, reserve(array), cursor)
+                placed, cursor = await self._admission.admit(
+                    self._placement, self._device_streams, reserve(array), cursor
+                )
                 self.admitted += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                self._task_group.start_soon(self._chunk, index, array, lane)
+                self._task_group.start_soon(self._chunk, index, array, placed)
                 index += 1
         except Exception as exc:
             self._send.send_nowait(_InputFailed(exc))
@@ -188,15 +193,15 @@ class Pipeline:
         self._total = index
         self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
 
-    async def _chunk(self, index: int, host: npt.NDArray[Any], lanes: DeviceLanes) -> None:
+    async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         try:
-            output = await self._runner.run(index, host, lanes)
-            result = ChunkResult(index, lanes.device.ordinal, output, None)
+            output = await self._runner.run(index, host, device_streams)
+            result = ChunkResult(index, device_streams.device.ordinal, output, None)
         except Exception as exc:
-            result = ChunkResult(index, lanes.device.ordinal, None, exc)
+            result = ChunkResult(index, device_streams.device.ordinal, None, exc)
         finally:
-            lanes.completed += 1
-            self._admission.release(lanes, reserve(host))
+            device_streams.completed += 1
+            self._admission.release(device_streams, reserve(host))
         self._send.send_nowait(result)
 
 

@@ -31,31 +31,31 @@ class Loaded(Protocol):
 L = TypeVar("L", bound=Loaded)
 
 
-def _fits(lane: Loaded, nbytes: int) -> bool:
-    if lane.chunks >= lane.max_chunks:
+def _fits(candidate: Loaded, nbytes: int) -> bool:
+    if candidate.chunks >= candidate.max_chunks:
         return False
-    return lane.chunks == 0 or lane.reserved + nbytes <= lane.budget
+    return candidate.chunks == 0 or candidate.reserved + nbytes <= candidate.budget
 
 
-def choose(policy: PlacementName, lanes: Sequence[L], nbytes: int, cursor: int) -> tuple[L | None, int]:
+def choose(policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int) -> tuple[L | None, int]:
     """The device for a chunk of ``nbytes`` and the next round-robin cursor.
 
     ``round_robin`` takes the first device at or after ``cursor`` (in executor order)
     that accepts; ``least_loaded`` the one with the fewest reserved bytes, then chunks,
     then the cursor order (so equal devices still alternate).
     """
-    n = len(lanes)
-    order = [lanes[(cursor + k) % n] for k in range(n)]
-    fitting = [lane for lane in order if _fits(lane, nbytes)]
+    n = len(candidates)
+    order = [candidates[(cursor + k) % n] for k in range(n)]
+    fitting = [candidate for candidate in order if _fits(candidate, nbytes)]
     if not fitting:
         return None, cursor
     if policy == "round_robin":
         chosen = fitting[0]
     elif policy == "least_loaded":
-        chosen = min(fitting, key=lambda lane: (lane.reserved, lane.chunks))
+        chosen = min(fitting, key=lambda candidate: (candidate.reserved, candidate.chunks))
     else:
         raise ValueError(f"unknown placement {policy!r}: expected 'round_robin' or 'least_loaded'")
-    return chosen, (lanes.index(chosen) + 1) % n
+    return chosen, (candidates.index(chosen) + 1) % n
 
 
 class Admission:
@@ -64,23 +64,23 @@ class Admission:
     def __init__(self) -> None:
         self._changed: anyio.Event | None = None
 
-    async def admit(self, policy: PlacementName, lanes: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
+    async def admit(self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
         """Wait until a device accepts ``nbytes``; reserve it there. Returns the device
         and the next cursor."""
         while True:
-            lane, cursor = choose(policy, lanes, nbytes, cursor)
-            if lane is not None:
-                lane.chunks += 1
-                lane.reserved += nbytes
-                return lane, cursor
+            candidate, cursor = choose(policy, candidates, nbytes, cursor)
+            if candidate is not None:
+                candidate.chunks += 1
+                candidate.reserved += nbytes
+                return candidate, cursor
             if self._changed is None:
                 self._changed = anyio.Event()
             await self._changed.wait()
 
-    def release(self, lane: Loaded, nbytes: int) -> None:
-        """A chunk admitted with ``nbytes`` finished (or failed) on ``lane``."""
-        lane.chunks -= 1
-        lane.reserved -= nbytes
+    def release(self, candidate: Loaded, nbytes: int) -> None:
+        """A chunk admitted with ``nbytes`` finished (or failed) on ``candidate``."""
+        candidate.chunks -= 1
+        candidate.reserved -= nbytes
         changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()

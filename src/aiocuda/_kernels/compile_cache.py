@@ -23,7 +23,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["cached_compile", "CachedImage", "CompileCache", "cache_key", "default_cache"]
+__all__ = ["CachedImage", "CompileCache", "cache_key", "cached_compile", "default_cache"]
 
 FORMAT_VERSION = 1
 _HEADER_END = b"\n"

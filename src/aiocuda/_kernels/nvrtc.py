@@ -11,7 +11,10 @@ from typing import Any
 from ..errors import CompileError
 from .compile_cache import CachedImage
 
-__all__ = ["compile_program", "compiler_identity", "device_arch", "load"]
+__all__ = ["NO_NVRTC", "compile_program", "compiler_identity", "device_arch", "load"]
+
+NO_NVRTC = "AIOCUDA_NO_NVRTC"
+"""The ``name`` of the CompileError raised when NVRTC itself cannot be loaded."""
 
 _NVRTC_INSTALL = (
     "NVRTC (libnvrtc) was not found, so CUDA C++ cannot be compiled: pip install nvidia-cuda-nvrtc "
@@ -40,7 +43,7 @@ def load() -> Any:
             except CompileError:
                 raise
             except Exception as exc:  # ImportError, cuda.pathfinder's DynamicLibNotFoundError, ...
-                raise CompileError(f"{_NVRTC_INSTALL} ({type(exc).__name__}: {exc})", name="AIOCUDA_NO_NVRTC") from exc
+                raise CompileError(f"{_NVRTC_INSTALL} ({type(exc).__name__}: {exc})", name=NO_NVRTC) from exc
             _nvrtc_module = nvrtc
     return _nvrtc_module
 

@@ -22,8 +22,7 @@ released, so two threads must never pack into the same buffer at once. Each laun
 keeps a free list of buffers: a launch pops one (``list.pop``, atomic), packs, launches
 and pushes it back. One thread always reuses the same buffer; a thread that finds the
 list empty (another is mid-launch) makes a new buffer, which then joins the list, so
-the list grows to the number of threads launching at once. This costs about 40 ns per
-launch, where a lock (acquire, release, try/finally) measured about 180 ns.
+the list grows to the number of threads launching at once.
 
 Lifetime pitfall: only aiocuda buffers are kept alive for the kernel (through their
 stream-ordered free). A foreign array (CuPy, PyTorch, ``__cuda_array_interface__``)
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import LaunchError
-from .signature import Signature
+from .signature import Param, Signature
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "build_launcher", "diagnose", "to_pointer"]
 
@@ -95,14 +94,16 @@ class ParamBuffer:
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
     return [
-        to_pointer(a, stream) if p.code == "Q" and type(a) is not int else a
+        to_pointer(a, stream, p.pointee) if p.code == "Q" and type(a) is not int else a
         for p, a in zip(signature, args, strict=True)
     ]
 
 
-def to_pointer(arg: Any, stream: Any) -> int:
+def to_pointer(arg: Any, stream: Any, pointee: np.dtype | None = None) -> int:
     """The device address behind a pointer argument; marks aiocuda buffers used on ``stream``.
 
+    An array (``DeviceArray`` or ``__cuda_array_interface__``) must have elements of
+    type ``pointee`` when that is given (:attr:`Param.pointee`); a TypeError says so.
     The way to read an address is decided once per argument type and cached.
     """
     convert = _converters.get(arg.__class__)
@@ -110,35 +111,44 @@ def to_pointer(arg: Any, stream: Any) -> int:
         convert = _converter_for(arg)
         if convert is not _not_a_pointer:  # failures are not cached: another instance may differ
             _converters[arg.__class__] = convert
-    return convert(arg, stream)
+    return convert(arg, stream, pointee)
 
 
-def _buffer_pointer(arg: Any, stream: Any) -> int:
+def _buffer_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     if stream is not None:
         arg._used_on(stream)
     return arg.ptr  # type: ignore[no-any-return]
 
 
-def _array_pointer(arg: Any, stream: Any) -> int:
+def _array_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
+    if pointee is not None and arg.dtype is not pointee and arg.dtype != pointee:
+        raise _wrong_elements(arg.dtype, pointee)
     buffer = arg.buffer
     if stream is not None and getattr(buffer, "device", None) is stream.device:
         buffer._used_on(stream)
     return arg.ptr  # type: ignore[no-any-return]
 
 
-def _cai_pointer(arg: Any, stream: Any) -> int:
-    return int(arg.__cuda_array_interface__["data"][0])
+def _cai_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
+    interface = arg.__cuda_array_interface__
+    if pointee is not None and np.dtype(interface["typestr"]) != pointee:
+        raise _wrong_elements(np.dtype(interface["typestr"]), pointee)
+    return int(interface["data"][0])
 
 
-def _index_pointer(arg: Any, stream: Any) -> int:
+def _wrong_elements(given: np.dtype, pointee: np.dtype) -> TypeError:
+    return TypeError(f"its elements are {given}, the kernel reads {pointee} (convert it, or view() its bytes)")
+
+
+def _index_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     return operator.index(arg)
 
 
-def _null_pointer(arg: Any, stream: Any) -> int:
+def _null_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     return 0
 
 
-def _converter_for(arg: Any) -> Callable[[Any, Any], int]:
+def _converter_for(arg: Any) -> Callable[[Any, Any, np.dtype | None], int]:
     cls = type(arg)
     if hasattr(cls, "ptr") and hasattr(cls, "_used_on"):
         return _buffer_pointer
@@ -153,7 +163,7 @@ def _converter_for(arg: Any) -> Callable[[Any, Any], int]:
     return _not_a_pointer
 
 
-def _not_a_pointer(arg: Any, stream: Any) -> int:
+def _not_a_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     if hasattr(arg, "__array_interface__") or isinstance(arg, (bytes, bytearray, memoryview)):
         raise TypeError(
             f"a host {type(arg).__name__} was passed where a device pointer is expected: "
@@ -165,7 +175,10 @@ def _not_a_pointer(arg: Any, stream: Any) -> int:
     )
 
 
-_converters: dict[type, Callable[[Any, Any], int]] = {}
+_converters: dict[type, Callable[[Any, Any, np.dtype | None], int]] = {}
+
+# Why a free list of buffers rather than a lock around one: popping and pushing a list
+# cost about 40 ns per launch, a lock (acquire, release, try/finally) about 180 ns.
 
 
 def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> LaunchError:
@@ -179,7 +192,7 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
         )
     for index, (param, arg) in enumerate(zip(signature, args, strict=True)):
         try:
-            value = to_pointer(arg, None) if param.code == "Q" and type(arg) is not int else arg
+            value = to_pointer(arg, None, param.pointee) if param.code == "Q" and type(arg) is not int else arg
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
@@ -204,10 +217,15 @@ def build_launcher(
     which raises (or retries, e.g. after binding the context to the thread).
     """
     names = [f"a{i}" for i in range(len(signature))]
-    values = ", ".join(
-        f"({n} if type({n}) is int else to_pointer({n}, stream))" if p.code == "Q" else n
-        for n, p in zip(names, signature, strict=True)
-    )
+    pointees = {f"p{i}": p.pointee for i, p in enumerate(signature) if p.pointee is not None}
+
+    def value(i: int, param: Param) -> str:
+        if param.code != "Q":
+            return f"a{i}"
+        pointee = f", p{i}" if param.pointee is not None else ""
+        return f"(a{i} if type(a{i}) is int else to_pointer(a{i}, stream{pointee}))"
+
+    values = ", ".join(value(i, p) for i, p in enumerate(signature))
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
     pack = f"pack_into(item[0], 0, {values})" if names else "pass"
     source = f"""
@@ -248,6 +266,7 @@ def launch(*args):
         "kernel": kernel,
         "fn": fn,
         "fail": fail,
+        **pointees,
     }
     exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]

@@ -108,6 +108,13 @@ class Param:
         """The ``struct`` format code the argument is packed with."""
         return "Q" if self.pointer else _STRUCT_CODES[self.dtype.name]
 
+    @property
+    def pointee(self) -> np.dtype | None:
+        """The element type an array passed for this pointer must have, or None when any
+        array will do: ``void*``, byte pointers (``char*``, ``uint8_t*``, ...), pointers
+        to types the parser does not know, and scalars."""
+        return self.dtype if self.pointer and self.dtype.itemsize > 1 else None
+
     def describe(self) -> str:
         kind = f"{self.dtype.name}*" if self.pointer else self.dtype.name
         return f"{kind} {self.name}".rstrip()

@@ -27,9 +27,10 @@ from typing import Any
 
 import numpy as np
 
-from ..array import DeviceArray, _byte_span, _c_strides
+from .._util import byte_span, c_strides, invalid_value
+from ..array import DeviceArray
 from ..device import Device
-from ..errors import ArgumentError, ResultCode
+from ..errors import ArgumentError
 from ..stream import Stream, current_stream
 
 __all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
@@ -90,10 +91,6 @@ _exports: dict[int, tuple[Any, ...]] = {}
 _exports_lock = threading.Lock()
 
 
-def _argument(message: str) -> ArgumentError:
-    return ArgumentError(message, code=ResultCode.INVALID_VALUE, name="CUDA_ERROR_INVALID_VALUE")
-
-
 # -- export -----------------------------------------------------------------------------------
 
 
@@ -148,6 +145,8 @@ def _order_consumer(array: DeviceArray, stream: int | None) -> None:
         return
     producer = array.stream
     value = 1 if stream is None else stream
+    if value == _stream_value(producer):
+        return  # the consumer's stream is the producer's: ordered already
     try:
         consumer = Stream.wrap(value, device=array.device)
         consumer.wait(producer)
@@ -235,14 +234,14 @@ def _hand_over(state: list[Any]) -> None:
 def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
     address = _capi.PyCapsule_GetPointer(capsule, _CAPSULE_NAME)
     if not address:
-        raise _argument("not a DLPack capsule (or one already consumed)")
+        raise invalid_value("not a DLPack capsule (or one already consumed)")
     managed = _DLManagedTensor.from_address(address)
     tensor = managed.dl_tensor
     if tensor.device.device_type not in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
-        raise _argument(f"DLPack device type {tensor.device.device_type} is not CUDA memory")
+        raise invalid_value(f"DLPack device type {tensor.device.device_type} is not CUDA memory")
     kind = _DL_TO_KIND.get(tensor.dtype.code)
     if kind is None or tensor.dtype.lanes != 1:
-        raise _argument(f"unsupported DLPack dtype code {tensor.dtype.code} with {tensor.dtype.lanes} lanes")
+        raise invalid_value(f"unsupported DLPack dtype code {tensor.dtype.code} with {tensor.dtype.lanes} lanes")
     dtype = np.dtype("?" if kind == "b" else f"{kind}{tensor.dtype.bits // 8}")
     ndim = tensor.ndim
     shape = tuple(tensor.shape[i] for i in range(ndim))
@@ -277,8 +276,8 @@ def _wrap(
     stream: Stream,
     owner: Any,
 ) -> DeviceArray:
-    byte_strides = strides if strides is not None else _c_strides(shape, dtype.itemsize)
-    lo, hi = _byte_span(shape, byte_strides, dtype.itemsize)
+    byte_strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
+    lo, hi = byte_span(shape, byte_strides, dtype.itemsize)
     buffer = ForeignBuffer(ptr + lo, hi - lo, device, stream, owner)
     return DeviceArray(shape, dtype, byte_strides, buffer=buffer, offset=-lo)
 

@@ -28,7 +28,7 @@ from ..errors import CudaError
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["drain", "release", "submit"]
+__all__ = ["dispose", "drain", "submit"]
 
 _log = logging.getLogger("aiocuda")
 
@@ -76,21 +76,22 @@ def submit(fn: Callable[..., object], *args: Any) -> None:
     _current().calls.put((fn, args))
 
 
-def release(device: Device, call: str, *args: Any, keep: object = None) -> None:
-    """Queue ``device``'s driver method ``call(*args)`` (a free, an unload, an unpin),
-    with the device's context bound; ``keep`` stays referenced until it has run.
+def dispose(device: Device, call: Callable[..., object], *args: Any, keep: object = None) -> None:
+    """Queue the driver call ``call(*args)`` that gives up a driver object of ``device``
+    (a free, an unload, an unpin), to run with the device's context bound; ``keep``
+    stays referenced until it has run.
 
     A :class:`~aiocuda.errors.CudaError` is ignored: the backend was switched or the
     context is gone (the driver took the resource with it), or the driver refused (a
     pool with buffers still allocated: it keeps the pool).
     """
-    submit(_release, device, call, args, keep)
+    submit(_dispose, device, call, args, keep)
 
 
-def _release(device: Device, call: str, args: tuple[Any, ...], keep: object) -> None:
+def _dispose(device: Device, call: Callable[..., object], args: tuple[Any, ...], keep: object) -> None:
     try:
         device.make_current()
-        getattr(device._driver, call)(*args)
+        call(*args)
     except CudaError:
         pass
 

@@ -72,9 +72,9 @@ class PinnedAllocation:
             ptr = device._driver.mem_host_alloc(self.size)
         self.ptr = ptr
         pinned_ranges.add(ptr, self.size, self)
-        weakref.finalize(self, _release_pinned, device, ptr, self.size)
+        weakref.finalize(self, _free_pinned, device, ptr, self.size)
 
 
-def _release_pinned(device: Device, ptr: int, size: int) -> None:
+def _free_pinned(device: Device, ptr: int, size: int) -> None:
     pinned_ranges.remove(ptr)
     pinned_cache.give(device, ptr, size)

@@ -43,8 +43,9 @@ def size_class(nbytes: int) -> int:
 
 def _world(driver: Any) -> object:
     """What a block's memory belongs to: the process's CUDA driver (whose primary
-    contexts, and so pinned blocks, outlive a backend switch), or one simulator."""
-    return "cuda" if driver.name == "cuda" else driver
+    contexts, and so pinned blocks, outlive a backend switch), or one simulator (None:
+    no backend is in use)."""
+    return "cuda" if driver is not None and driver.name == "cuda" else driver
 
 
 class _Cache:
@@ -72,7 +73,7 @@ class _Cache:
                 self.blocks.setdefault(size, []).append((device, ptr))
                 self.bytes += size
                 return
-        offloop.release(device, "mem_host_free", ptr)
+        offloop.dispose(device, device._driver.mem_host_free, ptr)
 
     def empty(self) -> int:
         with self.lock:
@@ -83,8 +84,9 @@ class _Cache:
 
     def _forget_other_worlds(self) -> None:
         """After a switch to another backend, blocks of the previous one are not handed
-        out again (a switch from CUDA to CUDA keeps them: they stay valid)."""
-        world = _world(_driver.driver())
+        out again (a switch from CUDA to CUDA keeps them: they stay valid). Chooses no
+        backend: a block given back after the simulator was closed is freed."""
+        world = _world(_driver.current())
         if world is not self.world:
             self.world = world
             stale, self.blocks, self.bytes = self.blocks, {}, 0
@@ -94,7 +96,7 @@ class _Cache:
 def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
     for entries in blocks.values():
         for device, ptr in entries:
-            offloop.release(device, "mem_host_free", ptr)
+            offloop.dispose(device, device._driver.mem_host_free, ptr)
 
 
 _cache = _Cache()
@@ -112,7 +114,7 @@ def give(device: Device, ptr: int, size: int) -> None:
 
 
 def empty() -> int:
-    """Free every cached block (on the off-loop thread); returns the bytes released."""
+    """Free every cached block (on the off-loop thread); returns the bytes freed."""
     return _cache.empty()
 
 

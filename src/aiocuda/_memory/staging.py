@@ -54,6 +54,8 @@ __all__ = [
     "MIN_CHUNK",
     "SLOTS_PER_THREAD",
     "device_to_host",
+    "enqueue_download",
+    "enqueue_upload",
     "host_to_device",
     "reset",
 ]
@@ -170,6 +172,24 @@ def reset() -> None:
         _resources = None
 
 
+def enqueue_upload(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Enqueue the DMA of ``nbytes`` from page-locked host address ``src`` to device
+    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
+    (and unchanged) until the stream has passed the copy."""
+    device = stream.device
+    device.make_current()
+    device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
+
+
+def enqueue_download(dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    """Enqueue the DMA of ``nbytes`` from device address ``src`` to page-locked host
+    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
+    until the stream has passed the copy, and reads it only then."""
+    device = stream.device
+    device.make_current()
+    device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
+
+
 async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
     """Enqueue the copy of C-contiguous ``host`` to device address ``dst`` on ``stream``.
 
@@ -183,8 +203,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     src = int(host.ctypes.data)
     owner = pinned_ranges.owner(src, nbytes)
     if owner is not None:
-        device.make_current()
-        device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
+        enqueue_upload(dst, src, nbytes, stream)
         stream.hold(owner, host)
         return
     staging = _staging()
@@ -217,8 +236,7 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     dst = int(host.ctypes.data)
     owner = pinned_ranges.owner(dst, nbytes)
     if owner is not None:
-        device.make_current()
-        device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
+        enqueue_download(dst, src, nbytes, stream)
         stream.hold(owner, host)
         await stream.record()
         return

@@ -3,10 +3,13 @@
 The hot calls (``mem_alloc_async``, ``mem_free_async``, the ``memcpy_*_async`` family)
 bind their ``cuda.bindings.driver`` function once, at first use, and compare the result
 with ``CUDA_SUCCESS`` before doing anything else. Memory pools go one step further and
-call the bindings themselves (:meth:`CudaMemory.mem_async_calls`): allocation plus free
-must stay within 30 % of calling the bindings directly, and a seam function in between
-costs about 0.15 us per call on the GPU machines.
+call the bindings themselves (:meth:`CudaMemory.mem_async_calls`), with no function of
+the seam in between.
 """
+
+# Why pools call the bindings directly: allocate plus free must stay within 30 % of the
+# bare bindings (benchmarks/memory.py, alloc_free_ratio_raw), and a seam function in
+# between cost about 0.15 us per call on the GPU machines.
 
 from __future__ import annotations
 

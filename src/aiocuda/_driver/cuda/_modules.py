@@ -3,8 +3,8 @@
 The launch hot path is :meth:`CudaModules.prepare_launch`: it resolves everything once
 (the bound ``cuLaunchKernel``, the dimensions, the stream, the address of the packed
 ``void*[]``) and hands back ``(fn, args, fail)``, so that each launch above the seam is
-``fn(*args)[0]`` -- the call the raw pre-packed baseline makes -- plus a truthiness test
-of the result (``CUDA_SUCCESS`` is 0).
+``fn(*args)[0]`` -- the call a hand-written launch with pre-packed arguments makes --
+plus a truthiness test of the result (``CUDA_SUCCESS`` is 0).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import ResultCode, error_for_code
+from .._launch import LaunchConfig
 from . import _core
 from ._core import check
 
@@ -101,77 +102,38 @@ class CudaModules:
         return int(min_grid), int(block)
 
     # -- launches --------------------------------------------------------------------------------
-    def launch_kernel(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-    ) -> None:
-        self.launch_kernel_ex(func, grid, block, shared_mem, stream, params)
-
-    def launch_kernel_ex(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
-    ) -> None:
-        fn, args, fail = self.prepare_launch(
-            func, grid, block, shared_mem, stream, params, cooperative=cooperative, cluster=cluster
-        )
+    def launch_kernel(self, func: Any, config: LaunchConfig, stream: Any, params: Any) -> None:
+        fn, args, fail = self.prepare_launch(func, config, stream, params)
         err = fn(*args)[0]
         if err:
             fail(err)
 
     def prepare_launch(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
+        self, func: Any, config: LaunchConfig, stream: Any, params: Any
     ) -> tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable[[Any], None]]:
-        """``(fn, args, fail)``: ``err = fn(*args)[0]`` launches ``func`` with whatever
-        ``params`` holds at that moment; a truthy ``err`` goes to ``fail``, which raises.
-
-        ``params.address`` must stay valid as long as the triple is used.
-        """
         drv = _core.drv
-        if not cooperative and cluster is None:
-            call = "cuLaunchKernel"
-            args: tuple[Any, ...] = (func, *grid, *block, shared_mem, stream, params.address, 0)
-            return drv.cuLaunchKernel, args, _failure(call)
-        config = drv.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = grid
-        config.blockDimX, config.blockDimY, config.blockDimZ = block
-        config.sharedMemBytes = shared_mem
-        config.hStream = stream
+        if not config.extended:
+            args: tuple[Any, ...] = (func, *config.grid, *config.block, config.shared_mem, stream, params.address, 0)
+            return drv.cuLaunchKernel, args, _failure("cuLaunchKernel")
+        launch = drv.CUlaunchConfig()
+        launch.gridDimX, launch.gridDimY, launch.gridDimZ = config.grid
+        launch.blockDimX, launch.blockDimY, launch.blockDimZ = config.block
+        launch.sharedMemBytes = config.shared_mem
+        launch.hStream = stream
         attrs = []
-        if cooperative:
+        if config.cooperative:
             attr = drv.CUlaunchAttribute()
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_COOPERATIVE
             attr.value.cooperative = 1
             attrs.append(attr)
-        if cluster is not None:
+        if config.cluster is not None:
             attr = drv.CUlaunchAttribute()
             attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = config.cluster
             attrs.append(attr)
-        config.attrs = attrs
-        config.numAttrs = len(attrs)
-        return drv.cuLaunchKernelEx, (config, func, params.address, 0), _failure("cuLaunchKernelEx")
+        launch.attrs = attrs
+        launch.numAttrs = len(attrs)
+        return drv.cuLaunchKernelEx, (launch, func, params.address, 0), _failure("cuLaunchKernelEx")
 
 
 def _failure(call: str) -> Callable[[Any], None]:

@@ -122,7 +122,6 @@ _CU_CALLS: dict[str, str] = {
     "occupancy_max_active_blocks": "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     "occupancy_max_potential_block_size": "cuOccupancyMaxPotentialBlockSize",
     "launch_kernel": "cuLaunchKernel",
-    "launch_kernel_ex": "cuLaunchKernelEx",
 }
 
 

@@ -8,12 +8,13 @@ Devices and contexts
     devices. Each has exactly one (primary) context, created with the device and never
     destroyed; ``primary_context_release`` only counts down. The current context is
     per thread (``set_current``); a thread that never set one works on device 0 rather
-    than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). Stream workers
-    have their stream's context current. Every pair of distinct devices can be peers.
+    than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). A worker running
+    a stream's operations has that stream's context current. Every pair of distinct devices can be peers.
 
 Streams
-    Each stream runs its operations in order on its own worker thread (see
-    ``_objects.py``). Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
+    Each stream runs its operations in order on the driver's worker pool (see
+    ``_objects.py`` and ``_workers.py``): concurrently with other streams, without a
+    thread of its own. Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
     legacy null stream, with the legacy synchronisation: work on it waits for all work
     already enqueued on the device's blocking streams, and work on a blocking stream
     waits for the null stream's work already enqueued. Stream priorities are recorded
@@ -62,7 +63,17 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
-from ._objects import HOST_FUNCTION, SimContext, SimDevice, SimEvent, SimPoint, SimStream, Workers, next_handle_value
+from ._objects import (
+    HOST_FUNCTION,
+    SimContext,
+    SimDevice,
+    SimEvent,
+    SimPoint,
+    SimStream,
+    StreamWait,
+    new_workers,
+    next_handle_value,
+)
 
 __all__ = ["SimCore"]
 
@@ -77,7 +88,7 @@ class SimCore:
     """Mixin of SimDriver: the core of the Driver protocol, simulated, plus test controls.
 
     Test controls (not seam calls; they never count for fault injection):
-    :meth:`hold` / :meth:`release`, :meth:`inject_fault`, :meth:`poison`,
+    :meth:`enqueue`, :meth:`pause` / :meth:`resume`, :meth:`inject_fault`, :meth:`poison`,
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
@@ -87,7 +98,7 @@ class SimCore:
         if total_memory <= 0:
             raise ValueError(f"total_memory must be positive, got {total_memory}")
         self._tls = threading.local()
-        self._workers = Workers(self._bind_context)
+        self._workers = new_workers(self._bind_context)
         self._faults = FaultPlan()
         self._closed = False
         self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
@@ -171,12 +182,13 @@ class SimCore:
         return self._resolve_stream(stream).device.ordinal
 
     def _enqueue(self, stream: Any, fn: Callable[[], object], name: str) -> None:
-        """Run ``fn()`` on ``stream``'s worker after everything enqueued on it before.
+        """Run ``fn()`` on a worker after everything enqueued on ``stream`` before.
 
         ``name`` labels the operation in errors and is what :meth:`set_latency` matches.
         ``fn`` runs on another thread with the stream's context current; it must not
-        call public sim methods. If it raises, see ``_objects.py`` for what happens to the
-        device. Does not call :meth:`_api`: the public method calling this already did.
+        call public sim methods, nor wait for other simulated work. If it raises, see
+        ``_objects.py`` for what happens to the device. Does not call :meth:`_api`: the
+        public method calling this already did.
         """
         self._submit(self._resolve_stream(stream), fn, name)
 
@@ -186,9 +198,9 @@ class SimCore:
         if stream is null:
             for other in stream.device.streams():
                 if other is not null and not other.non_blocking and other.finished < other.submitted:
-                    stream.submit(_Waiter(SimPoint(other, other.submitted), stream.device), "stream_wait_event")
+                    stream.submit(StreamWait(SimPoint(other, other.submitted)), "stream_wait_event")
         elif not stream.non_blocking and null.finished < null.submitted:
-            stream.submit(_Waiter(SimPoint(null, null.submitted), stream.device), "stream_wait_event")
+            stream.submit(StreamWait(SimPoint(null, null.submitted)), "stream_wait_event")
         return stream.submit(fn, name)
 
     def _device(self, dev: Any) -> SimDevice:
@@ -202,18 +214,30 @@ class SimCore:
         raise sim_error(ResultCode.INVALID_HANDLE, "event", f"not a live simulated event: {event!r}")
 
     # -- test controls ---------------------------------------------------------------------
-    def hold(self, stream: Any) -> None:
-        """Stop ``stream`` from starting any more operations until :meth:`release`.
+    def enqueue(self, stream: Any, fn: Callable[[], object], name: str = "op") -> None:
+        """Run ``fn()`` on a worker thread, in ``stream``'s order, as one operation.
+
+        A stand-in for GPU work in tests: ``fn`` may sleep (a slow kernel; it holds one
+        of the pool's worker threads meanwhile, where :meth:`set_latency` holds none) or raise (a
+        faulting one: a :class:`~aiocuda.errors.CudaError` with a sticky code, or any
+        other exception, poisons the device; a non-sticky CudaError is reported at the
+        device's next call). ``name`` is what :meth:`set_latency` matches. ``fn`` must
+        not call the driver. ``stream`` is a handle or a raw stream value.
+        """
+        self._enqueue(stream, fn, name)
+
+    def pause(self, stream: Any) -> None:
+        """Stop ``stream`` from starting any more operations until :meth:`resume`.
 
         Operations enqueued meanwhile queue up; one already running finishes. Host
-        waits on a held stream (``stream_synchronize``) block until it is released --
-        do not synchronize a held stream from the thread that will release it.
+        waits on a paused stream (``stream_synchronize``) block until it is resumed --
+        do not synchronize a paused stream from the thread that will resume it.
         """
-        self._resolve_stream(stream).hold()
+        self._resolve_stream(stream).pause()
 
-    def release(self, stream: Any) -> None:
-        """Let a held stream run its queued operations again."""
-        self._resolve_stream(stream).release()
+    def resume(self, stream: Any) -> None:
+        """Let a paused stream run its queued operations again."""
+        self._resolve_stream(stream).resume()
 
     def inject_fault(self, code: int, *, at_call: int = 1, call: str | None = None) -> None:
         """Make the ``at_call``-th seam call from now raise ``error_for_code(code, ...)``.
@@ -246,8 +270,8 @@ class SimCore:
     def set_latency(self, name: str, seconds: float) -> None:
         """Make every operation named ``name`` take ``seconds`` on its stream (0 removes).
 
-        The worker sleeps before running the operation, so events recorded around it
-        measure at least that long. Names are the ones operations are enqueued under:
+        The operation waits that long on its stream before it runs (holding no thread),
+        so events recorded around it measure at least that long. Names are the ones operations are enqueued under:
         ``"event_record"``, ``"stream_wait_event"``, ``"launch_doorbell"`` here; the
         memory and module mixins document theirs.
         """
@@ -265,13 +289,11 @@ class SimCore:
         ``CUDA_ERROR_DEINITIALIZED``. Called by ``use_backend`` when switching away.
         """
         self._closed = True
-        self._workers.stopping.set()
-        streams = [stream for device in self._devices for stream in device.streams()]
-        for stream in streams:
-            stream.wake()
-        deadline = time.monotonic() + _SHUTDOWN_JOIN_S
-        for stream in streams:
-            stream.join(max(0.0, deadline - time.monotonic()))
+        self._workers.stop()
+        for device in self._devices:
+            for stream in device.streams():
+                stream.drop()
+        self._workers.join(time.monotonic() + _SHUTDOWN_JOIN_S)
 
     # -- process, devices, contexts --------------------------------------------------------
     def init(self) -> None:
@@ -419,7 +441,7 @@ class SimCore:
         self._api("stream_wait_event", sim.device.ordinal)
         point = ev.point
         if point is not None and not point.reached():
-            self._submit(sim, _Waiter(point, sim.device), "stream_wait_event")
+            self._submit(sim, StreamWait(point), "stream_wait_event")
 
     def stream_priority_range(self) -> tuple[int, int]:
         self._api("stream_priority_range")
@@ -515,16 +537,3 @@ class SimCore:
         sim = self._resolve_stream(stream)
         self._api("launch_doorbell", sim.device.ordinal)
         self._submit(sim, bell.ring, HOST_FUNCTION)
-
-
-class _Waiter:
-    """The operation behind ``stream_wait_event``: the worker waits for ``point``."""
-
-    __slots__ = ("device", "point")
-
-    def __init__(self, point: SimPoint, device: SimDevice) -> None:
-        self.point = point
-        self.device = device
-
-    def __call__(self) -> None:
-        self.point.stream.wait_until(self.point.reached, also=self.device)

@@ -19,7 +19,7 @@ Departures from the driver, kept on purpose:
   freed it. (The driver, with both on, often fails to see that a free on another
   stream has run and maps new memory instead; turning them off makes that certain.)
   The pool never trims itself to satisfy an allocation: when it cannot grow it fails
-  with ``OUT_OF_MEMORY``, which is what the layer above must handle (release, retry).
+  with ``OUT_OF_MEMORY``, which is what the layer above must handle (trim, retry).
 * The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
   "not null, not inside device memory": pass only addresses of live host buffers.
@@ -104,7 +104,7 @@ class SimPool:
         self.reserved = 0
         self.reserved_high = 0
         self.cached: dict[int, list[tuple[np.ndarray, Any]]] = {}
-        """Unused blocks by size, each with the stream whose free released it."""
+        """Unused blocks by size, each with the stream whose free returned it."""
         self.reuse = dict.fromkeys(_REUSE_ATTRIBUTES, 1)
         self.cached_bytes = 0
         self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
@@ -176,7 +176,7 @@ class SimMemory:
             if pool.is_default:
                 raise _invalid("cuMemPoolDestroy", "the default pool cannot be destroyed")
             pool.destroyed = True
-            state.release_cached(pool, 0)
+            state.trim_cached(pool, 0)
 
     def mempool_set_attribute(self, pool: SimPool, attribute: str, value: int) -> None:
         self._api("mempool_set_attribute", pool.ordinal)
@@ -217,7 +217,7 @@ class SimMemory:
         self._check_pool(pool, "cuMemPoolTrimTo")
         state = self._mem()
         with state.lock:
-            state.release_cached(pool, max(0, int(min_bytes_to_keep)))
+            state.trim_cached(pool, max(0, int(min_bytes_to_keep)))
 
     def mempool_set_access(self, pool: SimPool, peer_ordinal: int) -> None:
         self._api("mempool_set_access", pool.ordinal)
@@ -292,7 +292,7 @@ class SimMemory:
                 pool.cached.setdefault(block.size, []).append((array, sim_stream))
                 pool.cached_bytes += block.size
                 if pool.reserved > pool.release_threshold:
-                    state.release_cached(pool, pool.release_threshold)
+                    state.trim_cached(pool, pool.release_threshold)
 
         try:
             self._enqueue(stream, free, "mem_free_async")
@@ -374,9 +374,10 @@ class SimMemory:
             state.remove(ptr)
 
     def _wait_until_devices_idle(self) -> None:
-        """As the driver does before freeing or unpinning page-locked memory (measured on
-        an H100: ``cuMemFreeHost`` and ``cuMemHostUnregister`` return only once a kernel
-        running on any stream has finished): wait for what every device has been given."""
+        """As the driver does before freeing or unpinning page-locked memory: wait for
+        what every device has been given."""
+        # On an H100, cuMemFreeHost and cuMemHostUnregister returned only once a kernel
+        # running on any stream had finished; the sim imitates that.
         for device in self._devices:
             for stream in device.streams():
                 point = SimPoint(stream, stream.submitted)
@@ -583,7 +584,7 @@ class _MemoryState:
                 return array
         return None
 
-    def release_cached(self, pool: SimPool, keep: int) -> None:
+    def trim_cached(self, pool: SimPool, keep: int) -> None:
         """Give cached (unused) blocks back until ``reserved <= keep`` or none are left."""
         for size in sorted(pool.cached, reverse=True):
             arrays = pool.cached[size]

@@ -16,8 +16,8 @@ Implementations (:meth:`SimModules.register_kernel`) are process-wide, shared by
 SimDriver, so registering once survives backend switches. An implementation is called on
 the stream's worker thread, in stream order, as ``impl(launch, *args)``:
 
-* ``launch`` is a :class:`SimLaunch` (``grid``, ``block``, ``shared_mem``, ``name``,
-  ``cooperative``, ``cluster``);
+* ``launch`` is a :class:`SimLaunch` (``name`` and ``config``, with ``grid``, ``block``,
+  ``shared_mem``, ``cooperative`` and ``cluster`` read from the config);
 * a pointer argument arrives as a writable 1-D numpy array of the pointee type (from the
   kernel's signature; ``uint8`` for ``void*``) starting at the pointer and running to the
   end of its allocation -- slice it to the length you need (NULL arrives as ``None``);
@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import LaunchError, ResultCode
+from .._launch import LaunchConfig
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._objects import next_handle_value
@@ -85,14 +86,32 @@ _SETTABLE = {
 
 @dataclass(frozen=True, slots=True)
 class SimLaunch:
-    """What a kernel implementation learns about its launch."""
+    """What a kernel implementation learns about its launch: the kernel's ``name`` and
+    its :class:`~aiocuda.LaunchConfig` (also readable as ``grid``, ``block``,
+    ``shared_mem``, ``cooperative`` and ``cluster``)."""
 
     name: str
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shared_mem: int
-    cooperative: bool = False
-    cluster: tuple[int, int, int] | None = None
+    config: LaunchConfig
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self.config.grid
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return self.config.block
+
+    @property
+    def shared_mem(self) -> int:
+        return self.config.shared_mem
+
+    @property
+    def cooperative(self) -> bool:
+        return self.config.cooperative
+
+    @property
+    def cluster(self) -> tuple[int, int, int] | None:
+        return self.config.cluster
 
 
 class SimModule:
@@ -238,67 +257,24 @@ class SimModules:
         return _blocks_per_sm(fn, best, dynamic_smem) * H100_ATTRIBUTES["multiprocessor_count"], best
 
     # -- launches --------------------------------------------------------------------------------
-    def launch_kernel(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-    ) -> None:
-        self._launch(func, grid, block, shared_mem, stream, params, False, None, "launch_kernel")
-
-    def launch_kernel_ex(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
-    ) -> None:
-        self._launch(func, grid, block, shared_mem, stream, params, cooperative, cluster, "launch_kernel_ex")
+    def launch_kernel(self, func: Any, config: LaunchConfig, stream: Any, params: Any) -> None:
+        self._launch(func, config, stream, params)
 
     def prepare_launch(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-        *,
-        cooperative: bool = False,
-        cluster: tuple[int, int, int] | None = None,
+        self, func: Any, config: LaunchConfig, stream: Any, params: Any
     ) -> tuple[Callable[..., tuple[int]], tuple[Any, ...], Callable[[Any], None]]:
         """``(fn, args, fail)``: ``fn(*args)`` launches with ``params``' contents at call time.
 
         The sim raises from ``fn`` itself, so ``fail`` is never called.
         """
-        call = "launch_kernel_ex" if cooperative or cluster else "launch_kernel"
-        args = (func, grid, block, shared_mem, stream, params, cooperative, cluster, call)
-        return self._launch_result, args, _never
+        return self._launch_result, (func, config, stream, params), _never
 
-    def _launch_result(self, *args: Any) -> tuple[int]:
-        self._launch(*args)
+    def _launch_result(self, func: Any, config: LaunchConfig, stream: Any, params: Any) -> tuple[int]:
+        self._launch(func, config, stream, params)
         return (0,)
 
-    def _launch(
-        self,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        stream: Any,
-        params: Any,
-        cooperative: bool,
-        cluster: tuple[int, int, int] | None,
-        call: str,
-    ) -> None:
+    def _launch(self, func: Any, config: LaunchConfig, stream: Any, params: Any) -> None:
+        call = "launch_kernel"
         fn = self._function(func, call)
         ordinal = self._stream_ordinal(stream)
         self._api(call, ordinal)
@@ -308,7 +284,7 @@ class SimModules:
                 call,
                 f"kernel {fn.name!r} is loaded on device {fn.module.device_ordinal}, the stream is on device {ordinal}",
             )
-        _check_config(fn, grid, block, shared_mem, cooperative, cluster, call)
+        _check_config(fn, config, call)
         impl = _implementation(fn.name)
         if impl is None:
             raise LaunchError(
@@ -318,7 +294,7 @@ class SimModules:
                 name="CUDA_ERROR_NOT_FOUND",
                 call=call,
             )
-        launch = SimLaunch(fn.name, grid, block, shared_mem, cooperative, cluster)
+        launch = SimLaunch(fn.name, config)
         values = params.values
         signature = getattr(params, "signature", None)
         state = self._mem()
@@ -346,20 +322,16 @@ def _blocks_per_sm(fn: SimFunction, block_size: int, dynamic_smem: int) -> int:
     return max(0, min(a["max_blocks_per_multiprocessor"], by_threads, by_regs, by_smem))
 
 
-def _check_config(
-    fn: SimFunction,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    shared_mem: int,
-    cooperative: bool,
-    cluster: tuple[int, int, int] | None,
-    call: str,
-) -> None:
+def _check_config(fn: SimFunction, config: LaunchConfig, call: str) -> None:
+    """What the driver would refuse: dimensions beyond the device's limits, too many
+    threads or too much shared memory for the kernel, a cooperative grid that cannot be
+    resident at once, a cluster that does not divide the grid or is too large."""
     a = H100_ATTRIBUTES
+    grid, block, shared_mem, cluster = config.grid, config.block, config.shared_mem, config.cluster
     limits_grid = (a["max_grid_dim_x"], a["max_grid_dim_y"], a["max_grid_dim_z"])
     limits_block = (a["max_block_dim_x"], a["max_block_dim_y"], a["max_block_dim_z"])
-    if any(not 1 <= g <= m for g, m in zip(grid, limits_grid, strict=True)) or any(
-        not 1 <= b <= m for b, m in zip(block, limits_block, strict=True)
+    if any(g > m for g, m in zip(grid, limits_grid, strict=True)) or any(
+        b > m for b, m in zip(block, limits_block, strict=True)
     ):
         raise sim_error(ResultCode.INVALID_VALUE, call, f"grid {grid} / block {block} outside the device's limits")
     threads = block[0] * block[1] * block[2]
@@ -375,7 +347,7 @@ def _check_config(
             f"{shared_mem} bytes of dynamic shared memory; the kernel allows "
             f"{fn.attributes['max_dynamic_shared_size_bytes']} (raise max_dynamic_shared_size_bytes)",
         )
-    if cooperative:
+    if config.cooperative:
         capacity = _blocks_per_sm(fn, threads, shared_mem) * a["multiprocessor_count"]
         if grid[0] * grid[1] * grid[2] > capacity:
             raise sim_error(
@@ -385,7 +357,7 @@ def _check_config(
             )
     if cluster is not None:
         size = cluster[0] * cluster[1] * cluster[2]
-        if any(c < 1 for c in cluster) or size > 8 or any(g % c for g, c in zip(grid, cluster, strict=True)):
+        if size > 8 or any(g % c for g, c in zip(grid, cluster, strict=True)):
             raise sim_error(
                 ResultCode.INVALID_VALUE,
                 call,

@@ -1,0 +1,370 @@
+"""The server side of ``benchmarks/serve.py``: one Starlette app whose endpoints do the
+same GPU work in different ways, run under uvicorn in a process of its own.
+
+Every request uploads its 64 KiB body, runs one kernel that spins ``w`` microseconds
+(``?w=``; one block, so the kernels of many requests run side by side) and writes
+``2 x + 1``, and downloads 64 KiB into the lane's pinned buffer, which the response
+copies. All endpoints lease the same lanes (streams and staging made at start-up) and
+enqueue through them; they differ in how they allocate and how they wait:
+
+* ``/lanes``        -- the idiomatic path: scratch from ``setup``, ``await lane``
+* ``/lanes_alloc``  -- per-request memory from the pool (``lane.upload``, ``lane.empty``)
+* ``/readme``       -- README style: ``await to_device(...)``, ``await to_host()`` (info)
+* ``/submit``       -- ``Executor.submit`` (its own lanes)
+* ``/batch``        -- ``aiocuda.Batcher``: one launch for every request gathered
+* ``/to_thread``    -- ``await asyncio.to_thread(stream.synchronize)``
+* ``/blocking``     -- ``stream.synchronize()`` on the loop
+* ``/poll``         -- record an event, ``sleep(0)`` until ``event.query()``
+* ``/torch_lanes``, ``/torch_poll``, ``/torch_to_thread`` -- a two-layer fp16 MLP
+  (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
+  ``interop.torch_stream``, awaited three ways.
+
+``/stats`` reports the process's CPU seconds, requests served and the loop lag samples
+since ``/stats/reset`` (a ticker sleeping 1 ms and recording how late it wakes);
+``/inprocess_batched`` runs the batched-vs-per-request comparison without HTTP.
+
+    python benchmarks/_serve_app.py --port 8123 [--torch]      (run by serve.py)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import aiocuda
+from aiocuda import Batcher, Device, Executor, Lane, Lanes, Program, interop, register_sim_kernel
+from aiocuda.host import pinned_empty
+
+N = 16384  # float32 values per request: 64 KiB
+TORCH_WIDTH = 8192
+TORCH_ROWS = 4  # 4 x 8192 fp16: 64 KiB in and out
+BLOCK = 256
+
+SOURCE = r"""
+extern "C" __global__ void work(const float* x, float* y, int n, long long cycles) {
+    if (cycles > 0) {
+        long long start = clock64();
+        while (clock64() - start < cycles) { }
+    }
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) y[i] = 2.0f * x[i] + 1.0f;
+}
+"""
+
+
+def _clock_hz() -> float:
+    return float(Device(0).attribute("clock_rate")) * 1e3
+
+
+def _sim_work(launch: object, x: np.ndarray, y: np.ndarray, n: int, cycles: int) -> None:
+    if cycles > 0:
+        time.sleep(int(cycles) / _clock_hz())
+    y[: int(n)] = 2.0 * x[: int(n)] + 1.0
+
+
+register_sim_kernel("work", _sim_work)
+
+
+@dataclass
+class Scratch:
+    """A lane's own buffers, made at start-up."""
+
+    x: aiocuda.DeviceArray
+    y: aiocuda.DeviceArray
+    out: np.ndarray
+
+
+class LoopLag:
+    """How late a 1 ms sleep wakes, sampled continuously."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+
+    async def run(self) -> None:
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            self.samples.append(time.perf_counter() - start - 0.001)
+
+
+class Server:
+    def __init__(self, with_torch: bool) -> None:
+        self.with_torch = with_torch
+        self.requests = 0
+        self.lag = LoopLag()
+        self.clock_hz = _clock_hz()
+        self.kernel: Any = None
+        self.lanes = Lanes(device=0, setup=self.setup)
+        self.executor = Executor([0], chunks_per_device=64)
+        self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self.batch, max_batch=64, max_delay=0.0005)
+        self.model: Any = None
+        self.torch: Any = None
+
+    # -- start-up ----------------------------------------------------------------------------
+    def setup(self, lane: Lane) -> Scratch:
+        scratch = Scratch(lane.empty(N), lane.empty(N), pinned_empty(N, np.float32))
+        if self.model is not None:
+            self.torch_enqueue(lane, np.zeros(TORCH_ROWS * TORCH_WIDTH, np.float16).tobytes())
+        return scratch
+
+    def load_torch(self) -> None:
+        import torch
+
+        self.torch = torch
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(TORCH_WIDTH, TORCH_WIDTH), torch.nn.ReLU(), torch.nn.Linear(TORCH_WIDTH, TORCH_WIDTH)]
+        self.model = torch.nn.Sequential(*layers).to("cuda", torch.float16).eval()
+        torch.cuda.synchronize()
+
+    def cycles(self, request: Request) -> int:
+        return int(float(request.query_params.get("w", "0")) * 1e-6 * self.clock_hz)
+
+    # -- the shared enqueue step ---------------------------------------------------------------
+    def enqueue(self, lane: Lane, body: bytes, cycles: int) -> Scratch:
+        s: Scratch = lane.state
+        lane.upload(np.frombuffer(body, np.float32), out=s.x)
+        self.kernel.launch(1, BLOCK, s.x, s.y, N, cycles, stream=lane.stream)
+        lane.download(s.y, out=s.out)
+        return s
+
+    def torch_enqueue(self, lane: Lane, body: bytes) -> np.ndarray:
+        torch = self.torch
+        host = np.frombuffer(body, np.float16).reshape(TORCH_ROWS, TORCH_WIDTH)
+        x = lane.upload(host)
+        with interop.torch_stream(lane.stream), torch.inference_mode():
+            y = self.model(torch.from_dlpack(x))
+            return lane.download(interop.as_device_array(y, stream=lane.stream))
+
+    # -- endpoints -----------------------------------------------------------------------------
+    async def lanes_endpoint(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            s = self.enqueue(lane, body, cycles)
+            await lane
+            return self.reply(s.out)
+
+    async def lanes_alloc(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            x = lane.upload(np.frombuffer(body, np.float32))
+            y = lane.empty(N)
+            self.kernel.launch(1, BLOCK, x, y, N, cycles, stream=lane.stream)
+            out = lane.download(y, out=lane.state.out)
+            await lane
+            return self.reply(out)
+
+    async def readme(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            x = await aiocuda.to_device(np.frombuffer(body, np.float32), stream=lane.stream)
+            y = aiocuda.empty(N, stream=lane.stream)
+            self.kernel.launch(1, BLOCK, x, y, N, cycles, stream=lane.stream)
+            return self.reply(await y.to_host(stream=lane.stream))
+
+    async def submit(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+
+        def stage(ctx: Any, x: aiocuda.DeviceArray) -> aiocuda.DeviceArray:
+            y = ctx.empty(N)
+            self.kernel.launch(1, BLOCK, x, y, N, cycles, stream=ctx.stream)
+            return y
+
+        return self.reply(await self.executor.submit(stage, np.frombuffer(body, np.float32)))
+
+    async def batch(self, items: list[np.ndarray]) -> list[np.ndarray]:
+        flat = np.concatenate(items)
+        n = flat.size
+        async with self.lanes.lease() as lane:
+            x = lane.upload(flat)
+            y = lane.empty(n)
+            self.kernel.launch(min(1024, (n + BLOCK - 1) // BLOCK), BLOCK, x, y, n, 0, stream=lane.stream)
+            out = lane.download(y)
+            await lane
+        return list(out.reshape(len(items), N))
+
+    async def batch_endpoint(self, request: Request) -> Response:
+        return self.reply(await self.batcher.submit(np.frombuffer(await request.body(), np.float32)))
+
+    # The baselines: the same enqueue, another way to wait. They call the lane's private
+    # _settle() (what ``await lane`` does after its wait) so that the lease does not hold
+    # their pinned output for them: the same work as /lanes after the wait.
+    async def to_thread(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            s = self.enqueue(lane, body, cycles)
+            await asyncio.to_thread(lane.stream.synchronize)
+            lane._settle()
+            return self.reply(s.out)
+
+    async def blocking(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            s = self.enqueue(lane, body, cycles)
+            lane.stream.synchronize()
+            lane._settle()
+            return self.reply(s.out)
+
+    async def poll(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            s = self.enqueue(lane, body, cycles)
+            event = lane.stream.record()
+            while not event.query():  # noqa: ASYNC110 - the polling baseline
+                await asyncio.sleep(0)
+            lane._settle()
+            return self.reply(s.out)
+
+    async def torch_lanes(self, request: Request) -> Response:
+        body = await request.body()
+        async with self.lanes.lease() as lane:
+            out = self.torch_enqueue(lane, body)
+            await lane
+        return self.reply(out)
+
+    async def torch_poll(self, request: Request) -> Response:
+        body = await request.body()
+        async with self.lanes.lease() as lane:
+            out = self.torch_enqueue(lane, body)
+            with interop.torch_stream(lane.stream):
+                event = self.torch.cuda.Event()
+                event.record()
+            while not event.query():  # noqa: ASYNC110 - the polling baseline
+                await asyncio.sleep(0)
+            lane._settle()
+        return self.reply(out)
+
+    async def torch_to_thread(self, request: Request) -> Response:
+        body = await request.body()
+        async with self.lanes.lease() as lane:
+            out = self.torch_enqueue(lane, body)
+            await asyncio.to_thread(lane.stream.synchronize)
+            lane._settle()
+        return self.reply(out)
+
+    def reply(self, out: np.ndarray) -> Response:
+        self.requests += 1
+        return Response(out.tobytes(), media_type="application/octet-stream")
+
+    # -- measurement ---------------------------------------------------------------------------
+    async def stats(self, request: Request) -> JSONResponse:
+        times = os.times()
+        return JSONResponse({"cpu_s": times.user + times.system, "requests": self.requests, "lag_s": self.lag.samples})
+
+    async def reset(self, request: Request) -> JSONResponse:
+        self.lag.samples = []
+        return JSONResponse({"ok": True})
+
+    async def health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok", "torch": self.model is not None})
+
+    async def inprocess_batched(self, request: Request) -> JSONResponse:
+        """Per-request launches against the batcher, without HTTP: ``tasks`` tasks each
+        making ``per_task`` requests of the tiny (launch-bound) work, interleaved rounds."""
+        tasks = int(request.query_params.get("tasks", "64"))
+        per_task = int(request.query_params.get("per_task", "50"))
+        rounds = int(request.query_params.get("rounds", "3"))
+        body = np.ones(N, np.float32)
+
+        async def per_request() -> None:
+            async with self.lanes.lease() as lane:
+                s: Scratch = lane.state
+                lane.upload(body, out=s.x)
+                self.kernel.launch(1, BLOCK, s.x, s.y, N, 0, stream=lane.stream)
+                lane.download(s.y, out=s.out)
+                await lane
+
+        async def batched() -> None:
+            await self.batcher.submit(body)
+
+        async def drive(one: Any) -> float:
+            async def task() -> None:
+                for _ in range(per_task):
+                    await one()
+
+            start = time.perf_counter()
+            await asyncio.gather(*(task() for _ in range(tasks)))
+            return tasks * per_task / (time.perf_counter() - start)
+
+        out: dict[str, list[float]] = {"per_request": [], "batched": []}
+        for _ in range(rounds + 1):  # the first round warms up
+            for name, one in (("per_request", per_request), ("batched", batched)):
+                out[name].append(await drive(one))
+        return JSONResponse({name: values[1:] for name, values in out.items()})
+
+    # -- the app -------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        module = await asyncio.to_thread(Program(SOURCE, name="serve_work.cu").compile)
+        self.kernel = module.kernel("work")
+        if self.with_torch:
+            self.load_torch()
+        ticker = asyncio.ensure_future(self.lag.run())
+        async with self.lanes, self.executor, self.batcher:
+            yield
+        ticker.cancel()
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/lanes", self.lanes_endpoint, methods=["POST"]),
+            Route("/lanes_alloc", self.lanes_alloc, methods=["POST"]),
+            Route("/readme", self.readme, methods=["POST"]),
+            Route("/submit", self.submit, methods=["POST"]),
+            Route("/batch", self.batch_endpoint, methods=["POST"]),
+            Route("/to_thread", self.to_thread, methods=["POST"]),
+            Route("/blocking", self.blocking, methods=["POST"]),
+            Route("/poll", self.poll, methods=["POST"]),
+            Route("/torch_lanes", self.torch_lanes, methods=["POST"]),
+            Route("/torch_poll", self.torch_poll, methods=["POST"]),
+            Route("/torch_to_thread", self.torch_to_thread, methods=["POST"]),
+            Route("/stats", self.stats),
+            Route("/stats/reset", self.reset, methods=["POST"]),
+            Route("/health", self.health),
+            Route("/inprocess_batched", self.inprocess_batched),
+        ]
+        return Starlette(routes=routes, lifespan=self.lifespan)
+
+
+def lag_p99_ms(samples: list[float]) -> float:
+    if not samples:
+        return 0.0
+    ordered = sorted(samples)
+    return 1e3 * ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    p.add_argument("--torch", action="store_true")
+    p.add_argument("--cpus", default="", help="comma-separated CPUs to run on")
+    args = p.parse_args()
+    if args.cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
+    import uvicorn
+
+    server = Server(args.torch)
+    uvicorn.run(
+        server.app(),
+        host="127.0.0.1",
+        port=args.port,
+        loop=args.loop,
+        http="h11" if os.environ.get("SERVE_HTTP") == "h11" else "auto",
+        log_level="warning",
+        access_log=False,
+        backlog=4096,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The client side of ``benchmarks/serve.py``: a process that sends HTTP/1.1 requests over
+keep-alive connections on loopback, closed-loop or open-loop, on command.
+
+A minimal hand-written client (a request is one write and two reads), so that a few
+client processes saturate the server with room to spare: a general-purpose HTTP client
+in Python would itself be the bottleneck.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from typing import Any
+
+
+class Connection:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        return cls(reader, writer)
+
+    async def post(self, path: bytes, body: bytes) -> int:
+        self.writer.write(
+            b"POST " + path + b" HTTP/1.1\r\nHost: bench\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        self.writer.write(body)
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(head[9:12])
+        at = head.lower().find(b"content-length:")
+        length = int(head[at + 15 : head.index(b"\r\n", at)]) if at >= 0 else 0
+        await self.reader.readexactly(length)
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def closed_loop(port: int, path: str, body: bytes, connections: int, seconds: float) -> dict[str, Any]:
+    """``connections`` requests in flight at all times for ``seconds``."""
+    conns = [await Connection.open(port) for _ in range(connections)]
+    target = path.encode()
+    done = 0
+    failed = 0
+    latencies: list[float] = []
+    deadline = time.perf_counter() + seconds
+
+    async def worker(conn: Connection) -> None:
+        nonlocal done, failed
+        while True:
+            start = time.perf_counter()
+            if start >= deadline:
+                return
+            status = await conn.post(target, body)
+            latencies.append(time.perf_counter() - start)
+            if status == 200:
+                done += 1
+            else:
+                failed += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker(c) for c in conns))
+    elapsed = time.perf_counter() - started
+    for c in conns:
+        c.close()
+    return {"done": done, "failed": failed, "seconds": elapsed, "latencies": latencies}
+
+
+async def open_loop(port: int, path: str, body: bytes, rate: float, seconds: float, pool: int) -> dict[str, Any]:
+    """Requests sent at ``rate`` per second (evenly spaced) for ``seconds``; a request's
+    latency counts from when it was due, so a slow server cannot hide queueing."""
+    conns: asyncio.Queue[Connection] = asyncio.Queue()
+    for _ in range(pool):
+        conns.put_nowait(await Connection.open(port))
+    target = path.encode()
+    latencies: list[float] = []
+    failed = 0
+
+    async def one(due: float) -> None:
+        nonlocal failed
+        conn = await conns.get()
+        try:
+            status = await conn.post(target, body)
+        finally:
+            conns.put_nowait(conn)
+        latencies.append(time.perf_counter() - due)
+        if status != 200:
+            failed += 1
+
+    start = time.perf_counter() + 0.01
+    count = int(rate * seconds)
+    tasks = []
+    for k in range(count):
+        due = start + k / rate
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(one(due)))
+    await asyncio.gather(*tasks)
+    while not conns.empty():
+        conns.get_nowait().close()
+    return {"done": len(latencies) - failed, "failed": failed, "seconds": seconds, "latencies": latencies}
+
+
+def serve_commands(pipe: Any, cpus: list[int]) -> None:
+    """A client process's main: run each command received on ``pipe``, send the result."""
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    while True:
+        command = pipe.recv()
+        if command is None:
+            return
+        kind, args = command
+        try:
+            result = run(closed_loop(**args) if kind == "closed" else open_loop(**args))
+        except Exception as exc:  # report, don't die: the parent decides
+            result = {"error": repr(exc)}
+        pipe.send(result)

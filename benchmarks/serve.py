@@ -1,0 +1,324 @@
+"""The request path under a real web server: aiocuda's ways against today's, same GPU work.
+
+A uvicorn server (``benchmarks/_serve_app.py``: Starlette, asyncio then uvloop) runs in a
+process of its own, pinned to 4 CPUs; 4 client processes (``_serve_client.py``) on the
+other CPUs send 64 KiB requests over keep-alive loopback connections. Each request
+uploads its body, runs a one-block kernel spinning W ms, and downloads 64 KiB. The
+endpoints, all on the same request lanes and the same kernel, differ in how they wait
+and allocate (see ``_serve_app.py``): the idiomatic path (``/lanes``: one ``await
+lane``), per-request memory (``/lanes_alloc``), README style (``/readme``, 2 awaits),
+``Executor.submit``, and the baselines ``asyncio.to_thread(synchronize)``, a blocking
+synchronize and polling ``event.query()`` with ``sleep(0)``.
+
+Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs one closed-loop
+window (64 connections, saturation) in turn -- interleaved, the order rotating from
+round to round -- then an open-loop window (requests due at half the polling endpoint's
+saturation rate of that round) for ``/lanes`` and ``/poll``. Ratios are taken per round
+and reported as the median of the three with their spread (``extra.spreads``). CPU per
+request is the server process's own CPU time (every thread) over the requests it served
+in the window; loop lag is how late a 1 ms sleep on the server's loop wakes.
+
+Also: a launch-bound case (W = 0) with ``/batch`` (``aiocuda.Batcher``) against
+``/lanes`` over HTTP (reported), and ``serve_batched_speedup`` measured in the server
+process without HTTP (64 tasks, per-request launches against the batcher: over HTTP the
+server's per-request parsing and serialising dominate both); and with PyTorch installed,
+a two-layer fp16 MLP (8192 wide, 4 rows) per request, through ``interop.torch_stream``
+on lanes warmed up in the lifespan, awaited with ``await lane`` against polling a torch
+event and ``to_thread``, plus the loop's worst gap during the very first torch requests
+after start-up.
+
+    PYTHONPATH=src python3 benchmarks/serve.py            # GPU: writes results/serve.json
+    AIOCUDA_BACKEND=sim PYTHONPATH=src python3 benchmarks/serve.py --quick   # smoke run
+
+Results are written only from a real GPU, and never with ``--quick``.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import multiprocessing
+import os
+import pathlib
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from _common import Result, parser  # noqa: E402
+from _serve_client import serve_commands  # noqa: E402
+
+WORK = ["lanes", "lanes_alloc", "readme", "submit", "to_thread", "blocking", "poll"]
+TINY = ["lanes", "batch", "poll"]
+TORCH = ["torch_lanes", "torch_poll", "torch_to_thread"]
+OPEN = ["lanes", "poll"]
+CONNECTIONS = 64
+BODY = bytes(64 << 10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class Server:
+    """The server process and HTTP calls to its control endpoints."""
+
+    def __init__(self, loop: str, with_torch: bool, cpus: Sequence[int]) -> None:
+        self.port = free_port()
+        env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="32", PYTHONUNBUFFERED="1")
+        args = [sys.executable, str(HERE / "_serve_app.py"), "--port", str(self.port), "--loop", loop]
+        if with_torch:
+            args.append("--torch")
+        if cpus:
+            args += ["--cpus", ",".join(map(str, cpus))]
+        self.process = subprocess.Popen(args, env=env)
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                self.get("/health")
+                return
+            except OSError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the benchmark server did not start (exit code {self.process.poll()})"
+                    ) from None
+                time.sleep(0.2)
+
+    def call(self, method: str, path: str) -> Any:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request(method, path)
+            return json.loads(conn.getresponse().read())
+        finally:
+            conn.close()
+
+    def get(self, path: str) -> Any:
+        return self.call("GET", path)
+
+    def stop(self) -> None:
+        self.process.terminate()  # SIGTERM: uvicorn's graceful shutdown
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+class Clients:
+    """Client processes, each pinned to CPUs of its own, run commands together."""
+
+    def __init__(self, groups: list[list[int]]) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.pipes = []
+        self.processes = []
+        for cpus in groups:
+            mine, theirs = ctx.Pipe()
+            process = ctx.Process(target=serve_commands, args=(theirs, cpus), daemon=True)
+            process.start()
+            self.pipes.append(mine)
+            self.processes.append(process)
+
+    def run(self, kind: str, **args: Any) -> list[dict[str, Any]]:
+        for pipe in self.pipes:
+            pipe.send((kind, args))
+        results = [pipe.recv() for pipe in self.pipes]
+        errors = [r["error"] for r in results if "error" in r]
+        if errors:
+            raise RuntimeError(f"a client failed: {errors[0]}")
+        return results
+
+    def close(self) -> None:
+        for pipe in self.pipes:
+            pipe.send(None)
+        for process in self.processes:
+            process.join(10)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def window(server: Server, clients: Clients, kind: str, path: str, **args: Any) -> dict[str, float]:
+    """One measurement: reset the server's counters, run every client, read them back."""
+    server.call("POST", "/stats/reset")
+    before = server.get("/stats")
+    per_client = CONNECTIONS // len(clients.pipes)
+    if kind == "closed":
+        results = clients.run("closed", port=server.port, path=path, body=BODY, connections=per_client, **args)
+    else:
+        rate = args.pop("rate") / len(clients.pipes)
+        results = clients.run("open", port=server.port, path=path, body=BODY, rate=rate, pool=2 * per_client, **args)
+    after = server.get("/stats")
+    done = sum(r["done"] for r in results)
+    failed = sum(r["failed"] for r in results)
+    if failed:
+        raise RuntimeError(f"{failed} requests to {path} failed")
+    latencies = [x for r in results for x in r["latencies"]]
+    served = max(1, after["requests"] - before["requests"])
+    lags = after["lag_s"]
+    return {
+        "req_per_s": done / max(r["seconds"] for r in results),
+        "cpu_ms_per_req": 1e3 * (after["cpu_s"] - before["cpu_s"]) / served,
+        "lat_p50_ms": 1e3 * percentile(latencies, 0.5),
+        "lat_p99_ms": 1e3 * percentile(latencies, 0.99),
+        "lag_p99_ms": 1e3 * percentile(lags, 0.99) if lags else 0.0,
+        "lag_max_ms": 1e3 * max(lags) if lags else 0.0,
+    }
+
+
+def rotated(items: list[str], by: int) -> list[str]:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
+def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int], with_torch: bool) -> dict[str, Any]:
+    """Every window of one loop: {scenario: {endpoint: [per-round figures]}}, plus extras."""
+    server = Server(loop, with_torch, server_cpus)
+    out: dict[str, Any] = {}
+    try:
+        if with_torch:  # first: the first torch requests after the lifespan's warm-up
+            first = window(server, clients, "closed", "/torch_lanes", seconds=args.seconds / 3)
+            out["torch_first"] = first
+        scenarios = [("w1", 1000, WORK), ("w5", 5000, WORK), ("tiny", 0, TINY)]
+        if with_torch:
+            scenarios.append(("torch", 0, TORCH))
+        for round_ in range(args.rounds):
+            for name, w_us, endpoints in scenarios:
+                figures = out.setdefault(name, {})
+                for endpoint in rotated(endpoints, round_):
+                    path = f"/{endpoint}?w={w_us}"
+                    figures.setdefault(endpoint, []).append(
+                        window(server, clients, "closed", path, seconds=args.seconds)
+                    )
+                if name in ("w1", "w5"):
+                    rate = 0.5 * figures["poll"][-1]["req_per_s"]
+                    for endpoint in OPEN:
+                        path = f"/{endpoint}?w={w_us}"
+                        result = window(server, clients, "open", path, rate=rate, seconds=args.open_seconds)
+                        figures.setdefault(f"open_{endpoint}", []).append(result)
+        rounds = max(1, args.rounds)
+        out["inprocess_batched"] = server.get(f"/inprocess_batched?tasks=64&per_task=50&rounds={rounds}")
+    finally:
+        server.stop()
+    return out
+
+
+def median_and_spread(values: list[float]) -> tuple[float, list[float]]:
+    return statistics.median(values), [round(min(values), 4), round(max(values), 4)]
+
+
+def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
+    spreads: dict[str, list[float]] = {}
+
+    def target(name: str, values: list[float], limit: float, op: str) -> None:
+        value, spread = median_and_spread(values)
+        result.target(name, value, limit, op)
+        spreads[name] = spread
+
+    def ratios(figures: dict[str, list[dict[str, float]]], a: str, b: str, key: str = "req_per_s") -> list[float]:
+        return [x[key] / y[key] for x, y in zip(figures[a], figures[b], strict=True)]
+
+    for loop, data in measured.items():
+        for name in ("w1", "w5", "tiny", "torch"):
+            for endpoint, rounds in data.get(name, {}).items():
+                for key in rounds[0]:
+                    value = statistics.median(r[key] for r in rounds)
+                    result.baselines[f"{loop}.{name}.{endpoint}.{key}"] = round(value, 4)
+        for name, w_ms in (("w1", 1.0), ("w5", 5.0)):
+            f = data[name]
+            suffix = f"{loop}_w{int(w_ms)}"
+            target(f"serve_throughput_vs_poll_{suffix}", ratios(f, "lanes", "poll"), 1.1, ">=")
+            target(f"serve_throughput_vs_to_thread_{suffix}", ratios(f, "lanes", "to_thread"), 1.5, ">=")
+            cpu = ratios(f, "lanes", "poll", "cpu_ms_per_req")
+            target(f"serve_cpu_per_request_vs_poll_{suffix}", cpu, 0.9, "<=")
+            target(f"serve_submit_vs_direct_{suffix}", ratios(f, "submit", "lanes"), 0.9, ">=")
+            target(f"serve_alloc_vs_prealloc_{suffix}", ratios(f, "lanes_alloc", "lanes"), 0.9, ">=")
+            target(f"serve_loop_lag_p99_ms_{suffix}", [r["lag_p99_ms"] for r in f["open_lanes"]], 3.0, "<=")
+            over = [r["lat_p99_ms"] - w_ms for r in f["open_lanes"]]
+            target(f"serve_latency_p99_over_w_ms_{suffix}", over, 2.0, "<=")
+            result.metrics[f"readme_vs_lanes_{suffix}"] = round(statistics.median(ratios(f, "readme", "lanes")), 4)
+            poll_over = [r["lat_p99_ms"] - w_ms for r in f["open_poll"]]
+            result.metrics[f"poll_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(poll_over), 4)
+        batched = data["inprocess_batched"]
+        speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
+        target(f"serve_batched_speedup_{loop}", speedups, 3.0, ">=")
+        result.metrics[f"batched_http_vs_lanes_{loop}"] = round(
+            statistics.median(ratios(data["tiny"], "batch", "lanes")), 4
+        )
+        if "torch" in data:
+            t = data["torch"]
+            target(f"serve_torch_throughput_vs_poll_{loop}", ratios(t, "torch_lanes", "torch_poll"), 1.1, ">=")
+            cpu = ratios(t, "torch_lanes", "torch_poll", "cpu_ms_per_req")
+            target(f"serve_torch_cpu_vs_poll_{loop}", cpu, 0.9, "<=")
+            result.metrics[f"torch_throughput_vs_to_thread_{loop}"] = round(
+                statistics.median(ratios(t, "torch_lanes", "torch_to_thread")), 4
+            )
+            gap = data["torch_first"]["lag_max_ms"]
+            result.target(f"serve_torch_first_request_loop_gap_ms_{loop}", gap, 10.0, "<=")
+    result.extra["spreads"] = spreads
+
+
+def cpu_plan() -> tuple[list[int], list[list[int]]]:
+    """Server CPUs and one CPU group per client process (no pinning on small machines)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 8:
+        return [], [[], []]
+    server, rest = cpus[:4], cpus[4:]
+    groups = 4
+    size = len(rest) // groups
+    return server, [rest[i * size : (i + 1) * size] for i in range(groups)]
+
+
+def main() -> None:
+    p = parser(__doc__.split("\n\n")[0])
+    p.add_argument("--loops", nargs="+", default=["asyncio", "uvloop"], choices=["asyncio", "uvloop"])
+    args = p.parse_args()
+    args.rounds = 1 if args.quick else 3
+    args.seconds = 0.3 if args.quick else 1.5
+    args.open_seconds = 0.5 if args.quick else 2.0
+    from aiocuda import _driver
+
+    on_gpu = _driver.driver().name == "cuda"
+    with_torch = on_gpu and importlib.util.find_spec("torch") is not None
+    if "uvloop" in args.loops and importlib.util.find_spec("uvloop") is None:
+        args.loops.remove("uvloop")
+    server_cpus, client_groups = cpu_plan()
+    clients = Clients(client_groups)
+    measured: dict[str, dict[str, Any]] = {}
+    try:
+        for loop in args.loops:
+            print(f"-- {loop}", flush=True)
+            measured[loop] = measure_loop(loop, args, clients, server_cpus, with_torch)
+    finally:
+        clients.close()
+    result = Result("serve")
+    report(measured, result)
+    result.extra["setup"] = {
+        "connections": CONNECTIONS,
+        "body_bytes": len(BODY),
+        "rounds": args.rounds,
+        "closed_window_s": args.seconds,
+        "open_window_s": args.open_seconds,
+        "server_cpus": server_cpus,
+        "client_cpus": client_groups,
+        "torch": with_torch,
+    }
+    if on_gpu and not args.quick:
+        print(f"wrote {result.write(args.out)}")
+    else:
+        result.print_summary(sys.stdout)
+        print("(smoke run: results not written)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Each device's streams, memory pool and load, as an executor's pipelines use them.
+
+(Not to be confused with request lanes, :mod:`aiocuda.lanes`: one stream each, leased
+per request.)
+"""
+
+from __future__ import annotations
+
+from ..device import Device
+from ..memory import MemoryPool
+from ..stream import Stream
+
+__all__ = ["DeviceStreams"]
+
+
+class DeviceStreams:
+    """One device's streams, pool and load, as an executor uses them.
+
+    ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU copies each direction
+    on its own hardware, so more streams would not add bandwidth); ``compute`` holds
+    ``compute_streams`` streams used in turn by successive chunks (more than one lets
+    small kernels of different chunks run side by side).
+    """
+
+    __slots__ = (
+        "_turn",
+        "budget",
+        "chunks",
+        "completed",
+        "compute",
+        "d2h",
+        "device",
+        "h2d",
+        "max_chunks",
+        "p2p",
+        "pool",
+        "reserved",
+    )
+
+    def __init__(self, device: Device, *, compute_streams: int, max_chunks: int, budget: int) -> None:
+        device.make_current()
+        self.device = device
+        self.pool = MemoryPool.for_device(device)
+        self.h2d = Stream(device)
+        self.compute = tuple(Stream(device) for _ in range(compute_streams))
+        self.d2h = Stream(device)
+        self.p2p = Stream(device)
+        self._turn = 0
+        self.max_chunks = max_chunks
+        self.budget = budget
+        self.chunks = 0
+        """Chunks admitted here and not yet finished."""
+        self.reserved = 0
+        """Device bytes reserved for those chunks."""
+        self.completed = 0
+        """Chunks finished here (successfully or not)."""
+
+    def next_compute(self) -> tuple[int, Stream]:
+        """``(track, stream)``: the compute stream for the next chunk, in turn."""
+        track = self._turn
+        self._turn = (track + 1) % len(self.compute)
+        return track, self.compute[track]
+
+    @property
+    def streams(self) -> tuple[Stream, ...]:
+        return (self.h2d, *self.compute, self.d2h, self.p2p)
+
+    def __repr__(self) -> str:
+        return (
+            f"<DeviceStreams device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
+            f"reserved={self.reserved} completed={self.completed}>"
+        )

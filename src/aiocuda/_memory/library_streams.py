@@ -1,0 +1,107 @@
+"""PyTorch and CuPy work on aiocuda streams: each library's stream object over ours, and
+the aiocuda stream kept alive for as long as that library may use its handle.
+
+Both libraries keep per-stream state keyed by the raw handle -- PyTorch its cuBLAS
+workspaces and the caching allocator's blocks (a block freed on a stream is reused by the
+next allocation on that stream, and blocks used on other streams record events on them
+when freed), CuPy its stream-ordered memory pool arenas -- and neither is told when a
+foreign stream goes away. A destroyed stream whose handle the driver hands to a new one,
+or an event recorded on a destroyed stream, is undefined behaviour. So a stream once
+handed to one of them is *adopted*: this module keeps it (and the library's stream
+object) alive until the process exits, and :class:`aiocuda.lanes.Lanes` does not destroy
+adopted streams when it closes. Adopt long-lived streams (request lanes), not one per
+request.
+
+The libraries are imported on first use only; neither is a dependency of aiocuda.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from ..errors import ArgumentError, ResultCode
+from ..stream import Stream
+
+__all__ = ["adopted", "cupy_stream", "library_stream", "on_simulator", "torch_stream"]
+
+_adopted: dict[int, tuple[Stream, dict[str, Any]]] = {}
+"""``id(stream)`` -> (the stream, its library stream objects by library name). Entries are
+never removed: the stream's id cannot be reused while it is kept here."""
+_lock = threading.Lock()
+
+
+def _import(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(f"aiocuda.interop needs {name}, which is not installed: pip install {name}") from exc
+
+
+def _make(stream: Stream, library: str) -> Any:
+    ordinal = stream.device.ordinal
+    handle = int(stream)  # the raw CUstream as an int: what both libraries' constructors take
+    if library == "torch":
+        torch = _import("torch")
+        return torch.cuda.ExternalStream(handle, device=torch.device("cuda", ordinal))
+    cupy = _import("cupy")
+    return cupy.cuda.ExternalStream(handle, device_id=ordinal)
+
+
+def on_simulator(stream: Stream) -> bool:
+    """Whether ``stream`` belongs to the simulated backend, whose streams no library can use."""
+    return bool(stream.device._driver.name != "cuda")
+
+
+def library_stream(stream: Stream, library: str) -> Any:
+    """``library``'s (``"torch"`` or ``"cupy"``) stream object over ``stream``, made once;
+    adopts ``stream`` (see the module docstring)."""
+    entry = _adopted.get(id(stream))
+    found = entry[1].get(library) if entry is not None else None
+    if found is not None:
+        return found
+    if stream.closed or on_simulator(stream):
+        why = "is closed" if stream.closed else "belongs to the simulated backend"
+        raise ArgumentError(
+            f"{library} cannot use this stream: it {why}",
+            code=ResultCode.INVALID_HANDLE,
+            name="CUDA_ERROR_INVALID_HANDLE",
+        )
+    made = _make(stream, library)
+    with _lock:
+        objects = _adopted.setdefault(id(stream), (stream, {}))[1]
+        return objects.setdefault(library, made)
+
+
+def adopted(stream: Stream) -> bool:
+    """Whether PyTorch or CuPy has been given ``stream`` (it then lives until exit)."""
+    return id(stream) in _adopted
+
+
+@contextlib.contextmanager
+def torch_stream(stream: Stream) -> Iterator[Any]:
+    """Make ``stream`` PyTorch's current stream (on its device) inside the block; on the
+    simulated backend, do nothing (yield None)."""
+    if on_simulator(stream):
+        yield None
+        return
+    external = library_stream(stream, "torch")
+    torch = _import("torch")
+    with torch.cuda.stream(external):
+        yield external
+
+
+@contextlib.contextmanager
+def cupy_stream(stream: Stream) -> Iterator[Any]:
+    """Make ``stream`` CuPy's current stream (and its device CuPy's current device)
+    inside the block; on the simulated backend, do nothing (yield None)."""
+    if on_simulator(stream):
+        yield None
+        return
+    external = library_stream(stream, "cupy")
+    cupy = _import("cupy")
+    with cupy.cuda.Device(stream.device.ordinal), external:
+        yield external

@@ -1,0 +1,83 @@
+"""Small helpers every layer shares: factory-only classes, argument errors, byte sizes.
+
+This module sits just above :mod:`aiocuda.errors` in the layer order, so the driver seam
+may use it too; it imports nothing else from aiocuda.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, NoReturn, TypeVar
+
+from .errors import ArgumentError, ResultCode
+
+__all__ = ["NoPublicConstructor", "byte_span", "c_strides", "format_bytes", "invalid_value", "shape_tuple"]
+
+T = TypeVar("T")
+
+
+class NoPublicConstructor(type):
+    """Metaclass of classes whose objects come only from factories.
+
+    ``Cls(...)`` raises :class:`TypeError` naming the factories (the class attribute
+    ``_factories``, a short phrase such as ``"MemoryPool.allocate() or aiocuda.empty()"``);
+    aiocuda itself builds objects with ``Cls._create(...)``, which runs ``__init__`` as a
+    normal call would. A hot path that fills a slots object's fields itself may take
+    ``object.__new__(Cls)`` instead, skipping ``__init__``'s frame.
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> NoReturn:
+        factories = getattr(cls, "_factories", "")
+        hint = f": use {factories}" if factories else ""
+        raise TypeError(f"{cls.__qualname__} objects cannot be constructed directly{hint}")
+
+    def _create(cls: type[T], *args: Any, **kwargs: Any) -> T:
+        instance: T = type.__call__(cls, *args, **kwargs)
+        return instance
+
+
+def invalid_value(message: str) -> ArgumentError:
+    """The :class:`~aiocuda.errors.ArgumentError` for a value aiocuda rejects before
+    calling the driver, coded as the driver would (``CUDA_ERROR_INVALID_VALUE``)."""
+    return ArgumentError(message, code=ResultCode.INVALID_VALUE, name="CUDA_ERROR_INVALID_VALUE")
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: ``"512 B"``, ``"1.5 KiB"``, ... up to TiB."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:
+    """A shape as a tuple of ints: an int or a tuple of integers (``TypeError`` for
+    anything else, such as a float); ArgumentError for a negative dimension."""
+    dims = (operator.index(shape),) if not isinstance(shape, tuple) else tuple(operator.index(d) for d in shape)
+    if any(d < 0 for d in dims):
+        raise invalid_value(f"negative dimension in shape {dims}")
+    return dims
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    """The byte strides of a C-contiguous array of ``shape``."""
+    strides = []
+    step = itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= max(dim, 1)
+    return tuple(reversed(strides))
+
+
+def byte_span(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """``(lo, hi)``: the byte range, relative to the first element, that a view of
+    ``shape`` and ``strides`` touches (``(0, 0)`` when it has no elements)."""
+    if any(d == 0 for d in shape):
+        return 0, 0
+    lo = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s < 0)
+    hi = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s > 0) + itemsize
+    return lo, hi

@@ -1,0 +1,41 @@
+"""Dynamic batching: many concurrent requests, one batched stage on the GPU.
+
+When each request's GPU work is small, launching it once per request costs more than the
+work itself (a few microseconds of launch and copy overhead each, on the host and the
+GPU). A :class:`Batcher` gathers the items of concurrent requests -- up to ``max_batch``
+of them, waiting at most ``max_delay`` after the first -- runs your batched stage once
+over all of them, and resolves each request with its own result::
+
+    async def infer(items: list[np.ndarray]) -> list[np.ndarray]:
+        batch = np.stack(items)
+        async with lanes.lease() as lane:                # aiocuda.lanes
+            x = lane.upload(batch)
+            model_kernel.launch(grid, block, x, len(items), stream=lane.stream)
+            out = lane.download(x)
+            await lane
+        return list(out)                                 # one result per item, in order
+
+    async with aiocuda.Batcher(infer, max_batch=64, max_delay=0.002) as batcher:  # lifespan
+        ...
+        result = await batcher.submit(item)              # per request
+
+Semantics a service relies on:
+
+* **Cancellation** of one request never cancels its batch: an item whose batch has not
+  started is taken out of the queue; otherwise the batch runs and that result is dropped.
+* **Errors reach only the requests concerned**: an exception raised by the stage fails
+  every request of that batch (and no other); an exception instance returned in place of
+  one result fails that request alone.
+* **Shutdown**: leaving the ``async with`` block refuses new items
+  (:class:`~aiocuda.errors.ClosedError`), runs what is queued without waiting for
+  ``max_delay``, and waits for every batch to finish.
+
+Choosing ``max_delay``: it is latency added to a request that arrives alone; under load
+batches fill before it expires. A millisecond or two is typical for GPU inference.
+"""
+
+from __future__ import annotations
+
+from ._executor.batcher import Batcher, BatcherStatistics, BatchFn
+
+__all__ = ["BatchFn", "Batcher", "BatcherStatistics"]

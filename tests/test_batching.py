@@ -1,0 +1,232 @@
+"""Dynamic batching: gathering, per-request results and errors, cancellation, shutdown,
+and a batched GPU stage on request lanes.
+
+Batches are decided by ``max_batch`` with a ``max_delay`` no test can reach, or by
+``max_delay=0``; a batch function that waits on an event keeps a batch running for as
+long as a test needs. Nothing depends on how long anything takes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda.batching import Batcher
+from aiocuda.errors import ClosedError
+from aiocuda.lanes import Lanes
+
+pytestmark = pytest.mark.anyio
+
+NEVER = 3600.0  # a max_delay no test waits for
+
+
+async def checkpoints(n: int = 50) -> None:
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()
+
+
+class Recorder:
+    """A batch function that records its batches and may be held at a gate."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.gate: anyio.Event | None = None
+
+    async def __call__(self, items: list[int]) -> list[int | BaseException]:
+        self.batches.append(list(items))
+        if self.gate is not None:
+            await self.gate.wait()
+        return [ValueError(f"bad item {i}") if i < 0 else i * 10 for i in items]
+
+
+async def test_concurrent_requests_are_gathered_up_to_max_batch(anyio_backend: Any) -> None:
+    run = Recorder()
+    results: dict[int, int] = {}
+    async with Batcher(run, max_batch=4, max_delay=NEVER) as batcher:
+
+        async def one(i: int) -> None:
+            results[i] = await batcher.submit(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(one, i)
+    assert sorted(len(b) for b in run.batches) == [4, 4]
+    assert sorted(i for b in run.batches for i in b) == list(range(8))
+    assert results == {i: i * 10 for i in range(8)}
+    assert batcher.statistics().batches == 2 and batcher.statistics().items == 8
+
+
+async def test_zero_delay_runs_what_is_queued(anyio_backend: Any) -> None:
+    run = Recorder()
+    async with Batcher(run, max_batch=100, max_delay=0) as batcher:
+        assert await batcher.submit(3) == 30
+        assert await batcher.submit(4) == 40
+    assert run.batches == [[3], [4]]
+
+
+async def test_errors_reach_only_the_requests_concerned(anyio_backend: Any) -> None:
+    run = Recorder()
+    outcomes: dict[int, Any] = {}
+    async with Batcher(run, max_batch=3, max_delay=NEVER) as batcher:
+
+        async def one(i: int) -> None:
+            try:
+                outcomes[i] = await batcher.submit(i)
+            except ValueError as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i in (1, -2, 3):
+                tg.start_soon(one, i)
+    assert outcomes[1] == 10 and outcomes[3] == 30
+    assert isinstance(outcomes[-2], ValueError) and "bad item -2" in str(outcomes[-2])
+
+    async def failing(items: list[int]) -> list[int]:
+        if 99 in items:
+            raise RuntimeError("the batch failed")
+        return items
+
+    failed: list[int] = []
+    fine: list[int] = []
+    async with Batcher(failing, max_batch=2, max_delay=NEVER) as batcher:
+
+        async def two(i: int) -> None:
+            try:
+                fine.append(await batcher.submit(i))
+            except RuntimeError:
+                failed.append(i)
+
+        async with anyio.create_task_group() as tg:
+            for i in (99, 1, 2, 3):  # batches [99, 1] and [2, 3]
+                tg.start_soon(two, i)
+                await checkpoints(5)
+    assert sorted(failed) == [1, 99] and sorted(fine) == [2, 3]
+
+
+async def test_cancelling_one_request_leaves_its_batch_running(anyio_backend: Any) -> None:
+    run = Recorder()
+    run.gate = anyio.Event()
+    results: dict[int, int] = {}
+    async with Batcher(run, max_batch=3, max_delay=NEVER) as batcher:
+        async with anyio.create_task_group() as tg:
+
+            async def one(i: int) -> None:
+                results[i] = await batcher.submit(i)
+
+            doomed = anyio.CancelScope()
+
+            async def cancellable() -> None:
+                with doomed:
+                    results[2] = await batcher.submit(2)
+
+            tg.start_soon(cancellable)
+            tg.start_soon(one, 0)
+            tg.start_soon(one, 1)
+            await checkpoints()
+            assert batcher.statistics().running == 1
+            doomed.cancel()
+            await checkpoints()
+            run.gate.set()
+    assert len(run.batches) == 1 and sorted(run.batches[0]) == [0, 1, 2]  # the cancelled item stayed
+    assert results == {0: 0, 1: 10}
+
+
+async def test_a_request_cancelled_before_its_batch_leaves_the_queue(anyio_backend: Any) -> None:
+    run = Recorder()
+    run.gate = anyio.Event()
+    results: dict[int, int] = {}
+    async with Batcher(run, max_batch=1, max_delay=0, concurrency=1) as batcher:
+        async with anyio.create_task_group() as tg:
+
+            async def one(i: int) -> None:
+                results[i] = await batcher.submit(i)
+
+            tg.start_soon(one, 0)  # runs, held at the gate
+            await checkpoints()
+            doomed = anyio.CancelScope()
+
+            async def queued() -> None:
+                with doomed:
+                    await batcher.submit(1)
+
+            tg.start_soon(queued)
+            await checkpoints()
+            assert batcher.statistics().queued == 1
+            doomed.cancel()
+            await checkpoints()
+            assert batcher.statistics().queued == 0
+            tg.start_soon(one, 2)
+            await checkpoints()
+            run.gate.set()
+    assert run.batches == [[0], [2]]
+    assert results == {0: 0, 2: 20}
+
+
+async def test_shutdown_runs_what_is_queued_then_refuses(anyio_backend: Any) -> None:
+    run = Recorder()
+    results: list[int] = []
+    async with anyio.create_task_group() as tg:
+        async with Batcher(run, max_batch=100, max_delay=NEVER) as batcher:
+
+            async def one(i: int) -> None:
+                results.append(await batcher.submit(i))
+
+            for i in range(3):
+                tg.start_soon(one, i)
+            await checkpoints()
+            assert batcher.statistics().queued == 3  # waiting for more items (max_delay unreachable)
+        # leaving the block ran them without waiting for max_delay
+    assert sorted(results) == [0, 10, 20]
+    with pytest.raises(ClosedError):
+        await batcher.submit(5)
+
+
+async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None:
+    with pytest.raises(ValueError):
+        Batcher(Recorder(), max_batch=0, max_delay=0)
+    with pytest.raises(ValueError):
+        Batcher(Recorder(), max_batch=1, max_delay=math.inf)
+
+    async def short(items: list[int]) -> list[int]:
+        return items[:-1]
+
+    async with Batcher(short, max_batch=1, max_delay=0) as batcher:
+        with pytest.raises(ValueError, match="returned 0 results for 1 items"):
+            await batcher.submit(1)
+
+
+async def test_a_batched_gpu_stage_on_lanes(backend: Any, anyio_backend: Any) -> None:
+    reps = 10
+    scale = ScaleStage(reps)
+    rng = np.random.default_rng(1)
+    inputs = [rng.random(256, dtype=np.float32) for _ in range(16)]
+
+    async with Lanes(count=2) as lanes:
+
+        async def stage(items: list[np.ndarray]) -> list[np.ndarray]:
+            batch = np.stack(items)
+            async with lanes.lease() as lane:
+                x = lane.upload(batch)
+                scale.kernel.launch((x.size + 255) // 256, 256, x, x.size, reps, stream=lane.stream)
+                out = lane.download(x)
+                await lane
+            return list(out)
+
+        results: dict[int, np.ndarray] = {}
+        async with Batcher(stage, max_batch=8, max_delay=NEVER) as batcher:
+
+            async def one(i: int) -> None:
+                results[i] = await batcher.submit(inputs[i])
+
+            async with anyio.create_task_group() as tg:
+                for i in range(16):
+                    tg.start_soon(one, i)
+        assert batcher.statistics().batches == 2
+    for i, host in enumerate(inputs):
+        np.testing.assert_allclose(results[i], scale_reference(host, reps), rtol=1e-4)

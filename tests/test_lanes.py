@@ -1,0 +1,324 @@
+"""Request lanes: one await per request, back-pressure, priorities, cancellation, faults,
+shutdown, reuse without growth.
+
+Held streams and injected faults (the simulator's deterministic controls) decide what is
+in flight; no test depends on how long anything takes.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+
+from aiocuda import _driver
+from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda._completion.engine import current_engine
+from aiocuda.device import Device
+from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError
+from aiocuda.host import pinned_empty
+from aiocuda.lanes import Lane, Lanes
+from aiocuda.memory import MemoryPool
+
+pytestmark = pytest.mark.anyio
+
+REPS = 20
+
+
+def used_bytes() -> int:
+    gc.collect()
+    return MemoryPool.for_device(Device(0)).statistics().used_bytes
+
+
+async def checkpoints(n: int = 50) -> None:
+    """Let every other task run as far as it can (no time involved)."""
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()
+
+
+async def scaled(lanes: Lanes, host: np.ndarray, scale: ScaleStage, **lease: Any) -> np.ndarray:
+    """The request path: lease, enqueue upload, kernel and download, one await."""
+    async with lanes.lease(**lease) as lane:
+        x = lane.upload(host)
+        scale.kernel.launch((x.size + 255) // 256, 256, x, x.size, REPS, stream=lane.stream)
+        out = lane.download(x)
+        await lane
+    return out
+
+
+async def test_requests_on_lanes_compute_and_return_results(backend: Any, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+    rng = np.random.default_rng(0)
+    inputs = [rng.random(1000 + i, dtype=np.float32) for i in range(12)]
+    inputs.append(pinned_empty(500, np.float32))  # pinned input and output: direct DMA
+    inputs[-1][:] = 1.5
+    results: dict[int, np.ndarray] = {}
+    async with Lanes(count=4) as lanes:
+
+        async def one(i: int) -> None:
+            results[i] = await scaled(lanes, inputs[i], scale)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(inputs)):
+                tg.start_soon(one, i)
+        assert lanes.statistics().leases == len(inputs)
+    for i, host in enumerate(inputs):
+        np.testing.assert_allclose(results[i], scale_reference(host, REPS), rtol=1e-4)
+
+
+async def test_download_into_given_arrays_and_upload_into_given_device_array(backend: Any, anyio_backend: Any) -> None:
+    host = np.arange(4096, dtype=np.float32)
+    pinned_out = pinned_empty(4096, np.float32)
+    pageable_out = np.zeros(4096, np.float32)
+
+    def setup(lane: Lane) -> Any:
+        return lane.empty(4096, np.float32)  # scratch kept for the lane's life
+
+    async with Lanes(count=2, setup=setup, staging=4096) as lanes:  # staging: one copy's worth
+        async with lanes.lease() as lane:
+            x = lane.upload(host, out=lane.state)
+            assert x is lane.state
+            lane.download(x, out=pinned_out)
+            lane.download(x, out=pageable_out)  # beyond the staging block: a borrowed pinned one
+            assert not pageable_out.any()  # filled by the await, not before
+            await lane
+        np.testing.assert_array_equal(pinned_out, host)
+        np.testing.assert_array_equal(pageable_out, host)
+        async with lanes.lease() as lane:
+            with pytest.raises(ArgumentError, match="shape"):
+                lane.upload(np.zeros(3, np.float32), out=lane.state)
+            with pytest.raises(ArgumentError, match="C-contiguous and writeable"):
+                lane.download(lane.state, out=np.zeros(8192, np.float32)[::2])
+            with pytest.raises(TypeError):
+                lane.download(host)  # type: ignore[arg-type]
+        for _ in range(3):  # setup's memory is the lane's own: it outlives every lease
+            async with lanes.lease() as lane:
+                pinned_out[:] = 0
+                lane.download(lane.upload(host + 1, out=lane.state), out=pinned_out)
+                await lane
+            np.testing.assert_array_equal(pinned_out, host + 1)
+
+
+async def test_request_memory_is_freed_when_the_lease_ends(backend: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=2) as lanes:
+        baseline = used_bytes()
+        async with lanes.lease() as lane:
+            lane.empty(1 << 16)
+            lane.upload(np.ones(1 << 14, np.float32))
+            assert used_bytes() > baseline
+            await lane
+        await lanes.lanes[0].stream
+        assert used_bytes() == baseline
+
+
+async def test_back_pressure_and_priorities(sim_backend: Any, anyio_backend: Any) -> None:
+    order: list[str] = []
+    async with Lanes(count=1, priorities=("normal", "high")) as lanes:
+        (lane,) = lanes.lanes
+        normal, high = lane.streams
+        least, greatest = Device(0)._driver.stream_priority_range()
+        assert sim_backend._resolve_stream(high.handle).priority == greatest
+        assert sim_backend._resolve_stream(normal.handle).priority == least
+
+        async def request(name: str, priority: Any) -> None:
+            async with lanes.lease(priority=priority) as leased:
+                order.append(name)
+                assert leased.stream is (high if priority == "high" else normal)
+                await leased
+
+        let_go = anyio.Event()
+
+        async def holder() -> None:
+            async with lanes.lease():
+                await let_go.wait()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(holder)
+            await checkpoints()
+            tg.start_soon(request, "normal-1", "normal")
+            await checkpoints()
+            tg.start_soon(request, "high", "high")
+            await checkpoints()
+            assert lanes.statistics().waiting == 2 and lanes.statistics().leased == 1
+            let_go.set()  # the lane goes to the waiting high-priority request first
+    assert order == ["high", "normal-1"]
+    with pytest.raises(ArgumentError, match="priorities"):
+        Lanes(count=1).lease(priority="high")
+
+
+async def test_cancelled_request_returns_its_lane_and_memory(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=1) as lanes:
+        (lane,) = lanes.lanes
+        baseline = used_bytes()
+        sim_backend.pause(lane.stream.handle)
+        entered = anyio.Event()
+        with anyio.CancelScope() as scope:
+
+            async def cancel_when_entered() -> None:
+                await entered.wait()
+                await checkpoints()
+                scope.cancel()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancel_when_entered)
+                async with lanes.lease() as leased:
+                    leased.upload(np.arange(1000, dtype=np.float32))
+                    leased.empty(1 << 16)
+                    entered.set()
+                    await leased  # the stream is held: only the cancellation ends this
+        assert scope.cancelled_caught
+        assert lanes.statistics().leased == 0  # the lane is back at once
+
+        # The next lease of the lane waits for the cancelled request's work first.
+        got_it = anyio.Event()
+
+        async def next_request() -> None:
+            async with lanes.lease() as again:
+                got_it.set()
+                await again
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(next_request)
+            await checkpoints()
+            assert not got_it.is_set()
+            sim_backend.resume(lane.stream.handle)
+        assert got_it.is_set()
+        await lane.stream
+        assert used_bytes() == baseline
+
+
+async def test_a_poisoned_device_fails_pending_and_later_requests(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=2) as lanes:
+        errors: list[BaseException] = []
+        for lane in lanes.lanes:
+            sim_backend.pause(lane.stream.handle)
+
+        async def request() -> None:
+            try:
+                async with lanes.lease() as leased:
+                    leased.upload(np.ones(100, np.float32))
+                    await leased
+            except ContextPoisonedError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):  # two on lanes, one waiting for a lane
+                tg.start_soon(request)
+            await checkpoints()
+            assert lanes.statistics().waiting == 1
+            sim_backend.poison(0)
+        assert len(errors) == 3
+        assert lanes.failure is not None and lanes.statistics().failed
+        with pytest.raises(ContextPoisonedError, match="failed earlier"):
+            async with lanes.lease():
+                pass
+
+
+async def test_shutdown_lets_requests_in_flight_finish(sim_backend: Any, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+    lanes = Lanes(count=1)
+    await lanes.start()
+    (lane,) = lanes.lanes
+    sim_backend.pause(lane.stream.handle)
+    host = np.arange(100, dtype=np.float32)
+    results: list[np.ndarray] = []
+    closed = False
+
+    async def request() -> None:
+        results.append(await scaled(lanes, host, scale))
+
+    async def close() -> None:
+        nonlocal closed
+        await lanes.aclose()
+        closed = True
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(request)  # on the lane
+        tg.start_soon(request)  # waiting for it
+        await checkpoints()
+        tg.start_soon(close)
+        await checkpoints()
+        assert not closed
+        with pytest.raises(ClosedError):
+            async with lanes.lease():
+                pass
+        sim_backend.resume(lane.stream.handle)
+    assert closed and len(results) == 2
+    for result in results:
+        np.testing.assert_allclose(result, scale_reference(host, REPS), rtol=1e-4)
+    assert lane.stream.closed
+
+
+async def test_a_lane_reused_many_times_creates_nothing_new(backend: Any, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+    host = np.arange(2048, dtype=np.float32)
+    expected = scale_reference(host, REPS)
+    signals = current_engine()._signals  # the engine's doorbell streams: its own business
+
+    def streams_besides_signals() -> int:
+        return len(getattr(_driver.driver(), "_streams", ())) - signals.count(Device(0))
+
+    async with Lanes(count=2) as lanes:
+
+        async def settled_bytes() -> int:
+            for lane in lanes.lanes:
+                await lane.stream  # the frees of the last leases have run
+            return used_bytes()
+
+        for _ in range(5):  # warm: pools, histories, staging slots
+            await scaled(lanes, host, scale)
+        baseline = await settled_bytes()
+        streams_before = streams_besides_signals()
+        for _ in range(300):
+            np.testing.assert_allclose(await scaled(lanes, host, scale), expected, rtol=1e-4)
+        assert await settled_bytes() == baseline
+        assert streams_besides_signals() == streams_before
+        assert lanes.statistics().leases == 305
+
+
+async def test_setup_runs_once_per_lane_at_start(sim_backend: Any, anyio_backend: Any) -> None:
+    seen: list[int] = []
+
+    async def setup(lane: Lane) -> str:
+        await anyio.lowlevel.checkpoint()
+        seen.append(lane.index)
+        return f"state {lane.index}"
+
+    async with Lanes(count=3, setup=setup) as lanes:
+        assert seen == [0, 1, 2]
+        assert [lane.state for lane in lanes.lanes] == ["state 0", "state 1", "state 2"]
+        assert "3 lanes: 0 leased" in repr(lanes)
+    with pytest.raises(ClosedError):
+        async with lanes.lease():
+            pass
+
+
+async def test_default_count_comes_from_the_device(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Lanes() as lanes:
+        sms = Device(0).multiprocessor_count
+        assert lanes.statistics().lanes == max(8, min(64, sms // 4))
+
+
+async def test_high_priority_requests_overtake_normal_work_on_the_gpu(backend: Any, anyio_backend: Any) -> None:
+    if backend.name != "cuda":
+        pytest.skip("the simulator records stream priorities but does not schedule by them")
+    from ._workload import _kernel
+
+    device = Device(0)
+    # One normal-priority kernel of 40 waves of full blocks (2 x 1024 threads fill an SM),
+    # 5 ms each: about 200 ms. Without priorities the urgent kernel, launched after it,
+    # would be dispatched only once all of its blocks had been; with them, at the next wave.
+    blocks = 2 * device.multiprocessor_count * 40
+    cycles = int(0.005 * device.attribute("clock_rate") * 1e3)
+    async with Lanes(count=2, priorities=("normal", "high")) as lanes:
+        async with lanes.lease() as normal:
+            _kernel(normal.stream, "spin").launch(blocks, 1024, cycles, stream=normal.stream)
+            async with lanes.lease(priority="high") as urgent:
+                _kernel(urgent.stream, "spin").launch(1, 32, cycles, stream=urgent.stream)
+                await urgent
+                assert not normal.stream.query()  # the urgent kernel did not wait for the backlog
+            await normal
