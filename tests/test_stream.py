@@ -110,21 +110,19 @@ async def test_wait_on_event(backend: _driver.Driver, anyio_backend: object) -> 
 
 async def test_cancel_scope_detaches_and_leaves_work_running(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with anyio.move_on_after(0.02) as scope:
-            await s
-        assert scope.cancelled_caught
-        assert not s.query(), "cancelling the waiter must not touch the GPU work"
+        with Gate(s):  # the work goes on until the waiter has been cancelled
+            with anyio.move_on_after(0.02) as scope:
+                await s
+            assert scope.cancelled_caught
+            assert not s.query(), "cancelling the waiter must not touch the GPU work"
         await s
         assert s.query()
 
 
 async def test_fail_after_raises_timeout(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with pytest.raises(TimeoutError):
-            with anyio.fail_after(0.02):
-                await s
+        with Gate(s), pytest.raises(TimeoutError), anyio.fail_after(0.02):
+            await s
         await s
 
 
