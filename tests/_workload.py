@@ -29,9 +29,10 @@ extern "C" __global__ void spin(long long cycles) {
     while (clock64() - start < cycles) { }
 }
 extern "C" __global__ void poison(int* p) { *(volatile int*)(p + 0x7fffffff) = 1; }
-extern "C" __global__ void gate(volatile int* open, long long max_cycles) {
+extern "C" __global__ void gate(volatile int* flags, long long max_cycles) {
     long long start = clock64();
-    while (!*open && clock64() - start < max_cycles) { }
+    while (!flags[0] && clock64() - start < max_cycles) { }
+    if (!flags[0]) flags[1] = 1;  /* timed out */
 }
 """
 
@@ -78,26 +79,36 @@ class Gate:
     On the simulator an operation waits for a :class:`threading.Event`; on the GPU a
     one-thread kernel spins until a flag in page-locked host memory is set. Either ends
     by itself after ``timeout`` seconds, so a test that fails before opening it, or code
-    that wrongly waits for it, does not hang the run (the test then fails, late).
+    that wrongly waits for it, does not hang the run; :attr:`timed_out` then tells
+    (read it once the stream's work is done): code under test that waited for the GPU
+    while the gate was shut made it time out.
     """
 
     def __init__(self, stream: Stream, timeout: float = 30.0) -> None:
         self._opened = threading.Event()
-        self._flag = None
+        self._outcome: list[bool] = []  # the simulator's: whether the gate was opened in time
+        self._flags = None
         backend = stream.device._driver
         if backend.name == "sim":
-            opened = self._opened
-            backend.enqueue(stream.handle, lambda: opened.wait(timeout), "gate")  # type: ignore[attr-defined]
+            opened, outcome = self._opened, self._outcome
+            backend.enqueue(stream.handle, lambda: outcome.append(opened.wait(timeout)), "gate")  # type: ignore[attr-defined]
             return
-        self._flag = pinned_zeros(1, np.int32)  # the kernel reads it until it is set
+        self._flags = pinned_zeros(2, np.int32)  # [open, timed out]: the kernel reads and writes them
         cycles = int(timeout * stream.device.attribute("clock_rate") * 1e3)
-        _kernel(stream, "gate").launch(1, 1, int(self._flag.ctypes.data), cycles, stream=stream)
+        _kernel(stream, "gate").launch(1, 1, int(self._flags.ctypes.data), cycles, stream=stream)
 
     def open(self) -> None:
         """Let the stream's work go on."""
         self._opened.set()
-        if self._flag is not None:
-            self._flag[0] = 1
+        if self._flags is not None:
+            self._flags[0] = 1
+
+    @property
+    def timed_out(self) -> bool:
+        """Whether the gate ended by its timeout rather than by :meth:`open`."""
+        if self._flags is not None:
+            return bool(self._flags[1])
+        return self._outcome == [False]
 
     def __enter__(self) -> Gate:
         return self
