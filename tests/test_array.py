@@ -84,9 +84,13 @@ async def test_registering_again_right_after_closing(backend: _driver.Driver, an
 async def test_freeing_pinned_memory_does_not_wait_for_the_gpu(backend: _driver.Driver, anyio_backend: object) -> None:
     """The driver frees and unpins page-locked memory only once the device is idle (a
     running kernel included): done on the loop's thread, dropping a pinned array or
-    closing a registration would stall the whole loop while the GPU works."""
+    closing a registration would stall the whole loop while the GPU works.
+
+    On the simulated backend the stream is paused, so the GPU never becomes idle: a
+    free that waited for it would never return (a watchdog resumes the stream then).
+    On a GPU, a 2 s kernel runs meanwhile."""
     with Stream(0) as s:
-        pinned = pinned_zeros(1 << 16, np.uint8)
+        pinned = [pinned_zeros(1 << 16, np.uint8)]
         registered = np.ones(1 << 17, np.float64)
         registration = register_host(registered)
         with Gate(s) as gate:  # the GPU works until the frees have returned
@@ -193,6 +197,14 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
         ga.empty((-1, 2))
     with pytest.raises(ArgumentError, match="objects"):
         await ga.to_device(np.array([object()]))
+    with pytest.raises(ArgumentError, match="64-bit"):
+        ga.empty(2**62)  # 2**64 bytes of float32
+    with pytest.raises(TypeError):
+        ga.empty(1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"to_host\(\)"):
+        np.asarray(dev)
+    with pytest.raises(TypeError, match=r"to_host\(\)"):
+        np.array(dev[1:])
     freed = ga.empty(16, np.uint8)
     freed.buffer.free()
     with pytest.raises(ArgumentError, match="freed"):

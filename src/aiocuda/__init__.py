@@ -16,14 +16,15 @@ says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 
 from __future__ import annotations
 
-from . import errors, interop
-from ._driver import LaunchConfig
+from . import errors, interop, profiler
+from ._driver import JitOptions, LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
 from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
-from .device import Device, DeviceProperties, device_count, devices
+from .context import Context, ContextFlags
+from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
@@ -59,6 +60,8 @@ __all__ = [
     "ChunkResult",
     "ClosedError",
     "CompileError",
+    "Context",
+    "ContextFlags",
     "ContextPoisonedError",
     "CudaError",
     "Device",
@@ -68,6 +71,7 @@ __all__ = [
     "Event",
     "Executor",
     "HostRegistration",
+    "JitOptions",
     "Kernel",
     "KernelAttributes",
     "Lane",
@@ -78,6 +82,7 @@ __all__ = [
     "Module",
     "NoDeviceError",
     "OutOfMemoryError",
+    "PeerAttributes",
     "Pipeline",
     "PoolStatistics",
     "Program",
@@ -99,6 +104,7 @@ __all__ = [
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",
+    "profiler",
     "register_host",
     "register_sim_kernel",
     "to_device",

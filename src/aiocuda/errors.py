@@ -65,6 +65,7 @@ class ResultCode:
     INVALID_CONTEXT = 201
     NO_BINARY_FOR_GPU = 209
     ECC_UNCORRECTABLE = 214
+    UNSUPPORTED_LIMIT = 215
     PEER_ACCESS_UNSUPPORTED = 217
     INVALID_PTX = 218
     UNSUPPORTED_PTX_VERSION = 222
@@ -127,6 +128,7 @@ _ARGUMENT_CODES = frozenset(
         ResultCode.INVALID_HANDLE,
         ResultCode.INVALID_CONTEXT,
         ResultCode.NOT_FOUND,
+        ResultCode.UNSUPPORTED_LIMIT,
         ResultCode.PEER_ACCESS_UNSUPPORTED,
         ResultCode.HOST_MEMORY_ALREADY_REGISTERED,
         ResultCode.HOST_MEMORY_NOT_REGISTERED,
@@ -197,10 +199,11 @@ class LaunchError(CudaError):
 
 
 class CompileError(CudaError):
-    """A program failed to compile; ``log`` holds NVRTC's full log (also in the message).
+    """A program failed to compile or link; ``log`` holds NVRTC's or the linker's full
+    log (also in the message).
 
-    Also raised, with an empty log, when NVRTC itself cannot be loaded (the message
-    says which package to install).
+    Also raised, with an empty log, when NVRTC or nvJitLink itself cannot be loaded (the
+    message says which package to install).
     """
 
     def __init__(self, message: str, *, log: str = "", name: str = "AIOCUDA_COMPILE_ERROR") -> None:

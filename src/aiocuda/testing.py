@@ -43,9 +43,11 @@ CUDA source is checked too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol
+
+import numpy.typing as npt
 
 from . import _driver
 from ._driver import LaunchConfig
@@ -105,6 +107,10 @@ class KernelLaunch(Protocol):
     @property
     def cluster(self) -> tuple[int, int, int] | None:
         """Its thread-block cluster shape, if any."""
+
+    @property
+    def globals(self) -> Mapping[str, npt.NDArray[Any]]:
+        """The module's ``__device__``/``__constant__`` variables, as writable arrays by name."""
 
 
 KernelImpl = Callable[..., object]
@@ -197,6 +203,16 @@ class Simulator(metaclass=NoPublicConstructor):
         how it is called. The same as :func:`aiocuda.register_sim_kernel`: the registry
         is process-wide and outlives this simulator."""
         register_sim_kernel(name, impl)
+
+    @property
+    def profiling(self) -> bool:
+        """Whether a :func:`aiocuda.profiler.profile` block (``cuProfilerStart``) is open."""
+        return bool(self._sim.profiling)
+
+    def nvtx_events(self) -> list[tuple[str, int, str, int | None]]:
+        """Every NVTX range started and ended so far, in order: ``("start", id, message,
+        color)`` and ``("end", id, "", None)``."""
+        return list(self._sim.nvtx_events())
 
     def close(self) -> None:
         """Shut the simulator down: queued work is dropped and later calls on its

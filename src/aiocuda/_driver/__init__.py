@@ -22,11 +22,12 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
+from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
 from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
 
@@ -36,9 +37,12 @@ __all__ = [
     "Dim3",
     "Doorbell",
     "Driver",
+    "Fallback",
     "Handle",
+    "JitOptions",
     "KernelParams",
     "LaunchConfig",
+    "LinkInput",
     "PoolProps",
     "backend_generation",
     "current",
@@ -186,11 +190,12 @@ def backend_generation() -> int:
     return _generation
 
 
-def sim_image(kernel_names: Iterable[str]) -> bytes:
-    """A module image for the simulated backend that defines ``kernel_names``."""
-    from .sim._modules import SIM_IMAGE_MAGIC
+def sim_image(kernel_names: Iterable[str], variables: Mapping[str, tuple[int, str]] | None = None) -> bytes:
+    """A module image for the simulated backend that defines ``kernel_names`` and
+    ``variables`` (name -> (bytes, numpy type string or ``"-"``))."""
+    from .sim._modules import build_image
 
-    return SIM_IMAGE_MAGIC + "".join(f"{name}\n" for name in kernel_names).encode()
+    return build_image(kernel_names, variables)
 
 
 def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:

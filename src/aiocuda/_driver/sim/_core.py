@@ -92,6 +92,9 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
+    # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
+    _observe_frees: Callable[[int, Any], None]
+
     def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
         if devices < 1:
             raise ValueError(f"a simulated driver needs at least one device, got devices={devices}")
@@ -155,12 +158,30 @@ class SimCore:
             self._api_slow_path(name, None)
 
     def _device_of_current(self) -> int:
-        """The ordinal of the calling thread's current context; 0 when it has none."""
-        ctx: SimContext | None = getattr(self._tls, "ctx", None)
-        return 0 if ctx is None else ctx.device_ordinal
+        """The ordinal of the calling thread's current context; 0 when it has none.
+        ``CONTEXT_IS_DESTROYED`` when the current context was destroyed."""
+        ctx = self._current_context()
+        if ctx is None:
+            return 0
+        if ctx.destroyed:
+            raise sim_error(
+                ResultCode.CONTEXT_IS_DESTROYED, "context", f"the current context {ctx.value:#x} was destroyed"
+            )
+        return ctx.device_ordinal
+
+    def _context_stack(self) -> list[SimContext]:
+        """The calling thread's context stack (its top is the current context)."""
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def _current_context(self) -> SimContext | None:
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        return stack[-1] if stack else None
 
     def _bind_context(self, ctx: SimContext | None) -> None:
-        self._tls.ctx = ctx
+        self._tls.stack = [] if ctx is None else [ctx]
 
     def _resolve_stream(self, stream: Any) -> SimStream:
         """The live :class:`SimStream` for a stream handle or raw value; else ArgumentError."""
@@ -371,14 +392,27 @@ class SimCore:
         device.context.retain_count -= 1
 
     def set_current(self, ctx: Any) -> None:
-        if ctx is not None and (type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices)):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "set_current", f"not a simulated context: {ctx!r}")
+        """Replace the top of the thread's context stack (push onto an empty one); None pops."""
+        if ctx is not None:
+            self._context(ctx, "set_current")
         self._counted("set_current")
-        self._tls.ctx = ctx
+        stack = self._context_stack()
+        if ctx is None:
+            if stack:
+                stack.pop()
+        elif stack:
+            stack[-1] = ctx
+        else:
+            stack.append(ctx)
+
+    def _context(self, ctx: Any, call: str) -> SimContext:
+        """``ctx`` if it is a live context of this driver; else ``INVALID_CONTEXT``."""
+        if type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices) or ctx.destroyed:
+            raise sim_error(ResultCode.INVALID_CONTEXT, call, f"not a live simulated context: {ctx!r}")
+        return ctx
 
     def enable_peer_access(self, peer_ctx: Any) -> None:
-        if type(peer_ctx) is not SimContext or peer_ctx.device_ordinal >= len(self._devices):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}")
+        self._context(peer_ctx, "enable_peer_access")
         ordinal = self._device_of_current()
         self._api("enable_peer_access", ordinal)
         if peer_ctx.device_ordinal == ordinal:
@@ -400,6 +434,7 @@ class SimCore:
         self._api("stream_create", ordinal)
         clamped = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
         stream = SimStream(self._workers, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
+        stream.context = self._current_context() or stream.device.context
         self._streams[stream.value] = stream
         return stream
 
@@ -434,6 +469,7 @@ class SimCore:
         self._api("stream_synchronize", sim.device.ordinal)
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
+        self._observe_frees(sim.device.ordinal, sim)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         sim = self._resolve_stream(stream)
@@ -442,6 +478,16 @@ class SimCore:
         point = ev.point
         if point is not None and not point.reached():
             self._submit(sim, StreamWait(point), "stream_wait_event")
+
+    def stream_get_priority(self, stream: Any) -> int:
+        sim = self._resolve_stream(stream)
+        self._api("stream_get_priority", sim.device.ordinal)
+        return sim.priority
+
+    def stream_is_non_blocking(self, stream: Any) -> bool:
+        sim = self._resolve_stream(stream)
+        self._api("stream_is_non_blocking", sim.device.ordinal)
+        return sim.non_blocking
 
     def stream_priority_range(self) -> tuple[int, int]:
         self._api("stream_priority_range")
@@ -483,13 +529,20 @@ class SimCore:
         self._events.pop(ev.value, None)
 
     def event_record(self, event: Any, stream: Any) -> None:
+        self._record(event, stream, "event_record")
+
+    def event_record_external(self, event: Any, stream: Any) -> None:
+        """A plain record: the simulated driver has no stream capture."""
+        self._record(event, stream, "event_record_external")
+
+    def _record(self, event: Any, stream: Any, call: str) -> None:
         ev = self._event(event)
         sim = self._resolve_stream(stream)
-        self._api("event_record", sim.device.ordinal)
+        self._api(call, sim.device.ordinal)
         if ev.device_ordinal != sim.device.ordinal:
             raise sim_error(
                 ResultCode.INVALID_HANDLE,
-                "event_record",
+                call,
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
         point = SimPoint(sim, 0)
@@ -506,6 +559,7 @@ class SimCore:
         self._api("event_synchronize", ev.device_ordinal)
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
+            self._observe_frees(ev.device_ordinal, ev.point.stream)
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         first, last = self._event(start), self._event(end)

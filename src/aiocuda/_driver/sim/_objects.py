@@ -43,6 +43,7 @@ from ._codes import sim_error
 from ._workers import Workers
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "HOST_FUNCTION",
     "Poison",
     "SimContext",
@@ -73,18 +74,41 @@ class Poison:
     cause: BaseException | None = None
 
 
+DEFAULT_LIMITS = {
+    "stack_size": 1024,
+    "printf_fifo_size": 1 << 20,
+    "malloc_heap_size": 8 << 20,
+    "dev_runtime_sync_depth": 2,
+    "dev_runtime_pending_launch_count": 2048,
+    "max_l2_fetch_granularity": 64,
+    "persisting_l2_cache_size": 0,
+}
+"""Each limit's value in a new context (as on an H100)."""
+
+
 class SimContext:
-    """A device's primary context (the sim has exactly one per device, never destroyed)."""
+    """A context: a device's primary context (one per device, never destroyed; retained
+    and released) or a user context (``context_create``, until ``context_destroy``).
 
-    __slots__ = ("device_ordinal", "retain_count", "value")
+    ``flags`` are the CUDA context flags; ``limits`` and ``cache_config`` what
+    ``context_set_limit`` and ``context_set_cache_config`` set.
+    """
 
-    def __init__(self, device_ordinal: int) -> None:
+    __slots__ = ("cache_config", "destroyed", "device_ordinal", "flags", "limits", "primary", "retain_count", "value")
+
+    def __init__(self, device_ordinal: int, *, primary: bool = True, flags: int = 0) -> None:
         self.value = next_handle_value()
         self.device_ordinal = device_ordinal
+        self.primary = primary
+        self.flags = flags
         self.retain_count = 0
+        self.destroyed = False
+        self.limits = dict(DEFAULT_LIMITS)
+        self.cache_config = "prefer_none"
 
     def __repr__(self) -> str:
-        return f"<SimContext {self.value:#x} device={self.device_ordinal} retained={self.retain_count}>"
+        kind = f"retained={self.retain_count}" if self.primary else ("destroyed" if self.destroyed else "user")
+        return f"<SimContext {self.value:#x} device={self.device_ordinal} {kind}>"
 
 
 class SimDevice:
@@ -269,6 +293,7 @@ class SimStream:
         "_paused",
         "_scheduled",
         "_workers",
+        "context",
         "destroyed",
         "device",
         "finished",
@@ -281,6 +306,8 @@ class SimStream:
     def __init__(self, workers: Workers, device: SimDevice, value: int, non_blocking: bool, priority: int) -> None:
         self.value = value
         self.device = device
+        self.context: SimContext = device.context
+        """The context the stream was created in (set by ``stream_create``)."""
         self.non_blocking = non_blocking
         self.priority = priority
         self.destroyed = False
