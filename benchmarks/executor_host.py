@@ -172,7 +172,7 @@ def main() -> None:
             result.metrics[f"{loop}_{key}"] = value
         result.extra[f"{loop}_calls_per_chunk"] = calls
         print(f"{loop:8} {figures}  {calls}")
-    print(f"wrote {result.write(args.out)}")
+    result.write(args.out)
 
 
 @contextmanager
