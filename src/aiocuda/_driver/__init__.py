@@ -23,12 +23,15 @@ from typing import Any
 from ..errors import BackendError, NoDeviceError
 from ._fork import check_not_forked
 from ._launch import Dim3, LaunchConfig
-from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
+from ._protocol import CAPTURE_MODES, CaptureMode, Doorbell, Driver, GraphNodeInfo, Handle, KernelParams, PoolProps
 
 __all__ = [
+    "CAPTURE_MODES",
+    "CaptureMode",
     "Dim3",
     "Doorbell",
     "Driver",
+    "GraphNodeInfo",
     "Handle",
     "KernelParams",
     "LaunchConfig",

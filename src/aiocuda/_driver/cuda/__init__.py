@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from ._core import CudaCore
+from ._graphs import CudaGraphs
 from ._memory import CudaMemory
 from ._modules import CudaModules
 
 __all__ = ["CudaDriver"]
 
 
-class CudaDriver(CudaCore, CudaMemory, CudaModules):
+class CudaDriver(CudaCore, CudaMemory, CudaModules, CudaGraphs):
     """The CUDA Driver API behind the seam's protocol."""
 
     name = "cuda"

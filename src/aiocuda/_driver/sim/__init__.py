@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from ._core import SimCore
+from ._graphs import SimGraphs
 from ._memory import SimMemory
 from ._modules import SimModules
 
 __all__ = ["SimDriver"]
 
 
-class SimDriver(SimCore, SimMemory, SimModules):
+class SimDriver(SimCore, SimMemory, SimModules, SimGraphs):
     """A simulated CUDA driver; see ``_core.SimCore`` for its controls."""
 
     name = "sim"

@@ -38,6 +38,7 @@ _DESCRIPTIONS: dict[int, str] = {
     ResultCode.INVALID_SOURCE: "device kernel image is invalid",
     ResultCode.FILE_NOT_FOUND: "file not found",
     ResultCode.INVALID_HANDLE: "invalid resource handle",
+    ResultCode.ILLEGAL_STATE: "the operation cannot be performed in the present state",
     ResultCode.NOT_FOUND: "named symbol not found",
     ResultCode.NOT_READY: "device not ready",
     ResultCode.ILLEGAL_ADDRESS: "an illegal memory access was encountered",
@@ -58,6 +59,17 @@ _DESCRIPTIONS: dict[int, str] = {
     ResultCode.COOPERATIVE_LAUNCH_TOO_LARGE: "too many blocks in cooperative launch",
     ResultCode.NOT_PERMITTED: "operation not permitted",
     ResultCode.NOT_SUPPORTED: "operation not supported",
+    ResultCode.STREAM_CAPTURE_UNSUPPORTED: "operation not permitted when stream is capturing",
+    ResultCode.STREAM_CAPTURE_INVALIDATED: "operation failed due to a previous error during capture",
+    ResultCode.STREAM_CAPTURE_MERGE: "operation would result in a merge of separate capture sequences",
+    ResultCode.STREAM_CAPTURE_UNMATCHED: "capture was not ended in the same stream as it began",
+    ResultCode.STREAM_CAPTURE_UNJOINED: "capturing stream has unjoined work",
+    ResultCode.STREAM_CAPTURE_ISOLATION: "dependency created on uncaptured work in another stream",
+    ResultCode.STREAM_CAPTURE_IMPLICIT: "operation would make the legacy stream depend on a capturing blocking stream",
+    ResultCode.CAPTURED_EVENT: "operation not permitted on an event last recorded in a capturing stream",
+    ResultCode.STREAM_CAPTURE_WRONG_THREAD: "attempt to terminate a thread-local capture sequence from another thread",
+    ResultCode.GRAPH_EXEC_UPDATE_FAILURE: "the graph update was not performed because it included changes which "
+    "violated constraints specific to instantiated graph update",
     ResultCode.UNKNOWN: "unknown error",
 }
 
@@ -122,6 +134,18 @@ _CU_CALLS: dict[str, str] = {
     "occupancy_max_active_blocks": "cuOccupancyMaxActiveBlocksPerMultiprocessor",
     "occupancy_max_potential_block_size": "cuOccupancyMaxPotentialBlockSize",
     "launch_kernel": "cuLaunchKernel",
+    # graphs
+    "stream_begin_capture": "cuStreamBeginCapture",
+    "stream_end_capture": "cuStreamEndCapture",
+    "graph_nodes": "cuGraphGetNodes",
+    "graph_kernel_node_arguments": "cuGraphKernelNodeGetParams",
+    "graph_instantiate": "cuGraphInstantiate",
+    "graph_launch": "cuGraphLaunch",
+    "graph_exec_update": "cuGraphExecUpdate",
+    "graph_exec_kernel_node_set_params": "cuGraphExecKernelNodeSetParams",
+    "graph_exec_memcpy_node_set_params": "cuGraphExecMemcpyNodeSetParams",
+    "graph_destroy": "cuGraphDestroy",
+    "graph_exec_destroy": "cuGraphExecDestroy",
 }
 
 

@@ -62,6 +62,7 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
+from ._graphs import SimCapture
 from ._objects import HOST_FUNCTION, SimContext, SimDevice, SimEvent, SimPoint, SimStream, Workers, next_handle_value
 
 __all__ = ["SimCore"]
@@ -81,6 +82,8 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
+    _check_unsafe: Callable[[str], None]  # provided by SimGraphs
+
     def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
         if devices < 1:
             raise ValueError(f"a simulated driver needs at least one device, got devices={devices}")
@@ -95,6 +98,8 @@ class SimCore:
             device.null_stream = SimStream(self._workers, device, 0, non_blocking=False, priority=0)
         self._streams: dict[int, SimStream] = {}
         self._events: dict[int, SimEvent] = {}
+        self._captures: set[SimCapture] = set()
+        """Captures in progress (``_graphs.py``): while any is, seam calls check the unsafe ones."""
         super().__init__()
 
     def __repr__(self) -> str:
@@ -115,7 +120,7 @@ class SimCore:
         ``ContextPoisonedError`` if the device is poisoned, a pending asynchronous error
         of the device once, or ``CUDA_ERROR_DEINITIALIZED`` after :meth:`shutdown`.
         """
-        if self._closed or self._faults.armed:
+        if self._closed or self._faults.armed or self._captures:
             self._api_slow_path(name, device_ordinal)
         device = self._devices[self._device_of_current() if device_ordinal is None else device_ordinal]
         if device.poison is not None or device.async_error is not None:
@@ -126,6 +131,10 @@ class SimCore:
     def _api_slow_path(self, name: str, device_ordinal: int | None) -> None:
         if self._closed:
             raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+        if self._captures:
+            self._check_unsafe(name)
+        if not self._faults.armed:
+            return
         code = self._faults.take(name)
         if code is None:
             return
@@ -181,7 +190,11 @@ class SimCore:
         self._submit(self._resolve_stream(stream), fn, name)
 
     def _submit(self, stream: SimStream, fn: Callable[[], object], name: str) -> int:
-        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs."""
+        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs; on
+        a capturing stream, add a graph node instead (returns 0: no point in the stream)."""
+        capture = stream.capture
+        if capture is not None:
+            return capture.add(stream, fn, name)  # type: ignore[no-any-return]
         null = stream.device.null_stream
         if stream is null:
             for other in stream.device.streams():
@@ -416,21 +429,66 @@ class SimCore:
     def stream_query(self, stream: Any) -> bool:
         sim = self._resolve_stream(stream)
         self._api("stream_query", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_query")
         return sim.finished >= sim.submitted
 
     def stream_synchronize(self, stream: Any) -> None:
         sim = self._resolve_stream(stream)
         self._api("stream_synchronize", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_synchronize")
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
+
+    def _refuse_capturing(self, stream: SimStream, call: str) -> None:
+        """A query or synchronize of a capturing stream: its work will not run until the
+        graph is launched. Invalidates the capture."""
+        capture = stream.capture
+        if capture is not None:
+            raise capture.invalidate(
+                ResultCode.STREAM_CAPTURE_UNSUPPORTED, call, "the stream is being captured: its work does not run"
+            )
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         sim = self._resolve_stream(stream)
         ev = self._event(event)
         self._api("stream_wait_event", sim.device.ordinal)
+        if ev.captured is not None or sim.capture is not None:
+            self._wait_in_capture(sim, ev)
+            return
         point = ev.point
         if point is not None and not point.reached():
             self._submit(sim, _Waiter(point, sim.device), "stream_wait_event")
+
+    def _wait_in_capture(self, stream: SimStream, ev: SimEvent) -> None:
+        """``stream_wait_event`` where a capture is involved: join it, or refuse."""
+        call = "stream_wait_event"
+        mine: SimCapture | None = stream.capture
+        if ev.captured is None:
+            assert mine is not None
+            raise mine.invalidate(
+                ResultCode.STREAM_CAPTURE_ISOLATION, call, "the event was recorded outside the capture"
+            )
+        theirs, deps = ev.captured
+        if not theirs.active:
+            raise sim_error(ResultCode.CAPTURED_EVENT, call, "the event was recorded in a capture that has ended")
+        if mine is None:  # the stream joins the capture
+            stream.capture = theirs
+            theirs.tails[stream] = deps
+        elif mine is theirs:
+            theirs.tails[stream] = tuple(sorted({*theirs.tails[stream], *deps}))
+        else:
+            detail = "the event was recorded in another capture"
+            mine.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
+            raise theirs.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
+
+    def _refuse_captured(self, ev: SimEvent, call: str) -> None:
+        """A query, synchronize or timing of an event last recorded in a capture."""
+        if ev.captured is not None:
+            capture, _ = ev.captured
+            detail = "the event was last recorded in a capturing stream: re-record it outside the capture"
+            if capture.active:
+                raise capture.invalidate(ResultCode.CAPTURED_EVENT, call, detail)
+            raise sim_error(ResultCode.CAPTURED_EVENT, call, detail)
 
     def stream_priority_range(self) -> tuple[int, int]:
         self._api("stream_priority_range")
@@ -481,18 +539,27 @@ class SimCore:
                 "event_record",
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
+        capture = sim.capture
+        if capture is not None:
+            if capture.error is not None:
+                raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, "event_record", "the capture failed earlier")
+            ev.captured = (capture, capture.tails[sim])
+            return
         point = SimPoint(sim, 0)
         point.seq = self._submit(sim, point.stamp, "event_record")
         ev.point = point
+        ev.captured = None
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event)
         self._api("event_query", ev.device_ordinal)
+        self._refuse_captured(ev, "event_query")
         return ev.point is None or ev.point.reached()
 
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event)
         self._api("event_synchronize", ev.device_ordinal)
+        self._refuse_captured(ev, "event_synchronize")
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
 
@@ -500,6 +567,7 @@ class SimCore:
         first, last = self._event(start), self._event(end)
         self._api("event_elapsed_ms", first.device_ordinal)
         for ev in (first, last):
+            self._refuse_captured(ev, "event_elapsed_ms")
             if not ev.timing:
                 raise sim_error(
                     ResultCode.INVALID_HANDLE,

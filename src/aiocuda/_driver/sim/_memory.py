@@ -22,7 +22,11 @@ Departures from the driver, kept on purpose:
   with ``OUT_OF_MEMORY``, which is what the layer above must handle (trim, retry).
 * The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
-  "not null, not inside device memory": pass only addresses of live host buffers.
+  "not null, not inside device memory": pass only addresses of live host buffers. On a
+  capturing stream they must be page-locked (``mem_host_alloc`` or registered).
+* Graph allocations (``mem_alloc_async`` on a capturing stream, see ``_graphs.py``) do
+  not come from the pool: they count in the device's memory (``mem_get_info``) but not
+  in the pool's statistics, as with the driver's separate graph memory.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 
 from ...errors import CudaError, ResultCode, error_for_code
 from .._protocol import PoolProps
+from ._graphs import SimCapture, SimGraph
 from ._objects import SimDevice, SimPoint
 
 __all__ = ["SimMemory", "SimPool"]
@@ -116,10 +121,14 @@ class SimPool:
         return f"<SimPool device={self.ordinal} used={self.used} reserved={self.reserved}>"
 
 
+_FREED_BY_GRAPH = object()
+"""``free_token`` of a graph allocation freed by a node of its capture."""
+
+
 class _Block:
     """One entry of the allocation table: a device or pinned-host range."""
 
-    __slots__ = ("array", "free_token", "kind", "ordinal", "pool", "size", "start")
+    __slots__ = ("array", "free_token", "graph", "kind", "ordinal", "pool", "size", "start")
 
     def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
         self.start = start
@@ -130,6 +139,8 @@ class _Block:
         self.pool = pool
         self.free_token: object | None = None
         """Set while a free is enqueued; a same-stream reuse clears it, cancelling that free."""
+        self.graph: SimGraph | None = None
+        """The graph owning a graph allocation (made during a capture)."""
 
 
 class SimMemory:
@@ -238,6 +249,8 @@ class SimMemory:
         sim_stream = self._resolve_stream(stream)
         if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
+        if sim_stream.capture is not None:
+            return self._graph_allocate(size, sim_stream.capture, sim_stream)
         state = self._mem()
         with state.lock:
             reused = state.take_freeing(pool, sim_stream, size)
@@ -264,14 +277,56 @@ class SimMemory:
             state.insert(_Block(start, size, array, "device", pool.ordinal, pool))
         return start
 
+    def _graph_allocate(self, size: int, capture: SimCapture, stream: Any) -> int:
+        """A graph allocation: memory the captured graph owns, at a fixed address."""
+        state = self._mem()
+        device = stream.device
+        with state.lock:
+            if device.used_bytes + size > device.total_mem:
+                raise error_for_code(
+                    ResultCode.OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemAllocFromPoolAsync"
+                )
+            array = _aligned_bytes(size)
+            device.used_bytes += size
+            block = _Block(array.ctypes.data, size, array, "device", device.ordinal, None)
+            block.graph = capture.graph
+            state.insert(block)
+        capture.graph.allocations.append(block)
+        capture.add(stream, _GraphAllocation(block.start, size), "mem_alloc_async")
+        return block.start
+
+    def _release_graph_memory(self, graph: SimGraph) -> None:
+        """Give back a graph's allocations (it is destroyed and no replay can use them)."""
+        state = self._mem()
+        with state.lock:
+            for owned in graph.allocations:
+                start, ordinal, size = owned.start, owned.ordinal, owned.size
+                if state.blocks.get(start) is owned:
+                    state.remove(start)
+                    state.devices[ordinal].used_bytes -= size
+            graph.allocations.clear()
+
     def mem_free_async(self, ptr: int, stream: Any) -> None:
         sim_stream = self._resolve_stream(stream)
         self._api("mem_free_async", sim_stream.device.ordinal)
         state = self._mem()
+        capture: SimCapture | None = sim_stream.capture
+        if capture is not None:
+            with state.lock:
+                block = state.blocks.get(ptr)
+                if block is None or block.graph is not capture.graph or block.free_token is not None:
+                    raise capture.invalidate(
+                        ResultCode.INVALID_VALUE,
+                        "cuMemFreeAsync",
+                        f"0x{ptr:x} is not an allocation of this capture (only those can be freed during it)",
+                    )
+                block.free_token = _FREED_BY_GRAPH
+            capture.add(sim_stream, _GraphFree(ptr), "mem_free_async")
+            return
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
-            if block is None or block.kind != "device" or block.free_token is not None:
+            if block is None or block.kind != "device" or block.free_token is not None or block.graph is not None:
                 raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
             pool, array = block.pool, block.array
             assert pool is not None and array is not None
@@ -385,109 +440,55 @@ class SimMemory:
                     stream.wait_until(point.reached)
 
     # -- copies and memsets --------------------------------------------------------------------
-    def _device_range(self, ptr: int, size: int, call: str) -> None:
-        block = self._mem().find(ptr, size)
-        if block is None or block.kind != "device":
-            raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
-
-    def _host_range(self, ptr: int, size: int, call: str) -> None:
-        if not ptr:
-            raise _invalid(call, "null host pointer")
-        block = self._mem().find(ptr, 1)
-        if block is not None and block.kind == "device":
-            raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
-
-    def _enqueue_checked(
-        self,
-        stream: Any,
-        name: str,
-        call: str,
-        device_ranges: tuple[tuple[int, int], ...],
-        action: Callable[[], object],
-    ) -> None:
-        """Enqueue ``action``, re-validating the device ranges when it runs."""
-        state = self._mem()
-
-        def run() -> None:
-            for ptr, size in device_ranges:
-                block = state.find(ptr, size)
-                if block is None or block.kind != "device":
-                    raise error_for_code(
-                        ResultCode.ILLEGAL_ADDRESS,
-                        "CUDA_ERROR_ILLEGAL_ADDRESS",
-                        f"{call} touched freed device memory [0x{ptr:x}, +{size})",
-                        call,
-                    )
-            action()
-
-        self._enqueue(stream, run, name)
+    def _check_host(self, stream: Any, ptr: int, size: int, call: str) -> None:
+        _host_range(self._mem(), ptr, size, call)
+        capture: SimCapture | None = self._resolve_stream(stream).capture
+        if capture is not None and not _page_locked(self._mem(), ptr, size):
+            raise capture.invalidate(
+                ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+                call,
+                f"[0x{ptr:x}, +{size}) is pageable host memory: a copy of it cannot be captured",
+            )
 
     def _check_size(self, size: int, call: str) -> None:
         if size < 0:
             raise _invalid(call, f"size must be >= 0, got {size}")
 
-    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_htod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyHtoDAsync")
+    def _copy(self, direction: str, dst: int, src: int, size: int, stream: Any, name: str, call: str) -> None:
+        self._api(name, self._stream_ordinal(stream))
+        self._check_size(size, call)
         if size == 0:
             return
-        self._device_range(dst, size, "cuMemcpyHtoDAsync")
-        self._host_range(src, size, "cuMemcpyHtoDAsync")
-        self._enqueue_checked(
-            stream, "memcpy_htod_async", "cuMemcpyHtoDAsync", ((dst, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        state = self._mem()
+        if direction in ("htod", "dtod", "peer"):
+            _device_range(state, dst, size, call)
+        else:
+            self._check_host(stream, dst, size, call)
+        if direction in ("dtoh", "dtod", "peer"):
+            _device_range(state, src, size, call)
+        else:
+            self._check_host(stream, src, size, call)
+        self._enqueue(stream, _Copy(state, call, direction, dst, src, size), name)
+
+    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._copy("htod", dst, src, size, stream, "memcpy_htod_async", "cuMemcpyHtoDAsync")
 
     def memcpy_dtoh_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtoh_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoHAsync")
-        if size == 0:
-            return
-        self._device_range(src, size, "cuMemcpyDtoHAsync")
-        self._host_range(dst, size, "cuMemcpyDtoHAsync")
-        self._enqueue_checked(
-            stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync", ((src, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        self._copy("dtoh", dst, src, size, stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync")
 
     def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoDAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyDtoDAsync")
-        self._device_range(src, size, "cuMemcpyDtoDAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_dtod_async",
-            "cuMemcpyDtoDAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("dtod", dst, src, size, stream, "memcpy_dtod_async", "cuMemcpyDtoDAsync")
 
     def memcpy_peer_async(self, dst: int, dst_ctx: Any, src: int, src_ctx: Any, size: int, stream: Any) -> None:
-        self._api("memcpy_peer_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyPeerAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyPeerAsync")
-        self._device_range(src, size, "cuMemcpyPeerAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_peer_async",
-            "cuMemcpyPeerAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("peer", dst, src, size, stream, "memcpy_peer_async", "cuMemcpyPeerAsync")
 
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d8_async", self._stream_ordinal(stream))
         self._check_size(count, "cuMemsetD8Async")
         if count == 0:
             return
-        self._device_range(dst, count, "cuMemsetD8Async")
-        byte = int(value) & 0xFF
-        self._enqueue_checked(
-            stream, "memset_d8_async", "cuMemsetD8Async", ((dst, count),), lambda: ctypes.memset(dst, byte, count)
-        )
+        _device_range(self._mem(), dst, count, "cuMemsetD8Async")
+        self._enqueue(stream, _Set(self._mem(), "cuMemsetD8Async", dst, int(value) & 0xFF, count, 1), "memset_d8_async")
 
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d32_async", self._stream_ordinal(stream))
@@ -496,13 +497,144 @@ class SimMemory:
             return
         if dst % 4:
             raise _invalid("cuMemsetD32Async", f"0x{dst:x} is not 4-byte aligned")
-        self._device_range(dst, count * 4, "cuMemsetD32Async")
+        _device_range(self._mem(), dst, count * 4, "cuMemsetD32Async")
         word = int(value) & 0xFFFFFFFF
+        self._enqueue(stream, _Set(self._mem(), "cuMemsetD32Async", dst, word, count, 4), "memset_d32_async")
 
-        def fill() -> None:
-            np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(dst))[:] = word
 
-        self._enqueue_checked(stream, "memset_d32_async", "cuMemsetD32Async", ((dst, count * 4),), fill)
+def _device_range(state: _MemoryState, ptr: int, size: int, call: str) -> None:
+    block = state.find(ptr, size)
+    if block is None or block.kind != "device":
+        raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
+
+
+def _host_range(state: _MemoryState, ptr: int, size: int, call: str) -> None:
+    if not ptr:
+        raise _invalid(call, "null host pointer")
+    block = state.find(ptr, 1)
+    if block is not None and block.kind == "device":
+        raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
+
+
+def _page_locked(state: _MemoryState, ptr: int, size: int) -> bool:
+    block = state.find(ptr, size)
+    return block is not None and block.kind in ("host", "registered")
+
+
+def _check_live(state: _MemoryState, ranges: tuple[tuple[int, int], ...], call: str) -> None:
+    """When an operation runs: its device ranges must still be allocated (else it is a
+    use after free, which poisons the context)."""
+    for ptr, size in ranges:
+        block = state.find(ptr, size)
+        if block is None or block.kind != "device":
+            raise error_for_code(
+                ResultCode.ILLEGAL_ADDRESS,
+                "CUDA_ERROR_ILLEGAL_ADDRESS",
+                f"{call} touched freed device memory [0x{ptr:x}, +{size})",
+                call,
+            )
+
+
+class _Copy:
+    """A copy, run on a stream's worker (or as a graph node): checks that its device
+    ranges are still allocated, then moves the bytes."""
+
+    __slots__ = ("call", "direction", "dst", "size", "src", "state")
+
+    def __init__(self, state: _MemoryState, call: str, direction: str, dst: int, src: int, size: int) -> None:
+        self.state = state
+        self.call = call
+        self.direction = direction  # "htod", "dtoh", "dtod" or "peer"
+        self.dst = dst
+        self.src = src
+        self.size = size
+
+    def _device_ranges(self) -> tuple[tuple[int, int], ...]:
+        d = self.direction
+        ranges = []
+        if d != "dtoh":
+            ranges.append((self.dst, self.size))
+        if d != "htod":
+            ranges.append((self.src, self.size))
+        return tuple(ranges)
+
+    def __call__(self) -> None:
+        _check_live(self.state, self._device_ranges(), self.call)
+        ctypes.memmove(self.dst, self.src, self.size)
+
+    def describe(self) -> dict[str, Any]:
+        direction = "dtod" if self.direction == "peer" else self.direction
+        return {"dst": self.dst, "src": self.src, "size": self.size, "direction": direction}
+
+    def moved(self, dst: int, src: int) -> _Copy:
+        """The same copy between other addresses (a graph's memcpy node update): checked
+        as the driver checks them, the same kinds of memory on the same device."""
+        call = "cuGraphExecMemcpyNodeSetParams"
+        state, size = self.state, self.size
+        sides = ((dst, self.dst, self.direction != "dtoh"), (src, self.src, self.direction != "htod"))
+        for ptr, before, on_device in sides:
+            if on_device:
+                block, old = state.find(ptr, size), state.find(before, 1)
+                if block is None or block.kind != "device" or (old is not None and old.ordinal != block.ordinal):
+                    raise _invalid(call, f"[0x{ptr:x}, +{size}) is not device memory of the node's device")
+            elif not _page_locked(state, ptr, size):
+                raise _invalid(call, f"[0x{ptr:x}, +{size}) is not page-locked host memory")
+        return _Copy(state, self.call, self.direction, dst, src, size)
+
+
+class _Set:
+    """A memset of ``count`` elements of ``width`` bytes (1 or 4)."""
+
+    __slots__ = ("call", "count", "dst", "state", "value", "width")
+
+    def __init__(self, state: _MemoryState, call: str, dst: int, value: int, count: int, width: int) -> None:
+        self.state = state
+        self.call = call
+        self.dst = dst
+        self.value = value
+        self.count = count
+        self.width = width
+
+    def __call__(self) -> None:
+        _check_live(self.state, ((self.dst, self.count * self.width),), self.call)
+        if self.width == 1:
+            ctypes.memset(self.dst, self.value, self.count)
+        else:
+            np.ctypeslib.as_array((ctypes.c_uint32 * self.count).from_address(self.dst))[:] = self.value
+
+    def describe(self) -> dict[str, Any]:
+        return {"dst": self.dst, "size": self.count * self.width, "value": self.value, "element_size": self.width}
+
+
+class _GraphAllocation:
+    """An allocation node: the memory is the graph's for its whole life, nothing to run."""
+
+    __slots__ = ("ptr", "size")
+
+    def __init__(self, ptr: int, size: int) -> None:
+        self.ptr = ptr
+        self.size = size
+
+    def __call__(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"dst": self.ptr, "size": self.size}
+
+
+class _GraphFree:
+    """A free node of a graph allocation: nothing to run (the graph keeps the memory)."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __call__(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"dst": self.ptr}
 
 
 class _MemoryState:
