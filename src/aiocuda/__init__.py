@@ -25,16 +25,19 @@ from .device import Device, DeviceProperties, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
+    CaptureError,
     ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
+    GraphUpdateError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
+from .graph import Graph, GraphCapture, GraphNode
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
 from .lanes import Lane, Lanes
@@ -51,6 +54,7 @@ __all__ = [
     "ArgumentError",
     "BackendError",
     "Batcher",
+    "CaptureError",
     "ChunkContext",
     "ChunkResult",
     "ClosedError",
@@ -63,6 +67,10 @@ __all__ = [
     "DeviceProperties",
     "Event",
     "Executor",
+    "Graph",
+    "GraphCapture",
+    "GraphNode",
+    "GraphUpdateError",
     "HostRegistration",
     "Kernel",
     "KernelAttributes",

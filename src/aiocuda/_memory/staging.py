@@ -206,6 +206,10 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         enqueue_upload(dst, src, nbytes, stream)
         stream.hold(owner, host)
         return
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy of pageable host memory", "it is staged through host threads: copy from aiocuda.pinned_empty memory"
+        )
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
@@ -238,8 +242,13 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     if owner is not None:
         enqueue_download(dst, src, nbytes, stream)
         stream.hold(owner, host)
-        await stream.record()
+        if stream._capture is None:  # (a captured copy fills ``host`` at each replay)
+            await stream.record()
         return
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy to pageable host memory", "it is staged through host threads: copy into aiocuda.pinned_empty memory"
+        )
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
