@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Generator, Mapping
+from collections.abc import Awaitable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -343,19 +343,21 @@ class Graph(metaclass=NoPublicConstructor):
         setter(dst, src)
         self._nodes[index] = dataclasses.replace(current, dst=dst, src=src)
 
-    def rebind(self, mapping: Mapping[Any, Any]) -> None:
-        """In later replays, use the memory of each value of ``mapping`` wherever the
-        capture used the memory of its key: kernel pointer arguments and copy addresses
-        that fall inside a key's bytes move to the same offset in its value.
+    def rebind(self, mapping: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> None:
+        """In later replays, use new memory wherever the capture used old memory: kernel
+        pointer arguments and copy addresses that fall inside an old array's bytes move
+        to the same offset in the new one. ``mapping`` is ``{old: new}`` or pairs
+        ``[(old, new), ...]`` (numpy arrays cannot be dict keys).
 
-        Keys and values are device arrays or buffers, or page-locked numpy arrays; each
-        value must have at least its key's bytes, on the same side (device or host).
+        Old and new are device arrays or buffers, or page-locked numpy arrays; each new
+        one must have at least the old one's bytes, on the same side (device or host).
         Kernels of other libraries are left as they are. Nodes are checked before any is
         changed: a memset or an allocation inside a key raises
         :class:`~aiocuda.errors.GraphUpdateError`.
         """
         self._ready()
-        moves = [_move(old, new) for old, new in mapping.items()]
+        pairs = list(mapping.items() if isinstance(mapping, Mapping) else mapping)
+        moves = [_move(old, new) for old, new in pairs]
 
         def moved(address: int) -> int | None:
             for start, end, target in moves:
@@ -386,7 +388,7 @@ class Graph(metaclass=NoPublicConstructor):
                     "can be: capture the work again",
                     name="AIOCUDA_GRAPH_UPDATE",
                 )
-        given = [_bound(new) for new in mapping.values()]
+        given = [_bound(new) for _, new in pairs]
         for index, arguments in kernel_updates:
             self.set_kernel_args(index, *arguments)
             self._bind(index, given)

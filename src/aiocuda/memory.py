@@ -518,6 +518,8 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         """
         previous = self._stream
         if stream is previous:
+            if stream._capture is not None:  # captured work on this stream: the graph uses the buffer
+                stream._capture.uses(self)
             return
         if previous is None:
             raise invalid_value("use of a freed DeviceBuffer")

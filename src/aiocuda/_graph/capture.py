@@ -170,6 +170,11 @@ class Capture:
         """``buffer`` was just allocated on a capturing stream: graph memory."""
         self._allocated[int(buffer._ptr)] = buffer
 
+    def uses(self, buffer: DeviceBuffer) -> None:
+        """Captured work uses ``buffer``, last used on the same (capturing) stream."""
+        if self._allocated.get(int(buffer._ptr)) is not buffer:
+            self.externals[id(buffer)] = buffer
+
     def crossing(self, buffer: DeviceBuffer, previous: Stream, stream: Stream) -> Event | None:
         """``buffer``, last used on ``previous``, is about to be used on ``stream``, and one
         of them is capturing: the event ``stream`` must wait for, or None for none."""

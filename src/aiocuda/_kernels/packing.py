@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LaunchError
+from ..errors import CaptureError, LaunchError
 from .signature import Param, Signature
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "build_launcher", "diagnose", "to_pointer"]
@@ -237,6 +237,9 @@ def launch(*args):
     try:
         {unpack}
         {pack}
+    except CaptureError:
+        give(item)
+        raise
     except Exception:
         give(item)
         raise diagnose(signature, args, kernel) from None
@@ -262,6 +265,7 @@ def launch(*args):
         "to_pointer": to_pointer,
         "stream": stream,
         "diagnose": diagnose,
+        "CaptureError": CaptureError,
         "signature": signature,
         "kernel": kernel,
         "fn": fn,
