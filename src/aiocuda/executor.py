@@ -219,6 +219,7 @@ class Executor:
         placement: PlacementName = "round_robin",
         output: OutputFn | None = None,
         name: str | None = None,
+        graph: bool = False,
     ) -> Pipeline:
         """A pipeline applying ``stage`` to every host array of ``inputs``; use it as
         ``async with ex.map(...) as results: async for r in results: ...``.
@@ -246,6 +247,16 @@ class Executor:
                 ``index`` into (same shape and dtype; pinned for full speed, e.g. a
                 slice of one big pinned array). Default: a new pageable array.
             name: the stage's name in traces (default ``stage.__name__``).
+            graph: graph mode: capture each chunk's upload, stage and download once per
+                device (and per graph lane) into a CUDA graph and replay it for later
+                chunks of the same shape and dtype with their own addresses, which costs
+                the host a fraction of running the stage. The stage is then called only
+                while capturing: use it for stages whose work depends on the chunk's
+                shape and dtype, not on ``ctx.index`` or the data. The first chunk of each
+                device runs normally (warming up modules and libraries); a stage that
+                cannot be captured runs normally, with a note in the trace. Results
+                default to page-locked arrays. Same results, ordering, back-pressure and
+                errors as without.
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
@@ -265,6 +276,7 @@ class Executor:
             in_flight=limit,
             on_error=on_error,
             placement=placement,
+            graph=graph,
         )
 
     async def submit(

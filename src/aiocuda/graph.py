@@ -56,7 +56,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Generator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -209,7 +209,7 @@ class Graph(metaclass=NoPublicConstructor):
         self._replays: _Replays | None = None
         self._launched: dict[int, Stream] = {}
         """Streams replays were launched on, by ``id``: where the replays' needs are held at the end."""
-        self._setters: dict[int, Any] = {}
+        self._setters: dict[int, Callable[[int, int], None]] = {}
         self._state = "capturing"
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -333,15 +333,22 @@ class Graph(metaclass=NoPublicConstructor):
         self._bind(index, kept_dst + kept_src)
 
     def _move_copy(self, index: int, current: GraphNode, dst: int, src: int) -> None:
-        replays = self._ready()
-        setter = self._setters.get(index)
-        if setter is None:
-            setter = self._setters[index] = self._driver.graph_exec_copy_setter(
-                replays.graph_exec, self._infos[index], self.device._context
-            )
+        setter = self._copy_setter(index)
         self.device.make_current()
         setter(dst, src)
         self._nodes[index] = dataclasses.replace(current, dst=dst, src=src)
+
+    def _copy_setter(self, index: int) -> Callable[[int, int], None]:
+        """``set(dst, src)`` of memcpy node ``index``, made once: the hot path for a caller
+        that keeps the memory it points the node at alive itself (the executor's graph
+        mode). The node's record in :attr:`nodes` does not follow it."""
+        setter = self._setters.get(index)
+        if setter is None:
+            self._node(index, "memcpy")
+            setter = self._setters[index] = self._driver.graph_exec_copy_setter(
+                self._ready().graph_exec, self._infos[index], self.device._context
+            )
+        return setter
 
     def rebind(self, mapping: Mapping[Any, Any] | Iterable[tuple[Any, Any]]) -> None:
         """In later replays, use new memory wherever the capture used old memory: kernel

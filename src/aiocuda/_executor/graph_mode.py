@@ -1,0 +1,424 @@
+"""Graph mode of a pipeline (``Executor.map(..., graph=True)``): a chunk's work captured
+once per device and lane, replayed for every chunk with that chunk's addresses.
+
+Per device, the first chunk runs eagerly: it loads the stage's modules and warms up the
+libraries it calls, which must not happen during a capture. Once it has succeeded, the
+next chunk is captured on each of :data:`LANES` streams of the device -- its upload from
+page-locked memory, the stage (called once per lane: the uploaded input and the stage's
+``ctx.empty`` arrays become graph memory) and its download -- and replayed on the first
+lane. Every later chunk of the same shape and dtype is a replay on the next lane in
+turn: two copy addresses set, one graph launch, one event recorded; no task of its own
+and no call of the stage. One collector task per device awaits the replays in the order
+they were launched and delivers their results. Lanes replay side by side, so chunks
+overlap as on the eager path (the replays of one lane run one after another).
+
+A capture that fails -- a stage that waits for the GPU, copies pageable memory, moves the
+chunk to another device, or raises -- leaves the device on the eager path for the rest of
+the pipeline, with a one-line note in the trace; that chunk then runs eagerly, so its
+result or error is the eager path's. Chunks of another shape or dtype, and pageable
+inputs larger than ``staging.INLINE_LIMIT``, run eagerly too. Results default to
+page-locked arrays; a pageable ``output=`` destination is filled from page-locked
+memory once the replay is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from .._completion.engine import current_engine
+from .._completion.event_pool import EventPool
+from .._memory import staging as _staging
+from .._memory.pinned import pinned_ranges
+from ..array import DeviceArray, empty
+from ..errors import CaptureError
+from ..graph import Graph
+from ..host import pinned_empty
+from ..stream import Stream
+from ..trace import Trace, _PendingSpan
+from .chunk import ChunkContext, ChunkRunner
+from .device_streams import DeviceStreams
+
+if TYPE_CHECKING:
+    from .._driver import Driver
+
+__all__ = ["LANES", "GraphMode", "Route"]
+
+_log = logging.getLogger("aiocuda")
+
+LANES = 4
+"""Graph lanes per device: streams with a captured graph each, replaying chunks in turn
+(at most the executor's ``chunks_per_device``). Three keep a chunk's upload, kernels and
+download overlapping those of its neighbours; the fourth absorbs uneven chunks."""
+
+Route = Literal["replay", "capture", "eager"]
+Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
+"""``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
+releases its admission and delivers its result (none when both are None: the pipeline
+is being cancelled)."""
+
+
+class _Lane:
+    """One stream with a captured graph, and how to point the graph at a chunk."""
+
+    __slots__ = ("graph", "index", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
+
+    def __init__(self, index: int, stream: Stream, graph: Graph, x_ptr: int, result_ptr: int) -> None:
+        self.index = index
+        self.stream = stream
+        self.graph = graph
+        self.x_ptr = x_ptr
+        """The chunk's device input: graph memory, at the same address in every replay."""
+        self.result_ptr = result_ptr
+        """What the download copies from (graph memory, or a buffer the stage returned)."""
+        self.set_upload: Callable[[int, int], None] = _no_copy
+        self.set_download: Callable[[int, int], None] = _no_copy
+
+
+def _no_copy(dst: int, src: int) -> None:
+    raise AssertionError("a lane's copies are set when it is captured")
+
+
+class _Replay:
+    """A chunk whose replay is enqueued: what its result needs once the replay is done."""
+
+    __slots__ = ("dest", "event", "host", "index", "keep", "lane", "span", "staged")
+
+    def __init__(
+        self,
+        index: int,
+        host: npt.NDArray[Any],
+        dest: npt.NDArray[Any],
+        staged: npt.NDArray[Any] | None,
+        keep: tuple[Any, ...],
+        lane: _Lane,
+        event: Any,
+        span: _PendingSpan | None,
+    ) -> None:
+        self.index = index
+        self.host = host
+        self.dest = dest
+        self.staged = staged
+        """The page-locked array the replay downloads into when ``dest`` is pageable."""
+        self.keep = keep
+        """Host memory the replay reads or writes (kept until it is done)."""
+        self.lane = lane
+        self.event = event
+        self.span = span
+
+
+class _Device:
+    """Graph mode's state on one device for one pipeline."""
+
+    __slots__ = ("dtype", "lanes", "pending", "shape", "state", "template", "turn", "wake", "warmup")
+
+    def __init__(self) -> None:
+        self.state: Literal["new", "warming", "capture", "capturing", "ready", "eager"] = "new"
+        self.warmup = -1
+        """The index of the chunk warming the device up."""
+        self.lanes: list[_Lane] = []
+        self.turn = 0
+        self.shape: tuple[int, ...] = ()
+        self.dtype: np.dtype[Any] = np.dtype(np.uint8)
+        self.template: DeviceArray | None = None
+        """The stage's result in the capture: shape and dtype for ``output(index, result)``."""
+        self.pending: collections.deque[_Replay] = collections.deque()
+        self.wake = anyio.Event()
+
+
+class GraphMode:
+    """Graph mode for one pipeline (see the module docstring).
+
+    ``route`` tells the pipeline how to run each admitted chunk: as a replay
+    (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own), or
+    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`).
+    """
+
+    def __init__(self, runner: ChunkRunner, finish: Finish, start: Callable[..., object], lanes: int = LANES) -> None:
+        self._runner = runner
+        self._finish = finish
+        self._start = start
+        self._lane_count = lanes
+        self._devices: dict[int, _Device] = {}
+
+    def close(self) -> None:
+        """The pipeline is over: release the captured graphs (their replays are done, or
+        keep what they use until they are)."""
+        for dev in self._devices.values():
+            for lane in dev.lanes:
+                lane.graph.close()
+            dev.lanes.clear()
+            if dev.state == "ready":
+                dev.state = "eager"
+
+    def _device(self, device_streams: DeviceStreams) -> _Device:
+        ordinal = device_streams.device.ordinal
+        found = self._devices.get(ordinal)
+        if found is None:
+            found = self._devices[ordinal] = _Device()
+        return found
+
+    # -- routing --------------------------------------------------------------------------------
+    def route(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
+        dev = self._device(device_streams)
+        state = dev.state
+        if state == "ready":
+            fits = host.shape == dev.shape and host.dtype == dev.dtype
+            if fits and (host.nbytes <= _staging.INLINE_LIMIT or _pinned(host)):
+                return "replay"
+            return "eager"
+        if state == "new":
+            dev.state, dev.warmup = "warming", index
+        elif state == "capture":
+            dev.state = "capturing"
+            return "capture"
+        return "eager"
+
+    def warmed(self, index: int, device_streams: DeviceStreams, ok: bool) -> None:
+        """An eager chunk finished: the device may be captured next, if it was warming up."""
+        dev = self._device(device_streams)
+        if dev.state == "warming" and dev.warmup == index:
+            dev.state = "capture" if ok else "new"
+
+    # -- capture --------------------------------------------------------------------------------
+    async def capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
+        """Capture the device's lanes with chunk ``index`` and run it as the first replay;
+        on failure, note it and run the chunk eagerly (the device stays eager)."""
+        dev = self._device(device_streams)
+        runner = self._runner
+        try:
+            dest, staged_in, staged_out = await self._capture_lanes(dev, index, host, device_streams)
+        except Exception as exc:
+            dev.state = "eager"
+            for lane in dev.lanes:
+                lane.graph.close()
+            dev.lanes.clear()
+            device = device_streams.device.ordinal
+            note = (
+                f"graph mode: stage {runner.name!r} on device {device} runs eagerly: its work could not be "
+                f"captured ({type(exc).__name__}: {exc})"
+            )
+            _log.info("aiocuda: %s", note)
+            if runner.trace is not None:
+                runner.trace.note(note)
+            return await runner.run(index, host, device_streams)
+        dev.state = "ready"
+        self._start(self._collect, dev, device_streams)
+        lane = dev.lanes[0]
+        dev.turn = 1 % len(dev.lanes)
+        trace = runner.trace
+        span = self._span(trace, lane, index)
+        launched = lane.graph.launch(lane.stream)
+        if span is not None:
+            Trace._stop(span, lane.stream)
+        try:
+            await launched
+        finally:
+            if staged_in is not None:
+                lane.stream.hold(staged_in)
+        if staged_out is not None:
+            await _copy(dest, staged_out)
+        if span is not None and trace is not None:
+            trace._resolve(span)
+        return dest
+
+    async def _capture_lanes(
+        self, dev: _Device, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, npt.NDArray[Any] | None]:
+        """Capture every lane with chunk ``index``'s addresses; ``(dest, staged input,
+        staged output)``: the chunk's destination and the page-locked copies used."""
+        device = device_streams.device
+        if not device_streams.graph_lanes:
+            count = max(1, min(self._lane_count, device_streams.max_chunks))
+            device_streams.graph_lanes = await anyio.to_thread.run_sync(_make_streams, device, count)
+        staged_in = None if _pinned(host) else await _pin(host)
+        src = int((host if staged_in is None else staged_in).ctypes.data)
+        dest: npt.NDArray[Any] | None = None
+        staged_out: npt.NDArray[Any] | None = None
+        dst = 0
+        for k, stream in enumerate(device_streams.graph_lanes):
+            ctx = ChunkContext._create(index, host, device_streams, self._runner.streams_of, None, self._runner.name)
+            ctx.stream = stream
+            async with stream.capture(mode="relaxed") as graph:
+                x = empty(host.shape, host.dtype, stream=stream)
+                x_ptr = x.ptr
+                _staging.enqueue_upload(x_ptr, src, host.nbytes, stream)
+                returned = self._runner.stage(ctx, x)
+                if inspect.isawaitable(returned):
+                    returned = await returned
+                if returned is not None and not isinstance(returned, DeviceArray):
+                    raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+                result = x if returned is None else returned
+                if result.device is not device:
+                    raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
+                if dest is None:
+                    dest = self._destination(index, result)
+                    if not _pinned(dest):
+                        staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
+                    dst = int((dest if staged_out is None else staged_out).ctypes.data)
+                    dev.template, dev.shape, dev.dtype = result, host.shape, host.dtype
+                result_ptr = result.ptr
+                _staging.enqueue_download(dst, result_ptr, result.nbytes, stream)
+            lane = _Lane(k, stream, graph, x_ptr, result_ptr)
+            dev.lanes.append(lane)
+            lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
+            lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
+        assert dest is not None
+        return dest, staged_in, staged_out
+
+    def _destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
+        if self._runner.output is None:
+            if not result.is_c_contiguous:
+                return self._runner.destination(index, result)  # raises its error
+            return pinned_empty(result.shape, result.dtype, device=result.device)
+        return self._runner.destination(index, result)
+
+    # -- replays -----------------------------------------------------------------------------------
+    def replay(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
+        """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
+        :meth:`route` sent here); the device's collector delivers its result."""
+        dev = self._device(device_streams)
+        try:
+            pending = self._launch(dev, index, host)
+        except Exception as exc:
+            self._finish(index, host, device_streams, None, exc)
+            return
+        dev.pending.append(pending)
+        if len(dev.pending) == 1:
+            dev.wake.set()
+
+    def _launch(self, dev: _Device, index: int, host: npt.NDArray[Any]) -> _Replay:
+        keep: tuple[Any, ...]
+        if _pinned(host):
+            src, keep = int(host.ctypes.data), (host,)
+        else:
+            copied = pinned_empty(host.shape, host.dtype)
+            np.copyto(copied, host)
+            src, keep = int(copied.ctypes.data), (copied,)
+        assert dev.template is not None
+        dest = self._destination(index, dev.template)
+        staged = None if _pinned(dest) else pinned_empty(dest.shape, dest.dtype)
+        dst = int((dest if staged is None else staged).ctypes.data)
+        lanes = dev.lanes
+        lane = lanes[dev.turn]
+        dev.turn = (dev.turn + 1) % len(lanes)
+        stream = lane.stream
+        lane.set_upload(lane.x_ptr, src)
+        lane.set_download(dst, lane.result_ptr)
+        span = self._span(self._runner.trace, lane, index)
+        lane.graph.launch(stream)
+        if span is not None:
+            Trace._stop(span, stream)
+        backend: Driver = stream.device._driver
+        event = EventPool.for_device(stream.device).acquire()
+        backend.event_record(event, stream.handle)
+        return _Replay(index, host, dest, staged, (*keep, dest if staged is None else staged), lane, event, span)
+
+    def _span(self, trace: Trace | None, lane: _Lane, index: int) -> _PendingSpan | None:
+        if trace is None:
+            return None
+        name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
+        return trace._start(lane.stream, "graph", name, chunk=index, track=lane.index)
+
+    async def _collect(self, dev: _Device, device_streams: DeviceStreams) -> None:
+        """Await the device's replays in launch order and deliver their results."""
+        engine = current_engine()
+        pool = EventPool.for_device(device_streams.device)
+        trace = self._runner.trace
+        pending = dev.pending
+        try:
+            while True:
+                while not pending:
+                    dev.wake = anyio.Event()
+                    await dev.wake.wait()
+                replay = pending[0]
+                stream = replay.lane.stream
+                output: npt.NDArray[Any] | None = None
+                error: Exception | None = None
+                event, replay.event = replay.event, None  # the wait gives it back, however it ends
+                try:
+                    await _Wait(engine, event, stream, pool)
+                    if replay.staged is not None:
+                        await _copy(replay.dest, replay.staged)
+                    output = replay.dest
+                    if replay.span is not None and trace is not None:
+                        trace._resolve(replay.span)
+                except Exception as exc:
+                    error = exc
+                    if replay.span is not None:
+                        Trace._discard(replay.span)
+                pending.popleft()
+                self._finish(replay.index, replay.host, device_streams, output, error)
+        finally:
+            # Cancelled (the pipeline is over): the replays still run; keep their memory
+            # until they have, and give their chunks' admission back.
+            while pending:
+                replay = pending.popleft()
+                if replay.event is not None:
+                    pool.release(replay.event)  # re-recording a pending event is safe
+                replay.lane.stream.hold(*replay.keep)
+                if replay.span is not None:
+                    Trace._discard(replay.span)
+                self._finish(replay.index, replay.host, device_streams, None, None)
+
+
+class _Wait:
+    """An await of one recorded event through the completion engine."""
+
+    __slots__ = ("_engine", "_event", "_pool", "_stream")
+
+    def __init__(self, engine: Any, event: Any, stream: Stream, pool: EventPool) -> None:
+        self._engine = engine
+        self._event = event
+        self._stream = stream
+        self._pool = pool
+
+    def __await__(self) -> Any:
+        stream = self._stream
+        return self._engine.wait(self._event, stream._handle, stream.device, self._pool.release)
+
+
+def _pinned(array: npt.NDArray[Any]) -> bool:
+    return pinned_ranges.owner(int(array.ctypes.data), max(int(array.nbytes), 1)) is not None
+
+
+async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A page-locked copy of ``host`` (made on a worker thread when large)."""
+    copied = pinned_empty(host.shape, host.dtype)
+    await _copy(copied, host)
+    return copied
+
+
+async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    if dst.nbytes <= _staging.INLINE_LIMIT:
+        np.copyto(dst, src)
+    else:
+        await anyio.to_thread.run_sync(np.copyto, dst, src)
+
+
+def _make_streams(device: Any, count: int) -> tuple[Stream, ...]:
+    device.make_current()
+    return tuple(Stream(device) for _ in range(count))
+
+
+def _copy_node(graph: Graph, direction: str, dst: int, src: int) -> int:
+    """The index of the graph's one memcpy node of ``direction`` from ``src`` to ``dst``."""
+    found = [
+        node.index
+        for node in graph.nodes
+        if node.kind == "memcpy" and node.direction == direction and node.dst == dst and node.src == src
+    ]
+    if len(found) != 1:
+        raise CaptureError(
+            f"the captured graph has {len(found)} copies of the chunk's {direction} transfer, not one",
+            name="AIOCUDA_NOT_CAPTURABLE",
+        )
+    return found[0]
