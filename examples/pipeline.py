@@ -1,6 +1,10 @@
 """A pipeline over every GPU: upload chunks, run a kernel on each, download the results.
 
-    PYTHONPATH=src python3 examples/pipeline.py          # a GPU, or the simulator without one
+    python examples/pipeline.py [TRACE.json]   # every GPU, or the simulator without one
+
+(with aiocuda installed: see the README). The trace goes to TRACE.json, by default
+``aiocuda-pipeline-trace.json`` in the system's temporary folder; open it in
+https://ui.perfetto.dev to see the copies and kernels of every device overlap.
 
 The stage is a plain function: it gets a context (``ctx.stream``: where to enqueue;
 ``ctx.empty``: chunk-scoped device memory) and the chunk already on the device, enqueues
@@ -10,6 +14,10 @@ number of chunks in flight, and yields the results here as they arrive.
 """
 
 from __future__ import annotations
+
+import pathlib
+import sys
+import tempfile
 
 import anyio
 import numpy as np
@@ -33,7 +41,7 @@ def saxpy_sim(launch: object, a: np.float32, x: np.ndarray, y: np.ndarray, n: np
     y[: int(n)] = a * x[: int(n)] + np.float32(1.0)
 
 
-async def main() -> None:
+async def main(trace_file: pathlib.Path) -> None:
     register_sim_kernel("saxpy", saxpy_sim)
     saxpy = Program(SOURCE).compile().kernel("saxpy")
 
@@ -53,10 +61,11 @@ async def main() -> None:
                 print(f"chunk {r.index:2d} done on device {r.device}")
         assert ex.trace is not None
         print(ex.trace.summary().table())
-        ex.trace.write_chrome("pipeline-trace.json")
+        ex.trace.write_chrome(trace_file)
     assert np.allclose(outputs, 2.0 * inputs + 1.0)
-    print("ok: results match numpy; trace in pipeline-trace.json")
+    print(f"ok: results match numpy; trace in {trace_file}")
 
 
 if __name__ == "__main__":
-    anyio.run(main)
+    default = pathlib.Path(tempfile.gettempdir(), "aiocuda-pipeline-trace.json")
+    anyio.run(main, pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else default)

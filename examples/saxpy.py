@@ -1,11 +1,12 @@
 """SAXPY end to end: compile a kernel, copy data in, launch, await, copy the result out.
 
-    PYTHONPATH=src python3 examples/saxpy.py            # a real GPU if there is one
-    AIOCUDA_BACKEND=sim PYTHONPATH=src python3 examples/saxpy.py
+    python examples/saxpy.py                        # a real GPU if there is one
+    AIOCUDA_BACKEND=sim python examples/saxpy.py    # the simulator, GPU or not
 
-On a machine without a GPU the simulated backend runs the kernel through the Python
-implementation registered below -- the same code path, so this example (and your
-service's tests) run anywhere.
+(with aiocuda installed: see the README). On a machine without a GPU the simulated
+backend runs the kernel through the Python implementation registered below -- the same
+code path, so this example (and your service's tests, see ``test_with_the_simulator.py``)
+run anywhere.
 
 The first run compiles with NVRTC (tens of milliseconds); later runs read the compiled
 kernel from the on-disk cache (``~/.cache/aiocuda``).

@@ -1,8 +1,8 @@
 """A FastAPI app serving GPU work: request lanes, priorities, deadlines and dynamic batching.
 
-    pip install fastapi uvicorn
-    PYTHONPATH=src uvicorn --app-dir examples serve_fastapi:app
-    AIOCUDA_BACKEND=sim PYTHONPATH=src uvicorn --app-dir examples serve_fastapi:app
+    pip install fastapi uvicorn            # with aiocuda installed (see the README)
+    uvicorn --app-dir examples serve_fastapi:app
+    AIOCUDA_BACKEND=sim uvicorn --app-dir examples serve_fastapi:app
 
 Endpoints (bodies are raw float32 values; results too):
 

@@ -1,8 +1,8 @@
 """A plain Starlette app serving GPU work through request lanes.
 
-    pip install starlette uvicorn
-    PYTHONPATH=src uvicorn --app-dir examples serve_starlette:app        # a real GPU if there is one
-    AIOCUDA_BACKEND=sim PYTHONPATH=src uvicorn --app-dir examples serve_starlette:app
+    pip install starlette uvicorn          # with aiocuda installed (see the README)
+    uvicorn --app-dir examples serve_starlette:app        # a real GPU if there is one
+    AIOCUDA_BACKEND=sim uvicorn --app-dir examples serve_starlette:app
 
     python -c "import numpy as np, sys; sys.stdout.buffer.write(np.arange(8, dtype=np.float32).tobytes())" \\
         | curl -s --data-binary @- http://127.0.0.1:8000/affine | python -c \\

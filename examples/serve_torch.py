@@ -1,8 +1,8 @@
 """A FastAPI app serving a PyTorch model, its ops on aiocuda request lanes, awaited.
 
-    pip install fastapi uvicorn torch
-    PYTHONPATH=src uvicorn --app-dir examples serve_torch:app            # CUDA torch on a GPU
-    AIOCUDA_BACKEND=sim PYTHONPATH=src uvicorn --app-dir examples serve_torch:app   # CPU torch
+    pip install fastapi uvicorn torch      # with aiocuda installed (see the README)
+    uvicorn --app-dir examples serve_torch:app            # CUDA torch on a GPU
+    AIOCUDA_BACKEND=sim uvicorn --app-dir examples serve_torch:app   # CPU torch
 
 ``POST /predict`` takes raw float32 rows of ``WIDTH`` values and returns the model's
 output rows (float32). ``GET /health`` as in the other examples.

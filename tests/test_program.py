@@ -156,6 +156,41 @@ def test_sim_compile_records_kernels(sim_backend: _driver.Driver) -> None:
         Program(source, name_expressions=["c<float>"]).compile()
 
 
+def _nvrtc_installed() -> bool:
+    try:
+        nvrtc.load()
+    except CompileError:
+        return False
+    return True
+
+
+def test_the_simulator_compiles_with_nvrtc_and_reports_bad_source(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path
+) -> None:
+    """NVRTC needs no GPU: on the simulator a program that does not compile fails as it
+    would on a GPU, while a good one becomes a sim module whose kernels run in Python."""
+    if not _nvrtc_installed():
+        pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+    with pytest.raises(CompileError) as info:
+        Program("void f( { }", name="bad.cu", cache=tmp_path).compile()
+    assert "bad.cu" in str(info.value) and "error" in info.value.log
+    good = Program('extern "C" __global__ void fine(int* x) { x[0] = 1; }', cache=tmp_path).compile()
+    assert good.kind == "sim" and good.kernel("fine").function() is not None
+
+
+def test_the_simulator_without_nvrtc_skips_the_compile(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def missing() -> Any:
+        raise CompileError("no NVRTC here", name=nvrtc.NO_NVRTC)
+
+    monkeypatch.setattr(nvrtc, "load", missing)
+    monkeypatch.setattr(nvrtc, "_identity", None)
+    monkeypatch.setattr(nvrtc, "_NVRTC_WHEEL_DIRS", ())
+    module = Program('extern "C" __global__ void g(int* x) { x[0] = 1; }', cache=tmp_path).compile()
+    assert module.kind == "sim" and module.kernel("g").function() is not None
+
+
 # -- NVRTC -----------------------------------------------------------------------------------------
 def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
     import cuda.bindings

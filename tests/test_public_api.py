@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 import aiocuda
+import aiocuda.testing
 from aiocuda import _driver
 from aiocuda._util import NoPublicConstructor
 
@@ -35,8 +36,6 @@ PUBLIC_MODULES = [
 
 # Private types that a public signature may still name, each with the reason.
 KNOWN_PRIVATE_IN_SIGNATURES = {
-    # use_backend() returns the backend; a typed testing API is issue 17's.
-    ("aiocuda.use_backend", "Driver"),
     # A protocol standing for Stream (event.py cannot import stream.py, which imports it).
     ("aiocuda.Event.record", "_OnStream"),
     ("aiocuda.event.Event.record", "_OnStream"),
@@ -90,7 +89,8 @@ def test_the_package_exports_every_public_attribute() -> None:
     public = {
         attr
         for attr, value in vars(aiocuda).items()
-        if not attr.startswith("_") and not (isinstance(value, ModuleType) and attr not in ("errors", "interop"))
+        if not attr.startswith("_")
+        and not (isinstance(value, ModuleType) and attr not in ("errors", "interop", "profiler"))
     }
     assert public - imported_for_itself == set(aiocuda.__all__)
 
@@ -168,6 +168,7 @@ def test_factory_only_classes_refuse_direct_construction(sim_backend: _driver.Dr
         (aiocuda.DeviceBuffer, "MemoryPool.allocate"),
         (aiocuda.MemoryPool, "MemoryPool.for_device"),
         (aiocuda.Kernel, "Module.kernel"),
+        (aiocuda.testing.Simulator, r"aiocuda.testing.use_simulator\(\) or current_simulator\(\)"),
     ]:
         with pytest.raises(TypeError, match=f"cannot be constructed directly: use {factory}"):
             cls()

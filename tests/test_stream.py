@@ -222,3 +222,23 @@ def test_priority_range_and_synchronize(backend: _driver.Driver) -> None:
         slow_op(s, 0.01)
         s.synchronize()
         assert s.query()
+
+
+def test_priority_and_flags_getters(backend: _driver.Driver) -> None:
+    least, greatest = Stream.priority_range(0)
+    with Stream(0, priority=greatest) as urgent, Stream(0, non_blocking=False) as blocking:
+        assert urgent.priority == greatest and urgent.non_blocking
+        assert blocking.priority == least and not blocking.non_blocking
+        wrapped = Stream.wrap(int(urgent))  # a foreign handle reports what the driver keeps
+        assert wrapped.priority == greatest
+    with Stream(0, priority=greatest - 100) as clamped:
+        assert clamped.priority == greatest
+
+
+@pytest.mark.anyio
+async def test_external_event_records_complete_like_others(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        slow_op(s, 0.01)
+        event = Event(0).record(s, external=True)
+        await event
+        assert event.query()

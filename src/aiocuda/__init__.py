@@ -10,18 +10,21 @@
     anyio.run(main)
 
 Backends: the real CUDA driver where a GPU exists, a simulated driver otherwise
-(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`).
+(``AIOCUDA_BACKEND=cuda|sim|auto``, or :func:`use_backend`; :func:`current_backend`
+says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 """
 
 from __future__ import annotations
 
-from . import errors, interop
-from ._driver import LaunchConfig, use_backend
+from . import errors, interop, profiler
+from ._driver import JitOptions, LaunchConfig
 from ._memory.interop import as_device_array
 from .array import DeviceArray, empty, to_device, zeros
 from .array import copy as copy_array
+from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
-from .device import Device, DeviceProperties, device_count, devices
+from .context import Context, ContextFlags
+from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
@@ -34,6 +37,7 @@ from .errors import (
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    SimulatedBackendWarning,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
@@ -52,6 +56,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 __all__ = [
     "ArgumentError",
+    "Backend",
     "BackendError",
     "Batcher",
     "CaptureError",
@@ -59,6 +64,8 @@ __all__ = [
     "ChunkResult",
     "ClosedError",
     "CompileError",
+    "Context",
+    "ContextFlags",
     "ContextPoisonedError",
     "CudaError",
     "Device",
@@ -72,6 +79,7 @@ __all__ = [
     "GraphNode",
     "GraphUpdateError",
     "HostRegistration",
+    "JitOptions",
     "Kernel",
     "KernelAttributes",
     "Lane",
@@ -82,15 +90,18 @@ __all__ = [
     "Module",
     "NoDeviceError",
     "OutOfMemoryError",
+    "PeerAttributes",
     "Pipeline",
     "PoolStatistics",
     "Program",
     "ProgramOptions",
+    "SimulatedBackendWarning",
     "Stream",
     "Trace",
     "TraceSummary",
     "as_device_array",
     "copy_array",
+    "current_backend",
     "current_stream",
     "device_count",
     "devices",
@@ -101,6 +112,7 @@ __all__ = [
     "is_pinned",
     "pinned_empty",
     "pinned_zeros",
+    "profiler",
     "register_host",
     "register_sim_kernel",
     "to_device",

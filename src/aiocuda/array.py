@@ -13,6 +13,19 @@ wait only: the GPU finishes the copy, the memory it touches stays alive until th
 (device memory is freed stream-ordered, host arrays are held by the stream), and the data
 is never torn. Work on one array from different streams is ordered automatically: the
 new stream waits for the array's previous stream on the GPU.
+
+```python
+x = await aiocuda.to_device(np.arange(1 << 20, dtype=np.float32), stream=stream)
+kernel.launch(grid, block, x, stream=stream)
+result = await x.to_host()
+```
+
+Other libraries take a DeviceArray without copying: through DLPack
+(``torch.from_dlpack(x)``, ``cupy.from_dlpack(x)``), which orders the consumer's stream
+after the array's work on the GPU, or through ``__cuda_array_interface__``
+(``torch.as_tensor(x, device="cuda")``, ``cupy.asarray(x)``, ``numba.cuda.as_cuda_array(x)``),
+which first waits for the array's pending work: await the array's stream before handing
+it over from an event loop. ``np.asarray(x)`` raises ``TypeError``: use ``to_host()``.
 """
 
 from __future__ import annotations
@@ -20,11 +33,12 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
+from ._memory import copies as _copies
 from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
@@ -263,21 +277,25 @@ class DeviceArray:
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
-        raw = pattern.tobytes()
         s = self._stream_for(stream)
-        driver = self.device._driver
-        self.device.make_current()
-        if raw == raw[:1] * len(raw):
-            driver.memset_d8_async(self.ptr, raw[0], self.nbytes, s.handle)
-        elif len(raw) in (4, 8) and raw == raw[:4] * (len(raw) // 4) and self.ptr % 4 == 0:
-            driver.memset_d32_async(self.ptr, int.from_bytes(raw[:4], "little"), self.nbytes // 4, s.handle)
-        else:
+        if not _copies.fill(self.ptr, self.nbytes, pattern.tobytes(), s):
             await _staging.host_to_device(self.ptr, np.full(self.shape, pattern, self.dtype), s)
         await _finished(s)
 
     # -- interoperability ------------------------------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> NoReturn:
+        """Refuses: the data is in device memory, and copying it to the host waits for
+        the GPU. ``await array.to_host()`` does that without blocking."""
+        raise TypeError(
+            "a DeviceArray lives in device memory and is not converted to a numpy array implicitly "
+            "(np.asarray, np.array): copy it with `await array.to_host()`"
+        )
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface (version 3), with the array's pending work finished
+        first (``"stream": None``): a wait, which warns on an event loop's thread, unless
+        the array's stream is idle."""
         from ._memory.interop import cuda_array_interface
 
         return cuda_array_interface(self)
@@ -410,13 +428,7 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
-    nbytes = src.nbytes
-    driver = s.device._driver
-    s.device.make_current()
-    if src.device is dst.device:
-        driver.memcpy_dtod_async(dst.ptr, src.ptr, nbytes, s.handle)
-    else:
-        driver.memcpy_peer_async(dst.ptr, dst.device._context, src.ptr, src.device._context, nbytes, s.handle)
+    _copies.copy_between(dst.ptr, dst.device, src.ptr, src.device, src.nbytes, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
     await _finished(s)

@@ -17,7 +17,8 @@ for the situations callers branch on:
   wrong argument count or type, a missing kernel image).
 * :class:`CompileError` -- NVRTC rejected a program (``.log`` has its log), or could not
   be loaded.
-* :class:`BackendError` -- an unknown backend was asked for. Also a :class:`ValueError`.
+* :class:`BackendError` -- an unknown backend or a bad setting for one was asked for.
+  Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
 * :class:`CaptureError` -- an operation cannot be captured into a graph (a wait for the
@@ -25,6 +26,9 @@ for the situations callers branch on:
   part of failed.
 * :class:`GraphUpdateError` -- new parameters or a new capture do not fit an
   instantiated graph (another topology, another kind of node, another device).
+
+:class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
+instead (see :mod:`aiocuda.backend`).
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -46,6 +50,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "ResultCode",
+    "SimulatedBackendWarning",
     "error_for_code",
 ]
 
@@ -67,6 +72,7 @@ class ResultCode:
     INVALID_CONTEXT = 201
     NO_BINARY_FOR_GPU = 209
     ECC_UNCORRECTABLE = 214
+    UNSUPPORTED_LIMIT = 215
     PEER_ACCESS_UNSUPPORTED = 217
     INVALID_PTX = 218
     UNSUPPORTED_PTX_VERSION = 222
@@ -140,6 +146,7 @@ _ARGUMENT_CODES = frozenset(
         ResultCode.INVALID_HANDLE,
         ResultCode.INVALID_CONTEXT,
         ResultCode.NOT_FOUND,
+        ResultCode.UNSUPPORTED_LIMIT,
         ResultCode.PEER_ACCESS_UNSUPPORTED,
         ResultCode.HOST_MEMORY_ALREADY_REGISTERED,
         ResultCode.HOST_MEMORY_NOT_REGISTERED,
@@ -225,10 +232,11 @@ class LaunchError(CudaError):
 
 
 class CompileError(CudaError):
-    """A program failed to compile; ``log`` holds NVRTC's full log (also in the message).
+    """A program failed to compile or link; ``log`` holds NVRTC's or the linker's full
+    log (also in the message).
 
-    Also raised, with an empty log, when NVRTC itself cannot be loaded (the message
-    says which package to install).
+    Also raised, with an empty log, when NVRTC or nvJitLink itself cannot be loaded (the
+    message says which package to install).
     """
 
     def __init__(self, message: str, *, log: str = "", name: str = "AIOCUDA_COMPILE_ERROR") -> None:
@@ -237,8 +245,9 @@ class CompileError(CudaError):
 
 
 class BackendError(CudaError, ValueError):
-    """An unknown driver backend was asked for (``AIOCUDA_BACKEND`` or
-    :func:`aiocuda.use_backend`). Also a :class:`ValueError`."""
+    """An unknown driver backend was asked for, or a bad setting for one
+    (``AIOCUDA_BACKEND``, ``AIOCUDA_SIM_DEVICES``, :func:`aiocuda.use_backend`). Also a
+    :class:`ValueError`."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
@@ -264,6 +273,16 @@ class ClosedError(RuntimeError):
     """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
     (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
     not started. Requests already started finish normally."""
+
+
+class SimulatedBackendWarning(UserWarning):
+    """``AIOCUDA_BACKEND=auto`` (the default) found no usable GPU and chose the simulator.
+
+    Also logged on the ``aiocuda`` logger where logging is configured. A service that
+    must never run without a GPU sets ``AIOCUDA_BACKEND=cuda``: the first use then raises
+    :class:`NoDeviceError` instead. Turning this warning into an error does the same:
+    ``warnings.simplefilter("error", aiocuda.SimulatedBackendWarning)`` before first use.
+    """
 
 
 def error_for_code(code: int, name: str, description: str, call: str = "") -> CudaError:

@@ -100,9 +100,17 @@ class Event:
         """The backend's event handle (``int(event.handle)`` is the raw CUevent)."""
         return self._handle
 
-    def record(self, stream: _OnStream) -> Event:
-        """Mark the current end of ``stream``'s work; returns ``self``."""
-        self._driver.event_record(self._handle, stream.handle)
+    def record(self, stream: _OnStream, *, external: bool = False) -> Event:
+        """Mark the current end of ``stream``'s work; returns ``self``.
+
+        ``external=True`` records with ``CU_EVENT_RECORD_EXTERNAL``: inside a stream
+        capture the record becomes a node of the captured graph, so that each launch of
+        the graph records the event (for waits outside the graph); outside a capture it
+        is an ordinary record."""
+        if external:
+            self._driver.event_record_external(self._handle, stream.handle)
+        else:
+            self._driver.event_record(self._handle, stream.handle)
         self._stream_handle = stream.handle
         self._capture = getattr(stream, "_capture", None)
         return self

@@ -61,7 +61,7 @@ import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.device_streams import DeviceStreams
-from ._executor.lanes import Lanes
+from ._executor.lanes import PRIORITIES, Lanes, Priority
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -92,6 +92,10 @@ class Executor:
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
             records per step.
+        priority: the stream priority of the pipelines' streams: ``"normal"`` (the
+            default, the least urgent) or ``"high"``. :meth:`submit` chooses its own per
+            request, so interactive requests submitted ``priority="high"`` overtake the
+            pipelines' kernels on the GPU.
 
     Use as ``async with Executor(...) as ex``. Entering enables peer access between every
     pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
@@ -108,7 +112,10 @@ class Executor:
         chunks_per_device: int = 8,
         memory_fraction: float = 0.5,
         trace: bool = False,
+        priority: Priority = "normal",
     ) -> None:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         if compute_streams < 1:
             raise ValueError(f"compute_streams must be >= 1, got {compute_streams}")
         if chunks_per_device < 1:
@@ -119,6 +126,7 @@ class Executor:
         self._compute_streams = compute_streams
         self._chunks_per_device = chunks_per_device
         self._memory_fraction = memory_fraction
+        self._priority: Priority = priority
         self._trace = Trace() if trace else None
         self._device_streams: tuple[DeviceStreams, ...] = ()
         self._by_ordinal: dict[int, DeviceStreams] = {}
@@ -137,7 +145,9 @@ class Executor:
                 for b in self.devices:
                     await enable_peer_access(a, b)
             for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
-                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=_SUBMIT_STAGING)
+                lanes = Lanes(
+                    per_device.device, count=self._chunks_per_device, priorities=PRIORITIES, staging=_SUBMIT_STAGING
+                )
                 self._request_lanes[per_device.device.ordinal] = lanes
                 await lanes.start()
         except BaseException:
@@ -174,6 +184,7 @@ class Executor:
                     compute_streams=self._compute_streams,
                     max_chunks=self._chunks_per_device,
                     budget=int(free * self._memory_fraction),
+                    priority=self._priority,
                 )
             )
         self._device_streams = tuple(device_streams)
@@ -287,6 +298,7 @@ class Executor:
         placement: PlacementName = "least_loaded",
         output: OutputFn | None = None,
         name: str | None = None,
+        priority: Priority = "normal",
     ) -> npt.NDArray[Any]:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
@@ -297,15 +309,21 @@ class Executor:
         :mod:`aiocuda.lanes`) with a single host wait, without a pipeline's events between
         streams. Raises the chunk's error; cancelling the awaiting task cancels the chunk
         (memory returned).
+
+        ``priority="high"`` runs the chunk on a stream of the device's greatest priority
+        (and hands it the next free lane first): its kernels overtake those of normal
+        requests and of the executor's pipelines on the GPU.
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
         placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
         try:
-            async with self._request_lanes[placed.device.ordinal].lease() as lane:
+            async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
                 return await self._runner(stage, output, name).run(index, array, placed, lane)
         finally:
             placed.completed += 1

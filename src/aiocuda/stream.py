@@ -176,6 +176,17 @@ class Stream:
         return dev._driver.stream_priority_range()
 
     @property
+    def priority(self) -> int:
+        """The stream's priority as the driver keeps it (clamped to
+        :meth:`priority_range`; numerically lower is more urgent)."""
+        return self._driver.stream_get_priority(self.handle)
+
+    @property
+    def non_blocking(self) -> bool:
+        """Whether the stream runs independently of the legacy default stream."""
+        return self._driver.stream_is_non_blocking(self.handle)
+
+    @property
     def handle(self) -> Any:
         """The backend handle, for seam calls."""
         if self._closed:

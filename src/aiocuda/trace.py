@@ -26,6 +26,10 @@ Pitfalls:
   microseconds on an idle device).
 * Timing events cost a record each (about two per span); they are pooled per device, so
   steady-state tracing creates none.
+
+``Trace(nvtx=True)`` also emits an NVTX range per span (:mod:`aiocuda.profiler`), from
+the host's start of the span to its end, named ``"unit name"``: Nsight Systems then
+shows each span's host side, and projects it onto the GPU work enqueued within it.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .device import Device
+from .profiler import NvtxRange
 from .stream import Stream
 
 __all__ = ["UNITS", "Span", "Trace", "TraceSummary", "UnitSummary"]
@@ -160,7 +165,7 @@ class _Clock:
 class _PendingSpan:
     """A span whose events may not have completed yet; :meth:`Trace._resolve` reads it."""
 
-    __slots__ = ("chunk", "clock", "end", "name", "start", "track", "unit")
+    __slots__ = ("chunk", "clock", "end", "name", "nvtx", "start", "track", "unit")
 
     def __init__(self, clock: _Clock, unit: str, track: int, name: str, chunk: int | None, start: Any) -> None:
         self.clock = clock
@@ -170,10 +175,14 @@ class _PendingSpan:
         self.chunk = chunk
         self.start = start
         self.end: Any = None
+        self.nvtx: NvtxRange | None = None
 
 
 class Trace:
     """Spans of GPU work on several devices (see the module docstring).
+
+    Args:
+        nvtx: also emit an NVTX range per span (:mod:`aiocuda.profiler`).
 
     Usage outside the executor::
 
@@ -185,7 +194,9 @@ class Trace:
         trace.write_chrome("trace.json")
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, nvtx: bool = False) -> None:
+        self.nvtx = nvtx
+        """Whether each span is also an NVTX range."""
         self._clocks: dict[int, _Clock] = {}
         self._spans: list[Span] = []
         self._pending: list[_PendingSpan] = []
@@ -243,12 +254,17 @@ class Trace:
         if clock is None:
             self.begin(stream)
             clock = self._clocks[stream.device.ordinal]
-        return _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+        pending = _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+        if self.nvtx:
+            pending.nvtx = NvtxRange(f"{unit} {name}" if chunk is None else f"{unit} {name} #{chunk}")
+        return pending
 
     @staticmethod
     def _stop(pending: _PendingSpan, stream: Stream) -> None:
         """Record the end of the operation, on the stream it was enqueued on."""
         pending.end = pending.clock.mark(stream)
+        if pending.nvtx is not None:
+            pending.nvtx.end()
 
     def _resolve(self, *pending: _PendingSpan) -> None:
         """Turn spans whose work has completed into :class:`Span` s and recycle their
@@ -270,6 +286,8 @@ class Trace:
         """Give the events of spans that will never be resolved (cancelled, failed) back.
         Re-recording a pending event later is safe: the new record replaces the old."""
         for p in pending:
+            if p.nvtx is not None:
+                p.nvtx.end()
             free = p.clock.free
             for handle in (p.start, p.end):
                 if handle is not None:

@@ -87,7 +87,7 @@ def test_doorbell_captured_rings_on_every_replay(sim: SimDriver) -> None:
 def test_memory_copies_kernels_and_graph_allocations(sim: SimDriver) -> None:
     sim.register_kernel("twice", lambda launch, x, n: x.__setitem__(slice(0, int(n)), x[: int(n)] * 2))
     try:
-        module = sim.module_load_data(sim_image(["twice"]))
+        module, _ = sim.module_load_data(sim_image(["twice"]))
         func = sim.module_get_function(module, "twice")
         stream = _stream(sim)
         pool = sim.mempool_default(sim.device_get(0))
@@ -137,7 +137,7 @@ def test_node_updates_affect_later_replays_only(sim: SimDriver) -> None:
     seen: list[int] = []
     sim.register_kernel("record", lambda launch, value: seen.append(int(value)))
     try:
-        func = sim.module_get_function(sim.module_load_data(sim_image(["record"])), "record")
+        func = sim.module_get_function(sim.module_load_data(sim_image(["record"]))[0], "record")
         stream = _stream(sim)
         sim.stream_begin_capture(stream, "thread_local")
         sim.launch_kernel(func, LaunchConfig(1, 1), stream, _Params((1,), "int"))

@@ -1,4 +1,4 @@
-"""The simulated driver's life: shutdown, idle worker threads, switching backends.
+"""The simulated driver's life: shutdown, its pool of worker threads, switching backends.
 
 These test the sim itself (its controls have no real-driver counterpart), so they use the
 ``sim`` fixture (the backend in use) or ``fresh`` (a SimDriver of their own).
@@ -91,3 +91,53 @@ def test_switching_backend_shuts_the_old_one_down() -> None:
     _driver.use_backend("sim", devices=1)
     with pytest.raises(CudaError):
         old.stream_query(stream)
+
+
+# -- the worker pool ----------------------------------------------------------------------------
+def test_many_streams_share_a_few_worker_threads(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """500 per-request streams, each given work at once: the pool runs them on at most
+    MAX_WORKERS threads (not one per stream), and every worker leaves once idle."""
+    from aiocuda._driver.sim import _objects, _workers
+
+    monkeypatch.setattr(_objects, "_IDLE_EXIT_S", 0.01)
+    streams = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(500)]
+    peak = 0
+
+    def op() -> None:
+        nonlocal peak
+        peak = max(peak, fresh._workers.thread_count)
+
+    for stream in streams:
+        fresh.enqueue(stream, op)
+    for stream in streams:
+        fresh.stream_synchronize(stream)
+        fresh.stream_destroy(stream)
+    assert 1 <= peak <= _workers.MAX_WORKERS
+    assert wait_until(lambda: fresh._workers.thread_count == 0)
+
+
+def test_waiting_streams_hold_no_thread(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Streams in a latency or waiting for another stream's event cost no worker: once
+    idle, all workers leave but the one that keeps time for the latencies."""
+    from aiocuda._driver.sim import _objects
+
+    monkeypatch.setattr(_objects, "_IDLE_EXIT_S", 0.01)
+    gate = fresh.stream_create(non_blocking=True, priority=0)
+    fresh.pause(gate)
+    fresh.enqueue(gate, lambda: None)
+    event = fresh.event_create(timing=False, blocking_sync=False)
+    fresh.event_record(event, gate)
+    fresh.set_latency("slow", 30.0)
+    waiting = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(100)]
+    delayed = [fresh.stream_create(non_blocking=True, priority=0) for _ in range(100)]
+    for stream in waiting:
+        fresh.stream_wait_event(stream, event)
+    for stream in delayed:
+        fresh.enqueue(stream, lambda: None, "slow")
+    assert wait_until(lambda: len(fresh._workers._timers) == len(delayed))
+    assert wait_until(lambda: len(gate._dependents) == len(waiting))
+    assert wait_until(lambda: fresh._workers.thread_count == 1)
+    fresh.resume(gate)
+    for stream in waiting:
+        fresh.stream_synchronize(stream)  # resumed: every waiting stream went on
+    assert not any(fresh.stream_query(s) for s in delayed)

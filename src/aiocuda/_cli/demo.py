@@ -9,7 +9,11 @@ and writes a Chrome / Perfetto trace (``--trace``, open it in https://ui.perfett
 Without a GPU it runs on the simulated backend and says so: two simulated devices unless
 ``AIOCUDA_SIM_DEVICES`` says otherwise, small chunks, and simulated latencies for copies
 and kernels so that the overlap is visible in the trace (the times are the simulator's,
-not a GPU's). The progress bar and table use ``rich`` when installed (``pip install
+not a GPU's).
+
+Arguments are checked before anything runs (exit code 2). Ctrl-C ends it at once (exit
+code 130); the trace file is then either complete or absent, as it is written to a
+temporary name and renamed. The progress bar and table use ``rich`` when installed (``pip install
 aiocuda[demo]``), plain text otherwise.
 
 The ``scale`` workload (kernel, its simulated implementation, the numpy reference) lives
@@ -20,21 +24,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
+import pathlib
 import time
+from typing import Any
 
 import anyio
 import numpy as np
 
-from .. import _driver
+from ..backend import current_backend
 from ..device import Device, devices
 from ..executor import Executor
 from ..host import pinned_empty
+from ..testing import current_simulator
+from .common import UsageError, exit_at_once_on_interrupt, positive_float, positive_int, writable_file
 from .workload import ScaleStage, scale_reference
 
-__all__ = ["run_demo"]
+__all__ = ["add_parser", "run_demo"]
 
-SIM_DEFAULT_DEVICES = 2
+_CHUNKS = 32
+_REPS = 800  # the reference's balanced length: kernel time close to one chunk's copy
 SIM_LATENCY_S = 0.002
 """Simulated time of each upload, kernel and download in the demo on the simulator."""
 
@@ -120,29 +128,43 @@ def _ui(total: int) -> _Plain:
 
 
 # -- the demo ------------------------------------------------------------------------------------
-def _choose_backend() -> _driver.Driver:
-    if os.environ.get("AIOCUDA_BACKEND", "auto") != "cuda":
-        os.environ.setdefault("AIOCUDA_SIM_DEVICES", str(SIM_DEFAULT_DEVICES))  # read only by the simulator
-    return _driver.driver()
+def add_parser(commands: Any) -> None:
+    """Add ``demo`` to the ``commands`` of the top-level parser."""
+    parser = commands.add_parser(
+        "demo",
+        help="run a multi-stream, multi-device pipeline and show its overlap",
+        description="Upload, scale and download generated chunks on every device through the executor, check "
+        "the results against numpy, show the busy time of every copy and compute unit and write a Perfetto "
+        "trace. Without a GPU it runs on the simulated backend (2 simulated devices unless AIOCUDA_SIM_DEVICES "
+        "says otherwise).",
+    )
+    parser.add_argument("--chunks", type=positive_int, default=_CHUNKS, help=f"number of chunks (default: {_CHUNKS})")
+    parser.add_argument(
+        "--chunk-mib",
+        type=positive_float,
+        default=None,
+        help="chunk size in MiB (default: 32 on a GPU, 0.25 simulated)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=writable_file,
+        default=pathlib.Path("aiocuda-demo-trace.json"),
+        help="Chrome / Perfetto trace file to write (default: aiocuda-demo-trace.json)",
+    )
+    parser.add_argument("--devices", type=positive_int, default=None, help="how many devices to use (default: all)")
+    parser.set_defaults(run=run_demo)
 
 
-async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
-    count = len(devices()) if args.devices is None else args.devices
-    chosen = [Device(i) for i in range(count)]
-    chunk_mib = args.chunk_mib if args.chunk_mib is not None else (0.25 if on_sim else 32.0)
-    chunks = args.chunks if args.chunks is not None else 32
-    reps = 800  # the reference's balanced length: kernel time close to one chunk's copy
-    n = int(chunk_mib * (1 << 20)) // 4
-    if n < 1 or chunks < 1:
-        raise SystemExit("demo: --chunks and --chunk-mib must be positive")
-    stage = ScaleStage(reps)
+async def _run(args: argparse.Namespace, ui: _Plain, chosen: list[Device], n: int, partial: pathlib.Path) -> int:
+    chunks = args.chunks
+    stage = ScaleStage(_REPS)
     host_in = pinned_empty((chunks, n), np.float32)
     host_in[:] = np.random.default_rng(0).random((chunks, n), dtype=np.float32)
     host_out = pinned_empty((chunks, n), np.float32)
     total_mib = chunks * n * 4 / (1 << 20)
     ui.say(
-        f"{chunks} chunks of {n * 4 / (1 << 20):.2f} MiB ({total_mib:.0f} MiB): upload, scale (reps={reps}), "
-        f"download, on {count} device(s), 3 streams each, results in input order"
+        f"{chunks} chunks of {n * 4 / (1 << 20):.2f} MiB ({total_mib:.0f} MiB): upload, scale (reps={_REPS}), "
+        f"download, on {len(chosen)} device(s), 3 streams each, results in input order"
     )
     async with Executor(chosen, trace=True) as ex:
         with ui:
@@ -154,7 +176,7 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
         placed = {per_device.device.ordinal: per_device.completed for per_device in ex.device_streams}
     assert ex.trace is not None
     summary = ex.trace.summary()
-    ok = np.allclose(host_out, scale_reference(host_in, reps), rtol=1e-3)
+    ok = np.allclose(host_out, scale_reference(host_in, _REPS), rtol=1e-3)
     rows = [
         [
             str(e.device),
@@ -185,32 +207,42 @@ async def _run(args: argparse.Namespace, ui: _Plain, on_sim: bool) -> int:
         f"chunks per device: {placed}; overlap ratio = GPU wall / bound (1.0 is perfect; the bound is the "
         "busiest unit plus one fill and drain)"
     )
-    path = ex.trace.write_chrome(args.trace)
-    ui.say(f"trace: {path} (open in https://ui.perfetto.dev or chrome://tracing)")
+    ex.trace.write_chrome(partial)
+    os.replace(partial, args.trace)  # the trace file is complete or absent
+    ui.say(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     ui.say("results match numpy" if ok else "RESULTS DIFFER FROM NUMPY")
     return 0 if ok else 1
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Entry point of ``python -m aiocuda demo`` (``args``: ``chunks``, ``chunk_mib``,
-    ``trace``, ``devices``)."""
-    backend = _choose_backend()
-    on_sim = backend.name == "sim"
-    available = backend.device_count()
-    if args.devices is not None and not 1 <= args.devices <= available:
-        print(f"demo: --devices must be between 1 and {available}", file=sys.stderr)
-        return 2
-    chunks = args.chunks if args.chunks is not None else 32
-    ui = _ui(chunks)
-    if on_sim:
+    """Entry point of ``aiocuda demo`` (``args``: ``chunks``, ``chunk_mib``, ``trace``,
+    ``devices``); UsageError for a bad argument, before anything is printed."""
+    backend = current_backend()
+    available = backend.device_count
+    if args.devices is not None and args.devices > available:
+        kind = "simulated backend" if backend.simulated else "CUDA driver"
+        raise UsageError(f"--devices {args.devices}: the {kind} has {available} device(s)")
+    chunk_mib = args.chunk_mib if args.chunk_mib is not None else (0.25 if backend.simulated else 32.0)
+    n = int(chunk_mib * (1 << 20)) // 4
+    if n < 1:
+        raise UsageError(f"--chunk-mib {chunk_mib}: a chunk needs at least one float32 (4 bytes)")
+    chosen = [Device(i) for i in range(available if args.devices is None else args.devices)]
+    ui = _ui(args.chunks)
+    if backend.simulated:
         ui.say(
-            f"aiocuda demo on the SIMULATED backend (no GPU in use): {available} simulated devices, "
-            f"each upload, kernel and download takes {SIM_LATENCY_S * 1e3:.0f} ms of simulated time. "
-            "Times below are the simulator's, not a GPU's."
+            f"aiocuda demo on the SIMULATED backend (no GPU in use): {available} simulated devices; each upload, "
+            f"kernel and download waits {SIM_LATENCY_S * 1e3:.0f} ms of simulated GPU time, plus the time this "
+            "machine's CPU takes to run it (more while the CPU is busy). Times below are the simulator's, not a GPU's."
         )
+        sim = current_simulator()
         for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
-            backend.set_latency(op, SIM_LATENCY_S)  # type: ignore[attr-defined]
+            sim.set_latency(op, SIM_LATENCY_S)
     else:
         names = ", ".join(sorted({d.name for d in devices()}))
         ui.say(f"aiocuda demo on the GPU: {available} x {names}")
-    return anyio.run(_run, args, ui, on_sim)
+    partial = args.trace.with_name(f".{args.trace.name}.{os.getpid()}.partial")
+    with exit_at_once_on_interrupt(lambda: partial.unlink(missing_ok=True), "demo"):
+        try:
+            return anyio.run(_run, args, ui, chosen, n, partial)
+        finally:
+            partial.unlink(missing_ok=True)

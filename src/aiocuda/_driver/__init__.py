@@ -5,71 +5,129 @@
 
 * ``cuda`` -- the real driver; fails with :class:`~aiocuda.errors.NoDeviceError` if there
   is none.
-* ``sim`` -- the simulated driver (``AIOCUDA_SIM_DEVICES`` sets its device count).
+* ``sim`` -- the simulated driver (``AIOCUDA_SIM_DEVICES`` sets its device count, 2 by
+  default).
 * ``auto`` (the default) -- the real driver where it reports a device, otherwise the
-  simulated one, with a one-line notice on stderr. Never sim where a GPU exists.
+  simulated one, with a :class:`~aiocuda.errors.SimulatedBackendWarning` (and a record on
+  the ``aiocuda`` logger where logging is configured). Never sim where a GPU exists.
 
-:func:`use_backend` switches explicitly (tests do this). Objects created under one backend
-must not be used after switching to another.
+:func:`use_backend` switches explicitly (tests do this; :mod:`aiocuda.backend` is the
+public face). Objects created under one backend must not be used after switching to
+another.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
-from collections.abc import Callable, Iterable
+import warnings
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from ..errors import BackendError, NoDeviceError
+from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
+from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
 from ._protocol import CAPTURE_MODES, CaptureMode, Doorbell, Driver, GraphNodeInfo, Handle, KernelParams, PoolProps
 
 __all__ = [
+    "BACKENDS",
     "CAPTURE_MODES",
+    "SIM_DEFAULT_DEVICES",
     "CaptureMode",
     "Dim3",
     "Doorbell",
     "Driver",
+    "Fallback",
     "GraphNodeInfo",
     "Handle",
+    "JitOptions",
     "KernelParams",
     "LaunchConfig",
+    "LinkInput",
     "PoolProps",
     "backend_generation",
+    "current",
     "driver",
+    "forget_backend",
     "register_sim_kernel",
+    "selection",
     "sim_image",
     "use_backend",
 ]
 
 BACKENDS = ("cuda", "sim", "auto")
+SIM_DEFAULT_DEVICES = 2
+"""Simulated devices when neither ``devices=`` nor ``AIOCUDA_SIM_DEVICES`` says: two, so
+that multi-device code paths run on a laptop too."""
+
+_log = logging.getLogger("aiocuda")
 
 _current: Driver | None = None
+_requested = "auto"
+_fallback_reason: str | None = None
 _generation = 0
 
 
-def _make(name: str, options: dict[str, Any]) -> Driver:
+def _sim_devices_from_env() -> int:
+    raw = os.environ.get("AIOCUDA_SIM_DEVICES", "").strip()
+    if not raw:
+        return SIM_DEFAULT_DEVICES
+    try:
+        count = int(raw)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise BackendError(
+            f"AIOCUDA_SIM_DEVICES must be a positive whole number (the simulated backend's device count), got {raw!r}"
+        )
+    return count
+
+
+def _outside_aiocuda() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside aiocuda."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "aiocuda":
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    return level
+
+
+def _fall_back(exc: NoDeviceError) -> str:
+    """Announce ``auto``'s fall-back to the simulator; raise ``exc`` if the warning is an error."""
+    reason = exc.name or str(exc)
+    message = f"no usable GPU ({reason}); aiocuda runs on the simulated backend (AIOCUDA_BACKEND=cuda forbids this)"
+    try:
+        warnings.warn(message, SimulatedBackendWarning, stacklevel=_outside_aiocuda())
+    except SimulatedBackendWarning:
+        raise exc from None
+    if _log.hasHandlers():  # with no logging configured, the warning alone is shown
+        _log.warning("%s", message, extra={"aiocuda_backend": "sim", "aiocuda_reason": reason})
+    return reason
+
+
+def _make(name: str, options: dict[str, Any]) -> tuple[Driver, str | None]:
+    """The backend ``name`` asks for, initialised, and why ``auto`` fell back (or None)."""
     if name == "cuda":
         from .cuda import CudaDriver
 
         real = CudaDriver()
         real.init()
-        return real
+        return real, None
     if name == "sim":
         from .sim import SimDriver
 
-        if "devices" not in options and os.environ.get("AIOCUDA_SIM_DEVICES"):
-            options = {**options, "devices": int(os.environ["AIOCUDA_SIM_DEVICES"])}
+        if "devices" not in options:
+            options = {**options, "devices": _sim_devices_from_env()}
         sim = SimDriver(**options)
         sim.init()
-        return sim
+        return sim, None
     if name == "auto":
         try:
             return _make("cuda", {})
         except NoDeviceError as exc:
-            print(f"aiocuda: no usable GPU ({exc.name or exc}); using the simulated backend", file=sys.stderr)
-            return _make("sim", options)
+            reason = _fall_back(exc)
+            return _make("sim", options)[0], reason
     raise BackendError(f"unknown aiocuda backend {name!r}: choose one of {', '.join(BACKENDS)}")
 
 
@@ -79,18 +137,34 @@ def use_backend(name: str, **options: Any) -> Driver:
     ``options`` go to the simulated backend (``devices=N``, ...). Switching invalidates
     every device, stream and buffer created before.
     """
-    global _current, _generation
+    global _current, _generation, _requested, _fallback_reason
     check_not_forked()
     if name not in BACKENDS:
         raise BackendError(f"unknown aiocuda backend {name!r}: choose one of {', '.join(BACKENDS)}")
-    new = _make(name, dict(options))
+    new, reason = _make(name, dict(options))
     old, _current = _current, new
+    _requested, _fallback_reason = name, reason
     _generation += 1
+    _log.info("backend %s in use (asked for %s)", new.name, name)
     if old is not None and old is not new:
-        shutdown = getattr(old, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        _shut_down(old)
     return new
+
+
+def _shut_down(old: Driver) -> None:
+    shutdown = getattr(old, "shutdown", None)
+    if shutdown is not None:
+        shutdown()
+
+
+def forget_backend(backend: Driver) -> None:
+    """Shut ``backend`` down; if it is the one in use, the next :func:`driver` chooses
+    again from ``AIOCUDA_BACKEND``."""
+    global _current, _generation
+    if _current is backend:
+        _current = None
+        _generation += 1
+    _shut_down(backend)
 
 
 def driver() -> Driver:
@@ -102,16 +176,29 @@ def driver() -> Driver:
     return _current
 
 
+def current() -> Driver | None:
+    """The backend in use, or None if none is chosen yet (choosing none: for cleanups)."""
+    return _current
+
+
+def selection() -> tuple[str, str | None]:
+    """What was asked for (``cuda``, ``sim``, ``auto``) and, where ``auto`` fell back to
+    the simulator, why (the real driver's error name)."""
+    driver()
+    return _requested, _fallback_reason
+
+
 def backend_generation() -> int:
     """Incremented on every switch; caches keyed on it drop stale handles."""
     return _generation
 
 
-def sim_image(kernel_names: Iterable[str]) -> bytes:
-    """A module image for the simulated backend that defines ``kernel_names``."""
-    from .sim._modules import SIM_IMAGE_MAGIC
+def sim_image(kernel_names: Iterable[str], variables: Mapping[str, tuple[int, str]] | None = None) -> bytes:
+    """A module image for the simulated backend that defines ``kernel_names`` and
+    ``variables`` (name -> (bytes, numpy type string or ``"-"``))."""
+    from .sim._modules import build_image
 
-    return SIM_IMAGE_MAGIC + "".join(f"{name}\n" for name in kernel_names).encode()
+    return build_image(kernel_names, variables)
 
 
 def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
+from ._jit import JitOptions, LinkInput
 from ._launch import LaunchConfig
 
 Handle = Any
@@ -177,6 +178,58 @@ class Driver(Protocol):
     def mem_get_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the current context's device."""
 
+    def device_p2p_attribute(self, dev: Handle, peer: Handle, attribute: str) -> int:
+        """A ``CU_DEVICE_P2P_ATTRIBUTE_*`` value of the link from ``dev`` to ``peer`` by
+        lowercase suffix: ``"performance_rank"``, ``"access_supported"``,
+        ``"native_atomic_supported"``, ``"access_access_supported"`` (CUDA arrays).
+        ArgumentError for an unknown name, or ``dev`` and ``peer`` being one device."""
+
+    # -- contexts -------------------------------------------------------------------------
+    # Context flags are the CUDA values (``CU_CTX_SCHED_BLOCKING_SYNC`` is 4); limits and
+    # cache configurations go by the lowercase suffix of their CUDA names.
+    def primary_context_get_state(self, dev: Handle) -> tuple[int, bool]:
+        """``(flags, active)`` of the device's primary context; needs no context."""
+
+    def primary_context_set_flags(self, dev: Handle, flags: int) -> None:
+        """Overwrite the primary context's flags (best before it is first made active)."""
+
+    def context_create(self, dev: Handle, flags: int) -> Handle:
+        """A new context (``cuCtxCreate``); the calling thread's current context is left
+        as it was (the driver pushes the new one; this pops it)."""
+
+    def context_destroy(self, ctx: Handle) -> None:
+        """Destroy a context made by :meth:`context_create` (its work is waited for)."""
+
+    def context_push(self, ctx: Handle) -> None:
+        """Make ``ctx`` current on the calling thread, above what was current."""
+
+    def context_pop(self) -> None:
+        """Pop the calling thread's current context, making current what was below it."""
+
+    def context_current_value(self) -> int:
+        """The raw value of the calling thread's current context; 0 when there is none."""
+
+    def context_get_flags(self) -> int:
+        """The current context's flags (``cuCtxGetFlags``)."""
+
+    def context_set_limit(self, limit: str, value: int) -> None:
+        """A ``CU_LIMIT_*`` of the current context, by lowercase suffix: ``"stack_size"``,
+        ``"printf_fifo_size"``, ``"malloc_heap_size"``, ``"dev_runtime_sync_depth"``,
+        ``"dev_runtime_pending_launch_count"``, ``"max_l2_fetch_granularity"``,
+        ``"persisting_l2_cache_size"``. ArgumentError for an unknown name or a value the
+        device refuses."""
+
+    def context_get_limit(self, limit: str) -> int: ...
+
+    def context_limit_names(self) -> Sequence[str]:
+        """Every limit name :meth:`context_get_limit` accepts."""
+
+    def context_set_cache_config(self, config: str) -> None:
+        """The current context's preferred L1/shared split: ``"prefer_none"``,
+        ``"prefer_shared"``, ``"prefer_l1"`` or ``"prefer_equal"``."""
+
+    def context_get_cache_config(self) -> str: ...
+
     # -- streams and events ----------------------------------------------------------------
     def stream_create(self, non_blocking: bool, priority: int) -> Handle: ...
 
@@ -203,11 +256,22 @@ class Driver(Protocol):
     def stream_device_ordinal(self, stream: Handle) -> int:
         """The ordinal of the device a stream belongs to (foreign streams included)."""
 
+    def stream_get_priority(self, stream: Handle) -> int:
+        """The stream's priority, as the driver clamped it."""
+
+    def stream_is_non_blocking(self, stream: Handle) -> bool:
+        """Whether the stream was created ``CU_STREAM_NON_BLOCKING``."""
+
     def event_create(self, timing: bool, blocking_sync: bool) -> Handle: ...
 
     def event_destroy(self, event: Handle) -> None: ...
 
     def event_record(self, event: Handle, stream: Handle) -> None: ...
+
+    def event_record_external(self, event: Handle, stream: Handle) -> None:
+        """``cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL)``: a record that, inside
+        a stream capture, becomes an event-record node of the graph (so the graph records
+        the event when it runs); outside a capture it is a plain record."""
 
     def event_query(self, event: Handle) -> bool:
         """True once the recorded work finished; raises the context's sticky error."""
@@ -235,7 +299,14 @@ class Driver(Protocol):
 
     def mempool_get_attribute(self, pool: Handle, attribute: str) -> int: ...
 
-    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None: ...
+    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None:
+        """Give cached memory back; only memory whose free the host has observed
+        complete (through a synchronisation of the freeing stream, or of the context)."""
+
+    def ctx_synchronize(self) -> None:
+        """Block until all work of the current context has finished (``cuCtxSynchronize``);
+        the pools observe every free of the context then. How the thread waits follows
+        the context's scheduling flags."""
 
     def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
@@ -284,23 +355,53 @@ class Driver(Protocol):
         when ``ptr`` is not device memory."""
 
     # -- modules and kernels --------------------------------------------------------------
-    def module_load_data(self, image: bytes) -> Handle:
-        """Load PTX, cubin or fatbin into the current context; the JIT log is in the
-        error's message on failure."""
+    def module_load_data(self, image: bytes, options: JitOptions | None = None) -> tuple[Handle, str]:
+        """Load PTX, cubin or fatbin into the current context: ``(module, info_log)``.
+        The JIT's error log is in the error's message on failure."""
 
     def module_unload(self, module: Handle) -> None: ...
 
     def module_get_function(self, module: Handle, name: str) -> Handle: ...
+
+    def module_get_global(self, module: Handle, name: str) -> tuple[int, int]:
+        """``(device address, bytes)`` of a ``__device__`` or ``__constant__`` variable;
+        ArgumentError (``NOT_FOUND``) when the module has none of that name."""
+
+    def module_function_names(self, module: Handle) -> list[str]:
+        """The exported names of every kernel in the module (mangled where C++ mangles)."""
+
+    def link(self, inputs: Sequence[LinkInput], options: JitOptions | None = None) -> tuple[bytes, str]:
+        """Link ``inputs`` into one cubin for the current context's device (``cuLink*``):
+        ``(cubin, info_log)``. CompileError with the linker's log on failure."""
 
     def function_get_attribute(self, func: Handle, attribute: str) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix, e.g. ``"num_regs"``."""
 
     def function_set_attribute(self, func: Handle, attribute: str, value: int) -> None: ...
 
-    def occupancy_max_active_blocks(self, func: Handle, block_size: int, dynamic_smem: int) -> int: ...
+    def function_set_cache_config(self, func: Handle, config: str) -> None:
+        """The kernel's preferred L1/shared split (see :meth:`context_set_cache_config`)."""
 
-    def occupancy_max_potential_block_size(self, func: Handle, dynamic_smem: int) -> tuple[int, int]:
-        """``(min_grid_size, block_size)``."""
+    def occupancy_max_active_blocks(
+        self, func: Handle, block_size: int, dynamic_smem: int, disable_caching_override: bool = False
+    ) -> int:
+        """Blocks per multiprocessor; ``disable_caching_override`` asks what fits when the
+        kernel's cache configuration is not overridden by the global caching setting."""
+
+    def occupancy_max_potential_block_size(
+        self, func: Handle, dynamic_smem: int, block_size_limit: int = 0, disable_caching_override: bool = False
+    ) -> tuple[int, int]:
+        """``(min_grid_size, block_size)``; ``block_size_limit`` caps the block size (0: none)."""
+
+    def occupancy_available_dynamic_smem(self, func: Handle, num_blocks: int, block_size: int) -> int:
+        """Dynamic shared memory per block that still lets ``num_blocks`` blocks of
+        ``block_size`` threads run on one multiprocessor."""
+
+    def occupancy_max_active_clusters(self, func: Handle, config: LaunchConfig) -> int:
+        """How many clusters of ``config.cluster`` can be resident on the device at once."""
+
+    def occupancy_max_potential_cluster_size(self, func: Handle, config: LaunchConfig) -> int:
+        """The largest cluster size the kernel can launch with under ``config``."""
 
     def launch_kernel(self, func: Handle, config: LaunchConfig, stream: Handle, params: KernelParams) -> None:
         """Launch ``func`` on ``stream``: ``cuLaunchKernel``, or ``cuLaunchKernelEx`` when
@@ -362,3 +463,19 @@ class Driver(Protocol):
 
     def graph_exec_destroy(self, graph_exec: Handle) -> None:
         """Replays already enqueued still run."""
+
+    # -- profiling ------------------------------------------------------------------------
+    def profiler_start(self) -> None:
+        """``cuProfilerStart``: begin collecting (Nsight Systems with ``--capture-range=cudaProfilerApi``)."""
+
+    def profiler_stop(self) -> None: ...
+
+    def nvtx_available(self) -> bool:
+        """Whether NVTX ranges reach a tool (the NVTX library could be loaded)."""
+
+    def nvtx_range_start(self, message: str, color: int | None) -> int:
+        """Start an NVTX range in aiocuda's domain; returns its id for :meth:`nvtx_range_end`.
+        Ranges started and ended by id may overlap and cross threads and tasks, unlike
+        push/pop ranges. ``color`` is 0xAARRGGBB or None."""
+
+    def nvtx_range_end(self, range_id: int) -> None: ...

@@ -36,6 +36,7 @@ import numpy.typing as npt
 
 from .._completion.engine import current_engine
 from .._completion.event_pool import EventPool
+from .._memory import copies as _copies
 from .._memory import staging as _staging
 from .._memory.pinned import pinned_ranges
 from ..array import DeviceArray, empty
@@ -238,7 +239,9 @@ class GraphMode:
         device = device_streams.device
         if not device_streams.graph_lanes:
             count = max(1, min(self._lane_count, device_streams.max_chunks))
-            device_streams.graph_lanes = await anyio.to_thread.run_sync(_make_streams, device, count)
+            device_streams.graph_lanes = await anyio.to_thread.run_sync(
+                _make_streams, device, count, device_streams.h2d.priority
+            )
         staged_in = None if _pinned(host) else await _pin(host)
         src = int((host if staged_in is None else staged_in).ctypes.data)
         dest: npt.NDArray[Any] | None = None
@@ -250,7 +253,7 @@ class GraphMode:
             async with stream.capture(mode="relaxed") as graph:
                 x = empty(host.shape, host.dtype, stream=stream)
                 x_ptr = x.ptr
-                _staging.enqueue_upload(x_ptr, src, host.nbytes, stream)
+                _copies.enqueue_upload(x_ptr, src, host.nbytes, stream)
                 returned = self._runner.stage(ctx, x)
                 if inspect.isawaitable(returned):
                     returned = await returned
@@ -266,7 +269,7 @@ class GraphMode:
                     dst = int((dest if staged_out is None else staged_out).ctypes.data)
                     dev.template, dev.shape, dev.dtype = result, host.shape, host.dtype
                 result_ptr = result.ptr
-                _staging.enqueue_download(dst, result_ptr, result.nbytes, stream)
+                _copies.enqueue_download(dst, result_ptr, result.nbytes, stream)
             lane = _Lane(k, stream, graph, x_ptr, result_ptr)
             dev.lanes.append(lane)
             lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
@@ -404,9 +407,9 @@ async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
         await anyio.to_thread.run_sync(np.copyto, dst, src)
 
 
-def _make_streams(device: Any, count: int) -> tuple[Stream, ...]:
+def _make_streams(device: Any, count: int, priority: int) -> tuple[Stream, ...]:
     device.make_current()
-    return tuple(Stream(device) for _ in range(count))
+    return tuple(Stream(device, priority=priority) for _ in range(count))
 
 
 def _copy_node(graph: Graph, direction: str, dst: int, src: int) -> int:

@@ -31,18 +31,17 @@ import numpy as np
 import numpy.typing as npt
 
 from .._completion.event_pool import EventPool
+from .._memory import copies as _copies
 from .._memory import library_streams
-from .._memory import staging as _staging
-from .._memory.pinned import pinned_ranges
 from .._util import invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
 from ..errors import ClosedError, ContextPoisonedError, CudaError
-from ..host import pinned_empty
+from ..host import is_pinned, pinned_empty
 from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
 
-__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count"]
+__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count", "stream_priority"]
 
 Priority = Literal["normal", "high"]
 PRIORITIES: tuple[Priority, ...] = ("normal", "high")
@@ -53,6 +52,13 @@ Setup = Callable[["Lane"], Any]
 
 _ALIGN = 256
 _memmove = ctypes.memmove
+
+
+def stream_priority(device: Device, priority: Priority) -> int:
+    """The stream priority a request priority stands for on ``device``: ``"normal"`` is
+    the least urgent the driver has (the default of every stream), ``"high"`` the most."""
+    least, greatest = Stream.priority_range(device)
+    return greatest if priority == "high" else least
 
 
 def default_count(device: Device) -> int:
@@ -145,15 +151,10 @@ class Lane:
             self._check_device_array(out, array.shape, array.dtype, "out")
             out.buffer._used_on(self.stream)
         nbytes = array.nbytes
-        if nbytes:
-            src = int(array.ctypes.data)
-            if pinned_ranges.owner(src, nbytes) is None:
-                staged = self._stage(nbytes)
-                _memmove(staged, src, nbytes)
-                src = staged
-            else:
-                self._keep.append(array)
-            _staging.enqueue_upload(out.ptr, src, nbytes, self.stream)
+        if not _copies.upload(out.ptr, array, self.stream, keep=self._keep):  # pageable: staged here
+            staged = self._stage(nbytes)
+            _memmove(staged, int(array.ctypes.data), nbytes)
+            _copies.enqueue_upload(out.ptr, staged, nbytes, self.stream)
         return out
 
     def download(self, array: DeviceArray, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
@@ -179,16 +180,11 @@ class Lane:
             raise invalid_value("out must be C-contiguous and writeable")
         array.buffer._used_on(self.stream)
         nbytes = out.nbytes
-        if nbytes:
-            dst = int(out.ctypes.data)
-            if pinned_ranges.owner(dst, nbytes) is not None:
-                _staging.enqueue_download(dst, array.ptr, nbytes, self.stream)
-                self._keep.append(out)
-            else:
-                staged = self._stage(nbytes)
-                _staging.enqueue_download(staged, array.ptr, nbytes, self.stream)
-                self._copy_outs.append((dst, staged, nbytes))
-                self._keep.append(out)
+        if not _copies.download(out, array.ptr, self.stream, keep=self._keep):  # pageable: staged here
+            staged = self._stage(nbytes)
+            _copies.enqueue_download(staged, array.ptr, nbytes, self.stream)
+            self._copy_outs.append((int(out.ctypes.data), staged, nbytes))
+            self._keep.append(out)
         return out
 
     def _check_device_array(self, array: DeviceArray, shape: tuple[int, ...], dtype: Any, what: str) -> None:
@@ -205,9 +201,7 @@ class Lane:
         """Whether a copy of ``host`` goes through the lane without borrowing memory:
         pinned, or small enough for what is left of the staging block."""
         nbytes = host.nbytes
-        return self._staged + nbytes <= self._staging_size or (
-            pinned_ranges.owner(int(host.ctypes.data), max(nbytes, 1)) is not None
-        )
+        return self._staged + nbytes <= self._staging_size or is_pinned(host)
 
     def _stage(self, nbytes: int) -> int:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
@@ -417,8 +411,7 @@ class Lanes:
         device = self._device
         device.make_current()
         count = self._count if self._count is not None else default_count(device)
-        least, greatest = Stream.priority_range(device)
-        value = {"normal": least, "high": greatest}
+        value = {p: stream_priority(device, p) for p in self._priorities}
         lanes = []
         for index in range(count):
             streams = {p: Stream(device, priority=value[p]) for p in self._priorities}

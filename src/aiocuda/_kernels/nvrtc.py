@@ -11,7 +11,10 @@ from typing import Any
 from ..errors import CompileError
 from .compile_cache import CachedImage
 
-__all__ = ["compile_program", "compiler_identity", "device_arch", "load"]
+__all__ = ["NO_NVRTC", "compile_program", "compiler_identity", "device_arch", "load"]
+
+NO_NVRTC = "AIOCUDA_NO_NVRTC"
+"""The ``name`` of the CompileError raised when NVRTC itself cannot be loaded."""
 
 _NVRTC_INSTALL = (
     "NVRTC (libnvrtc) was not found, so CUDA C++ cannot be compiled: pip install nvidia-cuda-nvrtc "
@@ -40,7 +43,7 @@ def load() -> Any:
             except CompileError:
                 raise
             except Exception as exc:  # ImportError, cuda.pathfinder's DynamicLibNotFoundError, ...
-                raise CompileError(f"{_NVRTC_INSTALL} ({type(exc).__name__}: {exc})", name="AIOCUDA_NO_NVRTC") from exc
+                raise CompileError(f"{_NVRTC_INSTALL} ({type(exc).__name__}: {exc})", name=NO_NVRTC) from exc
             _nvrtc_module = nvrtc
     return _nvrtc_module
 
@@ -100,8 +103,8 @@ def _output_buffer(size: int) -> bytearray:
 def compile_program(
     source: str, name: str, options: Sequence[str], name_expressions: Sequence[str], arch: str
 ) -> CachedImage:
-    """Compile ``source`` with NVRTC for ``arch`` (``sm_XY``: cubin, ``compute_XY``: PTX);
-    CompileError with NVRTC's log on failure."""
+    """Compile ``source`` with NVRTC for ``arch`` (``sm_XY``: cubin, ``compute_XY``: PTX;
+    with ``-dlto`` among the options: LTO-IR); CompileError with NVRTC's log on failure."""
     nvrtc = load()
     prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
@@ -114,7 +117,11 @@ def compile_program(
         log = bytes(raw_log).rstrip(b"\0 ").decode(errors="replace").strip()
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{name}: compilation failed ({' '.join(options)}):\n{log}", log=log)
-        if arch.startswith("sm_"):
+        if "-dlto" in options:
+            image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetLTOIRSize(prog), "nvrtcGetLTOIRSize"))
+            _check(nvrtc, nvrtc.nvrtcGetLTOIR(prog, image), "nvrtcGetLTOIR")
+            kind = "ltoir"
+        elif arch.startswith("sm_"):
             image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
             _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
             kind = "cubin"

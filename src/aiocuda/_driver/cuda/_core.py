@@ -247,6 +247,13 @@ class CudaCore:
         finally:
             check(drv.cuCtxSetCurrent(current), "cuCtxSetCurrent")
 
+    def stream_get_priority(self, stream: Any) -> int:
+        return int(check(drv.cuStreamGetPriority(stream), "cuStreamGetPriority"))
+
+    def stream_is_non_blocking(self, stream: Any) -> bool:
+        flags = int(check(drv.cuStreamGetFlags(stream), "cuStreamGetFlags"))
+        return bool(flags & int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
     def event_create(self, timing: bool, blocking_sync: bool) -> Any:
         flags = 0
         if not timing:
@@ -262,6 +269,10 @@ class CudaCore:
         err = drv.cuEventRecord(event, stream)[0]
         if err != _SUCCESS:
             _raise(err, "cuEventRecord")
+
+    def event_record_external(self, event: Any, stream: Any) -> None:
+        flags = int(drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+        check(drv.cuEventRecordWithFlags(event, stream, flags), "cuEventRecordWithFlags")
 
     def event_query(self, event: Any) -> bool:
         err = drv.cuEventQuery(event)[0]

@@ -101,6 +101,9 @@ class CudaMemory:
     def mempool_trim_to(self, pool: Any, min_bytes_to_keep: int) -> None:
         check(_core.drv.cuMemPoolTrimTo(pool, min_bytes_to_keep), "cuMemPoolTrimTo")
 
+    def ctx_synchronize(self) -> None:
+        check(_core.drv.cuCtxSynchronize(), "cuCtxSynchronize")
+
     def mempool_set_access(self, pool: Any, peer_ordinal: int) -> None:
         drv = _core.drv
         desc = drv.CUmemAccessDesc()

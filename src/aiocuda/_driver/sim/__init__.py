@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from ._contexts import SimContexts
 from ._core import SimCore
 from ._graphs import SimGraphs
 from ._memory import SimMemory
 from ._modules import SimModules
+from ._profiling import SimProfiling
 
 __all__ = ["SimDriver"]
 
 
-class SimDriver(SimCore, SimMemory, SimModules, SimGraphs):
+class SimDriver(SimCore, SimMemory, SimModules, SimContexts, SimProfiling, SimGraphs):
     """A simulated CUDA driver; see ``_core.SimCore`` for its controls."""
 
     name = "sim"

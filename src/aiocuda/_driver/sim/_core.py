@@ -8,12 +8,13 @@ Devices and contexts
     devices. Each has exactly one (primary) context, created with the device and never
     destroyed; ``primary_context_release`` only counts down. The current context is
     per thread (``set_current``); a thread that never set one works on device 0 rather
-    than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). Stream workers
-    have their stream's context current. Every pair of distinct devices can be peers.
+    than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). A worker running
+    a stream's operations has that stream's context current. Every pair of distinct devices can be peers.
 
 Streams
-    Each stream runs its operations in order on its own worker thread (see
-    ``_objects.py``). Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
+    Each stream runs its operations in order on the driver's worker pool (see
+    ``_objects.py`` and ``_workers.py``): concurrently with other streams, without a
+    thread of its own. Value 0 (and 1, ``CU_STREAM_LEGACY``) names the current device's
     legacy null stream, with the legacy synchronisation: work on it waits for all work
     already enqueued on the device's blocking streams, and work on a blocking stream
     waits for the null stream's work already enqueued. Stream priorities are recorded
@@ -62,8 +63,18 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
-from ._graphs import SimCapture
-from ._objects import HOST_FUNCTION, SimContext, SimDevice, SimEvent, SimPoint, SimStream, Workers, next_handle_value
+from ._graphs import ExternalRecord, SimCapture
+from ._objects import (
+    HOST_FUNCTION,
+    SimContext,
+    SimDevice,
+    SimEvent,
+    SimPoint,
+    SimStream,
+    StreamWait,
+    new_workers,
+    next_handle_value,
+)
 
 __all__ = ["SimCore"]
 
@@ -83,6 +94,8 @@ class SimCore:
     """
 
     _check_unsafe: Callable[[str], None]  # provided by SimGraphs
+    # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
+    _observe_frees: Callable[[int, Any], None]
 
     def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
         if devices < 1:
@@ -90,7 +103,7 @@ class SimCore:
         if total_memory <= 0:
             raise ValueError(f"total_memory must be positive, got {total_memory}")
         self._tls = threading.local()
-        self._workers = Workers(self._bind_context)
+        self._workers = new_workers(self._bind_context)
         self._faults = FaultPlan()
         self._closed = False
         self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
@@ -153,12 +166,30 @@ class SimCore:
             self._api_slow_path(name, None)
 
     def _device_of_current(self) -> int:
-        """The ordinal of the calling thread's current context; 0 when it has none."""
-        ctx: SimContext | None = getattr(self._tls, "ctx", None)
-        return 0 if ctx is None else ctx.device_ordinal
+        """The ordinal of the calling thread's current context; 0 when it has none.
+        ``CONTEXT_IS_DESTROYED`` when the current context was destroyed."""
+        ctx = self._current_context()
+        if ctx is None:
+            return 0
+        if ctx.destroyed:
+            raise sim_error(
+                ResultCode.CONTEXT_IS_DESTROYED, "context", f"the current context {ctx.value:#x} was destroyed"
+            )
+        return ctx.device_ordinal
+
+    def _context_stack(self) -> list[SimContext]:
+        """The calling thread's context stack (its top is the current context)."""
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def _current_context(self) -> SimContext | None:
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        return stack[-1] if stack else None
 
     def _bind_context(self, ctx: SimContext | None) -> None:
-        self._tls.ctx = ctx
+        self._tls.stack = [] if ctx is None else [ctx]
 
     def _resolve_stream(self, stream: Any) -> SimStream:
         """The live :class:`SimStream` for a stream handle or raw value; else ArgumentError."""
@@ -180,12 +211,13 @@ class SimCore:
         return self._resolve_stream(stream).device.ordinal
 
     def _enqueue(self, stream: Any, fn: Callable[[], object], name: str) -> None:
-        """Run ``fn()`` on ``stream``'s worker after everything enqueued on it before.
+        """Run ``fn()`` on a worker after everything enqueued on ``stream`` before.
 
         ``name`` labels the operation in errors and is what :meth:`set_latency` matches.
         ``fn`` runs on another thread with the stream's context current; it must not
-        call public sim methods. If it raises, see ``_objects.py`` for what happens to the
-        device. Does not call :meth:`_api`: the public method calling this already did.
+        call public sim methods, nor wait for other simulated work. If it raises, see
+        ``_objects.py`` for what happens to the device. Does not call :meth:`_api`: the
+        public method calling this already did.
         """
         self._submit(self._resolve_stream(stream), fn, name)
 
@@ -199,9 +231,9 @@ class SimCore:
         if stream is null:
             for other in stream.device.streams():
                 if other is not null and not other.non_blocking and other.finished < other.submitted:
-                    stream.submit(_Waiter(SimPoint(other, other.submitted), stream.device), "stream_wait_event")
+                    stream.submit(StreamWait(SimPoint(other, other.submitted)), "stream_wait_event")
         elif not stream.non_blocking and null.finished < null.submitted:
-            stream.submit(_Waiter(SimPoint(null, null.submitted), stream.device), "stream_wait_event")
+            stream.submit(StreamWait(SimPoint(null, null.submitted)), "stream_wait_event")
         return stream.submit(fn, name)
 
     def _device(self, dev: Any) -> SimDevice:
@@ -216,9 +248,10 @@ class SimCore:
 
     # -- test controls ---------------------------------------------------------------------
     def enqueue(self, stream: Any, fn: Callable[[], object], name: str = "op") -> None:
-        """Run ``fn()`` on ``stream``'s worker thread, in stream order, as one operation.
+        """Run ``fn()`` on a worker thread, in ``stream``'s order, as one operation.
 
-        A stand-in for GPU work in tests: ``fn`` may sleep (a slow kernel) or raise (a
+        A stand-in for GPU work in tests: ``fn`` may sleep (a slow kernel; it holds one
+        of the pool's worker threads meanwhile, where :meth:`set_latency` holds none) or raise (a
         faulting one: a :class:`~aiocuda.errors.CudaError` with a sticky code, or any
         other exception, poisons the device; a non-sticky CudaError is reported at the
         device's next call). ``name`` is what :meth:`set_latency` matches. ``fn`` must
@@ -270,8 +303,8 @@ class SimCore:
     def set_latency(self, name: str, seconds: float) -> None:
         """Make every operation named ``name`` take ``seconds`` on its stream (0 removes).
 
-        The worker sleeps before running the operation, so events recorded around it
-        measure at least that long. Names are the ones operations are enqueued under:
+        The operation waits that long on its stream before it runs (holding no thread),
+        so events recorded around it measure at least that long. Names are the ones operations are enqueued under:
         ``"event_record"``, ``"stream_wait_event"``, ``"launch_doorbell"`` here; the
         memory and module mixins document theirs.
         """
@@ -289,13 +322,11 @@ class SimCore:
         ``CUDA_ERROR_DEINITIALIZED``. Called by ``use_backend`` when switching away.
         """
         self._closed = True
-        self._workers.stopping.set()
-        streams = [stream for device in self._devices for stream in device.streams()]
-        for stream in streams:
-            stream.wake()
-        deadline = time.monotonic() + _SHUTDOWN_JOIN_S
-        for stream in streams:
-            stream.join(max(0.0, deadline - time.monotonic()))
+        self._workers.stop()
+        for device in self._devices:
+            for stream in device.streams():
+                stream.drop()
+        self._workers.join(time.monotonic() + _SHUTDOWN_JOIN_S)
 
     # -- process, devices, contexts --------------------------------------------------------
     def init(self) -> None:
@@ -373,14 +404,27 @@ class SimCore:
         device.context.retain_count -= 1
 
     def set_current(self, ctx: Any) -> None:
-        if ctx is not None and (type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices)):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "set_current", f"not a simulated context: {ctx!r}")
+        """Replace the top of the thread's context stack (push onto an empty one); None pops."""
+        if ctx is not None:
+            self._context(ctx, "set_current")
         self._counted("set_current")
-        self._tls.ctx = ctx
+        stack = self._context_stack()
+        if ctx is None:
+            if stack:
+                stack.pop()
+        elif stack:
+            stack[-1] = ctx
+        else:
+            stack.append(ctx)
+
+    def _context(self, ctx: Any, call: str) -> SimContext:
+        """``ctx`` if it is a live context of this driver; else ``INVALID_CONTEXT``."""
+        if type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices) or ctx.destroyed:
+            raise sim_error(ResultCode.INVALID_CONTEXT, call, f"not a live simulated context: {ctx!r}")
+        return ctx
 
     def enable_peer_access(self, peer_ctx: Any) -> None:
-        if type(peer_ctx) is not SimContext or peer_ctx.device_ordinal >= len(self._devices):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}")
+        self._context(peer_ctx, "enable_peer_access")
         ordinal = self._device_of_current()
         self._api("enable_peer_access", ordinal)
         if peer_ctx.device_ordinal == ordinal:
@@ -402,6 +446,7 @@ class SimCore:
         self._api("stream_create", ordinal)
         clamped = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
         stream = SimStream(self._workers, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
+        stream.context = self._current_context() or stream.device.context
         self._streams[stream.value] = stream
         return stream
 
@@ -438,6 +483,7 @@ class SimCore:
         self._refuse_capturing(sim, "stream_synchronize")
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
+        self._observe_frees(sim.device.ordinal, sim)
 
     def _refuse_capturing(self, stream: SimStream, call: str) -> None:
         """A query or synchronize of a capturing stream: its work will not run until the
@@ -457,7 +503,17 @@ class SimCore:
             return
         point = ev.point
         if point is not None and not point.reached():
-            self._submit(sim, _Waiter(point, sim.device), "stream_wait_event")
+            self._submit(sim, StreamWait(point), "stream_wait_event")
+
+    def stream_get_priority(self, stream: Any) -> int:
+        sim = self._resolve_stream(stream)
+        self._api("stream_get_priority", sim.device.ordinal)
+        return sim.priority
+
+    def stream_is_non_blocking(self, stream: Any) -> bool:
+        sim = self._resolve_stream(stream)
+        self._api("stream_is_non_blocking", sim.device.ordinal)
+        return sim.non_blocking
 
     def _wait_in_capture(self, stream: SimStream, ev: SimEvent) -> None:
         """``stream_wait_event`` where a capture is involved: join it, or refuse."""
@@ -530,19 +586,29 @@ class SimCore:
         self._events.pop(ev.value, None)
 
     def event_record(self, event: Any, stream: Any) -> None:
+        self._record(event, stream, "event_record")
+
+    def event_record_external(self, event: Any, stream: Any) -> None:
+        """A plain record; during a capture, a node that records the event at every replay."""
+        self._record(event, stream, "event_record_external")
+
+    def _record(self, event: Any, stream: Any, call: str) -> None:
         ev = self._event(event)
         sim = self._resolve_stream(stream)
-        self._api("event_record", sim.device.ordinal)
+        self._api(call, sim.device.ordinal)
         if ev.device_ordinal != sim.device.ordinal:
             raise sim_error(
                 ResultCode.INVALID_HANDLE,
-                "event_record",
+                call,
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
         capture = sim.capture
         if capture is not None:
+            if call == "event_record_external":
+                capture.add(sim, ExternalRecord(ev), call)
+                return
             if capture.error is not None:
-                raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, "event_record", "the capture failed earlier")
+                raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, call, "the capture failed earlier")
             ev.captured = (capture, capture.tails[sim])
             return
         point = SimPoint(sim, 0)
@@ -562,6 +628,7 @@ class SimCore:
         self._refuse_captured(ev, "event_synchronize")
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
+            self._observe_frees(ev.device_ordinal, ev.point.stream)
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         first, last = self._event(start), self._event(end)
@@ -594,16 +661,3 @@ class SimCore:
         sim = self._resolve_stream(stream)
         self._api("launch_doorbell", sim.device.ordinal)
         self._submit(sim, bell.ring, HOST_FUNCTION)
-
-
-class _Waiter:
-    """The operation behind ``stream_wait_event``: the worker waits for ``point``."""
-
-    __slots__ = ("device", "point")
-
-    def __init__(self, point: SimPoint, device: SimDevice) -> None:
-        self.point = point
-        self.device = device
-
-    def __call__(self) -> None:
-        self.point.stream.wait_until(self.point.reached, also=self.device)

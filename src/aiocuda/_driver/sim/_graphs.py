@@ -29,13 +29,14 @@ Memory
 
 Replay
     ``graph_instantiate`` copies the nodes' operations into an executable graph;
-    ``graph_launch`` enqueues one operation that runs them in capture order (every node
-    comes after what it depends on), after the executable graph's previous replay. Node
+    ``graph_launch`` enqueues them on the stream in capture order (every node comes after
+    what it depends on), after a wait for the executable graph's previous replay. Node
     updates replace an operation of the executable graph for later launches only. A
     node that raises fails the replay as the operation would have failed on its own: a
     kernel's ``IndexError`` poisons the device, and the rest of the replay -- doorbells
     included -- does not run. ``set_latency`` applies to nodes by their operation's name
-    (``"launch_kernel"``, ...) and to the whole replay as ``"graph_launch"``.
+    (``"launch_kernel"``, ...), and ``"graph_launch"`` to a replay as a whole. An event
+    recorded with ``event_record_external`` during a capture is recorded by every replay.
 
 Departures from the driver: nodes of one replay run one after another, never side by
 side; launching a graph on a capturing stream is refused (``STREAM_CAPTURE_UNSUPPORTED``)
@@ -53,9 +54,9 @@ from ...errors import CudaError, ResultCode
 from .._launch import LaunchConfig
 from .._protocol import CAPTURE_MODES, GraphNodeInfo
 from ._codes import sim_error
-from ._objects import HOST_FUNCTION, SimDevice, SimPoint, SimStream, Workers, next_handle_value
+from ._objects import HOST_FUNCTION, SimDevice, SimEvent, SimPoint, SimStream, StreamWait, next_handle_value
 
-__all__ = ["UNSAFE_CALLS", "SimCapture", "SimGraph", "SimGraphExec", "SimGraphs", "SimNode"]
+__all__ = ["UNSAFE_CALLS", "ExternalRecord", "SimCapture", "SimGraph", "SimGraphExec", "SimGraphs", "SimNode"]
 
 UNSAFE_CALLS = frozenset(
     {"mem_host_alloc", "mem_host_free", "mem_host_register", "mem_host_unregister", "module_load_data", "module_unload"}
@@ -73,6 +74,7 @@ _KINDS = {
     "memset_d32_async": "memset",
     "mem_alloc_async": "mem_alloc",
     "mem_free_async": "mem_free",
+    "event_record_external": "event_record",
     HOST_FUNCTION: "host",
 }
 """Node kinds by the name their operation was enqueued under; anything else is ``"op"``."""
@@ -191,7 +193,6 @@ class SimGraphs:
     _api: Callable[..., None]
     _submit: Callable[..., int]
     _resolve_stream: Callable[[Any], SimStream]
-    _workers: Workers
     _captures: set[SimCapture]
     _release_graph_memory: Callable[[SimGraph], None]
     _mem: Callable[[], Any]
@@ -334,33 +335,21 @@ class SimGraphs:
             raise sim.capture.invalidate(
                 ResultCode.STREAM_CAPTURE_UNSUPPORTED, "graph_launch", "the simulator cannot capture a graph launch"
             )
-        ops = [(op, node.name) for op, node in zip(gexec.ops, gexec.graph.nodes, strict=True)]
-        after = gexec.last
-        workers = self._workers
-        device = sim.device
-
-        def replay() -> None:
-            try:
-                if after is not None and not after.reached():
-                    after.stream.wait_until(after.reached, also=device)
-                    if not after.reached():
-                        return  # a device was poisoned or the driver stopped: the worker drops the rest
-                latency = workers.latency
-                for op, name in ops:
-                    delay = latency.get(name)
-                    if delay:
-                        workers.stopping.wait(delay)
-                    if device.poison is not None or workers.stopping.is_set():
-                        return
-                    op()
-            finally:
-                gexec.pending -= 1
-                if gexec.destroyed and not gexec.pending:
-                    self._exec_done(gexec)
-
+        ops = list(zip(gexec.ops, [node.name for node in gexec.graph.nodes], strict=True))
         gexec.pending += 1
         try:
-            seq = self._submit(sim, replay, "graph_launch")
+            after = gexec.last
+            if after is not None and not after.reached():
+                self._submit(sim, StreamWait(after), "stream_wait_event")
+            self._submit(sim, _nothing, "graph_launch")  # the replay's own latency, if one is set
+            for op, name in ops:
+                if type(op) is ExternalRecord:  # the event is recorded where the node runs
+                    point = SimPoint(sim, 0)
+                    point.seq = self._submit(sim, point.stamp, "event_record")
+                    op.event.point, op.event.captured = point, None
+                else:
+                    self._submit(sim, op, name)
+            seq = self._submit(sim, _ReplayDone(self, gexec), "graph_launch")
         except BaseException:
             gexec.pending -= 1
             raise
@@ -422,6 +411,39 @@ class SimGraphs:
         graph.execs -= 1
         if graph.destroyed and not graph.execs:
             self._release_graph_memory(graph)
+
+
+class ExternalRecord:
+    """An event record node (``event_record_external`` during a capture)."""
+
+    __slots__ = ("event",)
+
+    def __init__(self, event: SimEvent) -> None:
+        self.event = event
+
+    def __call__(self) -> None:
+        pass  # recorded by the replay itself (``graph_launch``)
+
+
+class _ReplayDone:
+    """The last operation of a replay: its executable graph's memory may go once it has
+    run and the graph is destroyed."""
+
+    __slots__ = ("driver", "gexec")
+
+    def __init__(self, driver: SimGraphs, gexec: SimGraphExec) -> None:
+        self.driver = driver
+        self.gexec = gexec
+
+    def __call__(self) -> None:
+        gexec = self.gexec
+        gexec.pending -= 1
+        if gexec.destroyed and not gexec.pending:
+            self.driver._exec_done(gexec)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _describe(node: SimNode) -> GraphNodeInfo:

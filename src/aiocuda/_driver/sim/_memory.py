@@ -9,6 +9,13 @@ for ranges it can check) and again when the operation runs (memory freed meanwhi
 poisons the context with ``ILLEGAL_ADDRESS``, as a real use-after-free would) -- so no
 mistake above the seam can crash the process.
 
+As with the driver, a block whose free has run is given back to the device (by
+``mempool_trim_to``, or by the release threshold) only once the host has observed that
+free complete through a synchronisation: ``stream_synchronize`` or
+``event_synchronize`` of the stream that freed it (observing every free that stream has
+run), or ``ctx_synchronize`` (every free of the device's pools). Queries observe
+nothing. The release threshold is applied at those synchronisations.
+
 Departures from the driver, kept on purpose:
 
 * A pool reuses a freed block only for an allocation of exactly the same size. Memory
@@ -20,7 +27,6 @@ Departures from the driver, kept on purpose:
   stream has run and maps new memory instead; turning them off makes that certain.)
   The pool never trims itself to satisfy an allocation: when it cannot grow it fails
   with ``OUT_OF_MEMORY``, which is what the layer above must handle (trim, retry).
-* The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
   "not null, not inside device memory": pass only addresses of live host buffers. On a
   capturing stream they must be page-locked (``mem_host_alloc`` or registered).
@@ -95,6 +101,7 @@ class SimPool:
         "reserved",
         "reserved_high",
         "reuse",
+        "unobserved",
         "used",
         "used_high",
     )
@@ -114,6 +121,9 @@ class SimPool:
         self.cached_bytes = 0
         self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
         """Blocks whose free is enqueued but has not run, by (stream, size), then start."""
+        self.unobserved: dict[int, Any] = {}
+        """Cached blocks (by start) whose free the host has not observed, with the stream
+        that freed them: no trim gives them back."""
         self.destroyed = False
         self.access: set[int] = {ordinal}
 
@@ -153,6 +163,8 @@ class SimMemory:
     _resolve_stream: Callable[[Any], Any]
     _device: Callable[[Any], SimDevice]
     _devices: tuple[SimDevice, ...]
+    _device_of_current: Callable[[], int]
+    _wait_for: Callable[[SimPoint, str], None]
 
     # -- state ------------------------------------------------------------------------------
     def _mem(self) -> _MemoryState:
@@ -177,7 +189,11 @@ class SimMemory:
         self._api("mempool_create", props.device_ordinal)
         if props.max_size < 0:
             raise _invalid("cuMemPoolCreate", f"max_size must be >= 0, got {props.max_size}")
-        return SimPool(props.device_ordinal, props.max_size, is_default=False)
+        pool = SimPool(props.device_ordinal, props.max_size, is_default=False)
+        state = self._mem()
+        with state.lock:
+            state.pools.append(pool)
+        return pool
 
     def mempool_destroy(self, pool: SimPool) -> None:
         self._api("mempool_destroy", pool.ordinal)
@@ -187,7 +203,8 @@ class SimMemory:
             if pool.is_default:
                 raise _invalid("cuMemPoolDestroy", "the default pool cannot be destroyed")
             pool.destroyed = True
-            state.trim_cached(pool, 0)
+            state.pools.remove(pool)
+            state.trim_cached(pool, 0, observed_only=False)
 
     def mempool_set_attribute(self, pool: SimPool, attribute: str, value: int) -> None:
         self._api("mempool_set_attribute", pool.ordinal)
@@ -230,6 +247,18 @@ class SimMemory:
         with state.lock:
             state.trim_cached(pool, max(0, int(min_bytes_to_keep)))
 
+    def ctx_synchronize(self) -> None:
+        ordinal = self._device_of_current()
+        self._api("ctx_synchronize", ordinal)
+        for stream in self._devices[ordinal].streams():
+            self._wait_for(SimPoint(stream, stream.submitted), "ctx_synchronize")
+        self._observe_frees(ordinal, None)
+
+    def _observe_frees(self, ordinal: int, stream: Any | None) -> None:
+        """A synchronisation returned (see the module docstring); ``stream`` is the sim
+        stream it waited for, None for the whole device."""
+        self._mem().observe_frees(ordinal, stream)
+
     def mempool_set_access(self, pool: SimPool, peer_ordinal: int) -> None:
         self._api("mempool_set_access", pool.ordinal)
         self._check_pool(pool, "cuMemPoolSetAccess")
@@ -246,6 +275,8 @@ class SimMemory:
         self._check_pool(pool, "cuMemAllocFromPoolAsync")
         if size <= 0:
             raise _invalid("cuMemAllocFromPoolAsync", f"size must be > 0, got {size}")
+        if size >= 1 << 64:  # as the bindings do, converting to size_t
+            raise OverflowError(f"size {size} does not fit a size_t")
         sim_stream = self._resolve_stream(stream)
         if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
@@ -326,8 +357,8 @@ class SimMemory:
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
-            if block is None or block.kind != "device" or block.free_token is not None or block.graph is not None:
-                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+            if block is None or block.kind != "device" or block.pool is None or block.free_token is not None:
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool")
             pool, array = block.pool, block.array
             assert pool is not None and array is not None
             block.free_token = token
@@ -346,8 +377,7 @@ class SimMemory:
                     return
                 pool.cached.setdefault(block.size, []).append((array, sim_stream))
                 pool.cached_bytes += block.size
-                if pool.reserved > pool.release_threshold:
-                    state.trim_cached(pool, pool.release_threshold)
+                pool.unobserved[ptr] = sim_stream
 
         try:
             self._enqueue(stream, free, "mem_free_async")
@@ -369,6 +399,19 @@ class SimMemory:
     def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
         self.mem_free_async(ptr, stream)
         return (0,)
+
+    def _allocate_module_memory(self, ordinal: int, size: int) -> tuple[int, np.ndarray]:
+        """Zeroed device memory for a module's variable (no pool; freed by the unload)."""
+        array = _aligned_bytes(max(1, size))
+        state = self._mem()
+        with state.lock:
+            state.insert(_Block(array.ctypes.data, size, array, "device", ordinal, None))
+        return array.ctypes.data, array
+
+    def _free_module_memory(self, ptr: int) -> None:
+        state = self._mem()
+        with state.lock:
+            state.remove(ptr)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
@@ -645,6 +688,8 @@ class _MemoryState:
         self.blocks: dict[int, _Block] = {}
         self.starts: list[int] = []
         self.defaults: dict[int, SimPool] = {}
+        self.pools: list[SimPool] = []
+        """Every live pool, default ones included."""
         self.devices = devices
         """Their ``used_bytes`` counts the bytes pools reserve (what ``mem_get_info`` sees)."""
 
@@ -653,7 +698,24 @@ class _MemoryState:
             pool = self.defaults.get(ordinal)
             if pool is None:
                 pool = self.defaults[ordinal] = SimPool(ordinal, 0, is_default=True)
+                self.pools.append(pool)
             return pool
+
+    def observe_frees(self, ordinal: int, stream: Any | None) -> None:
+        """A synchronisation on device ``ordinal`` returned: the frees that ``stream``
+        (None: any stream of the device) has run are observed, and each pool of the
+        device gives back what exceeds its release threshold."""
+        with self.lock:
+            for pool in self.pools:
+                if pool.ordinal != ordinal:
+                    continue
+                if stream is None:
+                    pool.unobserved.clear()
+                else:
+                    for start in [start for start, freed_on in pool.unobserved.items() if freed_on is stream]:
+                        del pool.unobserved[start]
+                if pool.reserved > pool.release_threshold:
+                    self.trim_cached(pool, pool.release_threshold)
 
     def insert(self, block: _Block) -> None:
         self.blocks[block.start] = block
@@ -713,15 +775,23 @@ class _MemoryState:
             if across or freed_on is stream:
                 del arrays[i]
                 pool.cached_bytes -= size
+                pool.unobserved.pop(array.ctypes.data, None)
                 return array
         return None
 
-    def trim_cached(self, pool: SimPool, keep: int) -> None:
-        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left."""
+    def trim_cached(self, pool: SimPool, keep: int, *, observed_only: bool = True) -> None:
+        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left;
+        with ``observed_only``, only those whose free the host has observed."""
         for size in sorted(pool.cached, reverse=True):
             arrays = pool.cached[size]
-            while arrays and pool.reserved > keep:
-                arrays.pop()
+            for i in range(len(arrays) - 1, -1, -1):
+                if pool.reserved <= keep:
+                    break
+                start = arrays[i][0].ctypes.data
+                if observed_only and start in pool.unobserved:
+                    continue
+                del arrays[i]
+                pool.unobserved.pop(start, None)
                 pool.cached_bytes -= size
                 pool.reserved -= size
                 self.devices[pool.ordinal].used_bytes -= size

@@ -7,20 +7,18 @@ use it for their own handles (pools, modules, functions) too.
 Streams
 -------
 
-Simulated streams: a queue of operations run in order on the stream's own thread.
-
-Each :class:`SimStream` owns a FIFO of ``(fn, name)`` operations and starts a worker
-thread lazily, when the first operation arrives; the worker leaves after a short idle
-spell (or once the stream is destroyed and drained, or the driver shuts down) and the
-next operation starts a new one. So streams run concurrently with each other and with
-the caller, in order within a stream, and idle streams cost no thread.
+Simulated streams: a queue of operations run in order by the driver's worker pool
+(``_workers.py``). A stream holds no thread of its own: while it has runnable work it is
+scheduled on the pool, which runs it on one worker at a time; while it waits (paused, a
+latency, a ``stream_wait_event`` on another stream's point) it costs nothing. So streams
+run concurrently with each other and with the caller, in order within a stream, and
+idle streams cost no thread.
 
 One condition variable per stream guards its queue and counters; it is notified when an
-operation is added or finished, when the stream is resumed, and when the device is
-poisoned or the driver stops -- so every wait on a stream (``stream_synchronize``,
-``event_synchronize``, a ``stream_wait_event`` in another stream's worker) wakes for
-all the reasons it could have to stop waiting. Operations themselves run outside the
-lock.
+operation is finished, when the stream is resumed, and when the device is poisoned or
+the driver stops -- so every host wait on a stream (``stream_synchronize``,
+``event_synchronize``) wakes for all the reasons it could have to stop waiting.
+Operations themselves run outside the lock.
 
 Failure model (what ``SimCore._enqueue`` documents): an operation raising a
 :class:`CudaError` with a non-sticky code leaves that error on the device for its next
@@ -43,8 +41,10 @@ from typing import Any
 
 from ...errors import STICKY_CODES, CudaError, ResultCode
 from ._codes import sim_error
+from ._workers import Workers
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "HOST_FUNCTION",
     "Poison",
     "SimContext",
@@ -52,7 +52,8 @@ __all__ = [
     "SimEvent",
     "SimPoint",
     "SimStream",
-    "Workers",
+    "StreamWait",
+    "new_workers",
     "next_handle_value",
 ]
 
@@ -74,18 +75,41 @@ class Poison:
     cause: BaseException | None = None
 
 
+DEFAULT_LIMITS = {
+    "stack_size": 1024,
+    "printf_fifo_size": 1 << 20,
+    "malloc_heap_size": 8 << 20,
+    "dev_runtime_sync_depth": 2,
+    "dev_runtime_pending_launch_count": 2048,
+    "max_l2_fetch_granularity": 64,
+    "persisting_l2_cache_size": 0,
+}
+"""Each limit's value in a new context (as on an H100)."""
+
+
 class SimContext:
-    """A device's primary context (the sim has exactly one per device, never destroyed)."""
+    """A context: a device's primary context (one per device, never destroyed; retained
+    and released) or a user context (``context_create``, until ``context_destroy``).
 
-    __slots__ = ("device_ordinal", "retain_count", "value")
+    ``flags`` are the CUDA context flags; ``limits`` and ``cache_config`` what
+    ``context_set_limit`` and ``context_set_cache_config`` set.
+    """
 
-    def __init__(self, device_ordinal: int) -> None:
+    __slots__ = ("cache_config", "destroyed", "device_ordinal", "flags", "limits", "primary", "retain_count", "value")
+
+    def __init__(self, device_ordinal: int, *, primary: bool = True, flags: int = 0) -> None:
         self.value = next_handle_value()
         self.device_ordinal = device_ordinal
+        self.primary = primary
+        self.flags = flags
         self.retain_count = 0
+        self.destroyed = False
+        self.limits = dict(DEFAULT_LIMITS)
+        self.cache_config = "prefer_none"
 
     def __repr__(self) -> str:
-        return f"<SimContext {self.value:#x} device={self.device_ordinal} retained={self.retain_count}>"
+        kind = f"retained={self.retain_count}" if self.primary else ("destroyed" if self.destroyed else "user")
+        return f"<SimContext {self.value:#x} device={self.device_ordinal} {kind}>"
 
 
 class SimDevice:
@@ -224,7 +248,10 @@ class SimEvent:
 
 
 _IDLE_EXIT_S = 1.0
-"""How long an idle worker thread lingers before leaving (a new operation restarts it)."""
+"""How long an idle worker thread lingers before leaving (new work starts one again)."""
+
+_TURN_OPERATIONS = 64
+"""Operations a stream runs before it lets other queued streams have a worker."""
 
 Operation = Callable[[], object]
 
@@ -232,18 +259,27 @@ HOST_FUNCTION = "launch_doorbell"
 """The name doorbell operations are enqueued under (they never block and never fail)."""
 
 
-class Workers:
-    """What all stream workers of one driver share: latencies, the stop flag, the thread binding."""
+def new_workers(bind_context: Callable[[SimContext | None], None]) -> Workers:
+    """The worker pool of one simulated driver."""
+    return Workers(bind_context, lambda: _IDLE_EXIT_S)
 
-    __slots__ = ("bind_context", "latency", "stopping")
 
-    def __init__(self, bind_context: Callable[[SimContext], None]) -> None:
-        self.latency: dict[str, float] = {}
-        """Seconds an operation of that name sleeps on its worker before it runs."""
-        self.stopping = threading.Event()
-        """Set by ``shutdown``: workers drop their queues and leave; waits end."""
-        self.bind_context = bind_context
-        """Makes a context current on the calling (worker) thread."""
+class StreamWait:
+    """The operation behind ``stream_wait_event``: the stream goes on once ``point`` is
+    reached -- or once the device of ``point``'s stream is poisoned (no further ordering
+    is promised then). The pool never blocks on it: the stream registers with the stream
+    of ``point`` and is scheduled again when that one moves."""
+
+    __slots__ = ("point",)
+
+    def __init__(self, point: SimPoint) -> None:
+        self.point = point
+
+    def __call__(self) -> None:
+        pass  # nothing to do once the point is passed
+
+    def passed(self) -> bool:
+        return self.point.reached() or self.point.stream.device.poison is not None
 
 
 class SimStream:
@@ -257,11 +293,14 @@ class SimStream:
     __slots__ = (
         "__weakref__",
         "_cond",
+        "_dependents",
+        "_due",
         "_ops",
         "_paused",
-        "_thread",
+        "_scheduled",
         "_workers",
         "capture",
+        "context",
         "destroyed",
         "device",
         "finished",
@@ -274,6 +313,8 @@ class SimStream:
     def __init__(self, workers: Workers, device: SimDevice, value: int, non_blocking: bool, priority: int) -> None:
         self.value = value
         self.device = device
+        self.context: SimContext = device.context
+        """The context the stream was created in (set by ``stream_create``)."""
         self.non_blocking = non_blocking
         self.priority = priority
         self.destroyed = False
@@ -285,7 +326,9 @@ class SimStream:
         self._cond = threading.Condition(threading.Lock())
         self._ops: collections.deque[tuple[Operation, str]] = collections.deque()
         self._paused = False
-        self._thread: threading.Thread | None = None
+        self._scheduled = False  # in the pool's queue or timers, or being run by a worker
+        self._due: float | None = None  # when the first operation's latency ends, once it started
+        self._dependents: list[SimStream] = []  # streams whose first operation waits for this one
         device.add_stream(self)
 
     def __repr__(self) -> str:
@@ -304,14 +347,12 @@ class SimStream:
                 raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
             self._ops.append((fn, name))
             self.submitted += 1
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"aiocuda-sim-stream-{self.value:#x}", daemon=True
-                )
-                self._thread.start()
-            else:
-                self._cond.notify_all()
-            return self.submitted
+            seq = self.submitted
+            start = not self._scheduled
+            self._scheduled = True
+        if start:
+            self._workers.ready(self)
+        return seq
 
     def wait_until(self, done: Callable[[], bool], also: SimDevice | None = None) -> None:
         """Block until ``done()``, this stream's device (or ``also``) is poisoned, or the driver stops.
@@ -340,45 +381,103 @@ class SimStream:
         with self._cond:
             self._paused = False
             self._cond.notify_all()
+        self._kick()
 
     def wake(self) -> None:
-        """Wake every thread waiting on this stream so it re-checks why it waits."""
+        """Wake every thread waiting on this stream, and the streams waiting for it, so
+        that they look again at why they wait (the device was poisoned, the driver stops)."""
         with self._cond:
             self._cond.notify_all()
+            dependents, self._dependents = self._dependents, []
+        for stream in dependents:
+            stream._kick()
+        self._kick()
 
     def destroy(self) -> None:
-        """Mark destroyed: queued work still runs, then the worker leaves."""
+        """Mark destroyed: queued work still runs."""
         with self._cond:
             self.destroyed = True
             self._cond.notify_all()
 
-    def join(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the worker thread (if any) to leave."""
+    def drop(self) -> None:
+        """Forget the queued operations (the driver stops)."""
         with self._cond:
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout)
+            self._ops.clear()
+            self._cond.notify_all()
 
-    # -- the worker thread ----------------------------------------------------------------
-    def _run(self) -> None:
+    # -- scheduling -----------------------------------------------------------------------
+    def _kick(self) -> None:
+        """Schedule the stream if it has operations and is not scheduled already."""
+        with self._cond:
+            if self._scheduled or not self._ops:
+                return
+            self._scheduled = True
+        self._workers.ready(self)
+
+    def _wait_for_me(self, stream: SimStream, point: SimPoint) -> bool:
+        """Kick ``stream`` when this stream moves; False (and nothing registered) if
+        ``point`` on this stream is already passed."""
+        with self._cond:
+            if point.reached() or self.device.poison is not None:
+                return False
+            self._dependents.append(stream)
+            return True
+
+    def run_turn(self) -> None:
+        """Run this stream's operations in order, on a pool worker, until it cannot go on.
+
+        Ends in one of four ways: unscheduled (nothing to run, paused, dropped, or waiting
+        for another stream, which kicks it), in the pool's timers (a latency), or back in
+        its queue (its turn is over).
+        """
         self._workers.bind_context(self.device.context)
-        while True:
+        for _ in range(_TURN_OPERATIONS):
             with self._cond:
                 job = self._next_job()
                 if job is None:
-                    self._thread = None
-                    self._cond.notify_all()
+                    self._scheduled = False
                     return
-            if not self._execute(*job):
-                continue  # dropped: the device was poisoned or the driver stopped meanwhile
+                fn, name = job
+                if self._due is None and (delay := self._workers.latency.get(name)):
+                    self._due = time.monotonic() + delay
+                if self._due is not None and self._due > time.monotonic():
+                    self._workers.after(self._due, self)
+                    return
+                waits_for = fn.point if type(fn) is StreamWait and not fn.passed() else None
+                if waits_for is not None:
+                    self._scheduled = False
+            if waits_for is not None:
+                if not waits_for.stream._wait_for_me(self, waits_for):
+                    self._kick()  # passed meanwhile
+                return
+            if not self._execute(fn, name):
+                continue  # dropped: the next look at the queue clears it
             done = 1
             while (bell := self._doorbell_at(done)) is not None and self._execute(*bell):
                 done += 1
             with self._cond:
+                if self._workers.stopping.is_set():
+                    return  # shut down meanwhile: the queue is gone
                 for _ in range(done):
                     self._ops.popleft()
                 self.finished += done
+                self._due = None
                 self._cond.notify_all()
+                dependents, self._dependents = self._dependents, []
+            for stream in dependents:
+                stream._kick()
+        self._workers.ready(self)  # turn over: others first; still scheduled
+
+    def _next_job(self) -> tuple[Operation, str] | None:
+        """The next operation to run, or None when there is none to run now (lock held)."""
+        if self._workers.stopping.is_set() or self.device.poison is not None:
+            if self._ops:
+                self._ops.clear()
+                self._cond.notify_all()
+            return None
+        if self._paused or not self._ops:
+            return None
+        return self._ops[0]
 
     def _doorbell_at(self, index: int) -> tuple[Operation, str] | None:
         """The queued operation at ``index`` if it is a doorbell that may run now.
@@ -390,33 +489,25 @@ class SimStream:
         and see ``stream_query`` report the stream busy right after ``await stream``.
         """
         with self._cond:
-            if self._paused or len(self._ops) <= index or self._ops[index][1] != HOST_FUNCTION:
+            if (
+                self._paused
+                or len(self._ops) <= index
+                or self._ops[index][1] != HOST_FUNCTION
+                or HOST_FUNCTION in self._workers.latency
+                or self.device.poison is not None
+                or self._workers.stopping.is_set()
+            ):
                 return None
             return self._ops[index]
 
-    def _next_job(self) -> tuple[Operation, str] | None:
-        """The next operation to run, or None when the worker should leave (lock held)."""
-        while True:
-            if self._workers.stopping.is_set() or self.device.poison is not None:
-                self._ops.clear()
-                return None
-            if self._ops and not self._paused:
-                return self._ops[0]
-            if self.destroyed and not self._ops:
-                return None
-            if not self._cond.wait(_IDLE_EXIT_S) and not self._ops:
-                return None
-
     def _execute(self, fn: Operation, name: str) -> bool:
-        """Run one operation after its simulated latency; False if it had to be dropped."""
-        delay = self._workers.latency.get(name)
-        if delay:
-            self._workers.stopping.wait(delay)
+        """Run one operation (a failure is the device's, as on a GPU); False if it had to
+        be dropped instead: the device is poisoned or the driver stops."""
         if self.device.poison is not None or self._workers.stopping.is_set():
             return False
         try:
             fn()
-        except Exception as exc:  # any failure of an operation is the device's, as on a GPU
+        except Exception as exc:
             self._fail(name, exc)
         return True
 

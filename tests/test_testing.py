@@ -1,0 +1,159 @@
+"""aiocuda.testing: the simulator's controls as users' own tests use them (typed, public)."""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+import aiocuda
+import aiocuda.testing
+from aiocuda.errors import ContextPoisonedError, CudaError, ResultCode
+
+SOURCE = r"""
+extern "C" __global__ void add_one(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+"""
+
+
+def add_one(launch: aiocuda.testing.KernelLaunch, x: npt.NDArray[np.float32], n: np.int32) -> None:
+    assert launch.name == "add_one" and launch.block == (64, 1, 1)
+    x[: int(n)] += 1
+
+
+@pytest.fixture
+def sim() -> Iterator[aiocuda.testing.Simulator]:
+    with aiocuda.testing.use_simulator(devices=2) as sim:
+        sim.register_kernel("add_one", add_one)
+        yield sim
+    sim.register_kernel("add_one", None)
+
+
+def test_use_simulator_switches_and_describes(sim: aiocuda.testing.Simulator) -> None:
+    assert sim.device_count == 2 == aiocuda.device_count()
+    assert aiocuda.current_backend().simulated
+    assert aiocuda.testing.current_simulator().device_count == 2
+    assert repr(sim).startswith("<Simulator [devices=2 ")
+
+
+@pytest.mark.anyio
+async def test_a_paused_stream_keeps_its_awaits_pending(sim: aiocuda.testing.Simulator, anyio_backend: object) -> None:
+    kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
+    with aiocuda.Stream() as stream:
+        x = await aiocuda.to_device(np.zeros(100, np.float32), stream=stream)
+        finished = anyio.Event()
+
+        async def request() -> None:
+            kernel.launch(2, 64, x, 100, stream=stream)
+            await stream
+            finished.set()
+
+        async with anyio.create_task_group() as tg:
+            with sim.paused(stream):
+                tg.start_soon(request)
+                for _ in range(20):
+                    await anyio.lowlevel.checkpoint()
+                assert not finished.is_set() and not stream.query()
+            await finished.wait()
+        assert (await x.to_host(stream=stream) == 1).all()
+
+
+def test_latency_makes_operations_take_time(sim: aiocuda.testing.Simulator) -> None:
+    kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
+    sim.set_latency("launch_kernel", 0.05)
+    with aiocuda.Stream() as stream:
+        x = aiocuda.empty(64, np.float32, stream=stream)
+        start = stream.record(timing=True)
+        kernel.launch(1, 64, x, 64, stream=stream)
+        end = stream.record(timing=True)
+        stream.synchronize()
+        assert end.elapsed_ms(since=start) >= 50.0
+
+
+def test_an_injected_fault_fails_that_call(sim: aiocuda.testing.Simulator) -> None:
+    kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
+    with aiocuda.Stream() as stream:
+        x = aiocuda.empty(64, np.float32, stream=stream)
+        sim.inject_fault(ResultCode.LAUNCH_OUT_OF_RESOURCES, call="launch_kernel")
+        with pytest.raises(aiocuda.LaunchError):
+            kernel.launch(1, 64, x, 64, stream=stream)
+        kernel.launch(1, 64, x, 64, stream=stream)  # only the first one fails
+        stream.synchronize()
+    with pytest.raises(ValueError, match="launch_kernal"):
+        sim.inject_fault(ResultCode.UNKNOWN, call="launch_kernal")
+
+
+def test_poison_fails_every_later_call_on_that_device(sim: aiocuda.testing.Simulator) -> None:
+    sim.poison(aiocuda.Device(1))
+    with pytest.raises(ContextPoisonedError):
+        aiocuda.Stream(1)
+    with aiocuda.Stream(0) as healthy:
+        healthy.synchronize()
+
+
+def test_close_lets_the_next_call_choose_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AIOCUDA_BACKEND", "sim")
+    monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "3")
+    sim = aiocuda.testing.use_simulator(devices=1)
+    stream = aiocuda.Stream()
+    sim.close()
+    with pytest.raises(CudaError):
+        stream.synchronize()  # the old simulator is gone
+    assert aiocuda.device_count() == 3  # chosen again from the environment
+
+
+USER_CODE = """
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+import aiocuda
+import aiocuda.testing
+
+
+def double(launch: aiocuda.testing.KernelLaunch, x: npt.NDArray[np.float32], n: np.int32) -> None:
+    x[: int(n)] *= 2
+
+
+def test_service() -> None:
+    with aiocuda.testing.use_simulator(devices=2) as sim:
+        sim.register_kernel("double", double)
+        sim.set_latency("launch_kernel", 0.001)
+        sim.inject_fault(aiocuda.errors.ResultCode.OUT_OF_MEMORY, at_call=3, call="mem_alloc_async")
+        stream = aiocuda.Stream()
+        with sim.paused(stream):
+            pass
+        sim.pause(stream)
+        sim.resume(stream)
+        sim.poison(aiocuda.Device(1))
+        backend: aiocuda.Backend = aiocuda.current_backend()
+        assert backend.simulated and sim.device_count == 2
+"""
+
+
+@pytest.mark.slow
+def test_user_code_passes_mypy_strict(tmp_path: pathlib.Path) -> None:
+    """The testing API is typed: a user's test module using it passes ``mypy --strict``."""
+    pytest.importorskip("mypy")
+    user = tmp_path / "test_user_service.py"
+    user.write_text(textwrap.dedent(USER_CODE))
+    src = pathlib.Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), str(user)],
+        env={"MYPYPATH": str(src), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
