@@ -197,3 +197,21 @@ async def test_replays_that_fault_fail_their_chunks(sim_backend: Any, anyio_back
                 got = [r async for r in results]
     assert len(got) == 8 and got[0].ok  # the eager warm-up
     assert all(isinstance(r.error, ContextPoisonedError) for r in got[1:])
+
+
+async def test_later_pipelines_of_a_stage_replay_its_graphs(devices: int, anyio_backend: Any) -> None:
+    stage = CountingStage()
+    inputs = pinned_chunks(6 * devices)
+    async with Executor(list(range(devices)), trace=True) as ex:
+        await ex.run(stage, inputs, graph=True, in_flight=2)
+        calls = dict(stage.calls)
+        assert ex.trace is not None
+        ex.trace.clear()
+        again = await ex.run(stage, inputs, graph=True)  # every chunk a replay
+        assert stage.calls == calls
+        assert len([s for s in ex.trace.spans if s.unit == "graph"]) == len(inputs)
+        other = CountingStage()  # another stage object: its own warm-up and captures
+        await ex.run(other, inputs, graph=True, in_flight=2)
+        assert sum(other.calls.values()) > 0
+    for i, value in enumerate(again):
+        np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)

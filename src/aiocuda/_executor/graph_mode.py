@@ -6,7 +6,9 @@ libraries it calls, which must not happen during a capture. Once it has succeede
 next chunk is captured on each of :data:`LANES` streams of the device -- its upload from
 page-locked memory, the stage (called once per lane: the uploaded input and the stage's
 ``ctx.empty`` arrays become graph memory) and its download -- and replayed on the first
-lane. Every later chunk of the same shape and dtype is a replay on the next lane in
+lane. The executor keeps the captured graphs of a stage (:class:`GraphLanes`, per
+device) for its later pipelines of the same stage object, which replay from their
+first chunk. Every later chunk of the same shape and dtype is a replay on the next lane in
 turn: two copy addresses set, one graph launch, one event recorded; no task of its own
 and no call of the stage. One collector task per device awaits the replays in the order
 they were launched and delivers their results. Lanes replay side by side, so chunks
@@ -24,6 +26,7 @@ memory once the replay is done.
 from __future__ import annotations
 
 import collections
+import contextlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -40,7 +43,7 @@ from .._memory import copies as _copies
 from .._memory import staging as _staging
 from .._memory.pinned import pinned_ranges
 from ..array import DeviceArray, empty
-from ..errors import CaptureError
+from ..errors import CaptureError, CudaError
 from ..graph import Graph
 from ..host import pinned_empty
 from ..stream import Stream
@@ -116,23 +119,41 @@ class _Replay:
         self.span = span
 
 
-class _Device:
-    """Graph mode's state on one device for one pipeline."""
+class GraphLanes:
+    """A stage's captured graphs on one device, one per lane, and how far it got: kept
+    by the executor for every pipeline of the stage (or by one pipeline)."""
 
-    __slots__ = ("dtype", "lanes", "pending", "shape", "state", "template", "turn", "wake", "warmup")
+    __slots__ = ("dtype", "lanes", "owner", "shape", "state", "template")
 
     def __init__(self) -> None:
         self.state: Literal["new", "warming", "capture", "capturing", "ready", "eager"] = "new"
-        self.warmup = -1
-        """The index of the chunk warming the device up."""
+        self.owner: Any = None
+        """Whose chunk warms the device up, ``(graph mode, index)``, or which graph mode captures."""
         self.lanes: list[_Lane] = []
-        self.turn = 0
         self.shape: tuple[int, ...] = ()
         self.dtype: np.dtype[Any] = np.dtype(np.uint8)
         self.template: DeviceArray | None = None
         """The stage's result in the capture: shape and dtype for ``output(index, result)``."""
+
+    def close(self) -> None:
+        """Release the graphs (once the replays already enqueued have run)."""
+        for lane in self.lanes:
+            lane.graph.close()
+        self.lanes.clear()
+        if self.state == "ready":
+            self.state = "new"
+
+
+class _Queue:
+    """One pipeline's replays on one device: the next lane, and those awaiting delivery."""
+
+    __slots__ = ("collecting", "pending", "turn", "wake")
+
+    def __init__(self) -> None:
+        self.turn = 0
         self.pending: collections.deque[_Replay] = collections.deque()
         self.wake = anyio.Event()
+        self.collecting = False
 
 
 class GraphMode:
@@ -140,68 +161,86 @@ class GraphMode:
 
     ``route`` tells the pipeline how to run each admitted chunk: as a replay
     (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own), or
-    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`).
+    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`). ``shared`` holds the
+    stage's :class:`GraphLanes` by device ordinal: the executor's for the stage, or None
+    for graphs of this pipeline alone.
     """
 
-    def __init__(self, runner: ChunkRunner, finish: Finish, start: Callable[..., object], lanes: int = LANES) -> None:
+    def __init__(
+        self,
+        runner: ChunkRunner,
+        finish: Finish,
+        start: Callable[..., object],
+        shared: dict[int, GraphLanes] | None = None,
+        lanes: int = LANES,
+    ) -> None:
         self._runner = runner
         self._finish = finish
         self._start = start
         self._lane_count = lanes
-        self._devices: dict[int, _Device] = {}
+        self._own = shared is None
+        self._shared: dict[int, GraphLanes] = {} if shared is None else shared
+        self._queues: dict[int, _Queue] = {}
 
     def close(self) -> None:
-        """The pipeline is over: release the captured graphs (their replays are done, or
-        keep what they use until they are)."""
-        for dev in self._devices.values():
-            for lane in dev.lanes:
-                lane.graph.close()
-            dev.lanes.clear()
-            if dev.state == "ready":
-                dev.state = "eager"
+        """The pipeline is over: a warm-up or capture of its own that did not finish is
+        left to the next pipeline, and graphs of its own are released."""
+        for lanes in self._shared.values():
+            if lanes.state == "warming" and lanes.owner[0] is self:
+                lanes.state, lanes.owner = "new", None
+            if self._own:
+                lanes.close()
 
-    def _device(self, device_streams: DeviceStreams) -> _Device:
+    def _lanes(self, device_streams: DeviceStreams) -> GraphLanes:
         ordinal = device_streams.device.ordinal
-        found = self._devices.get(ordinal)
+        found = self._shared.get(ordinal)
         if found is None:
-            found = self._devices[ordinal] = _Device()
+            found = self._shared[ordinal] = GraphLanes()
+        return found
+
+    def _queue(self, device_streams: DeviceStreams) -> _Queue:
+        ordinal = device_streams.device.ordinal
+        found = self._queues.get(ordinal)
+        if found is None:
+            found = self._queues[ordinal] = _Queue()
+        if not found.collecting:
+            found.collecting = True
+            self._start(self._collect, found, device_streams)
         return found
 
     # -- routing --------------------------------------------------------------------------------
     def route(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
-        dev = self._device(device_streams)
-        state = dev.state
+        lanes = self._lanes(device_streams)
+        state = lanes.state
         if state == "ready":
-            fits = host.shape == dev.shape and host.dtype == dev.dtype
+            fits = host.shape == lanes.shape and host.dtype == lanes.dtype
             if fits and (host.nbytes <= _staging.INLINE_LIMIT or _pinned(host)):
                 return "replay"
             return "eager"
         if state == "new":
-            dev.state, dev.warmup = "warming", index
+            lanes.state, lanes.owner = "warming", (self, index)
         elif state == "capture":
-            dev.state = "capturing"
+            lanes.state, lanes.owner = "capturing", self
             return "capture"
         return "eager"
 
     def warmed(self, index: int, device_streams: DeviceStreams, ok: bool) -> None:
         """An eager chunk finished: the device may be captured next, if it was warming up."""
-        dev = self._device(device_streams)
-        if dev.state == "warming" and dev.warmup == index:
-            dev.state = "capture" if ok else "new"
+        lanes = self._lanes(device_streams)
+        if lanes.state == "warming" and lanes.owner == (self, index):
+            lanes.state, lanes.owner = ("capture" if ok else "new"), None
 
     # -- capture --------------------------------------------------------------------------------
     async def capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
         """Capture the device's lanes with chunk ``index`` and run it as the first replay;
         on failure, note it and run the chunk eagerly (the device stays eager)."""
-        dev = self._device(device_streams)
+        lanes = self._lanes(device_streams)
         runner = self._runner
         try:
-            dest, staged_in, staged_out = await self._capture_lanes(dev, index, host, device_streams)
+            dest, staged_in, staged_out = await self._capture_lanes(lanes, index, host, device_streams)
         except Exception as exc:
-            dev.state = "eager"
-            for lane in dev.lanes:
-                lane.graph.close()
-            dev.lanes.clear()
+            lanes.close()
+            lanes.state, lanes.owner = "eager", None
             device = device_streams.device.ordinal
             note = (
                 f"graph mode: stage {runner.name!r} on device {device} runs eagerly: its work could not be "
@@ -211,10 +250,14 @@ class GraphMode:
             if runner.trace is not None:
                 runner.trace.note(note)
             return await runner.run(index, host, device_streams)
-        dev.state = "ready"
-        self._start(self._collect, dev, device_streams)
-        lane = dev.lanes[0]
-        dev.turn = 1 % len(dev.lanes)
+        except BaseException:  # cancelled: the next chunk (of any pipeline) captures
+            lanes.close()
+            lanes.state, lanes.owner = "capture", None
+            raise
+        lanes.state, lanes.owner = "ready", None
+        queue = self._queue(device_streams)
+        lane = lanes.lanes[0]
+        queue.turn = 1 % len(lanes.lanes)
         trace = runner.trace
         span = self._span(trace, lane, index)
         launched = lane.graph.launch(lane.stream)
@@ -224,7 +267,8 @@ class GraphMode:
             await launched
         finally:
             if staged_in is not None:
-                lane.stream.hold(staged_in)
+                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                    lane.stream.hold(staged_in)
         if staged_out is not None:
             await _copy(dest, staged_out)
         if span is not None and trace is not None:
@@ -232,7 +276,7 @@ class GraphMode:
         return dest
 
     async def _capture_lanes(
-        self, dev: _Device, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
+        self, lanes: GraphLanes, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, npt.NDArray[Any] | None]:
         """Capture every lane with chunk ``index``'s addresses; ``(dest, staged input,
         staged output)``: the chunk's destination and the page-locked copies used."""
@@ -267,11 +311,11 @@ class GraphMode:
                     if not _pinned(dest):
                         staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
                     dst = int((dest if staged_out is None else staged_out).ctypes.data)
-                    dev.template, dev.shape, dev.dtype = result, host.shape, host.dtype
+                    lanes.template, lanes.shape, lanes.dtype = result, host.shape, host.dtype
                 result_ptr = result.ptr
                 _copies.enqueue_download(dst, result_ptr, result.nbytes, stream)
             lane = _Lane(k, stream, graph, x_ptr, result_ptr)
-            dev.lanes.append(lane)
+            lanes.lanes.append(lane)
             lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
             lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
         assert dest is not None
@@ -288,17 +332,17 @@ class GraphMode:
     def replay(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
         :meth:`route` sent here); the device's collector delivers its result."""
-        dev = self._device(device_streams)
+        queue = self._queue(device_streams)
         try:
-            pending = self._launch(dev, index, host)
+            pending = self._launch(self._lanes(device_streams), queue, index, host)
         except Exception as exc:
             self._finish(index, host, device_streams, None, exc)
             return
-        dev.pending.append(pending)
-        if len(dev.pending) == 1:
-            dev.wake.set()
+        queue.pending.append(pending)
+        if len(queue.pending) == 1:
+            queue.wake.set()
 
-    def _launch(self, dev: _Device, index: int, host: npt.NDArray[Any]) -> _Replay:
+    def _launch(self, lanes: GraphLanes, queue: _Queue, index: int, host: npt.NDArray[Any]) -> _Replay:
         keep: tuple[Any, ...]
         if _pinned(host):
             src, keep = int(host.ctypes.data), (host,)
@@ -306,13 +350,12 @@ class GraphMode:
             copied = pinned_empty(host.shape, host.dtype)
             np.copyto(copied, host)
             src, keep = int(copied.ctypes.data), (copied,)
-        assert dev.template is not None
-        dest = self._destination(index, dev.template)
+        assert lanes.template is not None
+        dest = self._destination(index, lanes.template)
         staged = None if _pinned(dest) else pinned_empty(dest.shape, dest.dtype)
         dst = int((dest if staged is None else staged).ctypes.data)
-        lanes = dev.lanes
-        lane = lanes[dev.turn]
-        dev.turn = (dev.turn + 1) % len(lanes)
+        lane = lanes.lanes[queue.turn]
+        queue.turn = (queue.turn + 1) % len(lanes.lanes)
         stream = lane.stream
         lane.set_upload(lane.x_ptr, src)
         lane.set_download(dst, lane.result_ptr)
@@ -331,17 +374,17 @@ class GraphMode:
         name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
         return trace._start(lane.stream, "graph", name, chunk=index, track=lane.index)
 
-    async def _collect(self, dev: _Device, device_streams: DeviceStreams) -> None:
+    async def _collect(self, queue: _Queue, device_streams: DeviceStreams) -> None:
         """Await the device's replays in launch order and deliver their results."""
         engine = current_engine()
         pool = EventPool.for_device(device_streams.device)
         trace = self._runner.trace
-        pending = dev.pending
+        pending = queue.pending
         try:
             while True:
                 while not pending:
-                    dev.wake = anyio.Event()
-                    await dev.wake.wait()
+                    queue.wake = anyio.Event()
+                    await queue.wake.wait()
                 replay = pending[0]
                 stream = replay.lane.stream
                 output: npt.NDArray[Any] | None = None
@@ -367,7 +410,8 @@ class GraphMode:
                 replay = pending.popleft()
                 if replay.event is not None:
                     pool.release(replay.event)  # re-recording a pending event is safe
-                replay.lane.stream.hold(*replay.keep)
+                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                    replay.lane.stream.hold(*replay.keep)
                 if replay.span is not None:
                     Trace._discard(replay.span)
                 self._finish(replay.index, replay.host, device_streams, None, None)

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .device_streams import DeviceStreams
-from .graph_mode import GraphMode
+from .graph_mode import GraphLanes, GraphMode
 from .placement import Admission, PlacementName
 
 if sys.version_info < (3, 11):
@@ -84,9 +84,11 @@ class Pipeline(metaclass=NoPublicConstructor):
         on_error: OnError,
         placement: PlacementName,
         graph: bool = False,
+        graph_lanes: dict[int, GraphLanes] | None = None,
     ) -> None:
         self._runner = runner
         self._graph = graph
+        self._graph_lanes = graph_lanes
         self._graphs: GraphMode | None = None
         self._inputs = inputs
         self._device_streams = device_streams
@@ -115,7 +117,7 @@ class Pipeline(metaclass=NoPublicConstructor):
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         if self._graph:
-            self._graphs = GraphMode(self._runner, self._done, self._task_group.start_soon)
+            self._graphs = GraphMode(self._runner, self._done, self._task_group.start_soon, self._graph_lanes)
         self._task_group.start_soon(self._feed)
         return self
 
