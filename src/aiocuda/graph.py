@@ -71,7 +71,7 @@ from ._memory import offloop as _offloop
 from ._memory.pinned import pinned_ranges
 from ._util import NoPublicConstructor, invalid_value
 from .device import Device
-from .errors import CaptureError, CudaError, GraphUpdateError
+from .errors import CaptureError, CudaError, GraphUpdateError, ResultCode
 from .memory import DeviceBuffer
 from .stream import Stream
 
@@ -277,8 +277,15 @@ class Graph(metaclass=NoPublicConstructor):
                 for _, _, _, bound_buffer in entries:
                     if bound_buffer is not None:
                         bound_buffer._used_on(s)
-        self.device.make_current()
-        self._driver.graph_launch(replays.graph_exec, s.handle)
+        if s._closed:
+            s.handle  # noqa: B018 - raises the stream's own "closed" error
+        try:
+            self._driver.graph_launch(replays.graph_exec, s._handle)
+        except CudaError as exc:
+            if exc.code != ResultCode.INVALID_CONTEXT:
+                raise
+            self.device.make_current()  # a thread that never bound the context: bind it and retry
+            self._driver.graph_launch(replays.graph_exec, s.handle)
         if id(s) not in self._launched:
             self._launched[id(s)] = s
         return _Launch(s)

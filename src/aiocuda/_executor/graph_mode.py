@@ -30,7 +30,7 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -51,9 +51,6 @@ from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
 from .device_streams import DeviceStreams
 
-if TYPE_CHECKING:
-    from .._driver import Driver
-
 __all__ = ["LANES", "GraphMode", "Route"]
 
 _log = logging.getLogger("aiocuda")
@@ -73,12 +70,14 @@ is being cancelled)."""
 class _Lane:
     """One stream with a captured graph, and how to point the graph at a chunk."""
 
-    __slots__ = ("graph", "index", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
+    __slots__ = ("events", "graph", "index", "record", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
 
     def __init__(self, index: int, stream: Stream, graph: Graph, x_ptr: int, result_ptr: int) -> None:
         self.index = index
         self.stream = stream
         self.graph = graph
+        self.events = EventPool.for_device(stream.device)
+        self.record = stream.device._driver.event_record
         self.x_ptr = x_ptr
         """The chunk's device input: graph memory, at the same address in every replay."""
         self.result_ptr = result_ptr
@@ -307,7 +306,7 @@ class GraphMode:
                 if result.device is not device:
                     raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
                 if dest is None:
-                    dest = self._destination(index, result)
+                    dest = self._destination(index, result, contiguous=False)
                     if not _pinned(dest):
                         staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
                     dst = int((dest if staged_out is None else staged_out).ctypes.data)
@@ -321,12 +320,14 @@ class GraphMode:
         assert dest is not None
         return dest, staged_in, staged_out
 
-    def _destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
+    def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any]:
+        """Where chunk ``index``'s result goes: ``output()``'s array, or a page-locked one.
+        ``result`` is the capture's (checked C-contiguous then, when ``contiguous``)."""
         if self._runner.output is None:
-            if not result.is_c_contiguous:
+            if not (contiguous or result.is_c_contiguous):
                 return self._runner.destination(index, result)  # raises its error
             return pinned_empty(result.shape, result.dtype, device=result.device)
-        return self._runner.destination(index, result)
+        return self._runner.destination(index, result, contiguous=contiguous)
 
     # -- replays -----------------------------------------------------------------------------------
     def replay(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
@@ -343,17 +344,19 @@ class GraphMode:
             queue.wake.set()
 
     def _launch(self, lanes: GraphLanes, queue: _Queue, index: int, host: npt.NDArray[Any]) -> _Replay:
-        keep: tuple[Any, ...]
-        if _pinned(host):
-            src, keep = int(host.ctypes.data), (host,)
-        else:
-            copied = pinned_empty(host.shape, host.dtype)
-            np.copyto(copied, host)
-            src, keep = int(copied.ctypes.data), (copied,)
+        source = host
+        src = host.ctypes.data
+        if _owner(src, host.nbytes) is None:
+            source = pinned_empty(host.shape, host.dtype)
+            np.copyto(source, host)
+            src = source.ctypes.data
         assert lanes.template is not None
         dest = self._destination(index, lanes.template)
-        staged = None if _pinned(dest) else pinned_empty(dest.shape, dest.dtype)
-        dst = int((dest if staged is None else staged).ctypes.data)
+        target, staged = dest, None
+        dst = dest.ctypes.data
+        if _owner(dst, dest.nbytes) is None:
+            target = staged = pinned_empty(dest.shape, dest.dtype)
+            dst = staged.ctypes.data
         lane = lanes.lanes[queue.turn]
         queue.turn = (queue.turn + 1) % len(lanes.lanes)
         stream = lane.stream
@@ -363,10 +366,9 @@ class GraphMode:
         lane.graph.launch(stream)
         if span is not None:
             Trace._stop(span, stream)
-        backend: Driver = stream.device._driver
-        event = EventPool.for_device(stream.device).acquire()
-        backend.event_record(event, stream.handle)
-        return _Replay(index, host, dest, staged, (*keep, dest if staged is None else staged), lane, event, span)
+        event = lane.events.acquire()
+        lane.record(event, stream._handle)
+        return _Replay(index, host, dest, staged, (source, target), lane, event, span)
 
     def _span(self, trace: Trace | None, lane: _Lane, index: int) -> _PendingSpan | None:
         if trace is None:
@@ -433,8 +435,11 @@ class _Wait:
         return self._engine.wait(self._event, stream._handle, stream.device, self._pool.release)
 
 
+_owner = pinned_ranges.owner
+
+
 def _pinned(array: npt.NDArray[Any]) -> bool:
-    return pinned_ranges.owner(int(array.ctypes.data), max(int(array.nbytes), 1)) is not None
+    return _owner(array.ctypes.data, max(array.nbytes, 1)) is not None
 
 
 async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:

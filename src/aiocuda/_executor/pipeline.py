@@ -153,7 +153,10 @@ class Pipeline(metaclass=NoPublicConstructor):
                 return self._deliver(result)
             if self._total is not None and self.delivered == self._total:
                 raise StopAsyncIteration
-            item = await self._receive.receive()
+            try:  # results already sent are taken without a trip through the event loop
+                item = self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                item = await self._receive.receive()
             if isinstance(item, _InputFailed):
                 raise item.error
             if item is not None:
@@ -192,7 +195,13 @@ class Pipeline(metaclass=NoPublicConstructor):
         try:
             async for host in _aiter(self._inputs):
                 array = as_input(host)
-                await self._slots.acquire()
+                if self._graphs is None:
+                    await self._slots.acquire()
+                else:  # graph mode: replays enqueued back to back while slots are free
+                    try:
+                        self._slots.acquire_nowait()
+                    except anyio.WouldBlock:
+                        await self._slots.acquire()
                 placed, cursor = await self._admission.admit(
                     self._placement, self._device_streams, reserve(array), cursor
                 )
