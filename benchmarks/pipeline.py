@@ -12,6 +12,8 @@ Measured in the same run, on device 0:
 * ``handwritten`` -- the raw driver, three streams, chunk *i* wholly on stream *i % 3*
                      with its own buffer (the reference's loop, blocking synchronize).
 * ``executor``    -- ``Executor.map`` with the ``scale`` stage, results into pinned memory.
+* ``executor_graph`` -- the same in graph mode (``map(..., graph=True)``): each chunk a
+                     replay of the stage's graph, captured in the warm-up run.
 
 Wall times are host ``perf_counter`` from the first enqueue to the last result, medians
 over rounds that run serial, hand-written and executor back to back (the copy engines'
@@ -30,20 +32,23 @@ how far the host's links and memory let copies scale, whatever runs them.
 
 Targets: ``overlap_ratio_bound_reps*`` = executor / bound <= 1.10 (one per length);
 ``speedup_vs_serial`` (balanced length, reps 800) >= 1.8; ``executor_vs_handwritten`` =
-executor / hand-written <= 1.05 (the worst of the three lengths); ``two_gpu_scaling`` >=
+executor / hand-written <= 1.05 (the worst of the three lengths), and
+``executor_vs_handwritten_graph`` <= 1.0 for graph mode; ``two_gpu_scaling`` >=
 1.9 (or ``scaling_N`` >= 0.95 N with ``--devices N > 2``, written to
 ``pipeline-xN.json``).
 
     PYTHONPATH=src python3 benchmarks/pipeline.py [--quick] [--devices N]
 
 On the simulator (no GPU) it runs with 1 MiB chunks and simulated latencies: a smoke run
-of the code paths, whose figures say nothing about a GPU.
+of the code paths, whose figures say nothing about a GPU (no results file is written
+then, nor by a ``--quick`` run).
 """
 
 from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -202,10 +207,10 @@ class Rig:
         return time.perf_counter() - started
 
 
-async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int) -> float:
+async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int, graph: bool = False) -> float:
     out = rig.host_out
     started = time.perf_counter()
-    async with ex.map(rig.stages[reps], rig.host_in[:chunks], output=lambda i, _: out[i]) as results:
+    async with ex.map(rig.stages[reps], rig.host_in[:chunks], output=lambda i, _: out[i], graph=graph) as results:
         async for _ in results:
             pass
     return time.perf_counter() - started
@@ -222,7 +227,7 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
     duplex = rig.duplex_ms(samples)
     result.baselines.update({f"stage_{k}_ms": round(v, 4) for k, v in stage.items()})
     result.baselines.update({f"stage_{k}_duplex_ms": round(v, 4) for k, v in duplex.items()})
-    worst_vs_hand = 0.0
+    worst_vs_hand = worst_graph_vs_hand = 0.0
 
     def raw(reps: int, nstreams: int, devices: list[Device] = one) -> Callable[[], float]:
         return lambda: rig.raw_loop(reps, nstreams, devices)
@@ -237,15 +242,21 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
             expected = scale_reference(rig.host_in[:CHUNKS], reps)
             if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
                 raise SystemExit(f"executor results differ from numpy at reps={reps}")
+            for _ in range(2):  # graph mode: warm up, capture; then every chunk replays
+                rig.host_out[:] = 0
+                await executor_run(ex, rig, reps, CHUNKS, graph=True)
+                if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
+                    raise SystemExit(f"graph mode's results differ from numpy at reps={reps}")
             med = await wall_medians(
                 {
                     "serial": raw(reps, 1),
                     "hand": raw(reps, 3),
                     "executor": lambda reps=reps: executor_run(ex, rig, reps, CHUNKS),  # type: ignore[misc]
+                    "executor_graph": lambda reps=reps: executor_run(ex, rig, reps, CHUNKS, True),  # type: ignore[misc]
                 },
                 samples,
             )
-            serial, hand, execu = med["serial"], med["hand"], med["executor"]
+            serial, hand, execu, graphed = med["serial"], med["hand"], med["executor"], med["executor_graph"]
             result.baselines.update(
                 {
                     f"bound_reps{reps}_ms": round(bound, 3),
@@ -258,12 +269,16 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
             result.metrics[f"executor_reps{reps}_ms"] = round(execu * 1e3, 3)
             result.metrics[f"executor_vs_handwritten_reps{reps}"] = round(execu / hand, 4)
             result.metrics[f"speedup_vs_serial_reps{reps}"] = round(serial / execu, 4)
+            result.metrics[f"executor_graph_reps{reps}_ms"] = round(graphed * 1e3, 3)
+            result.metrics[f"executor_graph_vs_handwritten_reps{reps}"] = round(graphed / hand, 4)
+            worst_graph_vs_hand = max(worst_graph_vs_hand, graphed / hand)
             result.metrics[f"overlap_ratio_duplex_bound_reps{reps}"] = round(execu * 1e3 / bound_duplex, 4)
             result.target(f"overlap_ratio_bound_reps{reps}", execu * 1e3 / bound, 1.10, "<=")
             worst_vs_hand = max(worst_vs_hand, execu / hand)
             if reps == BALANCED:
                 result.target("speedup_vs_serial", serial / execu, 1.8, ">=")
         result.target("executor_vs_handwritten", worst_vs_hand, 1.05, "<=")
+        result.target("executor_vs_handwritten_graph", worst_graph_vs_hand, 1.0, "<=")
     async with Executor(one, compute_streams=1) as ex:  # diagnostic: kernels strictly in turn
         for reps in REPS:
             await executor_run(ex, rig, reps, CHUNKS)
@@ -349,6 +364,10 @@ def main() -> None:
         anyio.run(measure, rig, ndev, samples, result)
     finally:
         gc.enable()
+    if on_sim or args.quick:
+        result.print_summary(sys.stdout)
+        print("(a simulated or --quick run: no results file written)")
+        return
     out = args.out or (RESULTS / f"{result.bench}.json")
     print(f"wrote {result.write(out)}")
 
