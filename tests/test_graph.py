@@ -130,8 +130,24 @@ async def test_streams_that_wait_join_the_capture(module: Module, anyio_backend:
         side.query()  # no CaptureError: side left the capture with the origin
         kernels = [node for node in graph.nodes if node.kind == "kernel"]
         assert [node.kernel for node in kernels] == [add_one, saxpy]
+        assert _depends(graph, kernels[1].index, kernels[0].index)  # x's uses are ordered in the graph
         await graph.launch(s)
         np.testing.assert_array_equal(await y.to_host(stream=s), 12.0)
+        x.buffer.free()  # the capture left the buffer's own ordering alone: a plain free
+        await s
+
+
+def _depends(graph: aiocuda.Graph, node: int, on: int) -> bool:
+    """Whether node ``node`` runs after node ``on`` in ``graph`` (directly or not)."""
+    seen, todo = set(), [node]
+    while todo:
+        for dep in graph.nodes[todo.pop()].dependencies:
+            if dep == on:
+                return True
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return False
 
 
 # -- updates ---------------------------------------------------------------------------------------

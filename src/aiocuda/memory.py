@@ -330,8 +330,11 @@ class MemoryPool(metaclass=NoPublicConstructor):
         general case of :meth:`DeviceBuffer.free`, which inlines the common one."""
         self.device.make_current()  # a finaliser may run on a thread without the context
         capture = stream._capture
-        if capture is not None and capture.defer_free(self, ptr, stream, waits):
-            return  # memory from outside a capture, freed during it: freed once it ends
+        if capture is not None:  # graph memory is freed where the capture says; other memory after it
+            freeing_on = capture.freeing(self, ptr, stream, waits)
+            if freeing_on is None:
+                return
+            stream = freeing_on
         if stream.closed:
             # The device's default stream frees it: close streams only after awaiting
             # their work on buffers that outlive them.
@@ -583,8 +586,8 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         """
         previous = self._stream
         if stream is previous:
-            if stream._capture is not None:  # captured work on this stream: the graph uses the buffer
-                stream._capture.uses(self)
+            if stream._capture is not None:  # captured work (see aiocuda.graph): the capture orders it
+                stream._capture.use(self, stream)
             return
         if previous is None:
             raise invalid_value("use of a freed DeviceBuffer")
@@ -600,7 +603,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         if waits is None:
             waits = self._waits = []
         elif len(waits) >= 8:
-            waits[:] = [e for e in waits if e._capture is not None or not e.query()]
+            waits[:] = [e for e in waits if not e.query()]
         stream.wait(event)
         waits.append(event)
         self._stream = stream

@@ -15,12 +15,15 @@ paths:
   is joined back into the origin stream (the driver requires it).
 * Memory: an allocation on a capturing stream is the graph's (:meth:`Capture.allocated`):
   the capture frees it at its end, inside the graph, so every replay allocates and frees
-  it, at the same address, and the buffer counts as freed afterwards. A buffer from
-  outside used by captured work is listed (:meth:`Capture.crossing`): each launch orders
-  the replay after the buffer's other work and the graph keeps it alive. A free of such
-  a buffer during the capture is carried out once the capture has ended
-  (:meth:`Capture.defer_free`); work outside the capture on a buffer last used before it
-  is ordered after the point where the capture began.
+  it, at the same address, and the buffer counts as freed afterwards. Captured uses are
+  ordered by the capture itself (:meth:`Capture.use`: a use on another stream of the
+  capture waits, inside the graph, for the buffer's previous captured use), leaving the
+  buffer's own record of streams -- which is about work outside the graph -- as it was.
+  A buffer from outside used by captured work is listed: each launch orders the replay
+  after the buffer's other work and the graph keeps it alive. A free of such a buffer
+  during the capture is carried out once the capture has ended (:meth:`Capture.freeing`);
+  work outside the capture on a buffer last used before it is ordered after the point
+  where the capture began (:meth:`Capture.crossing`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Capture:
         "_allocated",
         "_before",
         "_deferred",
+        "_last_use",
         "active",
         "device",
         "driver",
@@ -73,6 +77,9 @@ class Capture:
         """Each stream's last point before it entered the capture."""
         self._deferred: list[tuple[MemoryPool, Any, Stream, Any]] = []
         """Frees of outside buffers asked for during the capture: ``(pool, ptr, stream, waits)``."""
+        self._last_use: dict[int, tuple[DeviceBuffer, Stream]] = {}
+        """Each buffer's last stream of the capture, by ``id`` (what the next captured use
+        on another stream waits for)."""
         self.active = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -118,11 +125,11 @@ class Capture:
         return graph
 
     def _wrap_up(self) -> None:
-        """Before the driver's end: free the capture's allocations still in use (free nodes)
-        and join every stream that joined back into the origin."""
+        """Before the driver's end: free the capture's allocations still in use (free nodes,
+        after their last captured use) and join every stream that joined back into the origin."""
         for buffer in list(self._allocated.values()):
             if not buffer.freed:
-                buffer.free()
+                buffer.free()  # on the stream of its last use (see freeing())
         for stream in self.streams[1:]:
             self.origin.wait(stream)
 
@@ -170,22 +177,33 @@ class Capture:
         """``buffer`` was just allocated on a capturing stream: graph memory."""
         self._allocated[int(buffer._ptr)] = buffer
 
-    def uses(self, buffer: DeviceBuffer) -> None:
-        """Captured work uses ``buffer``, last used on the same (capturing) stream."""
-        if self._allocated.get(int(buffer._ptr)) is not buffer:
-            self.externals[id(buffer)] = buffer
+    def use(self, buffer: DeviceBuffer, stream: Stream) -> None:
+        """Captured work on ``stream`` is about to use ``buffer``: order it, inside the
+        graph, after the buffer's captured work on another stream of the capture. The
+        buffer's own record of its streams is left alone (it is about the work outside)."""
+        key = id(buffer)
+        found = self._last_use.get(key)
+        if found is None:
+            owner = buffer._stream
+            last = owner if owner is not None and owner._capture is self else stream
+            if self._allocated.get(int(buffer._ptr)) is not buffer:
+                self.externals[key] = buffer
+        else:
+            last = found[1]
+        if last is not stream:
+            stream.wait(last.record())
+        self._last_use[key] = (buffer, stream)
 
     def crossing(self, buffer: DeviceBuffer, previous: Stream, stream: Stream) -> Event | None:
-        """``buffer``, last used on ``previous``, is about to be used on ``stream``, and one
-        of them is capturing: the event ``stream`` must wait for, or None for none."""
+        """``buffer``, last used on ``previous`` (outside the capture's work), is about to
+        be used on ``stream``, and one of them is capturing: None when the use is
+        captured (ordered by :meth:`use`), else the event ``stream`` must wait for."""
         into: Capture | None = stream._capture
         out_of: Capture | None = previous._capture
-        if into is not None and into is out_of:
-            return previous.record()  # both in this capture: ordered inside the graph
         if into is not None:
-            if out_of is not None:
+            if out_of is not None and out_of is not into:
                 raise into.refuse("using memory another capture uses", "two captures cannot share a buffer")
-            into.externals[id(buffer)] = buffer
+            into.use(buffer, stream)
             return None
         assert out_of is not None
         if out_of._allocated.get(int(buffer._ptr)) is buffer:
@@ -195,10 +213,13 @@ class Capture:
             )
         return out_of._before[previous]
 
-    def defer_free(self, pool: MemoryPool, ptr: Any, stream: Stream, waits: Any) -> bool:
-        """A free of ``ptr`` on the capturing ``stream``: False for the capture's own memory
-        (freed by the graph), else True, and it is carried out when the capture ends."""
-        if int(ptr) in self._allocated:
-            return False
+    def freeing(self, pool: MemoryPool, ptr: Any, stream: Stream, waits: Any) -> Stream | None:
+        """A free of ``ptr`` asked for on the capturing ``stream``: for the capture's own
+        memory, the stream to free it on inside the graph (that of its last captured use);
+        for other memory None: it is freed once the capture has ended."""
+        buffer = self._allocated.get(int(ptr))
+        if buffer is not None:
+            found = self._last_use.get(id(buffer))
+            return stream if found is None else found[1]
         self._deferred.append((pool, ptr, stream, waits))
-        return True
+        return None
