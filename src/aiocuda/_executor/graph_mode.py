@@ -60,7 +60,8 @@ LANES = 4
 (at most the executor's ``chunks_per_device``). Three keep a chunk's upload, kernels and
 download overlapping those of its neighbours; the fourth absorbs uneven chunks."""
 
-Route = Literal["replay", "capture", "eager"]
+Route = Literal["replay", "capture", "eager", "wait"]
+_State = Literal["new", "warming", "capture", "capturing", "ready", "eager"]
 Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
 """``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
 releases its admission and delivers its result (none when both are None: the pipeline
@@ -122,12 +123,14 @@ class GraphLanes:
     """A stage's captured graphs on one device, one per lane, and how far it got: kept
     by the executor for every pipeline of the stage (or by one pipeline)."""
 
-    __slots__ = ("dtype", "lanes", "owner", "shape", "state", "template")
+    __slots__ = ("dtype", "lanes", "owner", "settled", "shape", "state", "template")
 
     def __init__(self) -> None:
-        self.state: Literal["new", "warming", "capture", "capturing", "ready", "eager"] = "new"
+        self.state: _State = "new"
         self.owner: Any = None
         """Whose chunk warms the device up, ``(graph mode, index)``, or which graph mode captures."""
+        self.settled: anyio.Event | None = None
+        """Set when a warm-up or capture in progress ends (chunks wait for it)."""
         self.lanes: list[_Lane] = []
         self.shape: tuple[int, ...] = ()
         self.dtype: np.dtype[Any] = np.dtype(np.uint8)
@@ -141,6 +144,18 @@ class GraphLanes:
         self.lanes.clear()
         if self.state == "ready":
             self.state = "new"
+
+    def begin(self, state: _State, owner: Any) -> None:
+        """A warm-up or capture starts: chunks for the device wait for its end."""
+        self.state, self.owner = state, owner
+        self.settled = anyio.Event()
+
+    def settle(self, state: _State) -> None:
+        """The warm-up or capture in progress ended in ``state``: waiting chunks go on."""
+        self.state, self.owner = state, None
+        settled, self.settled = self.settled, None
+        if settled is not None:
+            settled.set()
 
 
 class _Queue:
@@ -159,8 +174,9 @@ class GraphMode:
     """Graph mode for one pipeline (see the module docstring).
 
     ``route`` tells the pipeline how to run each admitted chunk: as a replay
-    (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own), or
-    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`). ``shared`` holds the
+    (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own),
+    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`), or not yet: ``"wait"``
+    while the device warms up or is captured (:meth:`settled`), then route it again. ``shared`` holds the
     stage's :class:`GraphLanes` by device ordinal: the executor's for the stage, or None
     for graphs of this pipeline alone.
     """
@@ -186,7 +202,7 @@ class GraphMode:
         left to the next pipeline, and graphs of its own are released."""
         for lanes in self._shared.values():
             if lanes.state == "warming" and lanes.owner[0] is self:
-                lanes.state, lanes.owner = "new", None
+                lanes.settle("new")
             if self._own:
                 lanes.close()
 
@@ -217,17 +233,25 @@ class GraphMode:
                 return "replay"
             return "eager"
         if state == "new":
-            lanes.state, lanes.owner = "warming", (self, index)
+            lanes.begin("warming", (self, index))
         elif state == "capture":
-            lanes.state, lanes.owner = "capturing", self
+            lanes.begin("capturing", self)
             return "capture"
+        elif state in ("warming", "capturing"):
+            return "wait"  # a moment: the device is about to replay
         return "eager"
+
+    async def settled(self, device_streams: DeviceStreams) -> None:
+        """Wait until the device's warm-up or capture in progress has ended."""
+        settled = self._lanes(device_streams).settled
+        if settled is not None:
+            await settled.wait()
 
     def warmed(self, index: int, device_streams: DeviceStreams, ok: bool) -> None:
         """An eager chunk finished: the device may be captured next, if it was warming up."""
         lanes = self._lanes(device_streams)
         if lanes.state == "warming" and lanes.owner == (self, index):
-            lanes.state, lanes.owner = ("capture" if ok else "new"), None
+            lanes.settle("capture" if ok else "new")
 
     # -- capture --------------------------------------------------------------------------------
     async def capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
@@ -239,7 +263,7 @@ class GraphMode:
             dest, staged_in, staged_out = await self._capture_lanes(lanes, index, host, device_streams)
         except Exception as exc:
             lanes.close()
-            lanes.state, lanes.owner = "eager", None
+            lanes.settle("eager")
             device = device_streams.device.ordinal
             note = (
                 f"graph mode: stage {runner.name!r} on device {device} runs eagerly: its work could not be "
@@ -251,9 +275,9 @@ class GraphMode:
             return await runner.run(index, host, device_streams)
         except BaseException:  # cancelled: the next chunk (of any pipeline) captures
             lanes.close()
-            lanes.state, lanes.owner = "capture", None
+            lanes.settle("capture")
             raise
-        lanes.state, lanes.owner = "ready", None
+        lanes.settle("ready")
         queue = self._queue(device_streams)
         lane = lanes.lanes[0]
         queue.turn = 1 % len(lanes.lanes)

@@ -209,6 +209,10 @@ class Pipeline(metaclass=NoPublicConstructor):
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
                 graphs = self._graphs
                 route = "eager" if graphs is None else graphs.route(index, array, placed)
+                while route == "wait":  # graph mode: the device warms up or is being captured
+                    assert graphs is not None
+                    await graphs.settled(placed)
+                    route = graphs.route(index, array, placed)
                 if route == "replay":
                     assert graphs is not None
                     graphs.replay(index, array, placed)

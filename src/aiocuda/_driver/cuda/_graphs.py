@@ -98,8 +98,10 @@ class CudaGraphs:
         if kind == "memcpy":
             p = check(drv.cuGraphMemcpyNodeGetParams(node), "cuGraphMemcpyNodeGetParams")
             size = int(p.WidthInBytes) * max(1, int(p.Height)) * max(1, int(p.Depth))
-            direction = _direction(p.srcMemoryType, p.dstMemoryType)
             dst, src = _address(p, "dst"), _address(p, "src")
+            direction = f"{_side(p.srcMemoryType, src)}to{_side(p.dstMemoryType, dst)}"
+            if "?" in direction:
+                direction = "other"
             return GraphNodeInfo(node, kind, deps, dst=dst, src=src, size=size, direction=direction, native=p)
         if kind == "memset":
             p = check(drv.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
@@ -182,9 +184,7 @@ class CudaGraphs:
                 "not a memcpy node",
                 "cuGraphExecMemcpyNodeSetParams",
             )
-        params = drv.CUDA_MEMCPY3D()
-        for field in _MEMCPY3D_FIELDS:
-            setattr(params, field, getattr(captured, field))
+        params = captured  # the node's own parameters, read back (a copy of ours): only the addresses change
         dst_field = _address_field(captured.dstMemoryType, "dst")
         src_field = _address_field(captured.srcMemoryType, "src")
         bound = drv.cuGraphExecMemcpyNodeSetParams
@@ -206,33 +206,6 @@ class CudaGraphs:
         check(_core.drv.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
 
 
-_MEMCPY3D_FIELDS = (
-    "srcXInBytes",
-    "srcY",
-    "srcZ",
-    "srcLOD",
-    "srcMemoryType",
-    "srcHost",
-    "srcDevice",
-    "srcArray",
-    "srcPitch",
-    "srcHeight",
-    "dstXInBytes",
-    "dstY",
-    "dstZ",
-    "dstLOD",
-    "dstMemoryType",
-    "dstHost",
-    "dstDevice",
-    "dstArray",
-    "dstPitch",
-    "dstHeight",
-    "WidthInBytes",
-    "Height",
-    "Depth",
-)
-
-
 def _address_field(memory_type: Any, side: str) -> str:
     """The CUDA_MEMCPY3D field holding the ``side`` address for that memory type."""
     return f"{side}Host" if memory_type.name == "CU_MEMORYTYPE_HOST" else f"{side}Device"
@@ -243,10 +216,21 @@ def _address(params: Any, side: str) -> int:
     return int(value or 0)
 
 
-def _direction(src_type: Any, dst_type: Any) -> str:
-    kinds = {"CU_MEMORYTYPE_HOST": "h", "CU_MEMORYTYPE_DEVICE": "d"}
-    pair = kinds.get(src_type.name, "?") + "to" + kinds.get(dst_type.name, "?")
-    return pair if "?" not in pair else "other"
+def _side(memory_type: Any, address: int) -> str:
+    """``"h"`` (host) or ``"d"`` (device) for one side of a copy; a unified address is
+    asked about (memory the driver does not know is pageable host memory)."""
+    name = memory_type.name
+    if name == "CU_MEMORYTYPE_HOST":
+        return "h"
+    if name == "CU_MEMORYTYPE_DEVICE":
+        return "d"
+    if name != "CU_MEMORYTYPE_UNIFIED":
+        return "?"
+    drv = _core.drv
+    err, value = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return "h"
+    return "h" if int(value) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST) else "d"
 
 
 def _topological(deps: list[list[int]]) -> list[int]:
