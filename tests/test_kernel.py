@@ -568,7 +568,7 @@ def test_more_occupancy_queries_and_cache_config(module: Module) -> None:
     _, block = kernel.suggested_block_size(max_block_size=128)
     assert 32 <= block <= 128
     one, four = kernel.available_shared_memory(1, 128), kernel.available_shared_memory(4, 128)
-    assert one > four > 0
+    assert one >= four > 0  # (an H100 gives 48 KiB to both without an opt-in)
     assert kernel.available_shared_memory(1, 128) >= 48 * 1024
     config = LaunchConfig(16, 128, cluster=2)
     assert kernel.max_active_clusters(config) >= 1

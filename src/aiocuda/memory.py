@@ -442,8 +442,9 @@ class MemoryPool(metaclass=NoPublicConstructor):
         self._driver.mempool_set_attribute(self._handle, "release_threshold", value)
 
     def trim(self, keep_bytes: int = 0) -> None:
-        """Give cached memory back to the device until at most ``keep_bytes`` stay
-        reserved (memory in use is never given back). Never waits for the GPU.
+        """Give cached memory back to the device, keeping at least ``keep_bytes``
+        reserved (as ``cuMemPoolTrimTo`` does: the pool reserves memory in blocks, so
+        more may stay); memory in use is never given back. Never waits for the GPU.
 
         Memory freed stream-ordered is given back once its free has run: at once for
         frees on streams that are idle now (e.g. awaited), and, for frees on streams

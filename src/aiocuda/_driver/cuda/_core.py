@@ -271,6 +271,12 @@ class CudaCore:
             _raise(err, "cuEventRecord")
 
     def event_record_external(self, event: Any, stream: Any) -> None:
+        # The driver takes CU_EVENT_RECORD_EXTERNAL only while the stream is capturing
+        # (ILLEGAL_STATE otherwise); outside a capture an external record is a plain one.
+        status = check(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            check(drv.cuEventRecord(event, stream), "cuEventRecord")
+            return
         flags = int(drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
         check(drv.cuEventRecordWithFlags(event, stream, flags), "cuEventRecordWithFlags")
 

@@ -780,12 +780,13 @@ class _MemoryState:
         return None
 
     def trim_cached(self, pool: SimPool, keep: int, *, observed_only: bool = True) -> None:
-        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left;
-        with ``observed_only``, only those whose free the host has observed."""
+        """Give cached (unused) blocks back while at least ``keep`` bytes stay reserved
+        (``cuMemPoolTrimTo`` keeps at least its ``minBytesToKeep``); with
+        ``observed_only``, only blocks whose free the host has observed."""
         for size in sorted(pool.cached, reverse=True):
             arrays = pool.cached[size]
             for i in range(len(arrays) - 1, -1, -1):
-                if pool.reserved <= keep:
+                if pool.reserved - size < keep:
                     break
                 start = arrays[i][0].ctypes.data
                 if observed_only and start in pool.unobserved:
