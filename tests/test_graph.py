@@ -477,3 +477,18 @@ async def test_kernel_nodes_of_unknown_kernels_are_replayed_not_read(module: Mod
             unknown.set_kernel_args(node, x, N)
         await unknown.launch(s)
         np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
+async def test_an_external_event_record_is_recorded_by_every_replay(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        done = aiocuda.Event(0)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            done.record(s, external=True)
+        assert [node.kind for node in graph.nodes] == ["kernel", "event_record"]
+        for expected in (1.0, 2.0):
+            graph.launch(s)
+            await done  # recorded by the replay
+            np.testing.assert_array_equal(await x.to_host(stream=s), expected)

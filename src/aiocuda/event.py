@@ -112,7 +112,9 @@ class Event:
         else:
             self._driver.event_record(self._handle, stream.handle)
         self._stream_handle = stream.handle
-        self._capture = getattr(stream, "_capture", None)
+        # An external record in a capture is a node: each replay records the event, which
+        # can then be awaited like any other; a plain one only marks the capture's work.
+        self._capture = None if external else getattr(stream, "_capture", None)
         return self
 
     def query(self) -> bool:
