@@ -47,8 +47,11 @@ the graph unchanged. A graph whose capture allocated memory can be updated node 
 but not from another capture (their allocations have other addresses).
 
 Pitfalls: a capture records the values of the moment: a replay does not re-run the
-Python code that enqueued the work (a scalar computed from the data, a branch). Kernel
-nodes of other libraries' kernels are replayed but cannot be read or rebound.
+Python code that enqueued the work (a scalar computed from the data, a branch). Capture
+on a stream of your own: work other tasks enqueue on it meanwhile is captured too (an
+``async with`` block that awaits lets them run). Launch each kernel once before
+capturing it (the driver refuses to load a module during a capture). Kernel nodes of
+other libraries' kernels are replayed but cannot be read or rebound.
 """
 
 from __future__ import annotations

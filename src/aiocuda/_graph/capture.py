@@ -96,17 +96,21 @@ class Capture:
     def end(self, *, failed: bool) -> Any:
         """End the capture and return the driver's graph (``None`` when ``failed``: the
         block raised; the driver's graph is then destroyed). Raises the driver's
-        :class:`CaptureError` if it refused the capture."""
+        :class:`CaptureError` if it refused the capture. The streams leave the capture
+        whatever happens."""
         origin = self.origin
         graph = None
-        try:
-            if not failed:
-                self._wrap_up()
+        error: BaseException | None = None
+        if not failed:
             try:
-                graph = self.driver.stream_end_capture(origin.handle)
-            except CudaError:
-                if not failed:
-                    raise
+                self._wrap_up()
+            except BaseException as exc:  # the capture is lost, but it must still end
+                error, failed = exc, True
+        try:
+            graph = self.driver.stream_end_capture(origin.handle)
+        except CudaError:
+            if not failed:
+                raise
         finally:
             self.active = False
             for stream in self.streams:
@@ -122,6 +126,8 @@ class Capture:
             with contextlib.suppress(CudaError):
                 self.driver.graph_destroy(graph)
             graph = None
+        if error is not None:
+            raise error
         return graph
 
     def _wrap_up(self) -> None:
