@@ -93,7 +93,11 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
-    _check_unsafe: Callable[[str], None]  # provided by SimGraphs
+    # Provided by SimGraphs: the capture's checks.
+    _check_unsafe: Callable[[str], None]
+    _refuse_capturing: Callable[[SimStream, str], None]
+    _wait_in_capture: Callable[[SimStream, SimEvent], None]
+    _refuse_captured: Callable[[SimEvent, str], None]
     # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
     _observe_frees: Callable[[int, Any], None]
 
@@ -485,15 +489,6 @@ class SimCore:
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
         self._observe_frees(sim.device.ordinal, sim)
 
-    def _refuse_capturing(self, stream: SimStream, call: str) -> None:
-        """A query or synchronize of a capturing stream: its work will not run until the
-        graph is launched. Invalidates the capture."""
-        capture = stream.capture
-        if capture is not None:
-            raise capture.invalidate(
-                ResultCode.STREAM_CAPTURE_UNSUPPORTED, call, "the stream is being captured: its work does not run"
-            )
-
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         sim = self._resolve_stream(stream)
         ev = self._event(event)
@@ -514,37 +509,6 @@ class SimCore:
         sim = self._resolve_stream(stream)
         self._api("stream_is_non_blocking", sim.device.ordinal)
         return sim.non_blocking
-
-    def _wait_in_capture(self, stream: SimStream, ev: SimEvent) -> None:
-        """``stream_wait_event`` where a capture is involved: join it, or refuse."""
-        call = "stream_wait_event"
-        mine: SimCapture | None = stream.capture
-        if ev.captured is None:
-            assert mine is not None
-            raise mine.invalidate(
-                ResultCode.STREAM_CAPTURE_ISOLATION, call, "the event was recorded outside the capture"
-            )
-        theirs, deps = ev.captured
-        if not theirs.active:
-            raise sim_error(ResultCode.CAPTURED_EVENT, call, "the event was recorded in a capture that has ended")
-        if mine is None:  # the stream joins the capture
-            stream.capture = theirs
-            theirs.tails[stream] = deps
-        elif mine is theirs:
-            theirs.tails[stream] = tuple(sorted({*theirs.tails[stream], *deps}))
-        else:
-            detail = "the event was recorded in another capture"
-            mine.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
-            raise theirs.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
-
-    def _refuse_captured(self, ev: SimEvent, call: str) -> None:
-        """A query, synchronize or timing of an event last recorded in a capture."""
-        if ev.captured is not None:
-            capture, _ = ev.captured
-            detail = "the event was last recorded in a capturing stream: re-record it outside the capture"
-            if capture.active:
-                raise capture.invalidate(ResultCode.CAPTURED_EVENT, call, detail)
-            raise sim_error(ResultCode.CAPTURED_EVENT, call, detail)
 
     def stream_priority_range(self) -> tuple[int, int]:
         self._api("stream_priority_range")

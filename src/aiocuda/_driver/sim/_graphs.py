@@ -269,6 +269,46 @@ class SimGraphs:
                 capture.invalidate(ResultCode.STREAM_CAPTURE_UNSUPPORTED, name, detail)
             raise sim_error(ResultCode.STREAM_CAPTURE_UNSUPPORTED, name, detail)
 
+    def _refuse_capturing(self, stream: SimStream, call: str) -> None:
+        """A query or synchronize of a capturing stream: its work will not run until the
+        graph is launched. Invalidates the capture."""
+        capture = stream.capture
+        if capture is not None:
+            raise capture.invalidate(
+                ResultCode.STREAM_CAPTURE_UNSUPPORTED, call, "the stream is being captured: its work does not run"
+            )
+
+    def _wait_in_capture(self, stream: SimStream, ev: SimEvent) -> None:
+        """``stream_wait_event`` where a capture is involved: join it, or refuse."""
+        call = "stream_wait_event"
+        mine: SimCapture | None = stream.capture
+        if ev.captured is None:
+            assert mine is not None
+            raise mine.invalidate(
+                ResultCode.STREAM_CAPTURE_ISOLATION, call, "the event was recorded outside the capture"
+            )
+        theirs, deps = ev.captured
+        if not theirs.active:
+            raise sim_error(ResultCode.CAPTURED_EVENT, call, "the event was recorded in a capture that has ended")
+        if mine is None:  # the stream joins the capture
+            stream.capture = theirs
+            theirs.tails[stream] = deps
+        elif mine is theirs:
+            theirs.tails[stream] = tuple(sorted({*theirs.tails[stream], *deps}))
+        else:
+            detail = "the event was recorded in another capture"
+            mine.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
+            raise theirs.invalidate(ResultCode.STREAM_CAPTURE_MERGE, call, detail)
+
+    def _refuse_captured(self, ev: SimEvent, call: str) -> None:
+        """A query, synchronize or timing of an event last recorded in a capture."""
+        if ev.captured is not None:
+            capture, _ = ev.captured
+            detail = "the event was last recorded in a capturing stream: re-record it outside the capture"
+            if capture.active:
+                raise capture.invalidate(ResultCode.CAPTURED_EVENT, call, detail)
+            raise sim_error(ResultCode.CAPTURED_EVENT, call, detail)
+
     # -- graphs -----------------------------------------------------------------------------
     def _graph(self, graph: Any, call: str) -> SimGraph:
         if type(graph) is not SimGraph or graph.destroyed:

@@ -38,17 +38,18 @@ Departures from the driver, kept on purpose:
 from __future__ import annotations
 
 import bisect
-import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...errors import CudaError, ResultCode, error_for_code
+from ...errors import ResultCode, error_for_code
 from .._protocol import PoolProps
 from ._graphs import SimCapture, SimGraph
 from ._objects import SimDevice, SimPoint
+from ._operations import Copy, GraphAllocation, GraphFree, Set, device_range, host_range, page_locked
+from ._operations import invalid as _invalid
 
 __all__ = ["SimMemory", "SimPool"]
 
@@ -68,10 +69,6 @@ _POOL_ATTRIBUTES = (
     "used_mem_high",
     *_REUSE_ATTRIBUTES,
 )
-
-
-def _invalid(call: str, description: str) -> CudaError:
-    return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
 
 
 def _never_fails(err: Any, call: str) -> None:
@@ -323,7 +320,7 @@ class SimMemory:
             block.graph = capture.graph
             state.insert(block)
         capture.graph.allocations.append(block)
-        capture.add(stream, _GraphAllocation(block.start, size), "mem_alloc_async")
+        capture.add(stream, GraphAllocation(block.start, size), "mem_alloc_async")
         return block.start
 
     def _release_graph_memory(self, graph: SimGraph) -> None:
@@ -352,7 +349,7 @@ class SimMemory:
                         f"0x{ptr:x} is not an allocation of this capture (only those can be freed during it)",
                     )
                 block.free_token = _FREED_BY_GRAPH
-            capture.add(sim_stream, _GraphFree(ptr), "mem_free_async")
+            capture.add(sim_stream, GraphFree(ptr), "mem_free_async")
             return
         token = object()
         with state.lock:
@@ -484,9 +481,9 @@ class SimMemory:
 
     # -- copies and memsets --------------------------------------------------------------------
     def _check_host(self, stream: Any, ptr: int, size: int, call: str) -> None:
-        _host_range(self._mem(), ptr, size, call)
+        host_range(self._mem(), ptr, size, call)
         capture: SimCapture | None = self._resolve_stream(stream).capture
-        if capture is not None and not _page_locked(self._mem(), ptr, size):
+        if capture is not None and not page_locked(self._mem(), ptr, size):
             raise capture.invalidate(
                 ResultCode.STREAM_CAPTURE_UNSUPPORTED,
                 call,
@@ -504,14 +501,14 @@ class SimMemory:
             return
         state = self._mem()
         if direction in ("htod", "dtod", "peer"):
-            _device_range(state, dst, size, call)
+            device_range(state, dst, size, call)
         else:
             self._check_host(stream, dst, size, call)
         if direction in ("dtoh", "dtod", "peer"):
-            _device_range(state, src, size, call)
+            device_range(state, src, size, call)
         else:
             self._check_host(stream, src, size, call)
-        self._enqueue(stream, _Copy(state, call, direction, dst, src, size), name)
+        self._enqueue(stream, Copy(state, call, direction, dst, src, size), name)
 
     def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
         self._copy("htod", dst, src, size, stream, "memcpy_htod_async", "cuMemcpyHtoDAsync")
@@ -530,8 +527,8 @@ class SimMemory:
         self._check_size(count, "cuMemsetD8Async")
         if count == 0:
             return
-        _device_range(self._mem(), dst, count, "cuMemsetD8Async")
-        self._enqueue(stream, _Set(self._mem(), "cuMemsetD8Async", dst, int(value) & 0xFF, count, 1), "memset_d8_async")
+        device_range(self._mem(), dst, count, "cuMemsetD8Async")
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD8Async", dst, int(value) & 0xFF, count, 1), "memset_d8_async")
 
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d32_async", self._stream_ordinal(stream))
@@ -540,144 +537,9 @@ class SimMemory:
             return
         if dst % 4:
             raise _invalid("cuMemsetD32Async", f"0x{dst:x} is not 4-byte aligned")
-        _device_range(self._mem(), dst, count * 4, "cuMemsetD32Async")
+        device_range(self._mem(), dst, count * 4, "cuMemsetD32Async")
         word = int(value) & 0xFFFFFFFF
-        self._enqueue(stream, _Set(self._mem(), "cuMemsetD32Async", dst, word, count, 4), "memset_d32_async")
-
-
-def _device_range(state: _MemoryState, ptr: int, size: int, call: str) -> None:
-    block = state.find(ptr, size)
-    if block is None or block.kind != "device":
-        raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
-
-
-def _host_range(state: _MemoryState, ptr: int, size: int, call: str) -> None:
-    if not ptr:
-        raise _invalid(call, "null host pointer")
-    block = state.find(ptr, 1)
-    if block is not None and block.kind == "device":
-        raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
-
-
-def _page_locked(state: _MemoryState, ptr: int, size: int) -> bool:
-    block = state.find(ptr, size)
-    return block is not None and block.kind in ("host", "registered")
-
-
-def _check_live(state: _MemoryState, ranges: tuple[tuple[int, int], ...], call: str) -> None:
-    """When an operation runs: its device ranges must still be allocated (else it is a
-    use after free, which poisons the context)."""
-    for ptr, size in ranges:
-        block = state.find(ptr, size)
-        if block is None or block.kind != "device":
-            raise error_for_code(
-                ResultCode.ILLEGAL_ADDRESS,
-                "CUDA_ERROR_ILLEGAL_ADDRESS",
-                f"{call} touched freed device memory [0x{ptr:x}, +{size})",
-                call,
-            )
-
-
-class _Copy:
-    """A copy, run on a stream's worker (or as a graph node): checks that its device
-    ranges are still allocated, then moves the bytes."""
-
-    __slots__ = ("call", "direction", "dst", "size", "src", "state")
-
-    def __init__(self, state: _MemoryState, call: str, direction: str, dst: int, src: int, size: int) -> None:
-        self.state = state
-        self.call = call
-        self.direction = direction  # "htod", "dtoh", "dtod" or "peer"
-        self.dst = dst
-        self.src = src
-        self.size = size
-
-    def _device_ranges(self) -> tuple[tuple[int, int], ...]:
-        d = self.direction
-        ranges = []
-        if d != "dtoh":
-            ranges.append((self.dst, self.size))
-        if d != "htod":
-            ranges.append((self.src, self.size))
-        return tuple(ranges)
-
-    def __call__(self) -> None:
-        _check_live(self.state, self._device_ranges(), self.call)
-        ctypes.memmove(self.dst, self.src, self.size)
-
-    def describe(self) -> dict[str, Any]:
-        direction = "dtod" if self.direction == "peer" else self.direction
-        return {"dst": self.dst, "src": self.src, "size": self.size, "direction": direction}
-
-    def moved(self, dst: int, src: int) -> _Copy:
-        """The same copy between other addresses (a graph's memcpy node update): checked
-        as the driver checks them, the same kinds of memory on the same device."""
-        call = "cuGraphExecMemcpyNodeSetParams"
-        state, size = self.state, self.size
-        sides = ((dst, self.dst, self.direction != "dtoh"), (src, self.src, self.direction != "htod"))
-        for ptr, before, on_device in sides:
-            if on_device:
-                block, old = state.find(ptr, size), state.find(before, 1)
-                if block is None or block.kind != "device" or (old is not None and old.ordinal != block.ordinal):
-                    raise _invalid(call, f"[0x{ptr:x}, +{size}) is not device memory of the node's device")
-            elif not _page_locked(state, ptr, size):
-                raise _invalid(call, f"[0x{ptr:x}, +{size}) is not page-locked host memory")
-        return _Copy(state, self.call, self.direction, dst, src, size)
-
-
-class _Set:
-    """A memset of ``count`` elements of ``width`` bytes (1 or 4)."""
-
-    __slots__ = ("call", "count", "dst", "state", "value", "width")
-
-    def __init__(self, state: _MemoryState, call: str, dst: int, value: int, count: int, width: int) -> None:
-        self.state = state
-        self.call = call
-        self.dst = dst
-        self.value = value
-        self.count = count
-        self.width = width
-
-    def __call__(self) -> None:
-        _check_live(self.state, ((self.dst, self.count * self.width),), self.call)
-        if self.width == 1:
-            ctypes.memset(self.dst, self.value, self.count)
-        else:
-            np.ctypeslib.as_array((ctypes.c_uint32 * self.count).from_address(self.dst))[:] = self.value
-
-    def describe(self) -> dict[str, Any]:
-        return {"dst": self.dst, "size": self.count * self.width, "value": self.value, "element_size": self.width}
-
-
-class _GraphAllocation:
-    """An allocation node: the memory is the graph's for its whole life, nothing to run."""
-
-    __slots__ = ("ptr", "size")
-
-    def __init__(self, ptr: int, size: int) -> None:
-        self.ptr = ptr
-        self.size = size
-
-    def __call__(self) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"dst": self.ptr, "size": self.size}
-
-
-class _GraphFree:
-    """A free node of a graph allocation: nothing to run (the graph keeps the memory)."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-    def __call__(self) -> None:
-        pass
-
-    def describe(self) -> dict[str, Any]:
-        return {"dst": self.ptr}
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD32Async", dst, word, count, 4), "memset_d32_async")
 
 
 class _MemoryState:
