@@ -341,6 +341,8 @@ class GraphMode:
             lanes.lanes.append(lane)
             lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
             lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
+            lane.set_upload(x_ptr, src)  # the driver takes these updates: else the device stays eager
+            lane.set_download(dst, result_ptr)
         assert dest is not None
         return dest, staged_in, staged_out
 
