@@ -148,6 +148,9 @@ async def measure(meter: SeamMeter, chunks: int, devices: int, runs: int) -> dic
     async with Executor(list(range(devices))) as ex:
         for graph in MODES.values():  # warm-up: pools, launchers, event pools; graphs captured
             await pipeline(min(chunks, 200), graph)
+        states = [lanes.state for per_stage in ex._graph_lanes.values() for lanes in per_stage.values()]
+        if states != ["ready"] * devices:
+            raise SystemExit(f"graph mode did not capture the stage on every device: {states}")
         for _ in range(runs):
             for mode, graph in MODES.items():
                 gc.collect()
