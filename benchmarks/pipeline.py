@@ -247,6 +247,9 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
                 await executor_run(ex, rig, reps, CHUNKS, graph=True)
                 if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
                     raise SystemExit(f"graph mode's results differ from numpy at reps={reps}")
+            states = [lanes.state for lanes in ex._graph_lanes.get(rig.stages[reps], {}).values()]
+            if states != ["ready"]:
+                raise SystemExit(f"graph mode did not capture the stage at reps={reps}: {states}")
             med = await wall_medians(
                 {
                     "serial": raw(reps, 1),
