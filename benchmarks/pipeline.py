@@ -12,6 +12,8 @@ Measured in the same run, on device 0:
 * ``handwritten`` -- the raw driver, three streams, chunk *i* wholly on stream *i % 3*
                      with its own buffer (the reference's loop, blocking synchronize).
 * ``executor``    -- ``Executor.map`` with the ``scale`` stage, results into pinned memory.
+* ``executor_graph`` -- the same in graph mode (``map(..., graph=True)``): each chunk a
+                     replay of the stage's graph, captured in the warm-up run.
 
 Wall times are host ``perf_counter`` from the first enqueue to the last result, medians
 over rounds that run serial, hand-written and executor back to back (the copy engines'
@@ -33,14 +35,16 @@ how far the host's links and memory let copies scale, whatever runs them.
 
 Targets: ``overlap_ratio_bound_reps*`` = executor / bound <= 1.10 (one per length);
 ``speedup_vs_serial`` (balanced length, reps 800) >= 1.8; ``executor_vs_handwritten`` =
-executor / hand-written <= 1.05 (the worst of the three lengths); ``two_gpu_scaling`` >=
+executor / hand-written <= 1.05 (the worst of the three lengths), and
+``executor_vs_handwritten_graph`` <= 1.0 for graph mode; ``two_gpu_scaling`` >=
 1.9 (or ``scaling_N`` >= 0.95 N with ``--devices N > 2``, written to
 ``pipeline-xN.json``).
 
     PYTHONPATH=src python3 benchmarks/pipeline.py [--quick] [--devices N]
 
 On the simulator (no GPU) it runs with 1 MiB chunks and simulated latencies: a smoke run
-of the code paths, whose figures say nothing about a GPU.
+of the code paths, whose figures say nothing about a GPU (no results file is written
+then, nor by a ``--quick`` run).
 """
 
 from __future__ import annotations
@@ -205,10 +209,10 @@ class Rig:
         return time.perf_counter() - started
 
 
-async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int) -> float:
+async def executor_run(ex: Executor, rig: Rig, reps: int, chunks: int, graph: bool = False) -> float:
     out = rig.host_out
     started = time.perf_counter()
-    async with ex.map(rig.stages[reps], rig.host_in[:chunks], output=lambda i, _: out[i]) as results:
+    async with ex.map(rig.stages[reps], rig.host_in[:chunks], output=lambda i, _: out[i], graph=graph) as results:
         async for _ in results:
             pass
     return time.perf_counter() - started
@@ -221,7 +225,7 @@ def bound_ms(chunks: int, steps: list[float]) -> float:
 
 async def one_gpu_run(rig: Rig, ex: Executor, samples: int) -> dict[str, float]:
     """One run on device 0: stage times alone and duplex, then serial, hand-written and
-    executor interleaved at each length; milliseconds."""
+    executor (eager and graph mode) interleaved at each length; milliseconds."""
     one = rig.devices[:1]
     stage = rig.stage_ms(REPS, samples)
     duplex = rig.duplex_ms(samples)
@@ -234,6 +238,7 @@ async def one_gpu_run(rig: Rig, ex: Executor, samples: int) -> dict[str, float]:
                 "serial": lambda reps=reps: rig.raw_loop(reps, 1, one),  # type: ignore[misc]
                 "hand": lambda reps=reps: rig.raw_loop(reps, 3, one),  # type: ignore[misc]
                 "executor": lambda reps=reps: executor_run(ex, rig, reps, CHUNKS),  # type: ignore[misc]
+                "executor_graph": lambda reps=reps: executor_run(ex, rig, reps, CHUNKS, True),  # type: ignore[misc]
             },
             samples,
         )
@@ -253,17 +258,27 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
             expected = scale_reference(rig.host_in[:CHUNKS], reps)
             if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
                 raise SystemExit(f"executor results differ from numpy at reps={reps}")
+            for _ in range(2):  # graph mode: warm up, capture; then every chunk replays
+                rig.host_out[:] = 0
+                await executor_run(ex, rig, reps, CHUNKS, graph=True)
+                if not np.allclose(rig.host_out[:CHUNKS], expected, rtol=1e-3):
+                    raise SystemExit(f"graph mode's results differ from numpy at reps={reps}")
+            states = [lanes.state for lanes in ex._graph_lanes.get(rig.stages[reps], {}).values()]
+            if states != ["ready"]:
+                raise SystemExit(f"graph mode did not capture the stage at reps={reps}: {states}")
         runs = await repeat_async(lambda: one_gpu_run(rig, ex, samples))
     for name, values in runs.items():
         if name.startswith("stage_"):
             result.baseline(name, values)
     worst_vs_hand = [0.0] * len(runs["executor_reps800_ms"])
+    worst_graph_vs_hand = list(worst_vs_hand)
     for reps in REPS:
         bound, bound_duplex = runs[f"bound_reps{reps}_ms"], runs[f"bound_duplex_reps{reps}_ms"]
-        serial, hand, execu = (
+        serial, hand, execu, graphed = (
             runs[f"serial_reps{reps}_ms"],
             runs[f"hand_reps{reps}_ms"],
             runs[f"executor_reps{reps}_ms"],
+            runs[f"executor_graph_reps{reps}_ms"],
         )
         result.baseline(f"bound_reps{reps}_ms", bound, 3)
         result.baseline(f"bound_duplex_reps{reps}_ms", bound_duplex, 3)
@@ -274,12 +289,16 @@ async def measure(rig: Rig, ndev: int, samples: int, result: Result) -> None:
         result.metric(f"executor_reps{reps}_ms", execu, 3)
         result.metric(f"executor_vs_handwritten_reps{reps}", ratios(execu, hand))
         result.metric(f"speedup_vs_serial_reps{reps}", ratios(serial, execu))
+        result.metric(f"executor_graph_reps{reps}_ms", graphed, 3)
+        result.metric(f"executor_graph_vs_handwritten_reps{reps}", ratios(graphed, hand))
+        worst_graph_vs_hand = [max(w, r) for w, r in zip(worst_graph_vs_hand, ratios(graphed, hand), strict=True)]
         result.metric(f"overlap_ratio_duplex_bound_reps{reps}", ratios(execu, bound_duplex))
         result.target(f"overlap_ratio_bound_reps{reps}", ratios(execu, bound), 1.10, "<=")
         worst_vs_hand = [max(w, r) for w, r in zip(worst_vs_hand, ratios(execu, hand), strict=True)]
         if reps == BALANCED:
             result.target("speedup_vs_serial", ratios(serial, execu), 1.8, ">=")
     result.target("executor_vs_handwritten", worst_vs_hand, 1.05, "<=")
+    result.target("executor_vs_handwritten_graph", worst_graph_vs_hand, 1.0, "<=")
     async with Executor(one, compute_streams=1) as ex:  # diagnostic: kernels strictly in turn
         for reps in REPS:
             await executor_run(ex, rig, reps, CHUNKS)

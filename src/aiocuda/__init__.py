@@ -28,10 +28,12 @@ from .device import Device, DeviceProperties, PeerAttributes, device_count, devi
 from .errors import (
     ArgumentError,
     BackendError,
+    CaptureError,
     ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
+    GraphUpdateError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
@@ -39,6 +41,7 @@ from .errors import (
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
+from .graph import Graph, GraphCapture, GraphNode
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
 from .lanes import Lane, Lanes
@@ -56,6 +59,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "Batcher",
+    "CaptureError",
     "ChunkContext",
     "ChunkResult",
     "ClosedError",
@@ -70,6 +74,10 @@ __all__ = [
     "DeviceProperties",
     "Event",
     "Executor",
+    "Graph",
+    "GraphCapture",
+    "GraphNode",
+    "GraphUpdateError",
     "HostRegistration",
     "JitOptions",
     "Kernel",

@@ -37,6 +37,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import STICKY_CODES, CudaError, ResultCode
 from ._codes import sim_error
@@ -221,9 +222,13 @@ class SimPoint:
 
 
 class SimEvent:
-    """An event: where it was last recorded (``point``), or None if never recorded."""
+    """An event: where it was last recorded (``point``), or None if never recorded.
 
-    __slots__ = ("blocking_sync", "destroyed", "device_ordinal", "point", "timing", "value")
+    ``captured`` is set while the event was last recorded in a capturing stream: the
+    capture and the graph nodes a wait on the event depends on (see ``_graphs.py``).
+    """
+
+    __slots__ = ("blocking_sync", "captured", "destroyed", "device_ordinal", "point", "timing", "value")
 
     def __init__(self, device_ordinal: int, timing: bool, blocking_sync: bool) -> None:
         self.value = next_handle_value()
@@ -231,6 +236,7 @@ class SimEvent:
         self.timing = timing
         self.blocking_sync = blocking_sync
         self.point: SimPoint | None = None
+        self.captured: tuple[Any, tuple[int, ...]] | None = None
         self.destroyed = False
 
     def __repr__(self) -> str:
@@ -293,6 +299,7 @@ class SimStream:
         "_paused",
         "_scheduled",
         "_workers",
+        "capture",
         "context",
         "destroyed",
         "device",
@@ -311,6 +318,8 @@ class SimStream:
         self.non_blocking = non_blocking
         self.priority = priority
         self.destroyed = False
+        self.capture: Any = None
+        """The capture (``_graphs.SimCapture``) this stream's operations go to, if any."""
         self.submitted = 0
         self.finished = 0
         self._workers = workers
