@@ -325,9 +325,8 @@ async def test_chunk_memory_is_reused_not_mapped_anew(
     np.testing.assert_allclose(first[-1], scale_reference(inputs[-1], REPS), rtol=1e-5)
 
 
+@pytest.mark.multi_gpu
 async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> None:
-    if _driver.driver().device_count() < 2:
-        pytest.skip("needs two devices")
     stage_impl = ScaleStage(REPS)
 
     def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:

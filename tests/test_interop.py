@@ -147,15 +147,8 @@ _have_cupy = importlib.util.find_spec("cupy") is not None
 _have_torch = importlib.util.find_spec("torch") is not None
 
 
-def _real_only(backend: _driver.Driver) -> None:
-    if backend.name != "cuda":
-        pytest.skip("CuPy/PyTorch round trips need the real driver")
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
-async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import torch
 
     host = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
@@ -178,10 +171,8 @@ async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object)
     assert int(torch.from_dlpack(contiguous).sum()) == 700
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")
-async def test_cupy_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_cupy_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import cupy
 
     host = np.arange(3000, dtype=np.int32).reshape(60, 50)
@@ -215,13 +206,11 @@ def _read_through_cai(consumer: str, array: ga.DeviceArray) -> np.ndarray:
     return cuda.as_cuda_array(array).copy_to_host()  # type: ignore[no-any-return]
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("consumer", sorted(_CONSUMERS))
-def test_cai_consumers_read_data_whose_write_was_pending(backend: _driver.Driver, consumer: str) -> None:
+def test_cai_consumers_read_data_whose_write_was_pending(cuda_backend: _driver.Driver, consumer: str) -> None:
     """A consumer reading through the array interface right after aiocuda enqueued a
     write (behind 0.3 s of other work) sees the write: PyTorch ignores the interface's
     stream and read the old zeros when the export named the producer's stream."""
-    _real_only(backend)
     if not _CONSUMERS[consumer]:
         pytest.skip(f"{consumer} not installed")
     with Stream(0) as s:
@@ -232,12 +221,12 @@ def test_cai_consumers_read_data_whose_write_was_pending(backend: _driver.Driver
         assert (_read_through_cai(consumer, array) == 0x01010101).all()
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("consumer", sorted(_CONSUMERS))
-async def test_cai_consumers_on_an_event_loop(backend: _driver.Driver, anyio_backend: object, consumer: str) -> None:
+async def test_cai_consumers_on_an_event_loop(
+    cuda_backend: _driver.Driver, anyio_backend: object, consumer: str
+) -> None:
     """The same on an event loop's thread: the data is right, and the wait is reported;
     after an await there is nothing to wait for and nothing to report."""
-    _real_only(backend)
     if not _CONSUMERS[consumer]:
         pytest.skip(f"{consumer} not installed")
     with Stream(0) as s:
@@ -249,3 +238,24 @@ async def test_cai_consumers_on_an_event_loop(backend: _driver.Driver, anyio_bac
         with warnings.catch_warnings():
             warnings.filterwarnings("error", message="__cuda_array_interface__ blocked")
             assert (_read_through_cai(consumer, array) == 0x02020202).all()
+
+
+@pytest.mark.skipif(not _have_numba, reason="numba-cuda not installed")
+async def test_numba_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Numba reads an aiocuda array through ``__cuda_array_interface__`` and aiocuda
+    imports a Numba device array the same way, views included."""
+    from numba import cuda as numba_cuda
+
+    host = np.arange(2000, dtype=np.float32).reshape(40, 50)
+    dev = await ga.to_device(host)
+    seen = numba_cuda.as_cuda_array(dev)
+    assert seen.device_ctypes_pointer.value == dev.ptr and seen.shape == host.shape
+    np.testing.assert_array_equal(seen.copy_to_host(), host)
+
+    theirs = numba_cuda.to_device(np.arange(600, dtype=np.int64).reshape(20, 30))
+    numba_cuda.synchronize()
+    imported = as_device_array(theirs)
+    assert imported.ptr == theirs.device_ctypes_pointer.value
+    np.testing.assert_array_equal(await imported.to_host(), theirs.copy_to_host())
+    view = as_device_array(theirs[::2, 3:])
+    np.testing.assert_array_equal(await view.to_host(), theirs.copy_to_host()[::2, 3:])

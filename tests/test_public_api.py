@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pathlib
 import pkgutil
@@ -30,7 +31,10 @@ PUBLIC_MODULES = [
     *sorted(
         name
         for _, name, _ in pkgutil.walk_packages(aiocuda.__path__, "aiocuda.")
-        if "._" not in name and name != "aiocuda.__main__"
+        if "._" not in name
+        and name != "aiocuda.__main__"
+        # aiocuda.ray needs the optional Ray (tests/ray requires it where CI installs it)
+        and not (name.startswith("aiocuda.ray") and importlib.util.find_spec("ray") is None)
     ),
 ]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import time
 import weakref
 
 import anyio
@@ -15,7 +14,7 @@ from aiocuda.errors import ArgumentError
 from aiocuda.event import Event
 from aiocuda.stream import Stream, current_stream, use_stream
 
-from ._workload import slow_op
+from ._workload import Gate, slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -28,29 +27,41 @@ async def test_await_idle_stream_returns(backend: _driver.Driver, anyio_backend:
 
 async def test_await_waits_for_enqueued_work(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.05)
-        t = time.perf_counter()
-        await s
-        assert time.perf_counter() - t >= 0.03
+        gate = Gate(s)
+        returned = anyio.Event()
+
+        async def waiter() -> None:
+            await s
+            returned.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            for _ in range(20):  # spin, poll, doorbell: every way of waiting gets its turn
+                await anyio.sleep(0.001)
+            assert not returned.is_set(), "await returned while the stream's work was pending"
+            gate.open()
         assert s.query()
 
 
 async def test_await_keeps_the_loop_running(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Another task runs while one awaits: the GPU's work ends only once it has run 20
+    times (were the loop blocked, the gate would end by its own timeout, and too late)."""
     ticks = 0
     with Stream(0) as s:
-        slow_op(s, 0.15)
+        gate = Gate(s)
         async with anyio.create_task_group() as tg:
 
             async def ticker() -> None:
                 nonlocal ticks
-                while True:
+                for _ in range(20):
                     await anyio.sleep(0.002)
                     ticks += 1
+                gate.open()
 
             tg.start_soon(ticker)
             await s
-            tg.cancel_scope.cancel()
-    assert ticks >= 20
+            done_at = ticks
+    assert done_at == 20
 
 
 async def test_event_await_query_and_timing(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -99,21 +110,19 @@ async def test_wait_on_event(backend: _driver.Driver, anyio_backend: object) -> 
 
 async def test_cancel_scope_detaches_and_leaves_work_running(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with anyio.move_on_after(0.02) as scope:
-            await s
-        assert scope.cancelled_caught
-        assert not s.query(), "cancelling the waiter must not touch the GPU work"
+        with Gate(s):  # the work goes on until the waiter has been cancelled
+            with anyio.move_on_after(0.02) as scope:
+                await s
+            assert scope.cancelled_caught
+            assert not s.query(), "cancelling the waiter must not touch the GPU work"
         await s
         assert s.query()
 
 
 async def test_fail_after_raises_timeout(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with pytest.raises(TimeoutError):
-            with anyio.fail_after(0.02):
-                await s
+        with Gate(s), pytest.raises(TimeoutError), anyio.fail_after(0.02):
+            await s
         await s
 
 

@@ -115,6 +115,13 @@ async def test_results_and_errors_reach_the_awaiting_task(backend: _driver.Drive
         stream.call_when_done(coroutine_function)
 
 
+async def test_a_stream_being_captured_calls_nothing_back(backend: _driver.Driver, anyio_backend: object) -> None:
+    stream = aiocuda.Stream(0)
+    async with stream.capture():
+        with pytest.raises(aiocuda.errors.CaptureError, match="call_when_done"):
+            stream.call_when_done(print)
+
+
 def test_a_running_loop_is_needed(sim_backend: _driver.Driver) -> None:
     with pytest.raises(RuntimeError, match="running asyncio or trio event loop"):
         aiocuda.Stream(0).call_when_done(print)

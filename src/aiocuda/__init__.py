@@ -28,11 +28,13 @@ from .device import Device, DeviceProperties, PeerAttributes, device_count, devi
 from .errors import (
     ArgumentError,
     BackendError,
+    CaptureError,
     ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
     ExporterLostError,
+    GraphUpdateError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
@@ -41,6 +43,7 @@ from .errors import (
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
+from .graph import Graph, GraphCapture, GraphNode
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
 from .lanes import Lane, Lanes
@@ -58,6 +61,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "Batcher",
+    "CaptureError",
     "ChunkContext",
     "ChunkResult",
     "ClosedError",
@@ -73,6 +77,10 @@ __all__ = [
     "Event",
     "Executor",
     "ExporterLostError",
+    "Graph",
+    "GraphCapture",
+    "GraphNode",
+    "GraphUpdateError",
     "HostRegistration",
     "JitOptions",
     "Kernel",

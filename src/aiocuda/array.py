@@ -6,7 +6,9 @@ PyTorch or Numba). Indexing with integers, slices, ``...`` and ``None`` makes vi
 without copying; they share (and keep alive) the buffer.
 
 Every operation enqueues on a stream (default: the current stream of the array's device)
-and is awaited until *its own* work is done. Cancelling the awaiting task abandons the
+and is awaited until *its own* work is done -- or, on a stream being captured into a
+graph (:mod:`aiocuda.graph`), until it is recorded (:meth:`DeviceArray.to_host` then
+needs a page-locked ``out``, which each replay fills). Cancelling the awaiting task abandons the
 wait only: the GPU finishes the copy, the memory it touches stays alive until then
 (device memory is freed stream-ordered, host arrays are held by the stream), and the data
 is never torn. Work on one array from different streams is ordered automatically: the
@@ -243,9 +245,15 @@ class DeviceArray:
                 )
             if not out.flags.writeable:
                 raise invalid_value("out is read-only")
-        s = self._stream_for(stream)
+        chosen = stream if stream is not None else current_stream(self.device)
+        if chosen._capture is not None and (out is None or not (out.flags.c_contiguous and self.is_c_contiguous)):
+            raise chosen._capture.refuse(
+                "to_host() without a page-locked, C-contiguous out= array",
+                "a replay can only copy into host memory given to it (aiocuda.pinned_empty)",
+            )
+        s = self._stream_for(chosen)
         if out is not None and _copies.download(out, self.ptr, s, strides=self.strides):
-            await s.record()
+            await _finished(s)
             return out
         forward, back = self._forward()
         direct = out is not None and back is None and out.flags.c_contiguous
@@ -292,7 +300,7 @@ class DeviceArray:
         if self.is_c_contiguous:
             await _upload(self.ptr, np.ascontiguousarray(host), s)
         elif _copies.upload(self.ptr, host, s, strides=self.strides):
-            await s.record()
+            await _finished(s)
         else:
             forward, back = self._forward()
             await forward._scatter(np.ascontiguousarray(host if back is None else host[back]), s)
@@ -306,7 +314,7 @@ class DeviceArray:
             _copies.copy_strided(self._layout(), packed._layout(), self.shape, self.itemsize, stream)
         finally:
             packed.buffer.free()  # stream-ordered: after the copies enqueued above
-        await stream.record()
+        await _finished(stream)
 
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
@@ -323,7 +331,7 @@ class DeviceArray:
         s = self._stream_for(stream)
         forward, _ = self._forward()
         if _copies.fill(forward._layout(), self.shape, self.itemsize, pattern.tobytes(), s):
-            await s.record()
+            await _finished(s)
         elif self.is_c_contiguous:
             await _upload(self.ptr, np.full(self.shape, pattern, self.dtype), s)
         else:
@@ -472,7 +480,14 @@ async def to_device(
 async def _upload(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
     """Copy C-contiguous ``host`` to device address ``dst`` and await the copy."""
     await _staging.host_to_device(dst, host, stream)
-    await stream.record()
+    await _finished(stream)
+
+
+async def _finished(stream: Stream) -> None:
+    """Wait for the work just enqueued on ``stream``; on a stream being captured, that
+    work is recorded into a graph, and there is nothing to wait for."""
+    if stream._capture is None:
+        await stream.record()
 
 
 async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
@@ -504,4 +519,4 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     _copies.copy_strided(dst._layout(), src._layout(), src.shape, src.itemsize, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
-    await s.record()
+    await _finished(s)

@@ -22,6 +22,11 @@ for the situations callers branch on:
   Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
+* :class:`CaptureError` -- an operation cannot be captured into a graph (a wait for the
+  GPU, a synchronous call, a pageable copy that needs staging), or the capture it was
+  part of failed.
+* :class:`GraphUpdateError` -- new parameters or a new capture do not fit an
+  instantiated graph (another topology, another kind of node, another device).
 * :class:`ExporterLostError` -- memory shared by another process can no longer be used:
   that process ended, or stopped sharing it.
 
@@ -38,11 +43,13 @@ __all__ = [
     "STICKY_CODES",
     "ArgumentError",
     "BackendError",
+    "CaptureError",
     "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
     "ExporterLostError",
+    "GraphUpdateError",
     "LaunchError",
     "NoDeviceError",
     "OutOfMemoryError",
@@ -77,6 +84,7 @@ class ResultCode:
     INVALID_SOURCE = 300
     FILE_NOT_FOUND = 301
     INVALID_HANDLE = 400
+    ILLEGAL_STATE = 401
     NOT_FOUND = 500
     NOT_READY = 600
     ILLEGAL_ADDRESS = 700
@@ -97,6 +105,16 @@ class ResultCode:
     COOPERATIVE_LAUNCH_TOO_LARGE = 720
     NOT_PERMITTED = 800
     NOT_SUPPORTED = 801
+    STREAM_CAPTURE_UNSUPPORTED = 900
+    STREAM_CAPTURE_INVALIDATED = 901
+    STREAM_CAPTURE_MERGE = 902
+    STREAM_CAPTURE_UNMATCHED = 903
+    STREAM_CAPTURE_UNJOINED = 904
+    STREAM_CAPTURE_ISOLATION = 905
+    STREAM_CAPTURE_IMPLICIT = 906
+    CAPTURED_EVENT = 907
+    STREAM_CAPTURE_WRONG_THREAD = 908
+    GRAPH_EXEC_UPDATE_FAILURE = 910
     UNKNOWN = 999
 
 
@@ -149,6 +167,21 @@ _LAUNCH_CODES = frozenset(
         ResultCode.INVALID_PTX,
         ResultCode.UNSUPPORTED_PTX_VERSION,
         ResultCode.INVALID_SOURCE,
+    }
+)
+
+
+_CAPTURE_CODES = frozenset(
+    {
+        ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+        ResultCode.STREAM_CAPTURE_INVALIDATED,
+        ResultCode.STREAM_CAPTURE_MERGE,
+        ResultCode.STREAM_CAPTURE_UNMATCHED,
+        ResultCode.STREAM_CAPTURE_UNJOINED,
+        ResultCode.STREAM_CAPTURE_ISOLATION,
+        ResultCode.STREAM_CAPTURE_IMPLICIT,
+        ResultCode.CAPTURED_EVENT,
+        ResultCode.STREAM_CAPTURE_WRONG_THREAD,
     }
 )
 
@@ -239,6 +272,22 @@ class BackendError(CudaError, ValueError):
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
 
 
+class CaptureError(CudaError):
+    """An operation cannot be captured into a graph, or the capture failed.
+
+    Raised at the call that cannot be captured -- awaiting or synchronizing a stream that
+    is being captured (captured work does not run until the graph is launched), a copy
+    of pageable host memory (it needs staging through host threads), a wait on work
+    outside the capture -- and when ending a capture that the driver invalidated.
+    """
+
+
+class GraphUpdateError(CudaError):
+    """New parameters or a new capture do not fit an instantiated graph: another
+    topology, another kind of node, another device, or arguments its kernel does not
+    take. The graph is unchanged; capture it again instead."""
+
+
 class ClosedError(RuntimeError):
     """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
     (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
@@ -268,6 +317,10 @@ def error_for_code(code: int, name: str, description: str, call: str = "") -> Cu
         cls = ArgumentError
     elif code in _LAUNCH_CODES:
         cls = LaunchError
+    elif code in _CAPTURE_CODES:
+        cls = CaptureError
+    elif code == ResultCode.GRAPH_EXEC_UPDATE_FAILURE:
+        cls = GraphUpdateError
     else:
         cls = CudaError
     where = f"{call}: " if call else ""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
 from .device import Device, _as_device
-from .errors import ArgumentError
+from .errors import ArgumentError, CaptureError
 
 __all__ = ["Event"]
 
@@ -56,6 +56,7 @@ class Event:
 
     __slots__ = (
         "__weakref__",
+        "_capture",
         "_device",
         "_driver",
         "_finalizer",
@@ -90,12 +91,15 @@ class Event:
         else:
             self._handle = self._driver.event_create(timing, blocking_sync)
         self._stream_handle: Any = None
+        self._capture: Any = None
+        """The capture the event was last recorded in, if any (see ``aiocuda.graph``)."""
         self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
 
     @classmethod
-    def _pooled(cls, device: Device, handle: Any, stream_handle: Any) -> Event:
+    def _pooled(cls, device: Device, handle: Any, stream_handle: Any, capture: Any = None) -> Event:
         """An Event over a pooled handle, returned to the pool when collected."""
         self = object.__new__(cls)
+        self._capture = capture
         self._device = device
         self._driver = device._driver
         self.timing = False
@@ -111,6 +115,7 @@ class Event:
         """An Event over one opened from another process's handle (destroyed when
         collected). Its recording happened there: it counts as recorded here."""
         self = object.__new__(cls)
+        self._capture = None
         self._device = device
         self._driver = device._driver
         self.timing = False
@@ -142,17 +147,26 @@ class Event:
         else:
             self._driver.event_record(self._handle, stream.handle)
         self._stream_handle = stream.handle
+        # An external record in a capture is a node: each replay records the event, which
+        # can then be awaited like any other; a plain one only marks the capture's work.
+        self._capture = None if external else getattr(stream, "_capture", None)
         return self
 
     def query(self) -> bool:
         """True once the recorded work has finished (raises a poisoned context's error)."""
+        if self._capture is not None:
+            raise _captured("event.query()")
         return self._driver.event_query(self._handle)
 
     def synchronize(self) -> None:
         """Block the calling thread until the event completes (for synchronous code)."""
+        if self._capture is not None:
+            raise _captured("event.synchronize()")
         self._driver.event_synchronize(self._handle)
 
     def __await__(self) -> Generator[Any, Any, None]:
+        if self._capture is not None:
+            raise _captured("await event")
         if self._stream_handle is None:
             return  # never recorded: complete
         yield from current_engine().wait(self._handle, self._stream_handle, self._device)
@@ -173,3 +187,11 @@ class Event:
     def __repr__(self) -> str:
         state = "unrecorded" if self._stream_handle is None else "recorded"
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"
+
+
+def _captured(what: str) -> CaptureError:
+    return CaptureError(
+        f"{what}: the event was recorded in a stream being captured into a graph, where work does not run "
+        "until the graph is launched; await the launch instead",
+        name="AIOCUDA_NOT_CAPTURABLE",
+    )

@@ -53,6 +53,7 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any
 
@@ -61,6 +62,7 @@ import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.device_streams import DeviceStreams
+from ._executor.graph_mode import GraphLanes
 from ._executor.lanes import PRIORITIES, Lanes, Priority
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
@@ -136,6 +138,9 @@ class Executor:
         self._submitted = 0  # chunks run by submit(), for their index in traces
         self._request_lanes: dict[int, Lanes] = {}
         """submit()'s lanes, by device ordinal."""
+        self._graph_lanes: weakref.WeakKeyDictionary[Any, dict[int, GraphLanes]] = weakref.WeakKeyDictionary()
+        """Graph mode's captured graphs, by stage and device ordinal: every pipeline of a
+        stage replays them."""
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
@@ -215,6 +220,10 @@ class Executor:
                 stream.close()
         for lanes in self._request_lanes.values():
             lanes.close()
+        for per_stage in self._graph_lanes.values():
+            for graph_lanes in per_stage.values():
+                graph_lanes.close()
+        self._graph_lanes.clear()
         if self._trace is not None:
             self._trace.close()
 
@@ -230,6 +239,7 @@ class Executor:
         placement: PlacementName = "round_robin",
         output: OutputFn | None = None,
         name: str | None = None,
+        graph: bool = False,
     ) -> Pipeline:
         """A pipeline applying ``stage`` to every host array of ``inputs``; use it as
         ``async with ex.map(...) as results: async for r in results: ...``.
@@ -257,6 +267,18 @@ class Executor:
                 ``index`` into (same shape and dtype; pinned for full speed, e.g. a
                 slice of one big pinned array). Default: a new pageable array.
             name: the stage's name in traces (default ``stage.__name__``).
+            graph: graph mode: capture each chunk's upload, stage and download once per
+                device (and per graph lane) into a CUDA graph and replay it for later
+                chunks of the same shape and dtype with their own addresses, which costs
+                the host a fraction of running the stage. The stage is then called only
+                while capturing: use it for stages whose work depends on the chunk's
+                shape and dtype, not on ``ctx.index`` or the data. The first chunk of each
+                device runs normally (warming up modules and libraries); a stage that
+                cannot be captured runs normally, with a note in the trace. The graphs
+                are kept for later pipelines of the same stage object until the executor
+                closes (a stage whose work changes must be a new object). Results of
+                replays are page-locked arrays by default. Same results, ordering,
+                back-pressure and errors as without.
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
@@ -276,7 +298,17 @@ class Executor:
             in_flight=limit,
             on_error=on_error,
             placement=placement,
+            graph=graph,
+            graph_lanes=self._graphs_of(stage) if graph else None,
         )
+
+    def _graphs_of(self, stage: Stage) -> dict[int, GraphLanes] | None:
+        """The captured graphs of ``stage``, kept for every pipeline of it (None for a
+        stage that cannot be referenced weakly: its pipelines capture their own)."""
+        try:
+            return self._graph_lanes.setdefault(stage, {})
+        except TypeError:
+            return None
 
     async def submit(
         self,

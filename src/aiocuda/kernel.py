@@ -38,6 +38,7 @@ from typing import Any
 
 from . import _driver
 from ._driver import Dim3, LaunchConfig
+from ._graph import kernels as _graph_kernels
 from ._kernels.packing import ParamBuffer, build_launcher
 from ._kernels.signature import Signature
 from ._util import NoPublicConstructor
@@ -183,6 +184,7 @@ class Kernel(metaclass=NoPublicConstructor):
             handle = self.module.handle(dev)
             dev.make_current()
             func = self._functions[key] = dev._driver.module_get_function(handle, self.module.symbol(self.name))
+            _graph_kernels.register(dev._driver, func, self)  # so that graphs can read its nodes
         return func
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
@@ -410,6 +412,13 @@ class Kernel(metaclass=NoPublicConstructor):
             if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
                 self._launchers.clear()
             self._launchers[key] = launcher
+
+    def _pack(self, args: tuple[Any, ...]) -> ParamBuffer:
+        """``args`` packed for this kernel's signature (a graph's kernel node update);
+        LaunchError naming a bad argument."""
+        buffer = ParamBuffer(self._require_signature())
+        buffer.pack(args, None)
+        return buffer
 
     def _require_signature(self) -> Signature:
         if self.signature is None:

@@ -241,7 +241,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
             stream = current_stream(self.device)
         # The stream's slots are read directly: the ``handle`` property (a closed check)
         # would cost a Python call, a fifth of this path's own work.
-        if type(nbytes) is not int or nbytes <= 0 or stream._closed:
+        if type(nbytes) is not int or nbytes <= 0 or stream._closed or stream._capture is not None:
             return self._allocate_unusual(nbytes, stream)
         try:
             err, ptr = self._alloc_call(nbytes, self._handle, stream._handle)
@@ -262,7 +262,8 @@ class MemoryPool(metaclass=NoPublicConstructor):
 
     def _allocate_unusual(self, nbytes: Any, stream: Stream) -> DeviceBuffer:
         """A closed stream or a bad size (both raise), an integer that is not an ``int``
-        (allocated as its value), or an empty buffer."""
+        (allocated as its value), an empty buffer, or an allocation on a stream being
+        captured (the graph's memory: see ``aiocuda.graph``)."""
         stream.handle  # noqa: B018 - raises the stream's own "closed" error
         try:
             size = operator.index(nbytes)
@@ -274,6 +275,18 @@ class MemoryPool(metaclass=NoPublicConstructor):
             )
         if size < 0:
             raise invalid_value(f"cannot allocate {size} bytes: the size must not be negative")
+        capture = stream._capture
+        if capture is not None and size:
+            self.device.make_current()
+            buf = _new_buffer(DeviceBuffer)
+            buf._ptr = self._call_alloc(size, stream)
+            self._allocations += 1
+            buf.size = size
+            buf._pool = self
+            buf._stream = stream
+            buf._waits = None
+            capture.allocated(buf)
+            return buf
         if size:
             return self.allocate(size, stream)
         buf = _new_buffer(DeviceBuffer)
@@ -328,6 +341,12 @@ class MemoryPool(metaclass=NoPublicConstructor):
         """Free ``ptr`` on its last-use ``stream`` after the events in ``waits``: the
         general case of :meth:`DeviceBuffer.free`, which inlines the common one."""
         self.device.make_current()  # a finaliser may run on a thread without the context
+        capture = stream._capture
+        if capture is not None:  # graph memory is freed where the capture says; other memory after it
+            freeing_on = capture.freeing(self, ptr, stream, waits)
+            if freeing_on is None:
+                return
+            stream = freeing_on
         if stream.closed:
             # The device's default stream frees it: close streams only after awaiting
             # their work on buffers that outlive them.
@@ -580,15 +599,24 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         """
         previous = self._stream
         if stream is previous:
+            if stream._capture is not None:  # captured work (see aiocuda.graph): the capture orders it
+                stream._capture.use(self, stream)
             return
         if previous is None:
             raise invalid_value("use of a freed DeviceBuffer")
+        capture = stream._capture or previous._capture
+        if capture is not None:  # a capture is involved (see aiocuda.graph)
+            crossing = capture.crossing(self, previous, stream)
+            if crossing is None:
+                return
+            event = crossing
+        else:
+            event = previous.record()
         waits = self._waits
         if waits is None:
             waits = self._waits = []
         elif len(waits) >= 8:
-            waits[:] = [event for event in waits if not event.query()]
-        event = previous.record()
+            waits[:] = [e for e in waits if not e.query()]
         stream.wait(event)
         waits.append(event)
         self._stream = stream
@@ -607,7 +635,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         if not ptr:
             return
         pool = self._pool
-        if self._waits is None and not last._closed:  # the common case, inlined: one driver call
+        if self._waits is None and not last._closed and last._capture is None:  # the common case, inlined
             try:
                 (err,) = pool._free_call(ptr, last._handle)
                 if not err:
@@ -639,6 +667,14 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         self._waits = None
         if self._ptr:
             self._pool._free_on(self._ptr, stream, None)
+
+    def _forget(self) -> None:
+        """Count the buffer freed without freeing it: its memory belonged to a captured
+        graph, which frees it itself."""
+        if self._stream is not None:
+            self._stream = None
+            self._waits = None
+            self._pool._frees += 1
 
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:

@@ -22,7 +22,7 @@ import contextvars
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._completion import callbacks as _callbacks
 from ._completion.callbacks import StreamCallback
@@ -31,6 +31,10 @@ from ._completion.event_pool import EventPool
 from .device import Device, _as_device
 from .errors import ArgumentError, CudaError
 from .event import Event
+
+if TYPE_CHECKING:
+    from ._driver import CaptureMode
+    from .graph import GraphCapture
 
 __all__ = ["Stream", "StreamCallback", "current_stream", "use_stream"]
 
@@ -113,6 +117,7 @@ class Stream:
 
     __slots__ = (
         "__weakref__",
+        "_capture",
         "_closed",
         "_driver",
         "_engine",
@@ -137,6 +142,8 @@ class Stream:
         self.owned = owned
         self._owner = owner
         self._closed = False
+        self._capture: Any = None
+        """The capture (``aiocuda._graph.capture.Capture``) this stream's work goes to, if any."""
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
         self._engine = current_engine()
@@ -197,6 +204,8 @@ class Stream:
 
     # -- waiting ----------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, Any, None]:
+        if self._capture is not None:
+            raise self._capture.refuse("await stream")
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
         if _orphans:
@@ -212,12 +221,16 @@ class Stream:
     def synchronize(self) -> None:
         """Block the calling thread until the stream is idle. For synchronous code only:
         in a coroutine, ``await stream`` instead."""
+        if self._capture is not None:
+            raise self._capture.refuse("stream.synchronize()")
         self._driver.stream_synchronize(self.handle)
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
 
     def query(self) -> bool:
         """True when all work enqueued so far has completed."""
+        if self._capture is not None:
+            raise self._capture.refuse("stream.query()")
         return self._driver.stream_query(self.handle)
 
     # -- ordering and events ----------------------------------------------------------------
@@ -233,16 +246,20 @@ class Stream:
             return Event(self.device, timing=True).record(self)
         handle = self._pool.acquire()
         self._driver.event_record(handle, self.handle)
-        return Event._pooled(self.device, handle, self._handle)
+        return Event._pooled(self.device, handle, self._handle, self._capture)
 
     def wait(self, other: Event | Stream) -> None:
         """Make this stream's future work wait, on the GPU, for ``other``: an Event, or
         everything enqueued so far on another Stream. No host thread blocks."""
         if isinstance(other, Event):
+            if other._capture is not None or self._capture is not None:
+                (other._capture or self._capture).check_wait(self, other._capture)
             self._driver.stream_wait_event(self.handle, other.handle)
             return
         if not isinstance(other, Stream):
             raise TypeError(f"Stream.wait takes an Event or a Stream, not {type(other).__name__}")
+        if other._capture is not None or self._capture is not None:  # a stream joins a capture, or cannot
+            (other._capture or self._capture).check_wait(self, other._capture)
         event = other._pool.acquire()
         other._driver.event_record(event, other.handle)
         try:
@@ -269,13 +286,31 @@ class Stream:
         """Keep ``objs`` alive until all work enqueued on this stream so far completes.
 
         Costs one pooled event record. References are dropped lazily, on later holds,
-        awaits and synchronizes of this stream.
+        awaits and synchronizes of this stream. While the stream is being captured, the
+        objects are kept with the graph instead, for all of its replays.
         """
+        if self._capture is not None:
+            self._capture.hold(objs)
+            return
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
         event = self._pool.acquire()
         self._driver.event_record(event, self.handle)
         self._holds.append((event, objs))
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def capture(self, mode: CaptureMode = "thread_local") -> GraphCapture:
+        """Record the work enqueued on this stream into an :class:`~aiocuda.graph.Graph`
+        instead of running it: ``with stream.capture() as graph:`` or ``async with``
+        (which instantiates the graph off the event loop). See :mod:`aiocuda.graph`.
+
+        ``mode`` says which threads may not make calls that could disturb the capture
+        (allocating or freeing page-locked memory, loading modules): the capturing thread
+        (``"thread_local"``), every thread (``"global"``) or none (``"relaxed"``).
+        """
+        from .graph import GraphCapture  # the graph layer builds on this one
+
+        return GraphCapture._create(self, mode)
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:

@@ -17,8 +17,13 @@ from typing import Any
 import anyio
 import pytest
 
-ray = pytest.importorskip("ray")
-aiocuda_ray = pytest.importorskip("aiocuda.ray")
+if os.environ.get("AIOCUDA_REQUIRE_RAY"):  # CI: a missing Ray is a failure, not a skip
+    import ray
+
+    import aiocuda.ray as aiocuda_ray
+else:
+    ray = pytest.importorskip("ray")
+    aiocuda_ray = pytest.importorskip("aiocuda.ray")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPUS = 16

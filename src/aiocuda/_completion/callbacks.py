@@ -160,6 +160,9 @@ def call_when_done(stream: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -
         raise TypeError(f"call_when_done needs a callable, not {type(fn).__name__}")
     if inspect.iscoroutinefunction(fn):
         raise TypeError("call_when_done calls a plain function; start async work from it, or await the stream")
+    capture = getattr(stream, "_capture", None)
+    if capture is not None:
+        raise capture.refuse("call_when_done()")
     loop: Any = asyncio._get_running_loop()
     if loop is None:
         try:

@@ -29,15 +29,29 @@ from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
 from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
-from ._protocol import Doorbell, Driver, Handle, KernelParams, PitchedCopy, PitchedSide, PoolProps
+from ._protocol import (
+    CAPTURE_MODES,
+    CaptureMode,
+    Doorbell,
+    Driver,
+    GraphNodeInfo,
+    Handle,
+    KernelParams,
+    PitchedCopy,
+    PitchedSide,
+    PoolProps,
+)
 
 __all__ = [
     "BACKENDS",
+    "CAPTURE_MODES",
     "SIM_DEFAULT_DEVICES",
+    "CaptureMode",
     "Dim3",
     "Doorbell",
     "Driver",
     "Fallback",
+    "GraphNodeInfo",
     "Handle",
     "JitOptions",
     "KernelParams",

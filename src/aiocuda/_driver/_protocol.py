@@ -19,19 +19,66 @@ Conventions:
   launching) use whatever context the calling thread has current; binding it is the
   device layer's job (:meth:`Driver.set_current`).
 * Stream-ordered calls (``*_async``, ``launch_*``, ``event_record``) only enqueue work.
+* Graphs: while a stream is being captured (``stream_begin_capture``), stream-ordered
+  calls on it -- and on streams that join the capture by waiting on an event recorded in
+  it -- add nodes to the graph instead of running. Calls that need the captured work to
+  have run (a query or synchronize of the stream, a query of an event recorded in it)
+  fail with ``CaptureError`` and invalidate the capture.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from ._jit import JitOptions, LinkInput
 from ._launch import LaunchConfig
 
 Handle = Any
 """An opaque backend handle (CUstream, CUevent, a sim object, ...)."""
+
+
+CaptureMode = Literal["global", "thread_local", "relaxed"]
+"""Which threads may not make potentially unsafe calls (allocating or freeing page-locked
+memory, loading modules, ...) while a stream is captured: any thread (``"global"``), the
+capturing thread (``"thread_local"``) or none (``"relaxed"``)."""
+
+CAPTURE_MODES: tuple[CaptureMode, ...] = ("global", "thread_local", "relaxed")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphNodeInfo:
+    """One node of a captured graph, as ``Driver.graph_nodes`` describes it.
+
+    ``kind`` is one of ``"kernel"``, ``"memcpy"``, ``"memset"``, ``"host"``,
+    ``"mem_alloc"``, ``"mem_free"``, ``"event_record"``, ``"wait_event"``, ``"empty"``,
+    ``"graph"``, ``"other"`` (and, on the simulated backend, ``"op"``: a callable a
+    test enqueued). The other fields are those of its kind and default otherwise.
+    """
+
+    handle: Handle
+    kind: str
+    dependencies: tuple[int, ...]
+    """Positions (in the sequence ``graph_nodes`` returned) of the nodes this one waits for."""
+    func: Handle = None
+    """Kernel: the function handle."""
+    config: LaunchConfig | None = None
+    """Kernel: grid, block and dynamic shared memory."""
+    dst: int = 0
+    """Memcpy, memset: destination address; mem_alloc, mem_free: the allocation."""
+    src: int = 0
+    """Memcpy: source address."""
+    size: int = 0
+    """Memcpy: bytes copied; memset: bytes set; mem_alloc: bytes allocated."""
+    direction: str = ""
+    """Memcpy: ``"htod"``, ``"dtoh"``, ``"dtod"`` (or ``"other"``)."""
+    value: int = 0
+    """Memset: the value each element is set to."""
+    element_size: int = 0
+    """Memset: 1, 2 or 4 bytes."""
+    native: Any = None
+    """What the backend needs to update the node later (its captured parameters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -472,6 +519,54 @@ class Driver(Protocol):
         with whatever ``params`` holds at that moment, and a truthy ``err`` goes to
         ``fail(err)``, which raises. ``params.address`` must stay valid while the triple
         is used."""
+
+    # -- graphs ---------------------------------------------------------------------------
+    def stream_begin_capture(self, stream: Handle, mode: CaptureMode) -> None:
+        """Start capturing ``stream``'s work into a new graph (not the null stream; not a
+        stream already capturing)."""
+
+    def stream_end_capture(self, stream: Handle) -> Handle:
+        """End the capture begun on ``stream`` and return its graph. ``CaptureError`` if
+        the capture was invalidated or work forked to another stream was not joined back
+        (the capture ends either way)."""
+
+    def graph_nodes(self, graph: Handle) -> Sequence[GraphNodeInfo]:
+        """The graph's nodes in an order where every node comes after its dependencies
+        (for a captured graph: the order of capture, where the driver keeps it)."""
+
+    def graph_kernel_node_arguments(self, node: GraphNodeInfo, codes: str) -> tuple[Any, ...]:
+        """A kernel node's arguments as captured, one ``struct`` code per parameter
+        (``"QQi"``: two pointers and an int)."""
+
+    def graph_instantiate(self, graph: Handle) -> Handle:
+        """An executable graph (only one may exist at a time for a graph that allocates or
+        frees memory)."""
+
+    def graph_launch(self, graph_exec: Handle, stream: Handle) -> None:
+        """Enqueue one replay on ``stream``; replays of one executable graph run one after
+        another, whatever their streams."""
+
+    def graph_exec_update(self, graph_exec: Handle, graph: Handle) -> None:
+        """Give the executable graph the parameters of ``graph``, a graph of the same
+        topology; ``GraphUpdateError`` (nothing changed) when it is not."""
+
+    def graph_exec_kernel_node_set_params(
+        self, graph_exec: Handle, node: GraphNodeInfo, func: Handle, config: LaunchConfig, params: KernelParams
+    ) -> None:
+        """New function, configuration and arguments for one kernel node of the executable
+        graph (later replays only)."""
+
+    def graph_exec_copy_setter(
+        self, graph_exec: Handle, node: GraphNodeInfo, ctx: Handle
+    ) -> Callable[[int, int], None]:
+        """``set(dst, src)``: new addresses for one memcpy node of the executable graph
+        (later replays only), of the same kinds of memory and ``ctx``'s. Built once per
+        node: the hot path of replays with new pointers."""
+
+    def graph_destroy(self, graph: Handle) -> None: ...
+
+    def graph_exec_destroy(self, graph_exec: Handle) -> None:
+        """Replays already enqueued still run."""
 
     # -- profiling ------------------------------------------------------------------------
     def profiler_start(self) -> None:

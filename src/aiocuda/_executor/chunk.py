@@ -279,9 +279,10 @@ class ChunkRunner:
             if trace is not None and ctx._spans:
                 trace._discard(*ctx._spans)
 
-    def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
-        """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
-        if not result.is_c_contiguous:
+    def destination(self, index: int, result: DeviceArray, *, contiguous: bool = False) -> npt.NDArray[Any]:
+        """The host array chunk ``index``'s ``result`` is downloaded into, checked
+        (``contiguous``: the result is known to be C-contiguous)."""
+        if not (contiguous or result.is_c_contiguous):
             raise invalid_value("a stage's result must be C-contiguous")
         if self.output is None:
             return np.empty(result.shape, result.dtype)

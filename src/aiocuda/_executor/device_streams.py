@@ -22,7 +22,8 @@ class DeviceStreams:
     ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU copies each direction
     on its own hardware, so more streams would not add bandwidth); ``compute`` holds
     ``compute_streams`` streams used in turn by successive chunks (more than one lets
-    small kernels of different chunks run side by side).
+    small kernels of different chunks run side by side). ``graph_lanes`` are the streams
+    graph mode replays chunks on (made when a pipeline first needs them).
     """
 
     __slots__ = (
@@ -33,6 +34,7 @@ class DeviceStreams:
         "compute",
         "d2h",
         "device",
+        "graph_lanes",
         "h2d",
         "max_chunks",
         "p2p",
@@ -51,6 +53,7 @@ class DeviceStreams:
         self.compute = tuple(Stream(device, priority=value) for _ in range(compute_streams))
         self.d2h = Stream(device, priority=value)
         self.p2p = Stream(device, priority=value)
+        self.graph_lanes: tuple[Stream, ...] = ()
         self._turn = 0
         self.max_chunks = max_chunks
         self.budget = budget
@@ -69,7 +72,7 @@ class DeviceStreams:
 
     @property
     def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p)
+        return (self.h2d, *self.compute, self.d2h, self.p2p, *self.graph_lanes)
 
     def __repr__(self) -> str:
         return (

@@ -20,7 +20,7 @@ import collections
 import contextlib
 import ctypes
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -40,6 +40,7 @@ from ..errors import ClosedError, ContextPoisonedError, CudaError
 from ..host import is_pinned, pinned_empty
 from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
+from . import lane_graphs
 
 __all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count", "stream_priority"]
 
@@ -83,6 +84,7 @@ class Lane:
     __slots__ = (
         "_buffers",
         "_copy_outs",
+        "_graphs",
         "_keep",
         "_kept_for_life",
         "_pool",
@@ -117,6 +119,32 @@ class Lane:
         """Host arrays that enqueued copies use, kept until the lane is awaited."""
         self._copy_outs: list[tuple[int, int, int]] = []
         """Downloads through staging to finish once awaited: (host address, staging address, bytes)."""
+        self._graphs: dict[Any, Any] = {}
+        """What :meth:`replay` knows of each ``(work, key)``: warmed up, its graph, or eager."""
+
+    # -- graphs --------------------------------------------------------------------------------
+    def replay(self, work: Callable[[Lane], object], *, key: Hashable = None) -> None:
+        """Enqueue ``work(lane)``'s device work on :attr:`stream`, captured once per lane
+        into a graph and replayed per request: whatever ``work`` enqueues, a replay costs
+        one launch.
+
+        The first call on the lane (per ``work`` and ``key``) runs ``work`` as it is (it
+        loads its kernels' modules and warms up the libraries it calls), the second
+        captures it and launches the graph, later ones only launch the graph. So
+        ``work`` must enqueue the same work every time, on ``lane.stream``, on the lane's
+        own memory (arrays kept in ``lane.state``): a replay repeats the pointers and
+        scalars of the capture. Give variants (a batch size, ...) their own ``key``.
+        Copies in and out stay around it::
+
+            lane.upload(host, out=lane.state.x)      # request data into the lane's array
+            lane.replay(model_step)                   # the kernels, one launch
+            result = lane.download(lane.state.y)
+            await lane
+
+        Work that cannot be captured (see :mod:`aiocuda.graph`) runs as it is from then
+        on, with a warning logged once. Returns at once; ``await lane`` waits.
+        """
+        lane_graphs.replay(self, work, key)
 
     # -- memory --------------------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
@@ -448,6 +476,7 @@ class Lanes:
         is released once that work is done, and new leases fail. Prefer :meth:`aclose`."""
         self._state = "closed"
         for lane in self._lanes:
+            lane_graphs.close(lane)  # first: its replays' needs are held by the lane's streams
             with contextlib.suppress(CudaError):
                 for buffer in lane._kept_for_life:
                     buffer.free()

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LaunchError
+from ..errors import CaptureError, LaunchError
 from .signature import Param, Signature, struct_format
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "StructSlot", "build_launcher", "diagnose", "to_pointer"]
@@ -300,6 +300,9 @@ def launch(*args):
     try:
         {unpack}
         {pack}{writes}
+    except CaptureError:
+        give(item)
+        raise
     except Exception:
         give(item)
         raise diagnose(signature, args, kernel) from None
@@ -324,6 +327,7 @@ def launch(*args):
         "to_pointer": to_pointer,
         "stream": stream,
         "diagnose": diagnose,
+        "CaptureError": CaptureError,
         "signature": signature,
         "kernel": kernel,
         "fn": fn,

@@ -182,6 +182,10 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     nbytes = int(host.nbytes)
     device = stream.device
     src = int(host.ctypes.data)
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy of pageable host memory", "it is staged through host threads: copy from aiocuda.pinned_empty memory"
+        )
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
@@ -209,8 +213,13 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     if nbytes == 0:
         return
     if _copies.download(host, src, stream):
-        await stream.record()
+        if stream._capture is None:  # (a captured copy fills ``host`` at each replay)
+            await stream.record()
         return
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy to pageable host memory", "it is staged through host threads: copy into aiocuda.pinned_empty memory"
+        )
     device = stream.device
     dst = int(host.ctypes.data)
     staging = _staging()

@@ -63,6 +63,7 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
+from ._graphs import ExternalRecord, SimCapture
 from ._objects import (
     HOST_FUNCTION,
     REMOTE_POLL,
@@ -94,6 +95,11 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
+    # Provided by SimGraphs: the capture's checks.
+    _check_unsafe: Callable[[str], None]
+    _refuse_capturing: Callable[[SimStream, str], None]
+    _wait_in_capture: Callable[[SimStream, SimEvent], None]
+    _refuse_captured: Callable[[SimEvent, str], None]
     # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
     _observe_frees: Callable[[int, Any], None]
 
@@ -111,6 +117,8 @@ class SimCore:
             device.null_stream = SimStream(self._workers, device, 0, non_blocking=False, priority=0)
         self._streams: dict[int, SimStream] = {}
         self._events: dict[int, SimEvent] = {}
+        self._captures: set[SimCapture] = set()
+        """Captures in progress (``_graphs.py``): while any is, seam calls check the unsafe ones."""
         super().__init__()
 
     def __repr__(self) -> str:
@@ -131,7 +139,7 @@ class SimCore:
         ``ContextPoisonedError`` if the device is poisoned, a pending asynchronous error
         of the device once, or ``CUDA_ERROR_DEINITIALIZED`` after :meth:`shutdown`.
         """
-        if self._closed or self._faults.armed:
+        if self._closed or self._faults.armed or self._captures:
             self._api_slow_path(name, device_ordinal)
         device = self._devices[self._device_of_current() if device_ordinal is None else device_ordinal]
         if device.poison is not None or device.async_error is not None:
@@ -142,6 +150,10 @@ class SimCore:
     def _api_slow_path(self, name: str, device_ordinal: int | None) -> None:
         if self._closed:
             raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+        if self._captures:
+            self._check_unsafe(name)
+        if not self._faults.armed:
+            return
         code = self._faults.take(name)
         if code is None:
             return
@@ -216,7 +228,11 @@ class SimCore:
         self._submit(self._resolve_stream(stream), fn, name)
 
     def _submit(self, stream: SimStream, fn: Callable[[], object], name: str) -> int:
-        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs."""
+        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs; on
+        a capturing stream, add a graph node instead (returns 0: no point in the stream)."""
+        capture = stream.capture
+        if capture is not None:
+            return capture.add(stream, fn, name)  # type: ignore[no-any-return]
         null = stream.device.null_stream
         if stream is null:
             for other in stream.device.streams():
@@ -464,11 +480,13 @@ class SimCore:
     def stream_query(self, stream: Any) -> bool:
         sim = self._resolve_stream(stream)
         self._api("stream_query", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_query")
         return sim.finished >= sim.submitted
 
     def stream_synchronize(self, stream: Any) -> None:
         sim = self._resolve_stream(stream)
         self._api("stream_synchronize", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_synchronize")
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
         self._observe_frees(sim.device.ordinal, sim)
@@ -477,6 +495,9 @@ class SimCore:
         sim = self._resolve_stream(stream)
         ev = self._event(event)
         self._api("stream_wait_event", sim.device.ordinal)
+        if ev.captured is not None or sim.capture is not None:
+            self._wait_in_capture(sim, ev)
+            return
         point: SimPoint | RemotePoint | None = ev.point
         if ev.remote is not None:
             point = RemotePoint(ev.remote, ev.remote.recorded)
@@ -538,7 +559,7 @@ class SimCore:
         self._record(event, stream, "event_record")
 
     def event_record_external(self, event: Any, stream: Any) -> None:
-        """A plain record: the simulated driver has no stream capture."""
+        """A plain record; during a capture, a node that records the event at every replay."""
         self._record(event, stream, "event_record_external")
 
     def _record(self, event: Any, stream: Any, call: str) -> None:
@@ -552,9 +573,16 @@ class SimCore:
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
         if ev.remote is not None:
-            raise sim_error(
-                ResultCode.NOT_SUPPORTED, "event_record", "the simulator does not record into an event opened by IPC"
-            )
+            raise sim_error(ResultCode.NOT_SUPPORTED, call, "the simulator does not record into an event opened by IPC")
+        capture = sim.capture
+        if capture is not None:
+            if call == "event_record_external":
+                capture.add(sim, ExternalRecord(ev), call)
+                return
+            if capture.error is not None:
+                raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, call, "the capture failed earlier")
+            ev.captured = (capture, capture.tails[sim])
+            return
         point = SimPoint(sim, 0)
         stamp = point.stamp
         if ev.shared is not None:
@@ -566,10 +594,12 @@ class SimCore:
 
         point.seq = self._submit(sim, stamp, "event_record")
         ev.point = point
+        ev.captured = None
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event)
         self._api("event_query", ev.device_ordinal)
+        self._refuse_captured(ev, "event_query")
         if ev.remote is not None:
             return bool(ev.remote.done())
         return ev.point is None or ev.point.reached()
@@ -577,6 +607,7 @@ class SimCore:
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event)
         self._api("event_synchronize", ev.device_ordinal)
+        self._refuse_captured(ev, "event_synchronize")
         if ev.remote is not None:
             generation = ev.remote.recorded
             while ev.remote.completed() < generation:
@@ -592,6 +623,7 @@ class SimCore:
         first, last = self._event(start), self._event(end)
         self._api("event_elapsed_ms", first.device_ordinal)
         for ev in (first, last):
+            self._refuse_captured(ev, "event_elapsed_ms")
             if not ev.timing:
                 raise sim_error(
                     ResultCode.INVALID_HANDLE,

@@ -28,22 +28,28 @@ Departures from the driver, kept on purpose:
   The pool never trims itself to satisfy an allocation: when it cannot grow it fails
   with ``OUT_OF_MEMORY``, which is what the layer above must handle (trim, retry).
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
-  "not null, not inside device memory": pass only addresses of live host buffers.
+  "not null, not inside device memory": pass only addresses of live host buffers. On a
+  capturing stream they must be page-locked (``mem_host_alloc`` or registered).
+* Graph allocations (``mem_alloc_async`` on a capturing stream, see ``_graphs.py``) do
+  not come from the pool: they count in the device's memory (``mem_get_info``) but not
+  in the pool's statistics, as with the driver's separate graph memory.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...errors import CudaError, ResultCode, error_for_code
+from ...errors import ResultCode, error_for_code
 from .._protocol import PoolProps
+from ._graphs import SimCapture, SimGraph
 from ._objects import SimDevice, SimPoint
+from ._operations import Copy, GraphAllocation, GraphFree, Set, device_range, host_range, page_locked
+from ._operations import invalid as _invalid
 from ._shared import SharedRegion
 
 __all__ = ["SimMemory", "SimPool"]
@@ -67,10 +73,6 @@ _POOL_ATTRIBUTES = (
     "used_mem_high",
     *_REUSE_ATTRIBUTES,
 )
-
-
-def _invalid(call: str, description: str) -> CudaError:
-    return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
 
 
 def _never_fails(err: Any, call: str) -> None:
@@ -138,10 +140,14 @@ class SimPool:
         return f"<SimPool device={self.ordinal} used={self.used} reserved={self.reserved}>"
 
 
+_FREED_BY_GRAPH = object()
+"""``free_token`` of a graph allocation freed by a node of its capture."""
+
+
 class _Block:
     """One entry of the allocation table: a device or pinned-host range."""
 
-    __slots__ = ("array", "free_token", "imported", "kind", "managed", "ordinal", "pool", "size", "start")
+    __slots__ = ("array", "free_token", "graph", "imported", "kind", "managed", "ordinal", "pool", "size", "start")
 
     def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
         self.start = start
@@ -158,6 +164,8 @@ class _Block:
         end the import)."""
         self.free_token: object | None = None
         """Set while a free is enqueued; a same-stream reuse clears it, cancelling that free."""
+        self.graph: SimGraph | None = None
+        """The graph owning a graph allocation (made during a capture)."""
 
 
 class SimMemory:
@@ -301,6 +309,8 @@ class SimMemory:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
         if pool.imported:
             raise _invalid("cuMemAllocFromPoolAsync", "an imported pool allocates nothing")
+        if sim_stream.capture is not None:
+            return self._graph_allocate(size, sim_stream.capture, sim_stream)
         state = self._mem()
         with state.lock:
             reused = state.take_freeing(pool, sim_stream, size)
@@ -339,10 +349,52 @@ class SimMemory:
             state.insert(block)
         return block
 
+    def _graph_allocate(self, size: int, capture: SimCapture, stream: Any) -> int:
+        """A graph allocation: memory the captured graph owns, at a fixed address."""
+        state = self._mem()
+        device = stream.device
+        with state.lock:
+            if device.used_bytes + size > device.total_mem:
+                raise error_for_code(
+                    ResultCode.OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemAllocFromPoolAsync"
+                )
+            array = _aligned_bytes(size)
+            device.used_bytes += size
+            block = _Block(array.ctypes.data, size, array, "device", device.ordinal, None)
+            block.graph = capture.graph
+            state.insert(block)
+        capture.graph.allocations.append(block)
+        capture.add(stream, GraphAllocation(block.start, size), "mem_alloc_async")
+        return block.start
+
+    def _release_graph_memory(self, graph: SimGraph) -> None:
+        """Give back a graph's allocations (it is destroyed and no replay can use them)."""
+        state = self._mem()
+        with state.lock:
+            for owned in graph.allocations:
+                start, ordinal, size = owned.start, owned.ordinal, owned.size
+                if state.blocks.get(start) is owned:
+                    state.remove(start)
+                    state.devices[ordinal].used_bytes -= size
+            graph.allocations.clear()
+
     def mem_free_async(self, ptr: int, stream: Any) -> None:
         sim_stream = self._resolve_stream(stream)
         self._api("mem_free_async", sim_stream.device.ordinal)
         state = self._mem()
+        capture: SimCapture | None = sim_stream.capture
+        if capture is not None:
+            with state.lock:
+                block = state.blocks.get(ptr)
+                if block is None or block.graph is not capture.graph or block.free_token is not None:
+                    raise capture.invalidate(
+                        ResultCode.INVALID_VALUE,
+                        "cuMemFreeAsync",
+                        f"0x{ptr:x} is not an allocation of this capture (only those can be freed during it)",
+                    )
+                block.free_token = _FREED_BY_GRAPH
+            capture.add(sim_stream, GraphFree(ptr), "mem_free_async")
+            return
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
@@ -479,109 +531,55 @@ class SimMemory:
                     stream.wait_until(point.reached)
 
     # -- copies and memsets --------------------------------------------------------------------
-    def _device_range(self, ptr: int, size: int, call: str) -> None:
-        block = self._mem().find(ptr, size)
-        if block is None or block.kind != "device":
-            raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
-
-    def _host_range(self, ptr: int, size: int, call: str) -> None:
-        if not ptr:
-            raise _invalid(call, "null host pointer")
-        block = self._mem().find(ptr, 1)
-        if block is not None and block.kind == "device" and not block.managed:
-            raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
-
-    def _enqueue_checked(
-        self,
-        stream: Any,
-        name: str,
-        call: str,
-        device_ranges: tuple[tuple[int, int], ...],
-        action: Callable[[], object],
-    ) -> None:
-        """Enqueue ``action``, re-validating the device ranges when it runs."""
-        state = self._mem()
-
-        def run() -> None:
-            for ptr, size in device_ranges:
-                block = state.find(ptr, size)
-                if block is None or block.kind != "device":
-                    raise error_for_code(
-                        ResultCode.ILLEGAL_ADDRESS,
-                        "CUDA_ERROR_ILLEGAL_ADDRESS",
-                        f"{call} touched freed device memory [0x{ptr:x}, +{size})",
-                        call,
-                    )
-            action()
-
-        self._enqueue(stream, run, name)
+    def _check_host(self, stream: Any, ptr: int, size: int, call: str) -> None:
+        host_range(self._mem(), ptr, size, call)
+        capture: SimCapture | None = self._resolve_stream(stream).capture
+        if capture is not None and not page_locked(self._mem(), ptr, size):
+            raise capture.invalidate(
+                ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+                call,
+                f"[0x{ptr:x}, +{size}) is pageable host memory: a copy of it cannot be captured",
+            )
 
     def _check_size(self, size: int, call: str) -> None:
         if size < 0:
             raise _invalid(call, f"size must be >= 0, got {size}")
 
-    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_htod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyHtoDAsync")
+    def _copy(self, direction: str, dst: int, src: int, size: int, stream: Any, name: str, call: str) -> None:
+        self._api(name, self._stream_ordinal(stream))
+        self._check_size(size, call)
         if size == 0:
             return
-        self._device_range(dst, size, "cuMemcpyHtoDAsync")
-        self._host_range(src, size, "cuMemcpyHtoDAsync")
-        self._enqueue_checked(
-            stream, "memcpy_htod_async", "cuMemcpyHtoDAsync", ((dst, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        state = self._mem()
+        if direction in ("htod", "dtod", "peer"):
+            device_range(state, dst, size, call)
+        else:
+            self._check_host(stream, dst, size, call)
+        if direction in ("dtoh", "dtod", "peer"):
+            device_range(state, src, size, call)
+        else:
+            self._check_host(stream, src, size, call)
+        self._enqueue(stream, Copy(state, call, direction, dst, src, size), name)
+
+    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._copy("htod", dst, src, size, stream, "memcpy_htod_async", "cuMemcpyHtoDAsync")
 
     def memcpy_dtoh_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtoh_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoHAsync")
-        if size == 0:
-            return
-        self._device_range(src, size, "cuMemcpyDtoHAsync")
-        self._host_range(dst, size, "cuMemcpyDtoHAsync")
-        self._enqueue_checked(
-            stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync", ((src, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        self._copy("dtoh", dst, src, size, stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync")
 
     def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoDAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyDtoDAsync")
-        self._device_range(src, size, "cuMemcpyDtoDAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_dtod_async",
-            "cuMemcpyDtoDAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("dtod", dst, src, size, stream, "memcpy_dtod_async", "cuMemcpyDtoDAsync")
 
     def memcpy_peer_async(self, dst: int, dst_ctx: Any, src: int, src_ctx: Any, size: int, stream: Any) -> None:
-        self._api("memcpy_peer_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyPeerAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyPeerAsync")
-        self._device_range(src, size, "cuMemcpyPeerAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_peer_async",
-            "cuMemcpyPeerAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("peer", dst, src, size, stream, "memcpy_peer_async", "cuMemcpyPeerAsync")
 
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d8_async", self._stream_ordinal(stream))
         self._check_size(count, "cuMemsetD8Async")
         if count == 0:
             return
-        self._device_range(dst, count, "cuMemsetD8Async")
-        byte = int(value) & 0xFF
-        self._enqueue_checked(
-            stream, "memset_d8_async", "cuMemsetD8Async", ((dst, count),), lambda: ctypes.memset(dst, byte, count)
-        )
+        device_range(self._mem(), dst, count, "cuMemsetD8Async")
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD8Async", dst, int(value) & 0xFF, count, 1), "memset_d8_async")
 
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d32_async", self._stream_ordinal(stream))
@@ -590,13 +588,9 @@ class SimMemory:
             return
         if dst % 4:
             raise _invalid("cuMemsetD32Async", f"0x{dst:x} is not 4-byte aligned")
-        self._device_range(dst, count * 4, "cuMemsetD32Async")
+        device_range(self._mem(), dst, count * 4, "cuMemsetD32Async")
         word = int(value) & 0xFFFFFFFF
-
-        def fill() -> None:
-            np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(dst))[:] = word
-
-        self._enqueue_checked(stream, "memset_d32_async", "cuMemsetD32Async", ((dst, count * 4),), fill)
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD32Async", dst, word, count, 4), "memset_d32_async")
 
 
 class _MemoryState:

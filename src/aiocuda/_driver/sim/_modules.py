@@ -441,6 +441,34 @@ class SimModules:
                 call,
                 f"kernel {fn.name!r} is loaded on device {fn.module.device_ordinal}, the stream is on device {ordinal}",
             )
+        self._enqueue(stream, _KernelRun.make(self._mem(), fn, config, params, call), call)
+
+
+class _KernelRun:
+    """A kernel launch, run on a stream's worker (or as a graph node): the implementation
+    called with the arguments as they were when it was enqueued."""
+
+    __slots__ = ("config", "func", "impl", "signature", "state", "values")
+
+    def __init__(
+        self,
+        state: Any,
+        func: SimFunction,
+        config: LaunchConfig,
+        impl: KernelImpl,
+        values: tuple[Any, ...],
+        signature: Any,
+    ) -> None:
+        self.state = state
+        self.func = func
+        self.config = config
+        self.impl = impl
+        self.values = values
+        self.signature = signature
+
+    @staticmethod
+    def make(state: Any, fn: SimFunction, config: LaunchConfig, params: Any, call: str) -> _KernelRun:
+        """Check what the driver checks at launch and capture the arguments' current values."""
         _check_config(fn, config, call)
         impl = _implementation(fn.name)
         if impl is None:
@@ -451,16 +479,25 @@ class SimModules:
                 name="CUDA_ERROR_NOT_FOUND",
                 call=call,
             )
-        launch = SimLaunch(fn.name, config, _variable_views(self._mem(), fn.module))
-        values = params.values
-        signature = getattr(params, "signature", None)
-        state = self._mem()
+        return _KernelRun(state, fn, config, impl, params.values, getattr(params, "signature", None))
 
-        def run() -> None:
-            args = values if signature is None else _typed_arguments(state, signature, values, fn.name)
-            impl(launch, *args)
+    def __call__(self) -> None:
+        values, signature, fn = self.values, self.signature, self.func
+        args = values if signature is None else _typed_arguments(self.state, signature, values, fn.name)
+        self.impl(SimLaunch(fn.name, self.config, _variable_views(self.state, fn.module)), *args)
 
-        self._enqueue(stream, run, call)
+    def describe(self) -> dict[str, Any]:
+        return {"func": self.func, "config": self.config}
+
+    def replaced(self, func: Any, config: LaunchConfig, params: Any) -> _KernelRun:
+        """The launch with another function, configuration and arguments (a graph's kernel
+        node update): the function must be loaded on the same device."""
+        call = "cuGraphExecKernelNodeSetParams"
+        if type(func) is not SimFunction or func.module.unloaded:
+            raise sim_error(ResultCode.INVALID_HANDLE, call, f"not a function of a loaded module: {func!r}")
+        if func.module.device_ordinal != self.func.module.device_ordinal:
+            raise sim_error(ResultCode.INVALID_VALUE, call, "the function is loaded on another device")
+        return _KernelRun.make(self.state, func, config, params, call)
 
 
 _GPC_SMS = 16

@@ -243,11 +243,23 @@ class RemotePoint:
 class SimEvent:
     """An event: where it was last recorded (``point``), or None if never recorded.
 
+    ``captured`` is set while the event was last recorded in a capturing stream: the
+    capture and the graph nodes a wait on the event depends on (see ``_graphs.py``).
     An interprocess event also has ``shared``, its counters for other processes; an
     event opened from another process's handle has ``remote`` instead (and no point).
     """
 
-    __slots__ = ("blocking_sync", "destroyed", "device_ordinal", "point", "remote", "shared", "timing", "value")
+    __slots__ = (
+        "blocking_sync",
+        "captured",
+        "destroyed",
+        "device_ordinal",
+        "point",
+        "remote",
+        "shared",
+        "timing",
+        "value",
+    )
 
     def __init__(self, device_ordinal: int, timing: bool, blocking_sync: bool) -> None:
         self.value = next_handle_value()
@@ -255,6 +267,7 @@ class SimEvent:
         self.timing = timing
         self.blocking_sync = blocking_sync
         self.point: SimPoint | None = None
+        self.captured: tuple[Any, tuple[int, ...]] | None = None
         self.destroyed = False
         self.shared: Any = None
         self.remote: Any = None
@@ -323,6 +336,7 @@ class SimStream:
         "_paused",
         "_scheduled",
         "_workers",
+        "capture",
         "context",
         "destroyed",
         "device",
@@ -341,6 +355,8 @@ class SimStream:
         self.non_blocking = non_blocking
         self.priority = priority
         self.destroyed = False
+        self.capture: Any = None
+        """The capture (``_graphs.SimCapture``) this stream's operations go to, if any."""
         self.submitted = 0
         self.finished = 0
         self._workers = workers
