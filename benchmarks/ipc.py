@@ -1,7 +1,7 @@
-"""Sharing between processes and strided copies, against the ways users have today.
+"""Sharing between processes and strided copies (issue 20): the figures users compare.
 
-Two figures of issue 20, merged into ``benchmarks/results/memory.json`` (its other keys
-kept; ``memory.py`` writes that file whole, so run this after it):
+Measured into ``benchmarks/results/memory.json`` by ``memory.py``, which calls
+:func:`sharing_and_layouts`; run alone, this prints them and writes nothing.
 
 * ``ipc_handoff_us``: a producer process shares an array (``ipc.share_array``: the
   export and its event) and sends the descriptor over a ``multiprocessing`` pipe; the
@@ -16,19 +16,14 @@ kept; ``memory.py`` writes that file whole, so run this after it):
   same into pinned memory (one 2D DMA) and the case ``to_host`` still gathers (one
   channel of an RGB image), both ways.
 
-Each figure is the median of three runs (each the median of its rounds; contenders
-interleaved round by round) with the three runs' spread.
+Each figure is the median of three runs (``_common.RUNS``; contenders interleaved round
+by round within a run), the runs kept beside it.
 
     python benchmarks/ipc.py [--quick]
-
-Results are written only from a full run on a real GPU; the simulator (or ``--quick``)
-prints them and keeps nothing.
 """
 
 from __future__ import annotations
 
-import datetime
-import json
 import multiprocessing
 import statistics
 import sys
@@ -46,15 +41,9 @@ from aiocuda._memory import staging as _staging
 from aiocuda._util import byte_span
 
 try:
-    from benchmarks._common import RESULTS, Result, parser, wall_medians
+    from benchmarks._common import Result, parser, ratios, repeat_async, wall_medians
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import RESULTS, Result, parser, wall_medians  # type: ignore[no-redef]
-
-RUNS = 3
-
-
-def _median_of_runs(runs: list[float]) -> tuple[float, list[float]]:
-    return statistics.median(runs), [min(runs), max(runs)]
+    from _common import Result, parser, ratios, repeat_async, wall_medians  # type: ignore[no-redef]
 
 
 # -- the handoff between two processes -------------------------------------------------------------
@@ -105,9 +94,9 @@ async def _handoff(result: Result, rounds: int) -> None:
         here.recv()
         started = time.perf_counter()
         hand_over()
-        result.metrics["ipc_first_handoff_us"] = round((time.perf_counter() - started) * 1e6, 1)
-        handoff_runs, pipe_runs, open_runs = [], [], []
-        for _ in range(RUNS):
+        result.metric("ipc_first_handoff_us", (time.perf_counter() - started) * 1e6, 1)
+
+        async def one_run() -> dict[str, float]:
             handoffs, pipes, opens = [], [], []
             for _ in range(rounds):
                 started = time.perf_counter()
@@ -118,14 +107,16 @@ async def _handoff(result: Result, rounds: int) -> None:
                 here.recv()
                 pipes.append(time.perf_counter() - started)
             pipe = statistics.median(pipes)
-            handoff_runs.append((statistics.median(handoffs) - pipe) * 1e6)
-            pipe_runs.append(pipe * 1e6)
-            open_runs.append(statistics.median(opens) * 1e6)
-        handoff, spread = _median_of_runs(handoff_runs)
-        result.metrics["ipc_handoff_us"] = round(handoff, 1)
-        result.extra["ipc_handoff_us_spread"] = [round(x, 1) for x in spread]
-        result.metrics["ipc_open_and_first_await_us"] = round(_median_of_runs(open_runs)[0], 1)
-        result.baselines["pipe_round_trip_us"] = round(_median_of_runs(pipe_runs)[0], 1)
+            return {
+                "handoff": (statistics.median(handoffs) - pipe) * 1e6,
+                "pipe": pipe * 1e6,
+                "open": statistics.median(opens) * 1e6,
+            }
+
+        runs = await repeat_async(one_run)
+        result.metric("ipc_handoff_us", runs["handoff"], 1)
+        result.metric("ipc_open_and_first_await_us", runs["open"], 1)
+        result.baseline("pipe_round_trip_us", runs["pipe"], 1)
     finally:
         here.send(None)
         consumer.join(30)
@@ -160,14 +151,6 @@ def _packed(view: aiocuda.DeviceArray, out: np.ndarray, stream: aiocuda.Stream) 
     return run
 
 
-async def _ratio_runs(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, tuple[float, list[float]]]:
-    runs: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(RUNS):
-        for name, seconds in (await wall_medians(contenders, rounds)).items():
-            runs[name].append(seconds)
-    return {name: _median_of_runs(values) for name, values in runs.items()}
-
-
 async def _strided(result: Result, side: int, rounds: int, real: bool) -> None:
     stream = aiocuda.Stream(0)
     host = np.arange(side * side, dtype=np.float32).reshape(side, side)
@@ -176,80 +159,57 @@ async def _strided(result: Result, side: int, rounds: int, real: bool) -> None:
     expected = host[::2]
     out = np.empty(view.shape, np.float32)
     pinned = aiocuda.pinned_empty(view.shape, np.float32)
-    t = await _ratio_runs(
-        {
-            "ours": lambda: view.to_host(out=out, stream=stream),
-            "gather": _gather(view, out, stream),
-            "ours_pinned": lambda: view.to_host(out=pinned, stream=stream),
-            "gather_pinned": _gather(view, pinned, stream),
-        },
-        rounds,
-    )
+    contenders = {
+        "ours": lambda: view.to_host(out=out, stream=stream),
+        "gather": _gather(view, out, stream),
+        "ours_pinned": lambda: view.to_host(out=pinned, stream=stream),
+        "gather_pinned": _gather(view, pinned, stream),
+    }
+    t = await repeat_async(lambda: wall_medians(contenders, rounds))
     verified = np.array_equal(await view.to_host(out=out, stream=stream), expected) and np.array_equal(
         await view.to_host(out=pinned, stream=stream), expected
     )
     result.target("copy2d_verified", float(verified), 1, "==")
-    ratio = t["gather"][0] / t["ours"][0]
     if real:
-        result.target("copy2d_vs_gather", ratio, 2.0, ">=")
+        result.target("copy2d_vs_gather", ratios(t["gather"], t["ours"]), 2.0, ">=")
     else:
-        result.metrics["copy2d_vs_gather"] = round(ratio, 3)
-    result.extra["copy2d_vs_gather_spread"] = [round(t["gather"][0] / x, 3) for x in reversed(t["ours"][1])]
-    result.metrics["copy2d_pinned_vs_gather"] = round(t["gather_pinned"][0] / t["ours_pinned"][0], 3)
-    gbps = view.nbytes / 1e9
-    result.metrics["copy2d_every_other_row_GBps"] = round(gbps / t["ours"][0], 2)
-    result.metrics["copy2d_pinned_every_other_row_GBps"] = round(gbps / t["ours_pinned"][0], 2)
-    result.baselines["gather_every_other_row_GBps"] = round(gbps / t["gather"][0], 2)
+        result.metric("copy2d_vs_gather", ratios(t["gather"], t["ours"]), 3)
+    result.metric("copy2d_pinned_vs_gather", ratios(t["gather_pinned"], t["ours_pinned"]), 3)
+    gigabytes = view.nbytes / 1e9
+    result.metric("copy2d_every_other_row_GBps", [gigabytes / x for x in t["ours"]], 2)
+    result.metric("copy2d_pinned_every_other_row_GBps", [gigabytes / x for x in t["ours_pinned"]], 2)
+    result.baseline("gather_every_other_row_GBps", [gigabytes / x for x in t["gather"]], 2)
     result.extra["copy2d_shape"] = [side, side]
 
     image = aiocuda.empty((side // 2, side // 2, 3), np.float32, stream=stream)
     await image.fill(2.0, stream=stream)
     channel = image[..., 1]
     channel_out = np.empty(channel.shape, np.float32)
-    c = await _ratio_runs(
-        {"packed": _packed(channel, channel_out, stream), "gather": _gather(channel, channel_out, stream)}, rounds
-    )
-    result.extra["rgb_channel_packed_vs_gather"] = round(c["gather"][0] / c["packed"][0], 3)
+    both = {"packed": _packed(channel, channel_out, stream), "gather": _gather(channel, channel_out, stream)}
+    c = await repeat_async(lambda: wall_medians(both, rounds))
+    result.metric("rgb_channel_packed_vs_gather", ratios(c["gather"], c["packed"]), 3)
     result.extra["rgb_channel_to_host_gathers"] = _copies.gathers_span(channel.shape, channel.strides, 4)
 
 
 # -- main ------------------------------------------------------------------------------------------------
 
 
-def _merge(result: Result) -> None:
-    """Merge this run's figures into memory.json, keeping its other keys."""
-    path = RESULTS / "memory.json"
-    doc: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"bench": "memory"}
-    doc.setdefault("metrics", {}).update(result.metrics)
-    doc.setdefault("baselines", {}).update(result.baselines)
-    names = {t["name"] for t in result.targets}
-    doc["targets"] = [t for t in doc.get("targets", []) if t["name"] not in names] + result.targets
-    doc["ipc_and_strided"] = {
-        "bench": "benchmarks/ipc.py",
-        "device": aiocuda.Device(0).name,
-        "date": datetime.date.today().isoformat(),
-        **result.extra,
-    }
-    path.write_text(json.dumps(doc, indent=1) + "\n")
+async def sharing_and_layouts(result: Result, quick: bool, real: bool) -> None:
+    """Add this module's figures to ``result`` (``memory.py``'s)."""
+    await _handoff(result, 20 if quick else 200)
+    await _strided(result, 1024 if quick else 8192, 3 if quick else 9, real)
 
 
 async def _run(quick: bool) -> Result:
-    real = _driver.driver().name == "cuda"
     result = Result("memory")
-    await _handoff(result, 20 if quick else 200)
-    await _strided(result, 1024 if quick else 8192, 3 if quick else 9, real)
+    await sharing_and_layouts(result, quick, _driver.driver().name == "cuda")
     return result
 
 
 def main() -> None:
     args = parser(__doc__ or "ipc benchmark").parse_args()
-    result = anyio.run(_run, args.quick)
-    if _driver.driver().name == "cuda" and not args.quick:
-        _merge(result)
-        print(f"merged into {RESULTS / 'memory.json'}")
-    else:
-        print("simulated or --quick run: nothing is kept")
-    result.print_summary(sys.stdout)
+    anyio.run(_run, args.quick).print_summary(sys.stdout)
+    print("printed only: memory.py writes these figures into benchmarks/results/memory.json")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ median is reported, the runs beside it):
 * 256 MiB copies: aiocuda to/from pinned arrays against raw ``cuMemcpy*Async`` +
   ``cuStreamSynchronize`` (wall clock both); aiocuda ``copy_from`` of a pageable numpy
   array (staged through pinned chunks) against raw pageable ``cuMemcpyHtoDAsync``.
+* sharing and layouts (``benchmarks/ipc.py``): ``ipc_handoff_us`` (share, send, open in
+  a second process, first await; less the pipe's round trip) and ``copy2d_vs_gather`` (a
+  view of every other row downloaded by 2D copies against the whole-span gather).
 * churn: 100k random allocate / free / cancel-mid-copy cycles; pool bytes in use after
   minus before.
 * with ``--staging-sweep``: pageable 256 MiB copies each way for every combination of
@@ -54,8 +57,10 @@ from aiocuda.stream import Stream
 
 try:
     from benchmarks._common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians
+    from benchmarks.ipc import sharing_and_layouts
 except ImportError:  # run as a script from the benchmarks folder
     from _common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians  # type: ignore[no-redef]
+    from ipc import sharing_and_layouts  # type: ignore[no-redef]
 
 MiB = 1 << 20
 ALLOC_SIZE = MiB
@@ -447,6 +452,8 @@ async def _run(quick: bool) -> Result:
     copy_bytes = 16 * MiB if quick else 256 * MiB
     result.extra["copy_bytes"] = copy_bytes
     await _copies(result, stream, copy_bytes, 3 if quick else 15, real)
+
+    await sharing_and_layouts(result, quick, real)  # ipc_handoff_us, copy2d_vs_gather (benchmarks/ipc.py)
 
     cycles = 2000 if quick else 100_000
     result.extra["churn_cycles"] = cycles
