@@ -51,7 +51,7 @@ from ._memory.ipc_service import service
 from ._util import invalid_value
 from .array import DeviceArray
 from .device import Device, _as_device, devices
-from .errors import ArgumentError, ExporterLostError, ResultCode
+from .errors import ArgumentError, CudaError, ExporterLostError, ResultCode
 from .event import Event
 from .memory import DeviceBuffer, MemoryPool
 from .stream import Stream, current_stream
@@ -105,6 +105,7 @@ class SharedArray:
             sharing.revoke(self.token)
 
 
+_POSIX_FILE_DESCRIPTOR = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, a bit of mempool_supported_handle_types
 _pools: dict[tuple[int, int], MemoryPool] = {}
 _pools_lock = threading.Lock()
 _local_events: weakref.WeakValueDictionary[bytes, Event] = weakref.WeakValueDictionary()
@@ -112,12 +113,21 @@ _local_events: weakref.WeakValueDictionary[bytes, Event] = weakref.WeakValueDict
 
 def pool(device: Device | int | None = None) -> MemoryPool:
     """The IPC pool of ``device``: arrays allocated from it can be shared
-    (``aiocuda.empty(..., pool=aiocuda.ipc.pool(0))``). Created on first use."""
+    (``aiocuda.empty(..., pool=aiocuda.ipc.pool(0))``). Created on first use; a
+    :class:`~aiocuda.errors.CudaError` (``CUDA_ERROR_NOT_SUPPORTED``) where the device
+    cannot share pools through file descriptors."""
     dev = _as_device(device)
     key = (_driver.backend_generation(), dev.ordinal)
     with _pools_lock:
         found = _pools.get(key)
         if found is None:
+            if not dev.attribute("mempool_supported_handle_types") & _POSIX_FILE_DESCRIPTOR:
+                raise CudaError(
+                    f"device {dev.ordinal} cannot share memory pools with other processes through file "
+                    "descriptors (the driver's mempool_supported_handle_types lacks them)",
+                    code=ResultCode.NOT_SUPPORTED,
+                    name="CUDA_ERROR_NOT_SUPPORTED",
+                )
             found = _pools[key] = MemoryPool.create(dev, ipc=True)
     return found
 
