@@ -24,6 +24,7 @@ from typing import Any
 
 from ...errors import CudaError, ResultCode
 from ._codes import sim_error
+from ._memory import SimPool, _aligned_bytes, _Block
 from ._objects import SimDevice, SimEvent
 from ._shared import EventSlots, SharedRegion, open_event_slot
 
@@ -52,7 +53,6 @@ class SimSharing:
     _stream_ordinal: Callable[[Any], int]
     _mem: Callable[[], Any]
     _check_pool: Callable[[Any, str], None]
-    _new_block: Callable[..., Any]
     _event_slots: EventSlots | None = None
 
     # -- managed memory ---------------------------------------------------------------------
@@ -62,8 +62,12 @@ class SimSharing:
             raise _invalid("cuMemAllocManaged", f"size must be > 0, got {size}")
         if attach not in ("global", "host"):
             raise _invalid("cuMemAllocManaged", f"attach must be 'global' or 'host', not {attach!r}")
-        block = self._new_block(size, self._device_of_current())
+        array = _aligned_bytes(size)
+        block = _Block(array.ctypes.data, size, array, "device", self._device_of_current(), None)
         block.managed = True
+        state = self._mem()
+        with state.lock:
+            state.insert(block)
         return int(block.start)
 
     def mem_free(self, ptr: int) -> None:
@@ -159,7 +163,10 @@ class SimSharing:
             region = SharedRegion.open(fd)
         except (OSError, ValueError) as exc:
             raise _invalid("cuMemPoolImportFromShareableHandle", f"not a simulated pool's descriptor: {exc}") from None
-        return self._mem().imported_pool(ordinal, region)
+        pool = SimPool(ordinal, 0, is_default=False)
+        pool.region = region
+        pool.imported = True
+        return pool
 
     def mempool_export_pointer(self, ptr: int) -> bytes:
         self._api("mempool_export_pointer")
@@ -177,4 +184,12 @@ class SimSharing:
         if located is None:
             raise _invalid("cuMemPoolImportPointer", "the data names no allocation of this pool")
         address, size = located
-        return int(self._mem().import_block(pool, address, size))
+        offset = address - pool.region.base
+        state = self._mem()
+        with state.lock:
+            if address in state.blocks:
+                raise _invalid("cuMemPoolImportPointer", f"0x{address:x} is imported already")
+            block = _Block(address, size, pool.region.bytes[offset : offset + size], "device", pool.ordinal, None)
+            block.imported = True
+            state.insert(block)
+        return int(address)

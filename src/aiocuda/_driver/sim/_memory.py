@@ -340,15 +340,6 @@ class SimMemory:
             state.insert(block)
         return start
 
-    def _new_block(self, size: int, ordinal: int) -> _Block:
-        """A device block of ``size`` bytes that no pool owns (managed memory)."""
-        array = _aligned_bytes(size)
-        block = _Block(array.ctypes.data, size, array, "device", ordinal, None)
-        state = self._mem()
-        with state.lock:
-            state.insert(block)
-        return block
-
     def _graph_allocate(self, size: int, capture: SimCapture, stream: Any) -> int:
         """A graph allocation: memory the captured graph owns, at a fixed address."""
         state = self._mem()
@@ -629,25 +620,6 @@ class _MemoryState:
                         del pool.unobserved[start]
                 if pool.reserved > pool.release_threshold:
                     self.trim_cached(pool, pool.release_threshold)
-
-    def imported_pool(self, ordinal: int, region: SharedRegion) -> SimPool:
-        """A pool imported from another process (or this one), over its shared region."""
-        pool = SimPool(ordinal, 0, is_default=False)
-        pool.region = region
-        pool.imported = True
-        return pool
-
-    def import_block(self, pool: SimPool, address: int, size: int) -> int:
-        """Enter an imported allocation into the table; its address in this mapping."""
-        assert pool.region is not None
-        offset = address - pool.region.base
-        with self.lock:
-            if address in self.blocks:
-                raise _invalid("cuMemPoolImportPointer", f"0x{address:x} is imported already")
-            block = _Block(address, size, pool.region.bytes[offset : offset + size], "device", pool.ordinal, None)
-            block.imported = True
-            self.insert(block)
-        return address
 
     def end_import(self, block: _Block) -> None:
         """An imported pointer's free ran: forget it (the exporter owns the memory)."""
