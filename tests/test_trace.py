@@ -243,4 +243,5 @@ async def test_gpu_pipeline_overlaps_its_units(
     # takes about twice the bound; the copies' slowdown when both directions run is
     # inside the busy times the bound is built from.
     assert s.overlap_ratio < 1.2, tables
-    assert s.wall_ms < 0.5 * s.serial_ms, tables
+    # (the busiest unit bounds the wall time from below: 0.52 of serial on an H100)
+    assert s.wall_ms < 0.8 * s.serial_ms, tables

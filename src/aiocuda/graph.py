@@ -75,7 +75,7 @@ from ._memory.pinned import pinned_ranges
 from ._util import NoPublicConstructor, invalid_value
 from .device import Device
 from .errors import CaptureError, CudaError, GraphUpdateError, ResultCode
-from .memory import DeviceBuffer
+from .memory import DeviceBuffer, MemoryPool
 from .stream import Stream
 
 __all__ = ["CaptureMode", "Graph", "GraphCapture", "GraphNode"]
@@ -510,6 +510,9 @@ class GraphCapture(metaclass=NoPublicConstructor):
     def __enter__(self) -> Graph:
         if self._graph is not None:
             raise CaptureError("a capture can be entered once", name="AIOCUDA_NOT_CAPTURABLE")
+        # The device's pool is configured on first use (a pool attribute), which the driver
+        # refuses while a stream captures: first use happens here, before the capture.
+        MemoryPool.for_device(self._stream.device)
         capture = Capture(self._stream, self._mode)
         capture.begin()
         self._graph = Graph._create(self._stream, capture)

@@ -152,8 +152,15 @@ class CudaGraphs:
         drv = _core.drv
         err, info = drv.cuGraphExecUpdate(graph_exec, graph)
         if err:
-            reason = info.result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_").lower().replace("_", " ")
-            node = int(info.errorNode) if info.errorNode is not None else 0
+            # cuda-bindings returns no result info alongside most failures.
+            result = getattr(info, "result", None)
+            reason = (
+                result.name.removeprefix("CU_GRAPH_EXEC_UPDATE_").lower().replace("_", " ")
+                if result is not None
+                else "the graphs differ in topology"
+            )
+            error_node = getattr(info, "errorNode", None)
+            node = int(error_node) if error_node is not None else 0
             at = f" (node 0x{node:x})" if node else ""
             try:
                 _core._raise(err, "cuGraphExecUpdate")

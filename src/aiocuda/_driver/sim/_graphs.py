@@ -59,7 +59,15 @@ from ._objects import HOST_FUNCTION, SimDevice, SimEvent, SimPoint, SimStream, S
 __all__ = ["UNSAFE_CALLS", "ExternalRecord", "SimCapture", "SimGraph", "SimGraphExec", "SimGraphs", "SimNode"]
 
 UNSAFE_CALLS = frozenset(
-    {"mem_host_alloc", "mem_host_free", "mem_host_register", "mem_host_unregister", "module_load_data", "module_unload"}
+    {
+        "mem_host_alloc",
+        "mem_host_free",
+        "mem_host_register",
+        "mem_host_unregister",
+        "module_load_data",
+        "module_unload",
+        "mempool_set_attribute",  # seen refused on an H100 (a pool's first use inside a capture)
+    }
 )
 """Seam calls a capture forbids (the driver's "potentially unsafe API calls": they may
 synchronize the device implicitly)."""
