@@ -1,12 +1,22 @@
-"""Shared helpers for the benchmark programs: timing statistics and the results file.
+"""Shared helpers for the benchmark programs: interleaved timing, three runs, the results file.
 
 Every benchmark writes ``benchmarks/results/<name>.json``::
 
-    {"bench": ..., "device": ..., "date": ..., "backend": ...,
-     "metrics": {...}, "baselines": {...}, "targets": [{"name", "value", "limit", "op", "met"}]}
+    {"bench": ..., "device": ..., "devices": ..., "backend": ..., "date": ...,
+     "metrics": {...}, "baselines": {...},
+     "targets": [{"name", "value", "limit", "op", "met", "runs"}], "runs": {...}}
 
-Ratios are taken from numbers measured in the same run; absolute times drift between
-machines and are only reported as baselines.
+The rules every benchmark keeps through this module:
+
+* Ours and the baselines are measured in the same run, interleaved in time
+  (:func:`wall_medians`), and compared as ratios; absolute times drift between
+  machines and are only reported.
+* A figure is measured in :data:`RUNS` runs (:func:`repeat`); targets, metrics and
+  baselines report the median, and each target keeps its runs' values (``runs``; the
+  top-level ``runs`` holds those of the other figures), so the spread is visible.
+* ``benchmarks/results/`` holds full runs on a real GPU only: :meth:`Result.write`
+  refuses to write there from the simulator or a ``--quick`` run (an explicit ``--out``
+  elsewhere is written, for smoke runs).
 """
 
 from __future__ import annotations
@@ -20,12 +30,16 @@ import pathlib
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RUNS = 3
+"""Runs of each measurement; a figure is the median of its runs."""
+
 _OPS: dict[str, Callable[[float, float], bool]] = {"<=": operator.le, ">=": operator.ge, "==": operator.eq}
+_quick = False  # set by the --quick flag of parser()
 
 
 async def wall_medians(contenders: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
@@ -45,12 +59,50 @@ async def wall_medians(contenders: dict[str, Callable[[], Any]], rounds: int) ->
     return {name: statistics.median(xs) for name, xs in samples.items()}
 
 
+def _collect(runs: list[dict[str, float]]) -> dict[str, list[float]]:
+    names = [name for name in runs[0] if all(name in run for run in runs)]
+    return {name: [run[name] for run in runs] for name in names}
+
+
+def repeat(measure: Callable[[], dict[str, float]], runs: int = RUNS) -> dict[str, list[float]]:
+    """Call ``measure`` (one run: a figure per name) ``runs`` times; each figure's values."""
+    return _collect([measure() for _ in range(runs)])
+
+
+async def repeat_async(measure: Callable[[], Awaitable[dict[str, float]]], runs: int = RUNS) -> dict[str, list[float]]:
+    """:func:`repeat` for a coroutine function."""
+    return _collect([await measure() for _ in range(runs)])
+
+
+def ratios(numerators: Sequence[float], denominators: Sequence[float]) -> list[float]:
+    """Run-by-run ratios: each run's figure over the same run's baseline."""
+    if len(numerators) != len(denominators):
+        raise ValueError("ratios of runs need as many runs on both sides")
+    return [a / b for a, b in zip(numerators, denominators, strict=True)]
+
+
+class _QuickFlag(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, *_: Any) -> None:
+        global _quick
+        _quick = True
+        setattr(namespace, self.dest, True)
+
+
 def parser(description: str) -> argparse.ArgumentParser:
     """A parser with the flags every benchmark takes."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="few repetitions (smoke run, e.g. on the simulator)")
+    p.add_argument(
+        "--quick", nargs=0, action=_QuickFlag, default=False, help="few repetitions (a smoke run; nothing is written)"
+    )
     p.add_argument("--out", type=pathlib.Path, default=None, help="results file (default benchmarks/results/NAME.json)")
     return p
+
+
+def _median(values: float | Sequence[float]) -> tuple[float, list[float]]:
+    runs = [float(values)] if isinstance(values, int | float) else [float(v) for v in values]
+    if not runs:
+        raise ValueError("a figure needs at least one run")
+    return statistics.median(runs), runs
 
 
 @dataclass
@@ -62,18 +114,52 @@ class Result:
     baselines: dict[str, float] = field(default_factory=dict)
     targets: list[dict[str, Any]] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    runs: dict[str, list[float]] = field(default_factory=dict)
 
-    def target(self, name: str, value: float, limit: float, op: str) -> None:
-        """Record ``metrics[name] = value`` and whether ``value op limit`` holds."""
-        value = round(float(value), 4)
+    def target(self, name: str, values: float | Sequence[float], limit: float, op: str) -> None:
+        """Record ``metrics[name]``, the median of ``values`` (one per run; :data:`RUNS`
+        of them for a measurement), and whether it meets ``op limit``."""
+        median, runs = _median(values)
+        value = round(median, 4)
         self.metrics[name] = value
-        self.targets.append({"name": name, "value": value, "limit": limit, "op": op, "met": _OPS[op](value, limit)})
+        self.targets.append(
+            {
+                "name": name,
+                "value": value,
+                "limit": limit,
+                "op": op,
+                "met": _OPS[op](value, limit),
+                "runs": [round(v, 4) for v in runs],
+            }
+        )
 
-    def write(self, out: pathlib.Path | None = None) -> pathlib.Path:
+    def metric(self, name: str, values: float | Sequence[float], digits: int = 4) -> None:
+        """Record ``metrics[name]``: the median of ``values``, one per run."""
+        self.metrics[name] = self._figure(name, values, digits)
+
+    def baseline(self, name: str, values: float | Sequence[float], digits: int = 4) -> None:
+        """Record ``baselines[name]``: the median of ``values``, one per run."""
+        self.baselines[name] = self._figure(name, values, digits)
+
+    def _figure(self, name: str, values: float | Sequence[float], digits: int) -> float:
+        median, runs = _median(values)
+        if len(runs) > 1:
+            self.runs[name] = [round(v, digits) for v in runs]
+        return round(median, digits)
+
+    def write(self, out: pathlib.Path | None = None) -> pathlib.Path | None:
+        """Print the summary and write the results file; into ``benchmarks/results/``
+        only from a full run on a real GPU (returns None where it wrote nothing)."""
         from aiocuda import _driver
         from aiocuda.device import Device
 
         backend = _driver.driver()
+        path = out or RESULTS / f"{self.bench}.json"
+        self.print_summary(sys.stdout)
+        refused = "a --quick run" if _quick else "the simulator" if backend.name != "cuda" else None
+        if refused and path.resolve().is_relative_to(RESULTS):
+            print(f"not written: benchmarks/results/ holds full runs on a real GPU, and this was {refused}")
+            return None
         doc = {
             "bench": self.bench,
             "device": Device(0).name,
@@ -83,19 +169,21 @@ class Result:
             "metrics": self.metrics,
             "baselines": self.baselines,
             "targets": self.targets,
+            "runs": self.runs,
             **self.extra,
         }
-        path = out or RESULTS / f"{self.bench}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
-        self.print_summary(sys.stdout)
+        print(f"wrote {path}")
         return path
 
     def print_summary(self, stream: Any) -> None:
         print(f"== {self.bench}", file=stream)
         for t in self.targets:
             mark = "ok " if t["met"] else "MISS"
-            print(f"  [{mark}] {t['name']} = {t['value']} ({t['op']} {t['limit']})", file=stream)
+            runs = t.get("runs", [])
+            spread = f", runs {min(runs)}-{max(runs)}" if len(runs) > 1 else ", 1 run"
+            print(f"  [{mark}] {t['name']} = {t['value']} ({t['op']} {t['limit']}{spread})", file=stream)
         for k, v in self.metrics.items():
             if not any(t["name"] == k for t in self.targets):
                 print(f"        {k} = {v}", file=stream)

@@ -1,28 +1,32 @@
 """Launch cost of an empty kernel: aiocuda against raw cuLaunchKernel, cuda.core and CuPy.
 
 All methods launch ``empty(float* a, float* b, int n)`` with grid 1, block 32, in one
-process, written as the reference probe (``/work/shared/reference/anchor_probe.py``)
-wrote them:
+process:
 
 * ``raw``        -- ``cuLaunchKernel`` through cuda-bindings with a pre-packed ``void*[]``
-                    (``ctypes.addressof(arr)``) and a result check; the floor.
+                    (``ctypes.addressof(arr)``), bound locally, the result tested inline;
+                    the floor.
 * ``cuda_core``  -- ``cuda.core.launch(stream, config, kernel, int(a), int(b), np.int32(7))``.
-* ``cupy``       -- ``RawKernel((1,), (32,), (xa, xb, np.int32(7)))``.
+* ``cupy``       -- ``RawKernel((1,), (32,), (xa, xb, np.int32(7)))`` with CuPy arrays.
 * ``raw_ctypes`` -- libcuda's ``cuLaunchKernel`` called through ctypes with pre-converted
                     arguments: information only, to see whether bypassing cuda-bindings'
                     wrapper would pay.
-* ``aiocuda``    -- ``go(a, b, 7)`` with ``go = kernel.bind(1, 32, stream=s)``: the
-                    prepared launcher, aiocuda's fast path and the headline figure.
+* ``aiocuda``    -- ``go(a, b, 7)`` with ``go = kernel.bind(1, 32, stream=s)`` and raw
+                    device pointers: the prepared launcher, aiocuda's fast path.
 * ``aiocuda_launch``  -- ``kernel.launch(1, 32, a, b, 7, stream=s)`` (launcher cache lookup).
 * ``aiocuda_getitem`` -- ``kernel[1, 32, s](a, b, 7)``.
 * ``aiocuda_buffers`` -- ``go(buf_a, buf_b, 7)`` with DeviceBuffers (pointer conversion
                     and stream-use bookkeeping included).
+* ``aiocuda_arrays``  -- ``go(xa, xb, 7)`` with DeviceArrays.
 
-Each method runs BATCHES batches of N launches (then a stream synchronize), the
-methods' batches interleaved round-robin to cancel drift; the figure is the median of
-the batch means. ``cached_compile_ratio`` runs two fresh processes compiling the same
-source against one empty cache folder: the second's ``Program.compile`` time over the
-first's.
+Targets compare like with like (``TARGETS``): the bound launcher with raw pointers
+against ``raw`` and ``cuda_core`` (given raw pointers too), and with arrays against
+``cupy`` (given arrays). Each method runs BATCHES batches of N launches (then a stream
+synchronize), the methods' batches interleaved round-robin to cancel drift; a run's
+figure is the median of the batch means, and the benchmark makes three runs (the
+median reported, the runs beside it). ``cached_compile_ratio``: two fresh processes
+compile the same source against one empty cache folder, the second's
+``Program.compile`` time over the first's; three such pairs, each with a new source.
 
     PYTHONPATH=src python3 benchmarks/launch.py [--quick]
 """
@@ -42,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+import aiocuda.array as ga
 from aiocuda import _driver
 from aiocuda.device import Device
 from aiocuda.kernel import register_sim_kernel
@@ -50,9 +55,9 @@ from aiocuda.program import Program
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import Result, parser
+    from benchmarks._common import RUNS, Result, parser, ratios, repeat
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import Result, parser  # type: ignore[no-redef]
+    from _common import RUNS, Result, parser, ratios, repeat  # type: ignore[no-redef]
 
 SRC = r"""
 extern "C" __global__ void empty(float* a, float* b, int n) { }
@@ -85,7 +90,19 @@ def aiocuda_methods(s: Stream) -> tuple[dict[str, Method], Any, tuple[int, int]]
         for _ in range(n):
             go(buf_a, buf_b, 7)
 
-    methods = {"aiocuda": bound, "aiocuda_launch": method, "aiocuda_getitem": getitem, "aiocuda_buffers": buffers}
+    arr_a, arr_b = ga.empty(256, np.float32, stream=s), ga.empty(256, np.float32, stream=s)
+
+    def arrays(n: int) -> None:  # as CuPy is given its arguments
+        for _ in range(n):
+            go(arr_a, arr_b, 7)
+
+    methods = {
+        "aiocuda": bound,
+        "aiocuda_launch": method,
+        "aiocuda_getitem": getitem,
+        "aiocuda_buffers": buffers,
+        "aiocuda_arrays": arrays,
+    }
     return methods, kernel, (a, b)
 
 
@@ -97,20 +114,16 @@ def baseline_methods(s: Stream, kernel: Any, a: int, b: int) -> tuple[dict[str, 
     skipped: dict[str, str] = {}
     func = kernel.function(s.device)
     stream = s.handle
-    success = d.CUresult.CUDA_SUCCESS
-
-    def ck(res: tuple[Any, ...]) -> Any:
-        if res[0] != success:
-            raise RuntimeError(f"{res[0]}")
-        return res[1] if len(res) == 2 else res[1:]
-
     pa, pb, pn = ctypes.c_uint64(a), ctypes.c_uint64(b), ctypes.c_int(7)
     arr = (ctypes.c_void_p * 3)(ctypes.addressof(pa), ctypes.addressof(pb), ctypes.addressof(pn))
-    launch_kernel = d.cuLaunchKernel
+    params = ctypes.addressof(arr)
 
-    def raw(n: int) -> None:
+    def raw(n: int) -> None:  # as tight as Python allows: bound locally, the result tested inline
+        launch_kernel, f, h, p = d.cuLaunchKernel, func, stream, params
         for _ in range(n):
-            ck(launch_kernel(func, 1, 1, 1, 32, 1, 1, 0, stream, ctypes.addressof(arr), 0))
+            (err,) = launch_kernel(f, 1, 1, 1, 32, 1, 1, 0, h, p, 0)
+            if err:
+                raise RuntimeError(f"cuLaunchKernel: {err}")
 
     methods["raw"] = raw
 
@@ -174,7 +187,7 @@ def baseline_methods(s: Stream, kernel: Any, a: int, b: int) -> tuple[dict[str, 
 
 
 def measure(methods: dict[str, Method], s: Stream, batches: int, n: int) -> dict[str, float]:
-    """Median over batches of the mean launch time (µs), batches interleaved."""
+    """One run: the median over batches of the mean launch time (µs), batches interleaved."""
     for run in methods.values():  # warm-up
         run(max(100, n // 10))
         s.synchronize()
@@ -185,7 +198,7 @@ def measure(methods: dict[str, Method], s: Stream, batches: int, n: int) -> dict
             run(n)
             s.synchronize()
             samples[name].append((time.perf_counter() - t) / n)
-    return {name: round(statistics.median(xs) * 1e6, 4) for name, xs in samples.items()}
+    return {name: statistics.median(xs) * 1e6 for name, xs in samples.items()}
 
 
 _COMPILE_CHILD = r"""
@@ -217,6 +230,16 @@ def compile_times(source: str) -> tuple[float, float]:
     return times[0], times[1]
 
 
+# The like-for-like pairs behind each target: (ours, baseline). cuda.core is given raw
+# device pointers as aiocuda's bound launcher is; CuPy is given arrays, so aiocuda is too.
+TARGETS = {
+    "launch_ratio_raw": ("aiocuda", "raw", 1.15),
+    "launch_ratio_cuda_core": ("aiocuda", "cuda_core", 1.0),
+    "launch_ratio_cupy": ("aiocuda_arrays", "cupy", 1.0),
+}
+BASELINES = ("raw", "raw_ctypes", "cuda_core", "cupy")
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     batches, n = (3, 500) if args.quick else (20, 20_000)
@@ -231,22 +254,20 @@ def main() -> None:
     if backend.name == "cuda":
         baselines, skipped = baseline_methods(s, kernel, a, b)
         methods = {**baselines, **methods}
-    times = measure(methods, s, batches, n)
+    times = repeat(lambda: measure(methods, s, batches, n))
     for name, us in times.items():
-        (result.baselines if name in ("raw", "raw_ctypes", "cuda_core", "cupy") else result.metrics)[f"{name}_us"] = us
-    if "raw" in times:
-        result.baselines["raw_prepacked_us"] = result.baselines.pop("raw_us")
-        result.target("launch_ratio_raw", times["aiocuda"] / times["raw"], 1.15, "<=")
-        result.metrics["launch_method_ratio_raw"] = round(times["aiocuda_launch"] / times["raw"], 4)
-    for name in ("cuda_core", "cupy"):
-        if name in times:
-            result.target(f"launch_ratio_{name}", times["aiocuda"] / times[name], 1.0, "<=")
-            result.metrics[f"launch_method_ratio_{name}"] = round(times["aiocuda_launch"] / times[name], 4)
+        key = "raw_prepacked_us" if name == "raw" else f"{name}_us"
+        (result.baseline if name in BASELINES else result.metric)(key, us)
+    for target, (ours, theirs, limit) in TARGETS.items():
+        if theirs in times:
+            result.target(target, ratios(times[ours], times[theirs]), limit, "<=")
+            method = target.replace("launch_ratio", "launch_method_ratio")  # kernel.launch(...) each time
+            result.metric(method, ratios(times["aiocuda_launch"], times[theirs]))
     if backend.name == "cuda":
-        first, second = compile_times(SRC + f"// {time.time_ns()}\n")  # a source no cache has seen
-        result.baselines["first_compile_ms"] = round(first * 1e3, 3)
-        result.metrics["cached_compile_ms"] = round(second * 1e3, 3)
-        result.target("cached_compile_ratio", second / first, 0.05, "<=")
+        compiles = [compile_times(SRC + f"// {time.time_ns()}\n") for _ in range(RUNS)]  # sources no cache has seen
+        result.baseline("first_compile_ms", [first * 1e3 for first, _ in compiles], 3)
+        result.metric("cached_compile_ms", [second * 1e3 for _, second in compiles], 3)
+        result.target("cached_compile_ratio", [second / first for first, second in compiles], 0.05, "<=")
     result.extra = {"batches": batches, "launches_per_batch": n, "skipped": skipped}
     s.synchronize()
     result.write(args.out)

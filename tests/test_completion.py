@@ -28,7 +28,7 @@ from aiocuda.errors import ContextPoisonedError
 from aiocuda.stream import Stream
 
 from ._control import ControlClock
-from ._workload import slow_op
+from ._workload import Gate, slow_op
 
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
 TESTS = str(pathlib.Path(__file__).resolve().parent)
@@ -424,9 +424,9 @@ async def test_event_await_does_not_wait_for_later_work_on_its_stream(
     with Stream(0) as s:
         slow_op(s, 0.05)
         event = s.record()
-        slow_op(s, 1.5)
-        await event
-        assert not s.query()  # woken by the event's doorbell, not the stream's end
+        with Gate(s):  # later work, which goes on until the await has returned
+            await event
+            assert not s.query()  # woken by the event's doorbell, not the stream's end
         await s
 
 

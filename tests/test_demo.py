@@ -98,3 +98,9 @@ def test_example_tests_with_the_simulator_pass(tmp_path: pathlib.Path) -> None:
     done = _run_example(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(example))
     assert done.returncode == 0, done.stderr + done.stdout
     assert "3 passed" in done.stdout
+
+
+def test_example_graphs_runs(tmp_path: pathlib.Path) -> None:
+    done = _run_example(tmp_path, str(SRC.parent / "examples" / "graphs.py"))
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "three replays and a rebind correct" in done.stdout

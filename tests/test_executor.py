@@ -325,9 +325,8 @@ async def test_chunk_memory_is_reused_not_mapped_anew(
     np.testing.assert_allclose(first[-1], scale_reference(inputs[-1], REPS), rtol=1e-5)
 
 
+@pytest.mark.multi_gpu
 async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> None:
-    if _driver.driver().device_count() < 2:
-        pytest.skip("needs two devices")
     stage_impl = ScaleStage(REPS)
 
     def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
@@ -471,3 +470,29 @@ async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend:
             await ex.submit(boom, chunks(1)[0])
         value = await ex.submit(ScaleStage(REPS), chunks(1)[0])
     np.testing.assert_allclose(value, scale_reference(chunks(1)[0], REPS), rtol=1e-5)
+
+
+@pytest.mark.anyio
+async def test_submit_and_pipeline_priorities(backend: _driver.Driver, anyio_backend: Any) -> None:
+    from aiocuda.stream import Stream
+
+    least, greatest = Stream.priority_range(0)
+    seen: list[int] = []
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+        seen.append(ctx.stream.priority)
+
+    host = np.zeros(256, np.float32)
+    async with Executor([0], chunks_per_device=2) as ex:
+        await ex.submit(stage, host)
+        await ex.submit(stage, host, priority="high")
+        assert all(stream.priority == least for stream in ex.device_streams[0].streams)
+        with pytest.raises(ValueError, match="priority"):
+            await ex.submit(stage, host, priority="urgent")  # type: ignore[arg-type]
+    assert seen == [least, greatest]
+    async with Executor([0], priority="high") as ex:
+        assert all(stream.priority == greatest for stream in ex.device_streams[0].streams)
+        await ex.run(stage, [host])
+    assert seen[-1] == greatest
+    with pytest.raises(ValueError, match="priority"):
+        Executor(priority="low")  # type: ignore[arg-type]

@@ -12,6 +12,7 @@ import pytest
 from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
+from aiocuda.errors import ArgumentError
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
 
 pytestmark = pytest.mark.anyio
@@ -20,6 +21,7 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def frees(backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """The pointers the driver is asked to free, from an empty cache on."""
+    gc.collect()  # earlier tests' pinned garbage gives its blocks back now, not mid-test
     empty_cache()
     assert _offloop.drain(timeout=30)
     freed: list[int] = []
@@ -85,3 +87,26 @@ async def test_blocks_of_a_previous_backend_are_not_reused(frees: list[int], any
     _driver.use_backend("sim", devices=1)
     assert _pinned_cache.take(4096) is None  # dropped (and freed, if that backend still can)
     assert cached_bytes() == 0 and is_pinned(pinned_empty(100, np.uint8))
+
+
+def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver) -> None:
+    with pytest.raises(ArgumentError, match="negative"):
+        pinned_empty((-1, 2))
+    with pytest.raises(TypeError):
+        pinned_empty(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="64-bit"):
+        pinned_empty(2**62, np.float32)
+    with pytest.raises(ArgumentError, match="objects"):
+        pinned_empty(4, object)
+
+
+def test_a_pinned_array_collected_while_its_thread_holds_the_cache_lock(frees: list[int]) -> None:
+    """The garbage collector may run a pinned array's finaliser on a thread that is
+    inside the cache (taking a block, say): the block is filed later, not deadlocked on."""
+    array = pinned_empty(3000, np.uint8)
+    ptr = int(array.ctypes.data)
+    with _pinned_cache._cache.lock:
+        del array
+        gc.collect()  # the finaliser gives the block back here
+    again = pinned_empty(3000, np.uint8)
+    assert int(again.ctypes.data) == ptr and frees == []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import warnings
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,8 @@ from aiocuda import _driver
 from aiocuda._memory import interop as _interop
 from aiocuda._memory.interop import DLPACK_CUDA, as_device_array
 from aiocuda.stream import Stream
+
+from ._workload import slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -50,10 +53,45 @@ async def test_cuda_array_interface_v3(backend: _driver.Driver, anyio_backend: o
         cai = dev.__cuda_array_interface__
         assert cai["version"] == 3 and cai["shape"] == (6, 10) and cai["typestr"] == "<f4"
         assert cai["data"] == (dev.ptr, False) and cai["strides"] is None
-        assert cai["stream"] == int(s) and cai["stream"] != 0
+        assert cai["stream"] is None  # exported finished: see test_cai_export_waits_for_pending_work
         view = dev[1:5, ::-3]
         vcai = view.__cuda_array_interface__
         assert vcai["strides"] == (40, -12) and vcai["data"][0] == view.ptr
+
+
+def _pending_write(array: ga.DeviceArray, stream: Stream, word: int) -> None:
+    """Enqueue, behind a slow operation, a memset of ``array`` (4-byte elements) to
+    ``word``: a write still pending when the next line runs."""
+    slow_op(stream, 0.3)
+    array.buffer._used_on(stream)
+    stream.device._driver.memset_d32_async(array.ptr, word, array.size, stream.handle)
+
+
+def test_cai_export_waits_for_pending_work(backend: _driver.Driver) -> None:
+    """Outside an event loop the export synchronises the array's stream: a consumer that
+    ignores the interface's stream still reads the finished data."""
+    with Stream(0) as s:
+        array = ga.empty(1024, np.uint32, stream=s)
+        _pending_write(array, s, 7)
+        assert not s.query()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no event loop here: nothing to warn about
+            cai = array.__cuda_array_interface__
+        assert cai["stream"] is None and s.query()
+        assert array.__cuda_array_interface__["stream"] is None  # idle: no wait at all
+
+
+async def test_cai_export_on_an_event_loop_warns_when_it_waits(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        array = await ga.zeros(1024, np.uint32, stream=s)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert array.__cuda_array_interface__["stream"] is None  # awaited: nothing pending
+        _pending_write(array, s, 7)
+        with pytest.warns(RuntimeWarning, match=r"await array\.stream"):
+            cai = array.__cuda_array_interface__
+        assert cai["stream"] is None and s.query()
+        assert (await array.to_host(stream=s) == 7).all()
 
 
 async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -109,15 +147,8 @@ _have_cupy = importlib.util.find_spec("cupy") is not None
 _have_torch = importlib.util.find_spec("torch") is not None
 
 
-def _real_only(backend: _driver.Driver) -> None:
-    if backend.name != "cuda":
-        pytest.skip("CuPy/PyTorch round trips need the real driver")
-
-
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
-async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import torch
 
     host = np.random.default_rng(0).standard_normal((64, 33)).astype(np.float32)
@@ -140,10 +171,8 @@ async def test_torch_round_trips(backend: _driver.Driver, anyio_backend: object)
     assert int(torch.from_dlpack(contiguous).sum()) == 700
 
 
-@pytest.mark.gpu
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")
-async def test_cupy_round_trips(backend: _driver.Driver, anyio_backend: object) -> None:
-    _real_only(backend)
+async def test_cupy_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import cupy
 
     host = np.arange(3000, dtype=np.int32).reshape(60, 50)
@@ -156,3 +185,77 @@ async def test_cupy_round_trips(backend: _driver.Driver, anyio_backend: object) 
     strided = cupy.arange(500, dtype=cupy.float32).reshape(20, 25)[::3, 1::4]
     imported = as_device_array(strided)
     np.testing.assert_array_equal(await imported.to_host(), cupy.asnumpy(strided))
+
+
+_have_numba = importlib.util.find_spec("numba") is not None and importlib.util.find_spec("numba.cuda") is not None
+_CONSUMERS = {"torch": _have_torch, "cupy": _have_cupy, "numba": _have_numba}
+
+
+def _read_through_cai(consumer: str, array: ga.DeviceArray) -> np.ndarray:
+    """``array``'s data as ``consumer`` sees it through ``__cuda_array_interface__``."""
+    if consumer == "torch":
+        import torch
+
+        return torch.as_tensor(array, device="cuda").cpu().numpy()  # type: ignore[no-any-return]
+    if consumer == "cupy":
+        import cupy
+
+        return cupy.asnumpy(cupy.asarray(array))  # type: ignore[no-any-return]
+    from numba import cuda
+
+    return cuda.as_cuda_array(array).copy_to_host()  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("consumer", sorted(_CONSUMERS))
+def test_cai_consumers_read_data_whose_write_was_pending(cuda_backend: _driver.Driver, consumer: str) -> None:
+    """A consumer reading through the array interface right after aiocuda enqueued a
+    write (behind 0.3 s of other work) sees the write: PyTorch ignores the interface's
+    stream and read the old zeros when the export named the producer's stream."""
+    if not _CONSUMERS[consumer]:
+        pytest.skip(f"{consumer} not installed")
+    with Stream(0) as s:
+        array = ga.empty(1 << 20, np.uint32, stream=s)
+        s.device._driver.memset_d32_async(array.ptr, 0, array.size, s.handle)
+        s.synchronize()
+        _pending_write(array, s, 0x01010101)
+        assert (_read_through_cai(consumer, array) == 0x01010101).all()
+
+
+@pytest.mark.parametrize("consumer", sorted(_CONSUMERS))
+async def test_cai_consumers_on_an_event_loop(
+    cuda_backend: _driver.Driver, anyio_backend: object, consumer: str
+) -> None:
+    """The same on an event loop's thread: the data is right, and the wait is reported;
+    after an await there is nothing to wait for and nothing to report."""
+    if not _CONSUMERS[consumer]:
+        pytest.skip(f"{consumer} not installed")
+    with Stream(0) as s:
+        array = await ga.zeros(1 << 20, np.uint32, stream=s)
+        _pending_write(array, s, 0x01010101)
+        with pytest.warns(RuntimeWarning, match="blocked the event loop"):
+            assert (_read_through_cai(consumer, array) == 0x01010101).all()
+        await array.fill(0x02020202, stream=s)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("error", message="__cuda_array_interface__ blocked")
+            assert (_read_through_cai(consumer, array) == 0x02020202).all()
+
+
+@pytest.mark.skipif(not _have_numba, reason="numba-cuda not installed")
+async def test_numba_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Numba reads an aiocuda array through ``__cuda_array_interface__`` and aiocuda
+    imports a Numba device array the same way, views included."""
+    from numba import cuda as numba_cuda
+
+    host = np.arange(2000, dtype=np.float32).reshape(40, 50)
+    dev = await ga.to_device(host)
+    seen = numba_cuda.as_cuda_array(dev)
+    assert seen.device_ctypes_pointer.value == dev.ptr and seen.shape == host.shape
+    np.testing.assert_array_equal(seen.copy_to_host(), host)
+
+    theirs = numba_cuda.to_device(np.arange(600, dtype=np.int64).reshape(20, 30))
+    numba_cuda.synchronize()
+    imported = as_device_array(theirs)
+    assert imported.ptr == theirs.device_ctypes_pointer.value
+    np.testing.assert_array_equal(await imported.to_host(), theirs.copy_to_host())
+    view = as_device_array(theirs[::2, 3:])
+    np.testing.assert_array_equal(await view.to_host(), theirs.copy_to_host()[::2, 3:])

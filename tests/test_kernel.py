@@ -6,6 +6,7 @@ implementations) and on a real GPU where one is present (the same CUDA source, c
 
 from __future__ import annotations
 
+import pathlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 
 from aiocuda import _driver
 from aiocuda.array import empty, to_device
+from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, CudaError, LaunchError
 from aiocuda.kernel import Kernel, LaunchConfig, register_sim_kernel
 from aiocuda.module import Module
@@ -501,11 +503,8 @@ def test_sim_implementation_sees_the_launch(sim_backend: _driver.Driver) -> None
 
 
 @pytest.mark.anyio
+@pytest.mark.multi_gpu
 async def test_module_loads_lazily_on_each_device(module: Module, anyio_backend: object) -> None:
-    from aiocuda.device import device_count
-
-    if device_count() < 2:
-        pytest.skip("needs two devices")
     n = 32
     fill = module.kernel("fill")
     for ordinal in (0, 1):
@@ -560,3 +559,45 @@ def test_launch_on_a_closed_stream_is_refused(module: Module) -> None:
         fill.launch(1, 32, out, 1, 32, stream=s)
     with pytest.raises(ArgumentError, match="closed"):
         fill[1, 32, s](out, 1, 32)
+
+
+def test_more_occupancy_queries_and_cache_config(module: Module) -> None:
+    kernel = module.kernel("saxpy")
+    assert kernel.max_active_blocks(256, caching_override=False) >= 1
+    _, block = kernel.suggested_block_size(max_block_size=128)
+    assert 32 <= block <= 128
+    one, four = kernel.available_shared_memory(1, 128), kernel.available_shared_memory(4, 128)
+    assert one >= four > 0  # (an H100 gives 48 KiB to both without an opt-in)
+    assert kernel.available_shared_memory(1, 128) >= 48 * 1024
+    config = LaunchConfig(16, 128, cluster=2)
+    assert kernel.max_active_clusters(config) >= 1
+    assert kernel.max_cluster_size(LaunchConfig(16, 128)) >= 8
+    with pytest.raises(LaunchError, match="LaunchConfig"):
+        kernel.max_active_clusters((16, 128))  # type: ignore[arg-type]
+    kernel.set_cache_config("prefer_shared")
+    with pytest.raises(ArgumentError):
+        kernel.set_cache_config("prefer_everything")  # type: ignore[arg-type]
+
+
+# -- modules from a fatbin ------------------------------------------------------------------------
+FATBIN = pathlib.Path(__file__).with_name("data") / "fill.fatbin"  # tests/data/make_fill_fatbin.py
+
+
+@pytest.mark.anyio
+async def test_a_fatbin_module_loads_and_runs(backend: _driver.Driver, anyio_backend: object) -> None:
+    """A fatbin (here an sm_90 cubin in its container, as nvfatbin writes it) is
+    recognised by its magic, loaded and launched."""
+    if backend.name == "cuda" and Device(0).compute_capability != (9, 0):
+        pytest.skip("fill.fatbin holds an sm_90 cubin only")
+    register_sim_kernel("fill", _fill)
+    try:
+        module = Module(FATBIN.read_bytes())
+        assert module.kind == "fatbin"
+        fill = module.kernel("fill", signature="int* out, int value, int n")
+        n = 1000
+        with Stream(0) as s:
+            out = empty(n, np.int32, stream=s)
+            fill.launch((n + 127) // 128, 128, out, 7, n, stream=s)
+            assert (await out.to_host(stream=s) == 7).all()
+    finally:
+        register_sim_kernel("fill", None)

@@ -185,7 +185,7 @@ async def test_shutdown_with_torch_requests_in_flight(torch: Any, anyio_backend:
     async with anyio.create_task_group() as tg:
         for _ in range(8):
             tg.start_soon(one)
-        await anyio.lowlevel.checkpoint()
+        await anyio.wait_all_tasks_blocked()  # all eight leased or in line (trio starts them later than asyncio)
         await lanes.aclose()  # lets all eight finish
     assert len(done) == 8
     streams = [s for lane in lanes.lanes for s in lane.streams]

@@ -207,10 +207,7 @@ def test_missing_nvrtc_names_the_package(monkeypatch: pytest.MonkeyPatch) -> Non
     assert info.value.name == "AIOCUDA_NO_NVRTC"
 
 
-@pytest.mark.gpu
-def test_compile_error_carries_the_log(backend: _driver.Driver, tmp_path: pathlib.Path) -> None:
-    if backend.name != "cuda":
-        pytest.skip("needs NVRTC and a GPU")
+def test_compile_error_carries_the_log(cuda_backend: _driver.Driver, tmp_path: pathlib.Path) -> None:
     bad = 'extern "C" __global__ void broken(int* x) { x[0] = undeclared_name; }'
     with pytest.raises(CompileError) as info:
         Program(bad, cache=tmp_path).compile()
@@ -218,12 +215,9 @@ def test_compile_error_carries_the_log(backend: _driver.Driver, tmp_path: pathli
     assert "undeclared_name" in str(info.value)
 
 
-@pytest.mark.gpu
 def test_second_compile_comes_from_the_cache(
-    backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+    cuda_backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if backend.name != "cuda":
-        pytest.skip("needs NVRTC and a GPU")
     source = 'extern "C" __global__ void cached_kernel(int* x) { x[0] = 1; }'
     first = Program(source, cache=tmp_path).compile()
     assert first.kind == "cubin"

@@ -3,6 +3,7 @@ cancellation, errors, and several devices, streams and copies at once."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterator
 from typing import Any
@@ -190,3 +191,78 @@ async def test_a_failed_chunk_fails_the_copy_and_the_copiers_recover(
                 await dev.to_host(stream=s)
         assert _digest(await dev.to_host(stream=s)) == _digest(host)  # usable afterwards
         await dev.copy_from(host, stream=s)
+
+
+@pytest.fixture
+def one_copier(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One copier thread with two slots, and every pageable copy staged through it (no
+    inline slots): what a test sees does not depend on which slots happen to be free."""
+    _staging.reset()
+    monkeypatch.setattr(_staging, "CHUNK", CHUNK)
+    monkeypatch.setattr(_staging, "MIN_CHUNK", CHUNK)
+    monkeypatch.setattr(_staging, "COPY_THREADS", 1)
+    monkeypatch.setattr(_staging, "SLOTS_PER_THREAD", 2)
+    monkeypatch.setattr(_staging, "INLINE_LIMIT", 0)
+    yield
+    _staging.reset()
+
+
+async def _until_work_is_queued(stream: Stream) -> None:
+    """Return once ``stream`` (paused) has work queued: the copier enqueued its DMA."""
+    with anyio.fail_after(10):
+        while stream.query():  # noqa: ASYNC110 - a driver state, with no event to await
+            await anyio.sleep(0.001)
+
+
+@pytest.mark.parametrize("direction", ["h2d", "d2h"])
+async def test_a_copy_never_waits_for_another_streams_staged_copy(
+    sim_backend: Any, anyio_backend: object, one_copier: None, direction: str
+) -> None:
+    """One copier thread, two slots: a chunk whose DMA waits on a paused stream fills one
+    slot; copies on another stream (of another device) go through the other slot, again
+    and again, and finish while the first stream stays paused."""
+    other_device = 1 if sim_backend.device_count() > 1 else 0
+    paused, other = Stream(0), Stream(other_device)
+    stuck_host = _random_bytes(CHUNK)
+    stuck = await ga.to_device(stuck_host, stream=paused)
+    free_host = _random_bytes(3 * CHUNK)  # three chunks: the free slot is reused
+    free = await ga.to_device(free_host, stream=other)
+    await paused
+    sim_backend.pause(paused.handle)
+    stuck_back = np.zeros_like(stuck_host)
+    watchdog_fired = False
+
+    async def watchdog(scope: anyio.CancelScope) -> None:
+        # A copy that waits for the paused stream would never finish (and a thread's
+        # wait cannot be cancelled): resume the stream instead of hanging the test.
+        nonlocal watchdog_fired
+        with scope:
+            await anyio.sleep(30)
+            watchdog_fired = True
+            sim_backend.resume(paused.handle)
+
+    async with anyio.create_task_group() as tg:
+        if direction == "d2h":
+            tg.start_soon(functools.partial(stuck.to_host, out=stuck_back, stream=paused))
+        else:
+            tg.start_soon(functools.partial(stuck.copy_from, np.flip(stuck_host), stream=paused))
+        await _until_work_is_queued(paused)
+        watch = anyio.CancelScope()
+        tg.start_soon(watchdog, watch)
+        for _ in range(2):
+            if direction == "d2h":
+                assert _digest(await free.to_host(stream=other)) == _digest(free_host)
+            else:
+                free_host = np.flip(free_host)
+                await free.copy_from(free_host, stream=other)
+                assert _digest(await free.to_host(stream=other)) == _digest(free_host)
+        watch.cancel()
+        assert not watchdog_fired, "a copy on another stream waited for the paused stream"
+        assert not paused.query()  # the first copy still waits for its stream
+        sim_backend.resume(paused.handle)
+    if direction == "d2h":
+        assert _digest(stuck_back) == _digest(stuck_host)
+    else:
+        assert _digest(await stuck.to_host(stream=paused)) == _digest(np.flip(stuck_host))
+    paused.close()
+    other.close()

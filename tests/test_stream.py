@@ -18,7 +18,7 @@ from aiocuda.errors import ArgumentError, BlockingCallWarning
 from aiocuda.event import Event
 from aiocuda.stream import Stream, current_stream, use_stream
 
-from ._workload import slow_op
+from ._workload import Gate, slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -31,29 +31,41 @@ async def test_await_idle_stream_returns(backend: _driver.Driver, anyio_backend:
 
 async def test_await_waits_for_enqueued_work(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.05)
-        t = time.perf_counter()
-        await s
-        assert time.perf_counter() - t >= 0.03
+        gate = Gate(s)
+        returned = anyio.Event()
+
+        async def waiter() -> None:
+            await s
+            returned.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(waiter)
+            for _ in range(20):  # spin, poll, doorbell: every way of waiting gets its turn
+                await anyio.sleep(0.001)
+            assert not returned.is_set(), "await returned while the stream's work was pending"
+            gate.open()
         assert s.query()
 
 
 async def test_await_keeps_the_loop_running(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Another task runs while one awaits: the GPU's work ends only once it has run 20
+    times (were the loop blocked, the gate would end by its own timeout, and too late)."""
     ticks = 0
     with Stream(0) as s:
-        slow_op(s, 0.15)
+        gate = Gate(s)
         async with anyio.create_task_group() as tg:
 
             async def ticker() -> None:
                 nonlocal ticks
-                while True:
+                for _ in range(20):
                     await anyio.sleep(0.002)
                     ticks += 1
+                gate.open()
 
             tg.start_soon(ticker)
             await s
-            tg.cancel_scope.cancel()
-    assert ticks >= 20
+            done_at = ticks
+    assert done_at == 20
 
 
 async def test_event_await_query_and_timing(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -102,21 +114,19 @@ async def test_wait_on_event(backend: _driver.Driver, anyio_backend: object) -> 
 
 async def test_cancel_scope_detaches_and_leaves_work_running(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with anyio.move_on_after(0.02) as scope:
-            await s
-        assert scope.cancelled_caught
-        assert not s.query(), "cancelling the waiter must not touch the GPU work"
+        with Gate(s):  # the work goes on until the waiter has been cancelled
+            with anyio.move_on_after(0.02) as scope:
+                await s
+            assert scope.cancelled_caught
+            assert not s.query(), "cancelling the waiter must not touch the GPU work"
         await s
         assert s.query()
 
 
 async def test_fail_after_raises_timeout(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:
-        slow_op(s, 0.2)
-        with pytest.raises(TimeoutError):
-            with anyio.fail_after(0.02):
-                await s
+        with Gate(s), pytest.raises(TimeoutError), anyio.fail_after(0.02):
+            await s
         await s
 
 
@@ -378,3 +388,23 @@ async def test_elapsed_ms_is_the_drivers_figure(backend: _driver.Driver, anyio_b
         elapsed = end.elapsed_ms(since=start)
         assert elapsed == backend.event_elapsed_ms(start.handle, end.handle)
         assert 45 <= elapsed <= host_ms, (elapsed, host_ms)
+
+
+def test_priority_and_flags_getters(backend: _driver.Driver) -> None:
+    least, greatest = Stream.priority_range(0)
+    with Stream(0, priority=greatest) as urgent, Stream(0, non_blocking=False) as blocking:
+        assert urgent.priority == greatest and urgent.non_blocking
+        assert blocking.priority == least and not blocking.non_blocking
+        wrapped = Stream.wrap(int(urgent))  # a foreign handle reports what the driver keeps
+        assert wrapped.priority == greatest
+    with Stream(0, priority=greatest - 100) as clamped:
+        assert clamped.priority == greatest
+
+
+@pytest.mark.anyio
+async def test_external_event_records_complete_like_others(backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s:
+        slow_op(s, 0.01)
+        event = Event(0).record(s, external=True)
+        await event
+        assert event.query()

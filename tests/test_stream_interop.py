@@ -10,7 +10,7 @@ import pytest
 from aiocuda import _driver
 from aiocuda.stream import Stream
 
-pytestmark = [pytest.mark.gpu, pytest.mark.anyio]
+pytestmark = pytest.mark.anyio
 
 
 def _cupy() -> tuple[Any, Callable[[Any], None]]:
@@ -56,9 +56,7 @@ def _numba() -> tuple[Any, Callable[[Any], None]]:
 
 
 @pytest.mark.parametrize("make", [_cupy, _torch, _cuda_core, _numba], ids=["cupy", "torch", "cuda.core", "numba"])
-async def test_await_foreign_stream(backend: _driver.Driver, anyio_backend: object, make: Any) -> None:
-    if backend.name != "cuda":
-        pytest.skip("foreign libraries need the real driver")
+async def test_await_foreign_stream(cuda_backend: _driver.Driver, anyio_backend: object, make: Any) -> None:
     foreign, work = make()
     wrapped = Stream.wrap(foreign)
     assert not wrapped.owned

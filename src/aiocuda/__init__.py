@@ -16,29 +16,35 @@ says which runs). :mod:`aiocuda.testing` drives the simulator in your own tests.
 
 from __future__ import annotations
 
-from . import errors, interop
-from ._driver import LaunchConfig
+from . import errors, interop, ipc, managed, profiler
+from ._driver import JitOptions, LaunchConfig
 from ._memory.interop import as_device_array
-from .array import DeviceArray, empty, to_device, zeros
+from .array import DeviceArray, empty, empty_pitched, to_device, zeros
 from .array import copy as copy_array
 from .backend import Backend, current_backend, use_backend
 from .batching import Batcher
-from .device import Device, DeviceProperties, device_count, devices
+from .context import Context, ContextFlags
+from .device import Device, DeviceProperties, PeerAttributes, device_count, devices
 from .errors import (
     ArgumentError,
     BackendError,
     BlockingCallWarning,
+    CaptureError,
     ClosedError,
     CompileError,
     ContextPoisonedError,
     CudaError,
+    ExporterLostError,
+    GraphUpdateError,
     LaunchError,
     NoDeviceError,
     OutOfMemoryError,
+    OversubscriptionError,
     SimulatedBackendWarning,
 )
 from .event import Event
 from .executor import ChunkContext, ChunkResult, Executor, Pipeline
+from .graph import Graph, GraphCapture, GraphNode
 from .host import HostRegistration, is_pinned, pinned_empty, pinned_zeros, register_host
 from .kernel import Kernel, KernelAttributes, register_sim_kernel
 from .lanes import Lane, Lanes
@@ -46,7 +52,7 @@ from .memory import DeviceBuffer, MemoryPool, PoolStatistics
 from .module import Module
 from .peer import enable_peer_access
 from .program import Program, ProgramOptions
-from .stream import Stream, current_stream, use_stream
+from .stream import Stream, StreamCallback, current_stream, use_stream
 from .trace import Trace, TraceSummary
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
@@ -57,10 +63,13 @@ __all__ = [
     "BackendError",
     "Batcher",
     "BlockingCallWarning",
+    "CaptureError",
     "ChunkContext",
     "ChunkResult",
     "ClosedError",
     "CompileError",
+    "Context",
+    "ContextFlags",
     "ContextPoisonedError",
     "CudaError",
     "Device",
@@ -69,7 +78,13 @@ __all__ = [
     "DeviceProperties",
     "Event",
     "Executor",
+    "ExporterLostError",
+    "Graph",
+    "GraphCapture",
+    "GraphNode",
+    "GraphUpdateError",
     "HostRegistration",
+    "JitOptions",
     "Kernel",
     "KernelAttributes",
     "Lane",
@@ -80,12 +95,15 @@ __all__ = [
     "Module",
     "NoDeviceError",
     "OutOfMemoryError",
+    "OversubscriptionError",
+    "PeerAttributes",
     "Pipeline",
     "PoolStatistics",
     "Program",
     "ProgramOptions",
     "SimulatedBackendWarning",
     "Stream",
+    "StreamCallback",
     "Trace",
     "TraceSummary",
     "as_device_array",
@@ -95,12 +113,16 @@ __all__ = [
     "device_count",
     "devices",
     "empty",
+    "empty_pitched",
     "enable_peer_access",
     "errors",
     "interop",
+    "ipc",
     "is_pinned",
+    "managed",
     "pinned_empty",
     "pinned_zeros",
+    "profiler",
     "register_host",
     "register_sim_kernel",
     "to_device",

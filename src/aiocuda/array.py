@@ -6,11 +6,26 @@ PyTorch or Numba). Indexing with integers, slices, ``...`` and ``None`` makes vi
 without copying; they share (and keep alive) the buffer.
 
 Every operation enqueues on a stream (default: the current stream of the array's device)
-and is awaited until *its own* work is done. Cancelling the awaiting task abandons the
+and is awaited until *its own* work is done -- or, on a stream being captured into a
+graph (:mod:`aiocuda.graph`), until it is recorded (:meth:`DeviceArray.to_host` then
+needs a page-locked ``out``, which each replay fills). Cancelling the awaiting task abandons the
 wait only: the GPU finishes the copy, the memory it touches stays alive until then
 (device memory is freed stream-ordered, host arrays are held by the stream), and the data
 is never torn. Work on one array from different streams is ordered automatically: the
 new stream waits for the array's previous stream on the GPU.
+
+```python
+x = await aiocuda.to_device(np.arange(1 << 20, dtype=np.float32), stream=stream)
+kernel.launch(grid, block, x, stream=stream)
+result = await x.to_host()
+```
+
+Other libraries take a DeviceArray without copying: through DLPack
+(``torch.from_dlpack(x)``, ``cupy.from_dlpack(x)``), which orders the consumer's stream
+after the array's work on the GPU, or through ``__cuda_array_interface__``
+(``torch.as_tensor(x, device="cuda")``, ``cupy.asarray(x)``, ``numba.cuda.as_cuda_array(x)``),
+which first waits for the array's pending work: await the array's stream before handing
+it over from an event loop. ``np.asarray(x)`` raises ``TypeError``: use ``to_host()``.
 """
 
 from __future__ import annotations
@@ -18,18 +33,23 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Awaitable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
 
+from ._memory import copies as _copies
 from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
 from .memory import MemoryPool
 from .stream import Stream, current_stream
 
-__all__ = ["DeviceArray", "copy", "empty", "to_device", "zeros"]
+__all__ = ["PITCH_ALIGNMENT", "DeviceArray", "copy", "empty", "empty_pitched", "to_device", "zeros"]
+
+PITCH_ALIGNMENT = 256
+"""Default row alignment of :func:`empty_pitched`, in bytes: the alignment of every
+device allocation, so each row starts as aligned as the array does."""
 
 _Shape = tuple[int, ...]
 
@@ -160,7 +180,7 @@ class DeviceArray:
             offset += (i % n) * stride
         shape.extend(self.shape[dim:])
         strides.extend(self.strides[dim:])
-        return DeviceArray(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
+        return type(self)(tuple(shape), self.dtype, tuple(strides), buffer=self.buffer, offset=offset)
 
     def reshape(self, *shape: int | _Shape) -> DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
@@ -178,14 +198,14 @@ class DeviceArray:
             dims[dims.index(-1)] = self.size // known
         if math.prod(dims) != self.size:
             raise invalid_value(f"cannot reshape an array of size {self.size} into {tuple(dims)}")
-        return DeviceArray(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
+        return type(self)(tuple(dims), self.dtype, buffer=self.buffer, offset=self.offset)
 
     def view(self, dtype: npt.DTypeLike) -> DeviceArray:
         """The same memory seen as another dtype of the same item size."""
         dt = _check_dtype(dtype)
         if dt.itemsize != self.itemsize:
             raise invalid_value(f"view needs a dtype of the same item size ({self.itemsize}), not {dt}")
-        return DeviceArray(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
+        return type(self)(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
 
     # -- stream bookkeeping ---------------------------------------------------------------------
     def _stream_for(self, stream: Stream | None) -> Stream:
@@ -195,12 +215,26 @@ class DeviceArray:
         return chosen
 
     # -- transfers -------------------------------------------------------------------------------
+    def _layout(self) -> _copies.Strided:
+        return _copies.Strided(self.ptr, self.strides, self.device)
+
+    def _forward(self) -> tuple[DeviceArray, tuple[slice, ...] | None]:
+        """This view walked forwards along every axis, and the index that turns an array
+        of the forward view's order back into this one's (None: nothing was reversed).
+        DMA copies cannot reverse; numpy on the host can, for free."""
+        if all(stride >= 0 for stride in self.strides):
+            return self, None
+        back = tuple(slice(None, None, -1) if stride < 0 else slice(None) for stride in self.strides)
+        return self[back], back
+
     async def to_host(self, out: npt.NDArray[Any] | None = None, *, stream: Stream | None = None) -> npt.NDArray[Any]:
         """Copy to host memory and return the numpy array (``out`` if given).
 
-        ``out`` must have the same shape and dtype and be writeable; any layout works
-        (a non-contiguous ``out`` costs one host copy). Pinned ``out`` arrays are written
-        by DMA directly. Non-contiguous device views copy their whole byte span.
+        ``out`` must have the same shape and dtype and be writeable; any layout works.
+        Pinned ``out`` arrays are written by DMA directly. A non-contiguous view is
+        copied by 2D/3D copies, so only its own elements cross to the host (a view of
+        narrow rows in a span little larger than itself, such as one channel of an
+        image, copies its whole span instead, which is faster there).
         """
         if out is not None:
             if not isinstance(out, np.ndarray):
@@ -211,23 +245,49 @@ class DeviceArray:
                 )
             if not out.flags.writeable:
                 raise invalid_value("out is read-only")
-        s = self._stream_for(stream)
+        chosen = stream if stream is not None else current_stream(self.device)
+        if chosen._capture is not None and (out is None or not (out.flags.c_contiguous and self.is_c_contiguous)):
+            raise chosen._capture.refuse(
+                "to_host() without a page-locked, C-contiguous out= array",
+                "a replay can only copy into host memory given to it (aiocuda.pinned_empty)",
+            )
+        s = self._stream_for(chosen)
+        if out is not None and _copies.download(out, self.ptr, s, strides=self.strides):
+            await _finished(s)
+            return out
+        forward, back = self._forward()
+        direct = out is not None and back is None and out.flags.c_contiguous
+        target = out if direct else np.empty(self.shape, self.dtype)
+        assert target is not None
+        await forward._download(target, s)
+        result = target if back is None else target[back]
+        if out is not None:
+            if result is not out:
+                np.copyto(out, result)
+            return out
+        return result if back is None else np.ascontiguousarray(result)
+
+    async def _download(self, host: npt.NDArray[Any], stream: Stream) -> None:
+        """Copy this view, walked forwards on every axis, into C-contiguous ``host``."""
         if self.is_c_contiguous:
-            target = out if out is not None and out.flags.c_contiguous else np.empty(self.shape, self.dtype)
-            await _staging.device_to_host(target, self.ptr, s)
-        else:
+            await _staging.device_to_host(host, self.ptr, stream)
+        elif _copies.gathers_span(self.shape, self.strides, self.itemsize):
             lo, hi = byte_span(self.shape, self.strides, self.itemsize)
             span = np.empty(hi - lo, np.uint8)
-            await _staging.device_to_host(span, self.ptr + lo, s)
-            target = np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides).copy()
-        if out is not None and target is not out:
-            np.copyto(out, target)
-            return out
-        return target
+            await _staging.device_to_host(span, self.ptr + lo, stream)
+            np.copyto(host, np.ndarray(self.shape, self.dtype, buffer=span, offset=-lo, strides=self.strides))
+        else:
+            packed = empty(self.shape, self.dtype, stream=stream)
+            try:
+                _copies.copy_strided(packed._layout(), self._layout(), self.shape, self.itemsize, stream)
+                await _staging.device_to_host(host, packed.ptr, stream)
+            finally:
+                packed.buffer.free()  # stream-ordered: after the download enqueued above
 
     async def copy_from(self, source: DeviceArray | npt.NDArray[Any], *, stream: Stream | None = None) -> None:
         """Overwrite this array with ``source`` (a DeviceArray on any device, or a numpy
-        array); shapes and dtypes must match. Both must be C-contiguous if on device."""
+        array); shapes and dtypes must match, layouts may differ (a non-contiguous side
+        is copied with 2D/3D copies)."""
         if isinstance(source, DeviceArray):
             await copy(self, source, stream=stream)
             return
@@ -236,40 +296,61 @@ class DeviceArray:
             raise invalid_value(
                 f"source has shape {host.shape} and dtype {host.dtype}; expected {self.shape} and {self.dtype}"
             )
-        if not self.is_c_contiguous:
-            raise invalid_value("copying into a non-contiguous DeviceArray is not supported")
-        await _upload(self.ptr, np.ascontiguousarray(host), self._stream_for(stream))
+        s = self._stream_for(stream)
+        if self.is_c_contiguous:
+            await _upload(self.ptr, np.ascontiguousarray(host), s)
+        elif _copies.upload(self.ptr, host, s, strides=self.strides):
+            await _finished(s)
+        else:
+            forward, back = self._forward()
+            await forward._scatter(np.ascontiguousarray(host if back is None else host[back]), s)
+
+    async def _scatter(self, host: npt.NDArray[Any], stream: Stream) -> None:
+        """Write C-contiguous ``host`` into this view (walked forwards on every axis):
+        uploaded into a contiguous scratch array, then copied into place on the device."""
+        packed = empty(self.shape, self.dtype, stream=stream)
+        try:
+            await _staging.host_to_device(packed.ptr, host, stream)
+            _copies.copy_strided(self._layout(), packed._layout(), self.shape, self.itemsize, stream)
+        finally:
+            packed.buffer.free()  # stream-ordered: after the copies enqueued above
+        await _finished(stream)
 
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
-        if not self.is_c_contiguous:
-            raise invalid_value("copy() of a non-contiguous DeviceArray is not supported; use to_host()")
         target_device = self.device if device is None else _as_device(device)
         dst = empty(self.shape, self.dtype, device=target_device)
         return await _filled(dst, copy(dst, self, stream=stream))
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
-        """Set every element to ``value`` (a memset when the pattern allows it)."""
-        if not self.is_c_contiguous:
-            raise invalid_value("fill() of a non-contiguous DeviceArray is not supported")
+        """Set every element to ``value``, with memsets where the value's bytes repeat a
+        1, 2 or 4-byte word (2D memsets for a non-contiguous view)."""
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
-        raw = pattern.tobytes()
         s = self._stream_for(stream)
-        driver = self.device._driver
-        self.device.make_current()
-        if raw == raw[:1] * len(raw):
-            driver.memset_d8_async(self.ptr, raw[0], self.nbytes, s.handle)
-        elif len(raw) in (4, 8) and raw == raw[:4] * (len(raw) // 4) and self.ptr % 4 == 0:
-            driver.memset_d32_async(self.ptr, int.from_bytes(raw[:4], "little"), self.nbytes // 4, s.handle)
+        forward, _ = self._forward()
+        if _copies.fill(forward._layout(), self.shape, self.itemsize, pattern.tobytes(), s):
+            await _finished(s)
+        elif self.is_c_contiguous:
+            await _upload(self.ptr, np.full(self.shape, pattern, self.dtype), s)
         else:
-            await _staging.host_to_device(self.ptr, np.full(self.shape, pattern, self.dtype), s)
-        await s.record()
+            await forward._scatter(np.full(self.shape, pattern, self.dtype), s)
 
     # -- interoperability ------------------------------------------------------------------------
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> NoReturn:
+        """Refuses: the data is in device memory, and copying it to the host waits for
+        the GPU. ``await array.to_host()`` does that without blocking."""
+        raise TypeError(
+            "a DeviceArray lives in device memory and is not converted to a numpy array implicitly "
+            "(np.asarray, np.array): copy it with `await array.to_host()`"
+        )
+
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The CUDA Array Interface (version 3), with the array's pending work finished
+        first (``"stream": None``): a wait, which warns on an event loop's thread, unless
+        the array's stream is idle."""
         from ._memory.interop import cuda_array_interface
 
         return cuda_array_interface(self)
@@ -326,6 +407,41 @@ def empty(
     return DeviceArray(dims, dt, buffer=buf)
 
 
+def empty_pitched(
+    shape: int | _Shape,
+    dtype: npt.DTypeLike = np.float32,
+    *,
+    alignment: int = PITCH_ALIGNMENT,
+    device: Device | int | None = None,
+    stream: Stream | None = None,
+    pool: MemoryPool | None = None,
+) -> DeviceArray:
+    """A new DeviceArray whose rows (its last axis) each start at a multiple of
+    ``alignment`` bytes, as ``cuMemAllocPitch`` lays out images and tiles; contents
+    undefined. Allocated stream-ordered like :func:`empty`.
+
+    The padding shows in the strides: ``strides[-2]`` is the row pitch, so the array is
+    not C-contiguous when rows are padded, and copies to or from it are 2D copies.
+    Kernels take the pitch from ``array.strides``.
+    """
+    dims = shape_tuple(shape)
+    dt = _check_dtype(dtype)
+    if alignment <= 0 or alignment & (alignment - 1) or alignment % dt.itemsize:
+        raise invalid_value(
+            f"alignment must be a power of two and a multiple of the item size ({dt.itemsize}), not {alignment}"
+        )
+    if len(dims) < 2:
+        return empty(dims, dt, device=device, stream=stream, pool=pool)
+    pitch = -(-dims[-1] * dt.itemsize // alignment) * alignment
+    strides = [dt.itemsize, pitch]
+    for n in reversed(dims[1:-1]):
+        strides.append(strides[-1] * max(n, 1))
+    if pool is None:
+        pool = MemoryPool.for_device(stream.device if stream is not None else _as_device(device))
+    buf = pool.allocate(math.prod(dims[:-1]) * pitch if dims[-1] else 0, stream)
+    return DeviceArray(dims, dt, tuple(reversed(strides)), buffer=buf)
+
+
 async def zeros(
     shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
@@ -364,7 +480,14 @@ async def to_device(
 async def _upload(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
     """Copy C-contiguous ``host`` to device address ``dst`` and await the copy."""
     await _staging.host_to_device(dst, host, stream)
-    await stream.record()
+    await _finished(stream)
+
+
+async def _finished(stream: Stream) -> None:
+    """Wait for the work just enqueued on ``stream``; on a stream being captured, that
+    work is recorded into a graph, and there is nothing to wait for."""
+    if stream._capture is None:
+        await stream.record()
 
 
 async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
@@ -385,23 +508,15 @@ async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
 
 
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:
-    """Copy ``src`` into ``dst`` (same shape and dtype, both C-contiguous), on one device
-    or between two (a peer copy, which needs no peer access). ``stream`` defaults to the
-    current stream of ``src``'s device."""
+    """Copy ``src`` into ``dst`` (same shape and dtype, any layouts: non-contiguous ones
+    with 2D/3D copies), on one device or between two (a peer copy, which needs no peer
+    access). ``stream`` defaults to the current stream of ``src``'s device."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
-    if not (dst.is_c_contiguous and src.is_c_contiguous):
-        raise invalid_value("copy() needs C-contiguous arrays")
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
-    nbytes = src.nbytes
-    driver = s.device._driver
-    s.device.make_current()
-    if src.device is dst.device:
-        driver.memcpy_dtod_async(dst.ptr, src.ptr, nbytes, s.handle)
-    else:
-        driver.memcpy_peer_async(dst.ptr, dst.device._context, src.ptr, src.device._context, nbytes, s.handle)
+    _copies.copy_strided(dst._layout(), src._layout(), src.shape, src.itemsize, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
-    await s.record()
+    await _finished(s)

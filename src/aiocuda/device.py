@@ -1,15 +1,18 @@
 """Devices: enumeration, attributes, primary contexts and binding them to threads.
 
 ``Device(0)`` always returns the same object for the same ordinal (until the backend is
-switched). Creating it retains the device's primary context -- the one CuPy, PyTorch and
-Numba use too -- once, for the life of the process, so interoperating libraries share
-memory and streams without copies.
+switched). The first use that needs the device's primary context -- the one CuPy,
+PyTorch and Numba use too -- retains it, once, for the life of the process, so
+interoperating libraries share memory and streams without copies. Until then its flags
+can still be chosen (:meth:`Device.set_context_flags`); see :mod:`aiocuda.context`.
 
 CUDA's "current context" is per thread. Every aiocuda call that needs one first calls
-:meth:`Device.make_current`, which remembers per thread which device it bound last and
-skips the driver call when nothing changed. Pitfall: if other code on the same thread
-switches the current context behind aiocuda's back (``torch.cuda.set_device(1)``), call
-``make_current()`` again before using aiocuda on that thread.
+:meth:`Device.make_current`, which asks the driver what is current and binds the
+device's primary context only when something else is (another device's, a library's
+user context), so it stays right whatever other code did on the thread. aiocuda leaves
+its context current afterwards; ``with device:`` makes it current for a block and then
+restores what was current before, for code that must leave another library's current
+device as it found it.
 """
 
 from __future__ import annotations
@@ -19,13 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _driver
+from .context import Context, ContextFlags, Schedule
 from .errors import ArgumentError, ResultCode, error_for_code
 
-__all__ = ["Device", "DeviceProperties", "device_count", "devices"]
+__all__ = ["Device", "DeviceProperties", "PeerAttributes", "device_count", "devices"]
 
 _registry: dict[tuple[int, int], Device] = {}
 _registry_lock = threading.Lock()
-_bound = threading.local()
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,20 +57,52 @@ class DeviceProperties:
     async_engine_count: int
 
 
+@dataclass(frozen=True, slots=True)
+class PeerAttributes:
+    """What the link from one device to another supports (``cuDeviceGetP2PAttribute``).
+
+    Attributes:
+        access_supported: the device can read and write the other's memory directly
+            (what :meth:`Device.can_access_peer` says).
+        native_atomics: atomic operations on the other's memory run natively over the
+            link (NVLink) rather than not at all.
+        cuda_array_access: CUDA arrays (textures) of the other device can be accessed.
+        performance_rank: the link's relative performance; lower is faster (0 for the
+            best links of the system).
+    """
+
+    access_supported: bool
+    native_atomics: bool
+    cuda_array_access: bool
+    performance_rank: int
+
+
 class Device:
     """One CUDA device. Obtain with ``Device(ordinal)`` or :func:`devices`.
 
     Raises :class:`~aiocuda.errors.ArgumentError` for an ordinal out of range.
     """
 
-    __slots__ = ("__weakref__", "_context", "_driver", "_generation", "_handle", "_name", "ordinal")
+    __slots__ = (
+        "__weakref__",
+        "_context_handle",
+        "_context_value",
+        "_driver",
+        "_generation",
+        "_handle",
+        "_name",
+        "_primary",
+        "ordinal",
+    )
 
     ordinal: int
     _driver: _driver.Driver
     _handle: Any
-    _context: Any
+    _context_handle: Any
+    _context_value: int
     _generation: int
     _name: str
+    _primary: Context | None
 
     def __new__(cls, ordinal: int = 0) -> Device:
         if isinstance(ordinal, bool) or not isinstance(ordinal, int):
@@ -86,7 +121,9 @@ class Device:
             self.ordinal = ordinal
             self._driver = backend
             self._handle = handle
-            self._context = backend.primary_context_retain(handle)
+            self._context_handle = None
+            self._context_value = -1
+            self._primary = None
             self._generation = key[0]
             self._name = backend.device_name(handle)
             _registry[key] = self
@@ -98,12 +135,89 @@ class Device:
     def __repr__(self) -> str:
         return f"<Device {self.ordinal}: {self._name}>"
 
-    # -- context binding -------------------------------------------------------------------
+    # -- contexts ---------------------------------------------------------------------------
+    @property
+    def _context(self) -> Any:
+        """The primary context's handle, retained on first use."""
+        handle = self._context_handle
+        if handle is None:
+            with _registry_lock:
+                if self._context_handle is None:
+                    retained = self._driver.primary_context_retain(self._handle)
+                    self._context_value = self._driver.handle_value(retained)
+                    self._context_handle = retained
+                handle = self._context_handle
+        return handle
+
     def make_current(self) -> None:
-        """Bind this device's primary context to the calling thread (cached per thread)."""
-        if getattr(_bound, "device", None) is not self:
-            self._driver.set_current(self._context)
-            _bound.device = self
+        """Make this device's primary context current on the calling thread, unless it
+        already is (a cheap query; it replaces what is current otherwise)."""
+        handle = self._context
+        if self._driver.context_current_value() != self._context_value:
+            self._driver.set_current(handle)
+
+    @property
+    def context(self) -> Context:
+        """The device's primary context (see :mod:`aiocuda.context`)."""
+        primary = self._primary
+        if primary is None:
+            primary = self._primary = Context._create(self, self._context, True)
+        return primary
+
+    def __enter__(self) -> Device:
+        """``with device:`` makes the primary context current on this thread for the
+        block, then restores what was current before (see :class:`~aiocuda.Context`)."""
+        self.context.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.context.__exit__(*exc)
+
+    def context_flags(self) -> ContextFlags:
+        """The primary context's flags, without making it active."""
+        flags, _ = self._driver.primary_context_get_state(self._handle)
+        return ContextFlags.from_value(flags)
+
+    @property
+    def context_active(self) -> bool:
+        """Whether the primary context exists yet (aiocuda or another library used it)."""
+        return self._driver.primary_context_get_state(self._handle)[1]
+
+    def set_context_flags(self, *, schedule: Schedule | None = None, lmem_resize_to_max: bool | None = None) -> None:
+        """Set flags of the primary context, keeping the others
+        (``cuDevicePrimaryCtxSetFlags``): ``schedule`` -- ``"auto"``, ``"spin"``,
+        ``"yield"`` or ``"blocking_sync"`` -- and ``lmem_resize_to_max``.
+
+        Call it before the context is first used, by aiocuda or any library sharing it
+        (:attr:`context_active` tells): the driver applies flags when it creates the
+        context, and a context already running keeps some of what it was created with.
+        The primary context is shared: the flags apply to PyTorch's, CuPy's and Numba's
+        work on the device too. See :mod:`aiocuda.context` for what the schedule does.
+        """
+        current_value, _ = self._driver.primary_context_get_state(self._handle)
+        current = ContextFlags.from_value(current_value)
+        wanted = ContextFlags(
+            current.schedule if schedule is None else schedule,
+            current.lmem_resize_to_max if lmem_resize_to_max is None else lmem_resize_to_max,
+        )
+        unnamed = current_value & ~(0x7 | 0x10)  # bits aiocuda does not name are kept
+        self._driver.primary_context_set_flags(self._handle, wanted.value | unnamed)
+
+    def create_context(self, *, schedule: Schedule = "auto", lmem_resize_to_max: bool = False) -> Context:
+        """A new user context on this device (``cuCtxCreate``) with these flags; what is
+        current on the calling thread stays current. Destroy it with
+        :meth:`Context.close` (or let it be collected). aiocuda's own streams, memory and
+        kernels stay in the primary context; use a user context for code that drives
+        CUDA directly inside ``with context:``."""
+        flags = ContextFlags(schedule, lmem_resize_to_max)
+        handle = self._driver.context_create(self._handle, flags.value)
+        return Context._create(self, handle, False)
+
+    async def synchronize(self) -> None:
+        """Wait until all work on the device's primary context has finished, whoever
+        enqueued it (``cuCtxSynchronize`` on a worker thread; the loop keeps running).
+        See :meth:`Context.synchronize`."""
+        await self.context.synchronize()
 
     # -- identity and attributes -----------------------------------------------------------
     @property
@@ -180,6 +294,20 @@ class Device:
     def can_access_peer(self, other: Device) -> bool:
         """Whether this device can read and write ``other``'s memory directly."""
         return self._driver.device_can_access_peer(self._handle, other._handle)
+
+    def peer_attributes(self, other: Device) -> PeerAttributes:
+        """What the link to ``other`` supports: access, native atomics, CUDA array
+        access and its performance rank. ArgumentError for the device itself."""
+
+        def get(name: str) -> int:
+            return self._driver.device_p2p_attribute(self._handle, other._handle, name)
+
+        return PeerAttributes(
+            access_supported=bool(get("access_supported")),
+            native_atomics=bool(get("native_atomic_supported")),
+            cuda_array_access=bool(get("access_access_supported")),
+            performance_rank=get("performance_rank"),
+        )
 
     def enable_peer_access(self, other: Device) -> None:
         """Let this device access ``other``'s memory (idempotent).

@@ -6,7 +6,8 @@ driver's result code (``.code``), its symbolic name (``.name``, e.g.
 for the situations callers branch on:
 
 * :class:`OutOfMemoryError` -- an allocation could not be satisfied (also a
-  :class:`MemoryError`).
+  :class:`MemoryError`). :class:`OversubscriptionError`, a subclass, is raised before
+  asking for managed memory the device does not have.
 * :class:`ContextPoisonedError` -- a *sticky* error (illegal address, kernel assert, ...)
   has corrupted a device's context. Every later call on that device fails; the only
   cure is a new process.
@@ -21,6 +22,13 @@ for the situations callers branch on:
   Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
+* :class:`CaptureError` -- an operation cannot be captured into a graph (a wait for the
+  GPU, a synchronous call, a pageable copy that needs staging), or the capture it was
+  part of failed.
+* :class:`GraphUpdateError` -- new parameters or a new capture do not fit an
+  instantiated graph (another topology, another kind of node, another device).
+* :class:`ExporterLostError` -- memory shared by another process can no longer be used:
+  that process ended, or stopped sharing it.
 
 :class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
 instead (see :mod:`aiocuda.backend`).
@@ -39,13 +47,17 @@ __all__ = [
     "ArgumentError",
     "BackendError",
     "BlockingCallWarning",
+    "CaptureError",
     "ClosedError",
     "CompileError",
     "ContextPoisonedError",
     "CudaError",
+    "ExporterLostError",
+    "GraphUpdateError",
     "LaunchError",
     "NoDeviceError",
     "OutOfMemoryError",
+    "OversubscriptionError",
     "ResultCode",
     "SimulatedBackendWarning",
     "error_for_code",
@@ -69,12 +81,14 @@ class ResultCode:
     INVALID_CONTEXT = 201
     NO_BINARY_FOR_GPU = 209
     ECC_UNCORRECTABLE = 214
+    UNSUPPORTED_LIMIT = 215
     PEER_ACCESS_UNSUPPORTED = 217
     INVALID_PTX = 218
     UNSUPPORTED_PTX_VERSION = 222
     INVALID_SOURCE = 300
     FILE_NOT_FOUND = 301
     INVALID_HANDLE = 400
+    ILLEGAL_STATE = 401
     NOT_FOUND = 500
     NOT_READY = 600
     ILLEGAL_ADDRESS = 700
@@ -95,6 +109,16 @@ class ResultCode:
     COOPERATIVE_LAUNCH_TOO_LARGE = 720
     NOT_PERMITTED = 800
     NOT_SUPPORTED = 801
+    STREAM_CAPTURE_UNSUPPORTED = 900
+    STREAM_CAPTURE_INVALIDATED = 901
+    STREAM_CAPTURE_MERGE = 902
+    STREAM_CAPTURE_UNMATCHED = 903
+    STREAM_CAPTURE_UNJOINED = 904
+    STREAM_CAPTURE_ISOLATION = 905
+    STREAM_CAPTURE_IMPLICIT = 906
+    CAPTURED_EVENT = 907
+    STREAM_CAPTURE_WRONG_THREAD = 908
+    GRAPH_EXEC_UPDATE_FAILURE = 910
     UNKNOWN = 999
 
 
@@ -131,6 +155,7 @@ _ARGUMENT_CODES = frozenset(
         ResultCode.INVALID_HANDLE,
         ResultCode.INVALID_CONTEXT,
         ResultCode.NOT_FOUND,
+        ResultCode.UNSUPPORTED_LIMIT,
         ResultCode.PEER_ACCESS_UNSUPPORTED,
         ResultCode.HOST_MEMORY_ALREADY_REGISTERED,
         ResultCode.HOST_MEMORY_NOT_REGISTERED,
@@ -146,6 +171,21 @@ _LAUNCH_CODES = frozenset(
         ResultCode.INVALID_PTX,
         ResultCode.UNSUPPORTED_PTX_VERSION,
         ResultCode.INVALID_SOURCE,
+    }
+)
+
+
+_CAPTURE_CODES = frozenset(
+    {
+        ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+        ResultCode.STREAM_CAPTURE_INVALIDATED,
+        ResultCode.STREAM_CAPTURE_MERGE,
+        ResultCode.STREAM_CAPTURE_UNMATCHED,
+        ResultCode.STREAM_CAPTURE_UNJOINED,
+        ResultCode.STREAM_CAPTURE_ISOLATION,
+        ResultCode.STREAM_CAPTURE_IMPLICIT,
+        ResultCode.CAPTURED_EVENT,
+        ResultCode.STREAM_CAPTURE_WRONG_THREAD,
     }
 )
 
@@ -180,6 +220,20 @@ class OutOfMemoryError(CudaError, MemoryError):
     """Device (or pinned host) memory could not be allocated, even after releasing caches."""
 
 
+class OversubscriptionError(OutOfMemoryError):
+    """Managed memory beyond what the device has was asked for without saying so.
+
+    Oversubscribed managed memory migrates pages back and forth on every access and can
+    stall the GPU for every process that shares it, so aiocuda refuses it unless the
+    call passes ``oversubscribe=True``.
+    """
+
+
+class ExporterLostError(CudaError):
+    """Memory (or an event) shared by another process can no longer be used: that
+    process ended, or stopped sharing it, and the memory may already be reused."""
+
+
 class ContextPoisonedError(CudaError):
     """A sticky error has poisoned the device's context; nothing more will run on it.
 
@@ -201,10 +255,11 @@ class LaunchError(CudaError):
 
 
 class CompileError(CudaError):
-    """A program failed to compile; ``log`` holds NVRTC's full log (also in the message).
+    """A program failed to compile or link; ``log`` holds NVRTC's or the linker's full
+    log (also in the message).
 
-    Also raised, with an empty log, when NVRTC itself cannot be loaded (the message
-    says which package to install).
+    Also raised, with an empty log, when NVRTC or nvJitLink itself cannot be loaded (the
+    message says which package to install).
     """
 
     def __init__(self, message: str, *, log: str = "", name: str = "AIOCUDA_COMPILE_ERROR") -> None:
@@ -219,6 +274,22 @@ class BackendError(CudaError, ValueError):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, name="AIOCUDA_UNKNOWN_BACKEND")
+
+
+class CaptureError(CudaError):
+    """An operation cannot be captured into a graph, or the capture failed.
+
+    Raised at the call that cannot be captured -- awaiting or synchronizing a stream that
+    is being captured (captured work does not run until the graph is launched), a copy
+    of pageable host memory (it needs staging through host threads), a wait on work
+    outside the capture -- and when ending a capture that the driver invalidated.
+    """
+
+
+class GraphUpdateError(CudaError):
+    """New parameters or a new capture do not fit an instantiated graph: another
+    topology, another kind of node, another device, or arguments its kernel does not
+    take. The graph is unchanged; capture it again instead."""
 
 
 class ClosedError(RuntimeError):
@@ -257,6 +328,10 @@ def error_for_code(code: int, name: str, description: str, call: str = "") -> Cu
         cls = ArgumentError
     elif code in _LAUNCH_CODES:
         cls = LaunchError
+    elif code in _CAPTURE_CODES:
+        cls = CaptureError
+    elif code == ResultCode.GRAPH_EXEC_UPDATE_FAILURE:
+        cls = GraphUpdateError
     else:
         cls = CudaError
     where = f"{call}: " if call else ""

@@ -20,7 +20,7 @@ from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
 from ._completion.loops import warn_if_on_loop
 from .device import Device, _as_device
-from .errors import ArgumentError
+from .errors import ArgumentError, CaptureError
 
 __all__ = ["Event"]
 
@@ -55,12 +55,15 @@ class Event:
         device: the device (or ordinal) the event belongs to; default device 0.
         timing: record timestamps so :meth:`elapsed_ms` works (costs a little on record).
         blocking_sync: make :meth:`synchronize` sleep instead of spinning.
+        interprocess: let other processes await it (:func:`aiocuda.ipc.share_event`);
+            such an event has no timing.
 
     An event that was never recorded counts as complete, as in CUDA.
     """
 
     __slots__ = (
         "__weakref__",
+        "_capture",
         "_closed",
         "_device",
         "_driver",
@@ -69,35 +72,73 @@ class Event:
         "_stream_handle",
         "_waits",
         "blocking_sync",
+        "interprocess",
         "timing",
     )
 
-    def __init__(self, device: Device | int | None = None, *, timing: bool = False, blocking_sync: bool = False):
+    def __init__(
+        self,
+        device: Device | int | None = None,
+        *,
+        timing: bool = False,
+        blocking_sync: bool = False,
+        interprocess: bool = False,
+    ):
         dev = _as_device(device)
+        if interprocess and (timing or blocking_sync):
+            raise ArgumentError(
+                "an interprocess event has no timing and no blocking synchronisation", name="CUDA_ERROR_INVALID_VALUE"
+            )
         dev.make_current()
         self._device = dev
         self._driver = dev._driver
         self.timing = timing
         self.blocking_sync = blocking_sync
-        self._handle = self._driver.event_create(timing, blocking_sync)
+        self.interprocess = interprocess
+        if interprocess:
+            self._handle = self._driver.ipc_event_create()
+        else:
+            self._handle = self._driver.event_create(timing, blocking_sync)
         self._stream_handle: Any = None
+        self._capture: Any = None
+        """The capture the event was last recorded in, if any (see ``aiocuda.graph``)."""
         self._closed = False
         self._waits = 0
         self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
 
     @classmethod
-    def _pooled(cls, device: Device, handle: Any, stream_handle: Any) -> Event:
+    def _pooled(cls, device: Device, handle: Any, stream_handle: Any, capture: Any = None) -> Event:
         """An Event over a pooled handle, returned to the pool when collected."""
         self = object.__new__(cls)
+        self._capture = capture
         self._device = device
         self._driver = device._driver
         self.timing = False
         self.blocking_sync = False
+        self.interprocess = False
         self._handle = handle
         self._stream_handle = stream_handle
         self._closed = False
         self._waits = 0
         self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, EventPool.for_device(device))
+        return self
+
+    @classmethod
+    def _opened(cls, device: Device, handle: Any) -> Event:
+        """An Event over one opened from another process's handle (destroyed when
+        collected). Its recording happened there: it counts as recorded here."""
+        self = object.__new__(cls)
+        self._capture = None
+        self._device = device
+        self._driver = device._driver
+        self.timing = False
+        self.blocking_sync = False
+        self.interprocess = True
+        self._handle = handle
+        self._stream_handle = handle  # no stream of ours: the handle keys its wait history
+        self._closed = False
+        self._waits = 0
+        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, None)
         return self
 
     @property
@@ -117,24 +158,41 @@ class Event:
             )
         return self._handle
 
-    def record(self, stream: _OnStream) -> Event:
-        """Mark the current end of ``stream``'s work; returns ``self``."""
-        self._driver.event_record(self._live(), stream.handle)
+    def record(self, stream: _OnStream, *, external: bool = False) -> Event:
+        """Mark the current end of ``stream``'s work; returns ``self``.
+
+        ``external=True`` records with ``CU_EVENT_RECORD_EXTERNAL``: inside a stream
+        capture the record becomes a node of the captured graph, so that each launch of
+        the graph records the event (for waits outside the graph); outside a capture it
+        is an ordinary record."""
+        if external:
+            self._driver.event_record_external(self._live(), stream.handle)
+        else:
+            self._driver.event_record(self._live(), stream.handle)
         self._stream_handle = stream.handle
+        # An external record in a capture is a node: each replay records the event, which
+        # can then be awaited like any other; a plain one only marks the capture's work.
+        self._capture = None if external else getattr(stream, "_capture", None)
         return self
 
     def query(self) -> bool:
         """True once the recorded work has finished (raises a poisoned context's error)."""
+        if self._capture is not None:
+            raise _captured("event.query()")
         return self._driver.event_query(self._live())
 
     def synchronize(self) -> None:
         """Block the calling thread until the event completes. For synchronous code only:
         in a coroutine, ``await event`` instead (on an event loop's thread this warns,
         :class:`~aiocuda.errors.BlockingCallWarning`)."""
+        if self._capture is not None:
+            raise _captured("event.synchronize()")
         warn_if_on_loop("Event.synchronize()")
         self._driver.event_synchronize(self._live())
 
     def __await__(self) -> Generator[Any, Any, None]:
+        if self._capture is not None:
+            raise _captured("await event")
         handle = self._live()
         if self._stream_handle is None:
             return _complete()  # never recorded: complete, as in CUDA
@@ -171,3 +229,11 @@ class Event:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "unrecorded" if self._stream_handle is None else "recorded"
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"
+
+
+def _captured(what: str) -> CaptureError:
+    return CaptureError(
+        f"{what}: the event was recorded in a stream being captured into a graph, where work does not run "
+        "until the graph is launched; await the launch instead",
+        name="AIOCUDA_NOT_CAPTURABLE",
+    )

@@ -53,6 +53,7 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any
 
@@ -61,7 +62,8 @@ import numpy.typing as npt
 
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.device_streams import DeviceStreams
-from ._executor.lanes import Lanes
+from ._executor.graph_mode import GraphLanes
+from ._executor.lanes import PRIORITIES, Lanes, Priority
 from ._executor.pipeline import OnError, Pipeline, as_input, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -92,6 +94,10 @@ class Executor:
             the chunks in flight may reserve; placement waits beyond it.
         trace: record every step's GPU start and end (:attr:`trace`); costs two event
             records per step.
+        priority: the stream priority of the pipelines' streams: ``"normal"`` (the
+            default, the least urgent) or ``"high"``. :meth:`submit` chooses its own per
+            request, so interactive requests submitted ``priority="high"`` overtake the
+            pipelines' kernels on the GPU.
 
     Use as ``async with Executor(...) as ex``. Entering enables peer access between every
     pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
@@ -108,7 +114,10 @@ class Executor:
         chunks_per_device: int = 8,
         memory_fraction: float = 0.5,
         trace: bool = False,
+        priority: Priority = "normal",
     ) -> None:
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         if compute_streams < 1:
             raise ValueError(f"compute_streams must be >= 1, got {compute_streams}")
         if chunks_per_device < 1:
@@ -119,6 +128,7 @@ class Executor:
         self._compute_streams = compute_streams
         self._chunks_per_device = chunks_per_device
         self._memory_fraction = memory_fraction
+        self._priority: Priority = priority
         self._trace = Trace() if trace else None
         self._device_streams: tuple[DeviceStreams, ...] = ()
         self._by_ordinal: dict[int, DeviceStreams] = {}
@@ -128,6 +138,9 @@ class Executor:
         self._submitted = 0  # chunks run by submit(), for their index in traces
         self._request_lanes: dict[int, Lanes] = {}
         """submit()'s lanes, by device ordinal."""
+        self._graph_lanes: weakref.WeakKeyDictionary[Any, dict[int, GraphLanes]] = weakref.WeakKeyDictionary()
+        """Graph mode's captured graphs, by stage and device ordinal: every pipeline of a
+        stage replays them."""
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
@@ -137,7 +150,9 @@ class Executor:
                 for b in self.devices:
                     await enable_peer_access(a, b)
             for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
-                lanes = Lanes(per_device.device, count=self._chunks_per_device, staging=_SUBMIT_STAGING)
+                lanes = Lanes(
+                    per_device.device, count=self._chunks_per_device, priorities=PRIORITIES, staging=_SUBMIT_STAGING
+                )
                 self._request_lanes[per_device.device.ordinal] = lanes
                 await lanes.start()
         except BaseException:
@@ -174,6 +189,7 @@ class Executor:
                     compute_streams=self._compute_streams,
                     max_chunks=self._chunks_per_device,
                     budget=int(free * self._memory_fraction),
+                    priority=self._priority,
                 )
             )
         self._device_streams = tuple(device_streams)
@@ -204,6 +220,10 @@ class Executor:
                 stream.close()
         for lanes in self._request_lanes.values():
             lanes.close()
+        for per_stage in self._graph_lanes.values():
+            for graph_lanes in per_stage.values():
+                graph_lanes.close()
+        self._graph_lanes.clear()
         if self._trace is not None:
             self._trace.close()
 
@@ -219,6 +239,7 @@ class Executor:
         placement: PlacementName = "round_robin",
         output: OutputFn | None = None,
         name: str | None = None,
+        graph: bool = False,
     ) -> Pipeline:
         """A pipeline applying ``stage`` to every host array of ``inputs``; use it as
         ``async with ex.map(...) as results: async for r in results: ...``.
@@ -246,6 +267,18 @@ class Executor:
                 ``index`` into (same shape and dtype; pinned for full speed, e.g. a
                 slice of one big pinned array). Default: a new pageable array.
             name: the stage's name in traces (default ``stage.__name__``).
+            graph: graph mode: capture each chunk's upload, stage and download once per
+                device (and per graph lane) into a CUDA graph and replay it for later
+                chunks of the same shape and dtype with their own addresses, which costs
+                the host a fraction of running the stage. The stage is then called only
+                while capturing: use it for stages whose work depends on the chunk's
+                shape and dtype, not on ``ctx.index`` or the data. The first chunk of each
+                device runs normally (warming up modules and libraries); a stage that
+                cannot be captured runs normally, with a note in the trace. The graphs
+                are kept for later pipelines of the same stage object until the executor
+                closes (a stage whose work changes must be a new object). Results of
+                replays are page-locked arrays by default. Same results, ordering,
+                back-pressure and errors as without.
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
@@ -265,7 +298,17 @@ class Executor:
             in_flight=limit,
             on_error=on_error,
             placement=placement,
+            graph=graph,
+            graph_lanes=self._graphs_of(stage) if graph else None,
         )
+
+    def _graphs_of(self, stage: Stage) -> dict[int, GraphLanes] | None:
+        """The captured graphs of ``stage``, kept for every pipeline of it (None for a
+        stage that cannot be referenced weakly: its pipelines capture their own)."""
+        try:
+            return self._graph_lanes.setdefault(stage, {})
+        except TypeError:
+            return None
 
     async def submit(
         self,
@@ -275,6 +318,7 @@ class Executor:
         placement: PlacementName = "least_loaded",
         output: OutputFn | None = None,
         name: str | None = None,
+        priority: Priority = "normal",
     ) -> npt.NDArray[Any]:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
@@ -285,15 +329,21 @@ class Executor:
         :mod:`aiocuda.lanes`) with a single host wait, without a pipeline's events between
         streams. Raises the chunk's error; cancelling the awaiting task cancels the chunk
         (memory returned).
+
+        ``priority="high"`` runs the chunk on a stream of the device's greatest priority
+        (and hands it the next free lane first): its kernels overtake those of normal
+        requests and of the executor's pipelines on the GPU.
         """
         if not self._open:
             raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        if priority not in PRIORITIES:
+            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
         placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
         try:
-            async with self._request_lanes[placed.device.ordinal].lease() as lane:
+            async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
                 return await self._runner(stage, output, name).run(index, array, placed, lane)
         finally:
             placed.completed += 1

@@ -1,26 +1,34 @@
-"""Page-locked (pinned) host memory: arrays for users, and a registry of pinned ranges.
+"""Page-locked (pinned) host memory.
 
 Copies between the GPU and pinned memory run at full DMA speed and truly asynchronously;
-copies from ordinary (pageable) memory are staged by aiocuda through pooled pinned
-chunks (:mod:`aiocuda._memory.staging`). Two ways to get pinned numpy arrays:
+aiocuda stages copies from ordinary (pageable) memory through pinned chunks of its own.
+Two ways to get pinned numpy arrays:
 
-* :func:`pinned_empty` / :func:`pinned_zeros` -- a new numpy array in ``cuMemHostAlloc``
+* :func:`pinned_empty` / :func:`pinned_zeros` -- a new numpy array in page-locked
   memory (portable across devices). The memory is freed when the array and every view
   of it are gone.
-* :func:`register_host` -- pin an existing numpy array in place (``cuMemHostRegister``)
-  for the life of the returned :class:`HostRegistration` (a context manager).
+* :func:`register_host` -- pin an existing numpy array in place for the life of the
+  returned :class:`HostRegistration` (a context manager).
 
-Pitfalls: pinning is expensive (milliseconds per call: 1.7 ms for 1 MiB, 38 ms for 64
-MiB on an H100) and pinned memory is taken from the OS for good while pinned, so pin
-big, long-lived buffers, not per request. Freeing and unpinning are worse: the driver
-first waits until the device is idle, holding a lock that other threads' driver calls
-need meanwhile. So aiocuda keeps the blocks of collected pinned arrays for reuse by
-later ones of the same size class (:mod:`aiocuda._memory.pinned_cache`; :func:`empty_cache`
-gives them back), and unpins registered arrays on a background thread
-(:mod:`aiocuda._memory.offloop`): dropping a pinned array never stalls an event loop.
-aiocuda's copies hold a reference to the pinned owner while the DMA is in flight, so
-unregistering or dropping an array mid-copy is safe.
+```python
+out = aiocuda.pinned_empty((1024, 1024), np.float32)
+await device_array.to_host(out=out)       # one DMA, no staging
+```
+
+Pitfalls: pinning costs milliseconds per call and takes the memory from the OS for as
+long as it stays pinned, so pin big, long-lived buffers, not per request. Freeing and
+unpinning wait, inside the driver, until the device is idle; so aiocuda keeps the blocks
+of collected pinned arrays for reuse by later ones of the same size class
+(:func:`empty_cache` gives them back, :func:`cached_bytes` counts them), and unpins
+registered arrays on a background thread: dropping a pinned array never stalls an event
+loop. aiocuda's copies keep the pinned memory alive while their DMA is in flight, so
+closing a registration or dropping an array mid-copy is safe.
 """
+
+# Measured on an H100: cuMemHostAlloc takes 1.7 ms for 1 MiB and 38 ms for 64 MiB;
+# cuMemFreeHost and cuMemHostUnregister return only once a kernel running on any
+# stream has finished, holding a driver lock that other threads' calls need meanwhile
+# (see aiocuda._memory.pinned_cache and aiocuda._memory.offloop).
 
 from __future__ import annotations
 
@@ -68,7 +76,13 @@ def pinned_empty(
     """
     dims = shape_tuple(shape)
     dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise invalid_value(f"dtype {dt} holds Python objects and cannot live in pinned memory")
     nbytes = math.prod(dims) * dt.itemsize
+    if nbytes >= 1 << 64:
+        raise invalid_value(
+            f"a pinned array of shape {dims} and dtype {dt} would take {nbytes} bytes, more than a 64-bit size"
+        )
     dev = _as_device(device)
     owner = PinnedAllocation(dev, max(nbytes, 1))
     return _array_over(owner, owner.ptr, dims, dt)
@@ -90,9 +104,8 @@ class HostRegistration:
 
     The registration keeps the array alive; do not resize it while registered. The
     driver unpins only once the device is idle, so the unpinning itself happens on a
-    background thread (:mod:`aiocuda._memory.offloop`), never blocking the event loop; the
-    array is kept alive until it is done, and registering the same memory again waits
-    for it.
+    background thread, never blocking the event loop; the array is kept alive until it
+    is done, and registering the same memory again waits for it.
     """
 
     __slots__ = ("__weakref__", "_finalizer", "array", "ptr", "size")

@@ -38,9 +38,11 @@ from typing import Any
 
 from . import _driver
 from ._driver import Dim3, LaunchConfig
+from ._graph import kernels as _graph_kernels
 from ._kernels.packing import ParamBuffer, build_launcher
 from ._kernels.signature import Signature
 from ._util import NoPublicConstructor
+from .context import CacheConfig
 from .device import Device, _as_device
 from .errors import LaunchError, ResultCode
 from .module import Module
@@ -82,6 +84,12 @@ def _config(
     if block is None or block is _CONFIG:
         raise LaunchError("give the block dimensions too (or one LaunchConfig)", name="AIOCUDA_BAD_CONFIG")
     return LaunchConfig(grid, block, shared_mem=shared_mem, cooperative=cooperative, cluster=cluster)
+
+
+def _checked(config: Any) -> LaunchConfig:
+    if not isinstance(config, LaunchConfig):
+        raise LaunchError(f"give a LaunchConfig, not {type(config).__name__}", name="AIOCUDA_BAD_CONFIG")
+    return config
 
 
 def _stream(stream: Any) -> Stream:
@@ -176,6 +184,7 @@ class Kernel(metaclass=NoPublicConstructor):
             handle = self.module.handle(dev)
             dev.make_current()
             func = self._functions[key] = dev._driver.module_get_function(handle, self.module.symbol(self.name))
+            _graph_kernels.register(dev._driver, func, self)  # so that graphs can read its nodes
         return func
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
@@ -195,18 +204,71 @@ class Kernel(metaclass=NoPublicConstructor):
         get = self.attribute
         return KernelAttributes(**{field: get(field, device) for field in KernelAttributes.__dataclass_fields__})
 
-    def max_active_blocks(self, block_size: int, shared_mem: int = 0, device: Device | int | None = None) -> int:
-        """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor."""
+    def set_cache_config(self, config: CacheConfig, device: Device | int | None = None) -> None:
+        """The kernel's preferred split of on-chip memory between L1 and shared memory
+        (``cuFuncSetCacheConfig``): ``"prefer_none"``, ``"prefer_shared"``,
+        ``"prefer_l1"`` or ``"prefer_equal"``. A preference; it overrides the context's
+        (:meth:`aiocuda.Context.set_cache_config`) for this kernel."""
         dev = _as_device(device)
         dev.make_current()
-        return dev._driver.occupancy_max_active_blocks(self.function(dev), block_size, shared_mem)
+        dev._driver.function_set_cache_config(self.function(dev), config)
 
-    def suggested_block_size(self, shared_mem: int = 0, device: Device | int | None = None) -> tuple[int, int]:
-        """``(min_grid_size, block_size)`` maximising occupancy (``cuOccupancyMaxPotentialBlockSize``):
-        launch at least ``min_grid_size`` blocks of ``block_size`` threads to fill the GPU."""
+    def max_active_blocks(
+        self,
+        block_size: int,
+        shared_mem: int = 0,
+        device: Device | int | None = None,
+        *,
+        caching_override: bool = True,
+    ) -> int:
+        """Occupancy: how many blocks of ``block_size`` threads fit on one multiprocessor.
+
+        ``caching_override=False`` asks what fits when the global caching setting does
+        not override the kernel's own cache configuration
+        (``CU_OCCUPANCY_DISABLE_CACHING_OVERRIDE``)."""
         dev = _as_device(device)
         dev.make_current()
-        return dev._driver.occupancy_max_potential_block_size(self.function(dev), shared_mem)
+        return dev._driver.occupancy_max_active_blocks(self.function(dev), block_size, shared_mem, not caching_override)
+
+    def suggested_block_size(
+        self,
+        shared_mem: int = 0,
+        device: Device | int | None = None,
+        *,
+        max_block_size: int = 0,
+        caching_override: bool = True,
+    ) -> tuple[int, int]:
+        """``(min_grid_size, block_size)`` maximising occupancy (``cuOccupancyMaxPotentialBlockSize``):
+        launch at least ``min_grid_size`` blocks of ``block_size`` threads to fill the GPU.
+        ``max_block_size`` caps the block size (0: the kernel's limit)."""
+        dev = _as_device(device)
+        dev.make_current()
+        return dev._driver.occupancy_max_potential_block_size(
+            self.function(dev), shared_mem, max_block_size, not caching_override
+        )
+
+    def available_shared_memory(self, blocks_per_sm: int, block_size: int, device: Device | int | None = None) -> int:
+        """Dynamic shared memory per block, in bytes, that still lets ``blocks_per_sm``
+        blocks of ``block_size`` threads run on one multiprocessor at once
+        (``cuOccupancyAvailableDynamicSMemPerBlock``); 0 when they cannot fit anyway."""
+        dev = _as_device(device)
+        dev.make_current()
+        return dev._driver.occupancy_available_dynamic_smem(self.function(dev), blocks_per_sm, block_size)
+
+    def max_active_clusters(self, config: LaunchConfig, device: Device | int | None = None) -> int:
+        """How many thread-block clusters of ``config.cluster`` (and its block and shared
+        memory) can be resident on the device at once (``cuOccupancyMaxActiveClusters``)."""
+        dev = _as_device(device)
+        dev.make_current()
+        return dev._driver.occupancy_max_active_clusters(self.function(dev), _checked(config))
+
+    def max_cluster_size(self, config: LaunchConfig, device: Device | int | None = None) -> int:
+        """The largest cluster size (blocks) this kernel can launch with ``config``'s
+        block and shared memory (``cuOccupancyMaxPotentialClusterSize``); above 8 needs
+        the ``non_portable_cluster_size_allowed`` attribute set."""
+        dev = _as_device(device)
+        dev.make_current()
+        return dev._driver.occupancy_max_potential_cluster_size(self.function(dev), _checked(config))
 
     # -- launching ----------------------------------------------------------------------------------
     def bind(
@@ -350,6 +412,13 @@ class Kernel(metaclass=NoPublicConstructor):
             if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
                 self._launchers.clear()
             self._launchers[key] = launcher
+
+    def _pack(self, args: tuple[Any, ...]) -> ParamBuffer:
+        """``args`` packed for this kernel's signature (a graph's kernel node update);
+        LaunchError naming a bad argument."""
+        buffer = ParamBuffer(self._require_signature())
+        buffer.pack(args, None)
+        return buffer
 
     def _require_signature(self) -> Signature:
         if self.signature is None:

@@ -1,9 +1,24 @@
 """Modules: compiled code (PTX, cubin, fatbin), loaded lazily on each device that uses it.
 
 A :class:`Module` holds an image, not a driver handle: the image is loaded into a
-device's context (``cuModuleLoadData``) the first time a kernel of it is used on that
-device, so one module serves every GPU of its architecture. Loading failures carry the
-driver's JIT log in the message.
+device's context (``cuModuleLoadDataEx``, with the module's :class:`JitOptions`) the
+first time it is used on that device, so one module serves every GPU of its
+architecture. Loading failures carry the driver's JIT log in the message;
+:meth:`Module.jit_log` gives the info log of a load that succeeded.
+
+Variables: ``module.get_global("coeffs")`` is a :class:`~aiocuda.DeviceArray` over a
+``__constant__`` or ``__device__`` variable (``cuModuleGetGlobal``), read and written
+with the array's awaitable copies::
+
+    coeffs = module.get_global("coeffs", device=0)      # float[16], from the source
+    await coeffs.copy_from(np.arange(16, dtype=np.float32))
+    kernel.launch(grid, block, x, n, stream=s)           # reads the new values
+    values = await coeffs.to_host()
+
+Linking: :meth:`Module.link` links relocatable modules (``ProgramOptions(
+relocatable_device_code=True)``), LTO-IR (``ProgramOptions(lto=True)``), objects and
+libraries (``Module.from_file("libfoo.a")``) into one loadable module, so kernels can
+call device functions defined in other programs.
 
 ``unload()`` (or collecting the module) unloads it from every device. Pitfall: kernels
 and launchers keep their module alive, but an explicit ``unload()`` while launchers of
@@ -12,6 +27,7 @@ it are still used makes those launches fail -- unload only what you are done wit
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import threading
@@ -19,19 +35,30 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from . import _driver
+from ._driver import JitOptions
+from ._kernels import linking as _linking
 from ._kernels.signature import Signature, parse_signature, ptx_signatures
+from ._kernels.symbols import Variable, ptx_variables
 from ._memory import offloop as _offloop
+from ._memory.buffers import OwnedBuffer
 from ._util import invalid_value
-from .device import Device
-from .errors import ArgumentError
+from .array import DeviceArray
+from .device import Device, _as_device
+from .errors import ArgumentError, CompileError
+from .stream import Stream, current_stream
 
 if TYPE_CHECKING:
     from .kernel import Kernel
 
-__all__ = ["Module"]
+__all__ = ["JitOptions", "Module"]
 
-_KINDS = ("ptx", "cubin", "fatbin", "sim")
+_LOADABLE = ("ptx", "cubin", "fatbin", "sim")
+_KINDS = (*_LOADABLE, "ltoir", "object", "library")
+_SUFFIXES = {"ptx": "ptx", "cubin": "cubin", "fatbin": "fatbin", "ltoir": "ltoir", "o": "object", "a": "library"}
 
 
 def _unload_all(handles: dict[tuple[int, int], tuple[Device, Any]]) -> None:
@@ -56,26 +83,37 @@ class Module:
     :meth:`aiocuda.Program.compile`.
 
     Args:
-        image: PTX (text, NUL-terminated or not), cubin or fatbin bytes.
-        kind: ``"ptx"``, ``"cubin"``, ``"fatbin"`` (or ``"sim"``); guessed when None.
+        image: PTX (text, NUL-terminated or not), cubin or fatbin bytes; or, for
+            :meth:`link` only, LTO-IR (``"ltoir"``), a relocatable object (``"object"``)
+            or a library (``"library"``).
+        kind: ``"ptx"``, ``"cubin"``, ``"fatbin"``, ``"ltoir"``, ``"object"``,
+            ``"library"`` (or ``"sim"``); guessed when None.
         signatures: kernel name -> its parameters, in any form :meth:`kernel` takes
             (``"const float*, float*, int"``), or None if unknown; used when a kernel is
             fetched without a declared signature. PTX images supply their own.
         lowered_names: name expression -> exported symbol (template kernels).
+        jit_options: how the driver compiles PTX in the image when it loads it
+            (:class:`JitOptions`); default the driver's.
+        variables: ``__device__``/``__constant__`` variable name -> ``(dtype, shape)``,
+            the default view :meth:`get_global` gives (a dtype of None means bytes).
+            PTX images and :class:`~aiocuda.Program` supply their own.
     """
 
     __slots__ = (
         "__weakref__",
         "_finalizer",
         "_handles",
+        "_jit_logs",
         "_kernels",
         "_lock",
         "image",
+        "jit_options",
         "kind",
         "log",
         "lowered_names",
         "name",
         "signatures",
+        "variables",
     )
 
     def __init__(
@@ -87,6 +125,8 @@ class Module:
         lowered_names: Mapping[str, str] | None = None,
         name: str = "",
         log: str = "",
+        jit_options: JitOptions | None = None,
+        variables: Mapping[str, Variable] | None = None,
     ) -> None:
         image = bytes(image)
         if not image:
@@ -103,6 +143,13 @@ class Module:
         self.lowered_names = dict(lowered_names or {})
         self.name = name
         self.log = log
+        if jit_options is not None and not isinstance(jit_options, JitOptions):
+            raise TypeError(f"jit_options must be JitOptions, not {type(jit_options).__name__}")
+        self.jit_options = jit_options
+        found = ptx_variables(image.decode(errors="replace")) if self.kind == "ptx" else {}
+        found.update(variables or {})
+        self.variables: dict[str, Variable] = found
+        self._jit_logs: dict[tuple[int, int], str] = {}
         self._lock = threading.Lock()
         self._handles: dict[tuple[int, int], tuple[Device, Any]] = {}
         self._kernels: weakref.WeakValueDictionary[Any, Kernel] = weakref.WeakValueDictionary()
@@ -113,7 +160,7 @@ class Module:
         """Load ``.ptx``, ``.cubin`` or ``.fatbin`` from disk (kind from the suffix or contents)."""
         p = pathlib.Path(path)
         suffix = p.suffix.lstrip(".").lower()
-        return cls(p.read_bytes(), kind=kind or (suffix if suffix in _KINDS else None), name=p.name, **kwargs)
+        return cls(p.read_bytes(), kind=kind or _SUFFIXES.get(suffix), name=p.name, **kwargs)
 
     @classmethod
     def from_bytes(cls, image: bytes | str, *, kind: str | None = None, **kwargs: Any) -> Module:
@@ -154,12 +201,118 @@ class Module:
         found = self._handles.get(key)
         if found is not None:
             return found[1]
+        if self.kind not in _LOADABLE:
+            raise CompileError(
+                f"module {self.name or self.kind!r} is {self.kind}, which cannot be loaded: link it into a "
+                f"loadable module first (aiocuda.Module.link([...]))",
+                name="AIOCUDA_NOT_LOADABLE",
+            )
         with self._lock:
             found = self._handles.get(key)
             if found is None:
                 device.make_current()
-                found = self._handles[key] = (device, device._driver.module_load_data(self.image))
+                handle, log = device._driver.module_load_data(self.image, self.jit_options)
+                self._jit_logs[key] = log
+                found = self._handles[key] = (device, handle)
         return found[1]
+
+    def jit_log(self, device: Device | int | None = None) -> str:
+        """The driver JIT's info log of loading this module on ``device`` (default 0;
+        loading it now if needed): empty for a cubin, and often for PTX unless
+        ``JitOptions(log_verbose=True)``."""
+        dev = _as_device(device)
+        self.handle(dev)
+        return self._jit_logs.get((_driver.backend_generation(), dev.ordinal), "")
+
+    def kernel_names(self, device: Device | int | None = None) -> list[str]:
+        """The kernels the module defines, as the driver lists them on ``device``
+        (default 0; loading the module there if needed). Template kernels compiled from
+        name expressions are listed by their expression (``"axpy<float>"``), other C++
+        kernels by their mangled name."""
+        dev = _as_device(device)
+        handle = self.handle(dev)
+        dev.make_current()
+        expressions = {symbol: expression for expression, symbol in self.lowered_names.items()}
+        return sorted(expressions.get(name, name) for name in dev._driver.module_function_names(handle))
+
+    def get_global(
+        self,
+        name: str,
+        *,
+        device: Device | int | None = None,
+        dtype: npt.DTypeLike | None = None,
+        shape: int | tuple[int, ...] | None = None,
+        stream: Stream | None = None,
+    ) -> DeviceArray:
+        """A :class:`~aiocuda.DeviceArray` over the ``__device__`` or ``__constant__``
+        variable ``name`` on ``device`` (default 0; the module is loaded there if needed).
+
+        Its element type and shape are the variable's as declared in the source or PTX
+        (a ``float coeffs[16]`` gives 16 float32), or ``dtype`` and ``shape`` (which must
+        fit the variable's bytes); a variable of unknown type is bytes. Read and write it
+        with the array's copies (``await array.copy_from(host)``, ``await
+        array.to_host()``), enqueued on ``stream`` (default: the device's current stream).
+        Kernels launched after a write has been awaited see the new values.
+
+        The array keeps the module alive; it must not be used after :meth:`unload`.
+        ArgumentError (``CUDA_ERROR_NOT_FOUND``) when the module has no such variable.
+        """
+        dev = _as_device(device)
+        handle = self.handle(dev)
+        dev.make_current()
+        ptr, size = dev._driver.module_get_global(handle, name)
+        declared_dtype, declared_shape = self.variables.get(name, (None, None))
+        element = np.dtype(dtype if dtype is not None else declared_dtype if declared_dtype is not None else np.uint8)
+        if shape is None:
+            if dtype is None and declared_shape is not None and declared_dtype is not None:
+                shape = declared_shape
+            elif size % element.itemsize:
+                raise invalid_value(f"variable {name!r} has {size} bytes, not a whole number of {element} elements")
+            else:
+                shape = (size // element.itemsize,)
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+        if math.prod(dims) * element.itemsize > size:
+            raise invalid_value(f"variable {name!r} has {size} bytes; shape {dims} of {element} does not fit")
+        s = stream if stream is not None else current_stream(dev)
+        return DeviceArray(dims, element, buffer=OwnedBuffer(ptr, size, dev, s, self))
+
+    @classmethod
+    def link(
+        cls,
+        modules: Sequence[Module],
+        *,
+        device: Device | int | None = None,
+        options: JitOptions | None = None,
+        name: str = "linked",
+    ) -> Module:
+        """Link ``modules`` into one loadable module for ``device``'s architecture
+        (default device 0).
+
+        Inputs: modules compiled relocatable (``ProgramOptions(relocatable_device_code=
+        True)``) or to LTO-IR (``ProgramOptions(lto=True)``), PTX, cubins, fatbins,
+        objects and libraries (``Module.from_file("libfoo.a")``). With any LTO-IR input
+        nvJitLink links (link-time optimisation; the ``nvidia-nvjitlink`` package), else
+        the driver's linker. ``options`` are the linker's (optimisation level, registers,
+        logs); the linker's info log is the new module's :attr:`log`. The result knows
+        every input's kernel signatures, template names and variables. CompileError with
+        the linker's log on failure (an undefined or twice-defined symbol).
+        """
+        if not modules:
+            raise invalid_value("Module.link needs at least one module")
+        if options is not None and not isinstance(options, JitOptions):
+            raise TypeError(f"options must be JitOptions, not {type(options).__name__}")
+        dev = _as_device(device)
+        image, kind, log = _linking.link([(m.kind, m.image, m.name or m.kind) for m in modules], dev, options)
+        signatures: dict[str, Any] = {}
+        lowered: dict[str, str] = {}
+        variables: dict[str, Variable] = {}
+        for m in modules:
+            signatures.update(m.signatures)
+            lowered.update(m.lowered_names)
+            variables.update(m.variables)
+        linked = cls(image, kind=kind, lowered_names=lowered, name=name, log=log, variables=variables)
+        linked.signatures.update(signatures)
+        return linked
 
     def unload(self) -> None:
         """Unload from every device it was loaded on (it reloads if used again).

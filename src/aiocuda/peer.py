@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import array as _array
+from ._memory import copies
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .memory import MemoryPool
@@ -44,8 +45,7 @@ async def enable_peer_access(device: Device | int, peer: Device | int) -> bool:
         source = await _array.to_device(pattern, stream=peer_stream)
         target = _array.empty(_PROBE_WORDS, np.uint32, stream=stream)
         stream.wait(peer_stream)
-        dev.make_current()
-        dev._driver.memcpy_dtod_async(target.ptr, source.ptr, pattern.nbytes, stream.handle)
+        copies.copy_device(target.ptr, source.ptr, pattern.nbytes, stream)  # over the link: no peer copy
         peer_stream.wait(stream)
         source.buffer.free()  # on its own device's stream, ordered after the copy
         result = await target.to_host(stream=stream)

@@ -38,6 +38,7 @@ from ._kernels import compile_cache as _compile_cache
 from ._kernels import nvrtc
 from ._kernels.compile_cache import CachedImage, CompileCache, cached_compile
 from ._kernels.signature import source_signatures
+from ._kernels.symbols import sim_variables, source_variables
 from .device import Device, _as_device
 from .errors import CompileError
 from .module import Module
@@ -51,8 +52,13 @@ class ProgramOptions:
 
     ``defines`` maps macro names to values (None for a bare ``-DNAME``). ``arch``
     overrides the device's architecture (``"sm_90"``, or ``"compute_90"`` for PTX).
-    ``max_registers`` caps registers per thread (``--maxrregcount``). ``extra`` passes
-    any other NVRTC option verbatim.
+    ``max_registers`` caps registers per thread (``--maxrregcount``).
+    ``relocatable_device_code`` (``-rdc=true``) compiles code that may call ``extern``
+    device functions and use ``extern`` variables defined in other programs: link such
+    modules with :meth:`~aiocuda.Module.link`. ``lto`` (``-dlto``) compiles to LTO-IR
+    for link-time optimisation, which only :meth:`~aiocuda.Module.link` (through
+    nvJitLink) can turn into a loadable module. ``extra`` passes any other NVRTC option
+    verbatim.
     """
 
     std: str | None = "c++17"
@@ -62,6 +68,8 @@ class ProgramOptions:
     line_info: bool = False
     max_registers: int | None = None
     arch: str | None = None
+    relocatable_device_code: bool = False
+    lto: bool = False
     extra: Sequence[str] = ()
 
     def nvrtc_options(self) -> list[str]:
@@ -77,6 +85,10 @@ class ProgramOptions:
             out.append("--generate-line-info")
         if self.max_registers is not None:
             out.append(f"--maxrregcount={int(self.max_registers)}")
+        if self.relocatable_device_code:
+            out.append("-rdc=true")
+        if self.lto:
+            out.append("-dlto")
         out += list(self.extra)
         return out
 
@@ -132,10 +144,11 @@ class Program:
         """
         dev = _as_device(device)
         signatures = source_signatures(self.source, self.name_expressions)
+        variables = source_variables(self.source)
         if dev._driver.name == "sim":
-            image = self._sim_image(signatures)
+            image = self._sim_image(signatures, variables)
             self._compile_where_nvrtc_is(dev)
-            return Module(image, kind="sim", signatures=signatures, name=self.name)
+            return Module(image, kind="sim", signatures=signatures, name=self.name, variables=variables)
         entry = self._compile_real(dev)
         return Module(
             entry.image,
@@ -144,16 +157,17 @@ class Program:
             lowered_names=entry.lowered_names,
             name=self.name,
             log=entry.log,
+            variables=variables,
         )
 
-    def _sim_image(self, signatures: Mapping[str, Any]) -> bytes:
+    def _sim_image(self, signatures: Mapping[str, Any], variables: Any) -> bytes:
         missing = [e for e in self.name_expressions if e not in signatures]
         if missing:
             raise CompileError(
                 f"{self.name}: name expression(s) {missing} name no __global__ function (or template) in the "
                 f"source; it defines {sorted(signatures) or 'no kernels'}"
             )
-        return _driver.sim_image(signatures)
+        return _driver.sim_image(signatures, sim_variables(variables))
 
     def _compile_where_nvrtc_is(self, device: Device) -> None:
         """On the simulator: compile (through the cache) to report errors in the source,

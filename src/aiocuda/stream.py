@@ -21,9 +21,11 @@ import contextlib
 import contextvars
 import weakref
 from collections import deque
-from collections.abc import Generator, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any
 
+from ._completion import callbacks as _callbacks
+from ._completion.callbacks import StreamCallback
 from ._completion.engine import CompletionEngine, current_engine
 from ._completion.event_pool import EventPool
 from ._completion.loops import warn_if_on_loop
@@ -31,7 +33,11 @@ from .device import Device, _as_device
 from .errors import ArgumentError, CudaError
 from .event import Event
 
-__all__ = ["Stream", "current_stream", "use_stream"]
+if TYPE_CHECKING:
+    from ._driver import CaptureMode
+    from .graph import GraphCapture
+
+__all__ = ["Stream", "StreamCallback", "current_stream", "use_stream"]
 
 _Holds = deque[tuple[Any, tuple[Any, ...]]]
 
@@ -112,6 +118,7 @@ class Stream:
 
     __slots__ = (
         "__weakref__",
+        "_capture",
         "_closed",
         "_driver",
         "_engine",
@@ -138,6 +145,8 @@ class Stream:
         self._owner = owner
         self._closed = False
         self._tail: Event | None = None
+        self._capture: Any = None
+        """The capture (``aiocuda._graph.capture.Capture``) this stream's work goes to, if any."""
         self._pool = EventPool.for_device(device)
         self._holds: _Holds = deque()
         self._engine = current_engine()
@@ -179,6 +188,17 @@ class Stream:
         return dev._driver.stream_priority_range()
 
     @property
+    def priority(self) -> int:
+        """The stream's priority as the driver keeps it (clamped to
+        :meth:`priority_range`; numerically lower is more urgent)."""
+        return self._driver.stream_get_priority(self.handle)
+
+    @property
+    def non_blocking(self) -> bool:
+        """Whether the stream runs independently of the legacy default stream."""
+        return self._driver.stream_is_non_blocking(self.handle)
+
+    @property
     def handle(self) -> Any:
         """The backend handle, for seam calls."""
         if self._closed:
@@ -206,6 +226,8 @@ class Stream:
 
     # -- waiting ----------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, Any, None]:
+        if self._capture is not None:
+            raise self._capture.refuse("await stream")
         if self._closed:
             return self._end().__await__()
         if self._holds:
@@ -218,18 +240,14 @@ class Stream:
         except BaseException:
             self._pool.release(event)
             raise
-        return self._engine.wait(
-            event,
-            self._handle,
-            self.device,
-            self._pool.release,
-            just_recorded=True,
-        )
+        return self._engine.wait(event, self._handle, self.device, self._pool.release, just_recorded=True)
 
     def synchronize(self) -> None:
         """Block the calling thread until the stream is idle. For synchronous code only:
         in a coroutine, ``await stream`` instead (on an event loop's thread this warns,
         :class:`~aiocuda.errors.BlockingCallWarning`)."""
+        if self._capture is not None:
+            raise self._capture.refuse("stream.synchronize()")
         warn_if_on_loop("Stream.synchronize()")
         if self._closed:
             self._driver.event_synchronize(self._end().handle)
@@ -240,6 +258,8 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work enqueued so far has completed."""
+        if self._capture is not None:
+            raise self._capture.refuse("stream.query()")
         if self._closed:
             return self._end().query()
         return self._driver.stream_query(self.handle)
@@ -260,16 +280,20 @@ class Stream:
             return Event(self.device, timing=True).record(self)
         handle = self._pool.acquire()
         self._driver.event_record(handle, self.handle)
-        return Event._pooled(self.device, handle, self._handle)
+        return Event._pooled(self.device, handle, self._handle, self._capture)
 
     def wait(self, other: Event | Stream) -> None:
         """Make this stream's future work wait, on the GPU, for ``other``: an Event, or
         everything enqueued so far on another Stream. No host thread blocks."""
         if isinstance(other, Event):
+            if other._capture is not None or self._capture is not None:
+                (other._capture or self._capture).check_wait(self, other._capture)
             self._driver.stream_wait_event(self.handle, other.handle)
             return
         if not isinstance(other, Stream):
             raise TypeError(f"Stream.wait takes an Event or a Stream, not {type(other).__name__}")
+        if other._capture is not None or self._capture is not None:  # a stream joins a capture, or cannot
+            (other._capture or self._capture).check_wait(self, other._capture)
         if other._closed:
             self._driver.stream_wait_event(self.handle, other._end().handle)
             return
@@ -282,17 +306,48 @@ class Stream:
             # affect the wait (CUDA semantics), so the event can be reused at once.
             other._pool.release(event)
 
+    def call_when_done(self, callback: Callable[..., Any], *args: Any) -> StreamCallback:
+        """Call ``callback(*args)`` on the running event loop once the work enqueued on
+        this stream so far is done, after the callbacks scheduled before it on this
+        stream; returns at once with a :class:`StreamCallback` (``cancel()`` it, or
+        ``await`` it for what ``callback`` returned).
+
+        ``callback`` is a plain function run on the loop's thread, never on a driver
+        thread, so it may use aiocuda. If the device's context is poisoned before the
+        GPU gets there, it is never called: the handle fails with
+        :class:`~aiocuda.errors.ContextPoisonedError` instead.
+        """
+        return _callbacks.call_when_done(self, callback, args)
+
     def hold(self, *objs: Any) -> None:
         """Keep ``objs`` alive until all work enqueued on this stream so far completes.
 
         Costs one pooled event record. References are dropped lazily, on later holds,
-        awaits and synchronizes of this stream.
+        awaits and synchronizes of this stream. While the stream is being captured, the
+        objects are kept with the graph instead, for all of its replays.
         """
+        if self._capture is not None:
+            self._capture.hold(objs)
+            return
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)
         event = self._pool.acquire()
         self._driver.event_record(event, self.handle)
         self._holds.append((event, objs))
+
+    # -- graphs ----------------------------------------------------------------------------------
+    def capture(self, mode: CaptureMode = "thread_local") -> GraphCapture:
+        """Record the work enqueued on this stream into an :class:`~aiocuda.graph.Graph`
+        instead of running it: ``with stream.capture() as graph:`` or ``async with``
+        (which instantiates the graph off the event loop). See :mod:`aiocuda.graph`.
+
+        ``mode`` says which threads may not make calls that could disturb the capture
+        (allocating or freeing page-locked memory, loading modules): the capturing thread
+        (``"thread_local"``), every thread (``"global"``) or none (``"relaxed"``).
+        """
+        from .graph import GraphCapture  # the graph layer builds on this one
+
+        return GraphCapture._create(self, mode)
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -304,10 +359,11 @@ class Stream:
         :meth:`close`) and waited for by other streams.
         """
         if not self._closed:
-            try:
-                self._tail = self.record()
-            except CudaError:
-                self._tail = None  # a poisoned context: waiting on it can only fail anyway
+            if self._capture is None:
+                try:
+                    self._tail = self.record()
+                except CudaError:
+                    self._tail = None  # a poisoned context: waiting on it can only fail anyway
             self._closed = True
             self._finalizer()
 

@@ -43,9 +43,11 @@ CUDA source is checked too.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
 from typing import Any, Literal, Protocol
+
+import numpy.typing as npt
 
 from . import _driver
 from ._driver import LaunchConfig
@@ -62,17 +64,23 @@ Operation = Literal[
     "memcpy_dtoh_async",
     "memcpy_dtod_async",
     "memcpy_peer_async",
+    "memcpy_pitched_async",
     "memset_d8_async",
+    "memset_d16_async",
     "memset_d32_async",
+    "memset_2d_async",
     "launch_kernel",
     "mem_free_async",
+    "mem_prefetch_async",
+    "stream_attach_mem_async",
     "event_record",
     "stream_wait_event",
     "launch_doorbell",
 ]
 """The simulated operations :meth:`Simulator.set_latency` can slow down: copies host to
-device, device to host, device to device and between devices; memsets; kernel launches;
-stream-ordered frees; event records; cross-stream waits; host functions."""
+device, device to host, device to device and between devices; 2D and 3D copies; memsets;
+kernel launches; stream-ordered frees; managed-memory prefetches and attachments; event
+records; cross-stream waits; host functions."""
 
 
 class KernelLaunch(Protocol):
@@ -105,6 +113,10 @@ class KernelLaunch(Protocol):
     @property
     def cluster(self) -> tuple[int, int, int] | None:
         """Its thread-block cluster shape, if any."""
+
+    @property
+    def globals(self) -> Mapping[str, npt.NDArray[Any]]:
+        """The module's ``__device__``/``__constant__`` variables, as writable arrays by name."""
 
 
 KernelImpl = Callable[..., object]
@@ -197,6 +209,16 @@ class Simulator(metaclass=NoPublicConstructor):
         how it is called. The same as :func:`aiocuda.register_sim_kernel`: the registry
         is process-wide and outlives this simulator."""
         register_sim_kernel(name, impl)
+
+    @property
+    def profiling(self) -> bool:
+        """Whether a :func:`aiocuda.profiler.profile` block (``cuProfilerStart``) is open."""
+        return bool(self._sim.profiling)
+
+    def nvtx_events(self) -> list[tuple[str, int, str, int | None]]:
+        """Every NVTX range started and ended so far, in order: ``("start", id, message,
+        color)`` and ``("end", id, "", None)``."""
+        return list(self._sim.nvtx_events())
 
     def close(self) -> None:
         """Shut the simulator down: queued work is dropped and later calls on its

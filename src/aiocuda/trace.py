@@ -6,7 +6,10 @@ recorded around it on its stream. The executor records them when created with
 ``Executor(trace=True)``; :meth:`Trace.span` lets any code do the same.
 
 Units are the parts of a GPU that work concurrently: ``h2d`` and ``d2h`` (the copy
-hardware of each direction), ``compute`` (the SMs), ``p2p`` (GPU-to-GPU copies). :meth:`Trace.summary` reports, per
+hardware of each direction), ``compute`` (the SMs), ``p2p`` (GPU-to-GPU copies), and
+``graph`` for the replays of a captured graph (one span per replay, whatever its nodes
+use). Notes (:meth:`Trace.note`) record what a run decided, such as a pipeline's graph
+mode falling back to launching each chunk's work. :meth:`Trace.summary` reports, per
 device and unit, the busy time (the union of its spans), and compares the wall time
 with the *bound*: what a perfect pipeline would take, the busiest unit's busy time plus
 one fill and one drain (the mean span of every other unit). ``overlap_ratio = wall /
@@ -23,6 +26,10 @@ Pitfalls:
   microseconds on an idle device).
 * Timing events cost a record each (about two per span); they are pooled per device, so
   steady-state tracing creates none.
+
+``Trace(nvtx=True)`` also emits an NVTX range per span (:mod:`aiocuda.profiler`), from
+the host's start of the span to its end, named ``"unit name"``: Nsight Systems then
+shows each span's host side, and projects it onto the GPU work enqueued within it.
 """
 
 from __future__ import annotations
@@ -36,11 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .device import Device
+from .profiler import NvtxRange
 from .stream import Stream
 
 __all__ = ["UNITS", "Span", "Trace", "TraceSummary", "UnitSummary"]
 
-UNITS = ("h2d", "compute", "d2h", "p2p")
+UNITS = ("h2d", "compute", "d2h", "p2p", "graph")
 """Unit names, in the order traces show them."""
 
 
@@ -88,6 +96,8 @@ class TraceSummary:
     """``wall_ms / bound_ms``: 1.0 is perfect."""
     units: tuple[UnitSummary, ...]
     devices: tuple[int, ...]
+    notes: tuple[str, ...] = ()
+    """The trace's notes (:meth:`Trace.note`)."""
 
     def busy_ms(self, device: int, unit: str) -> float:
         """Busy time of one unit (0.0 when it did nothing)."""
@@ -103,6 +113,7 @@ class TraceSummary:
             f"wall {self.wall_ms:.3f} ms, bound {self.bound_ms:.3f} ms, overlap ratio {self.overlap_ratio:.3f} "
             f"(1.0 is perfect), serial {self.serial_ms:.3f} ms"
         )
+        lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
 
 
@@ -154,7 +165,7 @@ class _Clock:
 class _PendingSpan:
     """A span whose events may not have completed yet; :meth:`Trace._resolve` reads it."""
 
-    __slots__ = ("chunk", "clock", "end", "name", "start", "track", "unit")
+    __slots__ = ("chunk", "clock", "end", "name", "nvtx", "start", "track", "unit")
 
     def __init__(self, clock: _Clock, unit: str, track: int, name: str, chunk: int | None, start: Any) -> None:
         self.clock = clock
@@ -164,10 +175,14 @@ class _PendingSpan:
         self.chunk = chunk
         self.start = start
         self.end: Any = None
+        self.nvtx: NvtxRange | None = None
 
 
 class Trace:
     """Spans of GPU work on several devices (see the module docstring).
+
+    Args:
+        nvtx: also emit an NVTX range per span (:mod:`aiocuda.profiler`).
 
     Usage outside the executor::
 
@@ -179,11 +194,14 @@ class Trace:
         trace.write_chrome("trace.json")
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, nvtx: bool = False) -> None:
+        self.nvtx = nvtx
+        """Whether each span is also an NVTX range."""
         self._clocks: dict[int, _Clock] = {}
         self._spans: list[Span] = []
         self._pending: list[_PendingSpan] = []
         self._host_origin_ms: float | None = None
+        self._notes: list[str] = []
 
     # -- recording ------------------------------------------------------------------------
     def begin(self, stream: Stream) -> None:
@@ -218,6 +236,15 @@ class Trace:
         """Add finished spans measured elsewhere (another trace, host-side timings)."""
         self._spans.extend(spans)
 
+    def note(self, text: str) -> None:
+        """Record a one-line note about the run (shown by :meth:`TraceSummary.table` too)."""
+        self._notes.append(text)
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """The notes recorded so far, oldest first."""
+        return tuple(self._notes)
+
     # The executor's interface: a span that starts and ends in different places.
     def _start(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> _PendingSpan:
         """Record the start of an operation about to be enqueued on ``stream``."""
@@ -227,12 +254,17 @@ class Trace:
         if clock is None:
             self.begin(stream)
             clock = self._clocks[stream.device.ordinal]
-        return _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+        pending = _PendingSpan(clock, unit, track, name, chunk, clock.mark(stream))
+        if self.nvtx:
+            pending.nvtx = NvtxRange(f"{unit} {name}" if chunk is None else f"{unit} {name} #{chunk}")
+        return pending
 
     @staticmethod
     def _stop(pending: _PendingSpan, stream: Stream) -> None:
         """Record the end of the operation, on the stream it was enqueued on."""
         pending.end = pending.clock.mark(stream)
+        if pending.nvtx is not None:
+            pending.nvtx.end()
 
     def _resolve(self, *pending: _PendingSpan) -> None:
         """Turn spans whose work has completed into :class:`Span` s and recycle their
@@ -254,6 +286,8 @@ class Trace:
         """Give the events of spans that will never be resolved (cancelled, failed) back.
         Re-recording a pending event later is safe: the new record replaces the old."""
         for p in pending:
+            if p.nvtx is not None:
+                p.nvtx.end()
             free = p.clock.free
             for handle in (p.start, p.end):
                 if handle is not None:
@@ -293,7 +327,7 @@ class Trace:
         self._collect()
         spans = self._spans
         if not spans:
-            return TraceSummary(0.0, 0.0, 0.0, 0.0, (), ())
+            return TraceSummary(0.0, 0.0, 0.0, 0.0, (), (), tuple(self._notes))
         units: list[UnitSummary] = []
         bound = 0.0
         devices = sorted({s.device for s in spans})
@@ -313,7 +347,7 @@ class Trace:
         wall = max(s.end_ms for s in spans) - min(s.start_ms for s in spans)
         serial = sum(s.duration_ms for s in spans)
         ratio = wall / bound if bound > 0 else 0.0
-        return TraceSummary(wall, bound, serial, ratio, tuple(units), tuple(devices))
+        return TraceSummary(wall, bound, serial, ratio, tuple(units), tuple(devices), tuple(self._notes))
 
     def to_chrome(self) -> dict[str, Any]:
         """The trace in Chrome's trace-event format (JSON-ready; Perfetto reads it):
@@ -364,6 +398,7 @@ class Trace:
 
 
 def _tid(unit: str, track: int) -> int:
-    """Track ids: h2d 1, compute 2 (further compute streams 21, 22, ...), d2h 3, p2p 4."""
+    """Track ids: h2d 1, compute 2 (further compute streams 21, 22, ...), d2h 3, p2p 4,
+    graph 5 (further graph lanes 51, 52, ...)."""
     base = UNITS.index(unit) + 1
     return base if track == 0 else 10 * base + track

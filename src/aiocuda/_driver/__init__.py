@@ -22,23 +22,43 @@ import logging
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked
+from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
-from ._protocol import Doorbell, Driver, Handle, KernelParams, PoolProps
+from ._protocol import (
+    CAPTURE_MODES,
+    CaptureMode,
+    Doorbell,
+    Driver,
+    GraphNodeInfo,
+    Handle,
+    KernelParams,
+    PitchedCopy,
+    PitchedSide,
+    PoolProps,
+)
 
 __all__ = [
     "BACKENDS",
+    "CAPTURE_MODES",
     "SIM_DEFAULT_DEVICES",
+    "CaptureMode",
     "Dim3",
     "Doorbell",
     "Driver",
+    "Fallback",
+    "GraphNodeInfo",
     "Handle",
+    "JitOptions",
     "KernelParams",
     "LaunchConfig",
+    "LinkInput",
+    "PitchedCopy",
+    "PitchedSide",
     "PoolProps",
     "backend_generation",
     "current",
@@ -186,11 +206,12 @@ def backend_generation() -> int:
     return _generation
 
 
-def sim_image(kernel_names: Iterable[str]) -> bytes:
-    """A module image for the simulated backend that defines ``kernel_names``."""
-    from .sim._modules import SIM_IMAGE_MAGIC
+def sim_image(kernel_names: Iterable[str], variables: Mapping[str, tuple[int, str]] | None = None) -> bytes:
+    """A module image for the simulated backend that defines ``kernel_names`` and
+    ``variables`` (name -> (bytes, numpy type string or ``"-"``))."""
+    from .sim._modules import build_image
 
-    return SIM_IMAGE_MAGIC + "".join(f"{name}\n" for name in kernel_names).encode()
+    return build_image(kernel_names, variables)
 
 
 def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:

@@ -19,18 +19,66 @@ Conventions:
   launching) use whatever context the calling thread has current; binding it is the
   device layer's job (:meth:`Driver.set_current`).
 * Stream-ordered calls (``*_async``, ``launch_*``, ``event_record``) only enqueue work.
+* Graphs: while a stream is being captured (``stream_begin_capture``), stream-ordered
+  calls on it -- and on streams that join the capture by waiting on an event recorded in
+  it -- add nodes to the graph instead of running. Calls that need the captured work to
+  have run (a query or synchronize of the stream, a query of an event recorded in it)
+  fail with ``CaptureError`` and invalidate the capture.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
+from ._jit import JitOptions, LinkInput
 from ._launch import LaunchConfig
 
 Handle = Any
 """An opaque backend handle (CUstream, CUevent, a sim object, ...)."""
+
+
+CaptureMode = Literal["global", "thread_local", "relaxed"]
+"""Which threads may not make potentially unsafe calls (allocating or freeing page-locked
+memory, loading modules, ...) while a stream is captured: any thread (``"global"``), the
+capturing thread (``"thread_local"``) or none (``"relaxed"``)."""
+
+CAPTURE_MODES: tuple[CaptureMode, ...] = ("global", "thread_local", "relaxed")
+
+
+@dataclass(frozen=True, slots=True)
+class GraphNodeInfo:
+    """One node of a captured graph, as ``Driver.graph_nodes`` describes it.
+
+    ``kind`` is one of ``"kernel"``, ``"memcpy"``, ``"memset"``, ``"host"``,
+    ``"mem_alloc"``, ``"mem_free"``, ``"event_record"``, ``"wait_event"``, ``"empty"``,
+    ``"graph"``, ``"other"`` (and, on the simulated backend, ``"op"``: a callable a
+    test enqueued). The other fields are those of its kind and default otherwise.
+    """
+
+    handle: Handle
+    kind: str
+    dependencies: tuple[int, ...]
+    """Positions (in the sequence ``graph_nodes`` returned) of the nodes this one waits for."""
+    func: Handle = None
+    """Kernel: the function handle."""
+    config: LaunchConfig | None = None
+    """Kernel: grid, block and dynamic shared memory."""
+    dst: int = 0
+    """Memcpy, memset: destination address; mem_alloc, mem_free: the allocation."""
+    src: int = 0
+    """Memcpy: source address."""
+    size: int = 0
+    """Memcpy: bytes copied; memset: bytes set; mem_alloc: bytes allocated."""
+    direction: str = ""
+    """Memcpy: ``"htod"``, ``"dtoh"``, ``"dtod"`` (or ``"other"``)."""
+    value: int = 0
+    """Memset: the value each element is set to."""
+    element_size: int = 0
+    """Memset: 1, 2 or 4 bytes."""
+    native: Any = None
+    """What the backend needs to update the node later (its captured parameters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +88,42 @@ class PoolProps:
     device_ordinal: int
     max_size: int = 0
     """Upper bound of the pool's reserved memory in bytes; 0 means no bound."""
+    managed: bool = False
+    """Managed memory (``CU_MEM_ALLOCATION_TYPE_MANAGED``), preferring the device; needs
+    ``max_size`` 0 and a driver that offers managed pools (CUDA 13 on Linux)."""
+    ipc: bool = False
+    """Exportable to other processes as a POSIX file descriptor."""
+
+
+@dataclass(frozen=True, slots=True)
+class PitchedSide:
+    """One side of a :class:`PitchedCopy`: where its rows lie."""
+
+    address: int
+    pitch: int
+    """Bytes from the start of one row to the start of the next."""
+    rows: int = 0
+    """Rows from the start of one slice to the start of the next (``CUDA_MEMCPY3D``'s
+    ``srcHeight`` / ``dstHeight``); read only when the copy's ``depth`` is above 1."""
+    on_host: bool = False
+    """Page-locked host memory rather than device memory."""
+    context: Handle = None
+    """The context owning this device memory, given on both sides of a copy between two
+    devices (``cuMemcpy3DPeerAsync``); None otherwise."""
+
+
+@dataclass(frozen=True, slots=True)
+class PitchedCopy:
+    """``depth`` slices of ``height`` rows of ``width`` bytes (``cuMemcpy2DAsync`` /
+    ``cuMemcpy3DAsync`` / ``cuMemcpy3DPeerAsync``). Row ``y`` of slice ``z`` starts at
+    ``address + (z * rows + y) * pitch`` on each side; each pitch is at least ``width``
+    and, with ``depth > 1``, each side's ``rows`` at least ``height``."""
+
+    dst: PitchedSide
+    src: PitchedSide
+    width: int
+    height: int = 1
+    depth: int = 1
 
 
 class KernelParams(Protocol):
@@ -130,6 +214,58 @@ class Driver(Protocol):
     def mem_get_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the current context's device."""
 
+    def device_p2p_attribute(self, dev: Handle, peer: Handle, attribute: str) -> int:
+        """A ``CU_DEVICE_P2P_ATTRIBUTE_*`` value of the link from ``dev`` to ``peer`` by
+        lowercase suffix: ``"performance_rank"``, ``"access_supported"``,
+        ``"native_atomic_supported"``, ``"access_access_supported"`` (CUDA arrays).
+        ArgumentError for an unknown name, or ``dev`` and ``peer`` being one device."""
+
+    # -- contexts -------------------------------------------------------------------------
+    # Context flags are the CUDA values (``CU_CTX_SCHED_BLOCKING_SYNC`` is 4); limits and
+    # cache configurations go by the lowercase suffix of their CUDA names.
+    def primary_context_get_state(self, dev: Handle) -> tuple[int, bool]:
+        """``(flags, active)`` of the device's primary context; needs no context."""
+
+    def primary_context_set_flags(self, dev: Handle, flags: int) -> None:
+        """Overwrite the primary context's flags (best before it is first made active)."""
+
+    def context_create(self, dev: Handle, flags: int) -> Handle:
+        """A new context (``cuCtxCreate``); the calling thread's current context is left
+        as it was (the driver pushes the new one; this pops it)."""
+
+    def context_destroy(self, ctx: Handle) -> None:
+        """Destroy a context made by :meth:`context_create` (its work is waited for)."""
+
+    def context_push(self, ctx: Handle) -> None:
+        """Make ``ctx`` current on the calling thread, above what was current."""
+
+    def context_pop(self) -> None:
+        """Pop the calling thread's current context, making current what was below it."""
+
+    def context_current_value(self) -> int:
+        """The raw value of the calling thread's current context; 0 when there is none."""
+
+    def context_get_flags(self) -> int:
+        """The current context's flags (``cuCtxGetFlags``)."""
+
+    def context_set_limit(self, limit: str, value: int) -> None:
+        """A ``CU_LIMIT_*`` of the current context, by lowercase suffix: ``"stack_size"``,
+        ``"printf_fifo_size"``, ``"malloc_heap_size"``, ``"dev_runtime_sync_depth"``,
+        ``"dev_runtime_pending_launch_count"``, ``"max_l2_fetch_granularity"``,
+        ``"persisting_l2_cache_size"``. ArgumentError for an unknown name or a value the
+        device refuses."""
+
+    def context_get_limit(self, limit: str) -> int: ...
+
+    def context_limit_names(self) -> Sequence[str]:
+        """Every limit name :meth:`context_get_limit` accepts."""
+
+    def context_set_cache_config(self, config: str) -> None:
+        """The current context's preferred L1/shared split: ``"prefer_none"``,
+        ``"prefer_shared"``, ``"prefer_l1"`` or ``"prefer_equal"``."""
+
+    def context_get_cache_config(self) -> str: ...
+
     # -- streams and events ----------------------------------------------------------------
     def stream_create(self, non_blocking: bool, priority: int) -> Handle: ...
 
@@ -156,11 +292,22 @@ class Driver(Protocol):
     def stream_device_ordinal(self, stream: Handle) -> int:
         """The ordinal of the device a stream belongs to (foreign streams included)."""
 
+    def stream_get_priority(self, stream: Handle) -> int:
+        """The stream's priority, as the driver clamped it."""
+
+    def stream_is_non_blocking(self, stream: Handle) -> bool:
+        """Whether the stream was created ``CU_STREAM_NON_BLOCKING``."""
+
     def event_create(self, timing: bool, blocking_sync: bool) -> Handle: ...
 
     def event_destroy(self, event: Handle) -> None: ...
 
     def event_record(self, event: Handle, stream: Handle) -> None: ...
+
+    def event_record_external(self, event: Handle, stream: Handle) -> None:
+        """``cuEventRecordWithFlags(..., CU_EVENT_RECORD_EXTERNAL)``: a record that, inside
+        a stream capture, becomes an event-record node of the graph (so the graph records
+        the event when it runs); outside a capture it is a plain record."""
 
     def event_query(self, event: Handle) -> bool:
         """True once the recorded work finished; raises the context's sticky error."""
@@ -188,10 +335,21 @@ class Driver(Protocol):
 
     def mempool_get_attribute(self, pool: Handle, attribute: str) -> int: ...
 
-    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None: ...
+    def mempool_trim_to(self, pool: Handle, min_bytes_to_keep: int) -> None:
+        """Give cached memory back; only memory whose free the host has observed
+        complete (through a synchronisation of the freeing stream, or of the context)."""
+
+    def ctx_synchronize(self) -> None:
+        """Block until all work of the current context has finished (``cuCtxSynchronize``);
+        the pools observe every free of the context then. How the thread waits follows
+        the context's scheduling flags."""
 
     def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
+
+    def mempool_get_access(self, pool: Handle, device_ordinal: int) -> bool:
+        """Whether device ``device_ordinal`` may read and write the pool's memory
+        (``cuMemPoolGetAccess``); an imported pool may not grant it yet."""
 
     def mem_alloc_async(self, size: int, pool: Handle, stream: Handle) -> int:
         """``cuMemAllocFromPoolAsync``; OutOfMemoryError when the pool cannot grow.
@@ -230,30 +388,124 @@ class Driver(Protocol):
 
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
 
+    def memset_d16_async(self, dst: int, value: int, count: int, stream: Handle) -> None:
+        """``count`` 16-bit words; ``dst`` 2-byte aligned."""
+
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Handle) -> None: ...
+
+    def memcpy_pitched_async(self, copy: PitchedCopy, stream: Handle) -> None:
+        """A 2D or 3D copy (see :class:`PitchedCopy`); host sides must be page-locked."""
+
+    def memset_2d_async(
+        self, dst: int, pitch: int, value: int, element_size: int, width: int, height: int, stream: Handle
+    ) -> None:
+        """``height`` rows of ``width`` elements of ``element_size`` bytes (1, 2 or 4:
+        ``cuMemsetD2D8Async`` / ``16`` / ``32``), ``pitch`` bytes apart; ``dst`` and
+        ``pitch`` aligned to the element size."""
+
+    # -- managed memory ---------------------------------------------------------------------
+    def mem_alloc_managed(self, size: int, attach: str) -> int:
+        """``cuMemAllocManaged``; ``attach`` is ``"global"`` (any stream may use it) or
+        ``"host"`` (host only until attached to a stream)."""
+
+    def mem_free(self, ptr: int) -> None:
+        """``cuMemFree`` of a managed allocation or of a pointer imported from another
+        process's pool; it may wait for the device (call it off the loop)."""
+
+    def mem_prefetch_async(self, ptr: int, size: int, device_ordinal: int | None, stream: Handle) -> None:
+        """``cuMemPrefetchAsync`` of managed memory to a device, or to host memory when
+        ``device_ordinal`` is None."""
+
+    def mem_advise(self, ptr: int, size: int, advice: str, device_ordinal: int | None) -> None:
+        """``cuMemAdvise``: ``advice`` is a ``CU_MEM_ADVISE_*`` lowercase suffix
+        (``"set_read_mostly"``, ``"unset_accessed_by"``, ...); ``device_ordinal`` None
+        names host memory."""
+
+    def stream_attach_mem_async(self, stream: Handle, ptr: int, attach: str) -> None:
+        """``cuStreamAttachMemAsync`` of the whole managed allocation at ``ptr``:
+        ``"global"``, ``"host"`` or ``"single"`` (this stream only)."""
+
+    # -- sharing with other processes ---------------------------------------------------------
+    def ipc_event_create(self) -> Handle:
+        """An event other processes can open (``CU_EVENT_INTERPROCESS``, without timing),
+        in the current context."""
+
+    def ipc_event_handle(self, event: Handle) -> bytes:
+        """``cuIpcGetEventHandle``: the 64 bytes another process opens the event with."""
+
+    def ipc_open_event(self, handle: bytes) -> Handle:
+        """``cuIpcOpenEventHandle`` in the current context: an event to query, synchronize
+        and make streams wait for (not to record); destroyed with ``event_destroy``."""
+
+    def mempool_export_fd(self, pool: Handle) -> int:
+        """``cuMemPoolExportToShareableHandle`` of an IPC pool: a new POSIX file
+        descriptor, which the caller closes."""
+
+    def mempool_import_fd(self, fd: int) -> Handle:
+        """``cuMemPoolImportFromShareableHandle``: the pool another process exported as
+        ``fd`` (which stays the caller's to close). It allocates nothing; pointers are
+        imported from it."""
+
+    def mempool_export_pointer(self, ptr: int) -> bytes:
+        """``cuMemPoolExportPointer``: the 64 bytes naming an allocation of an IPC pool."""
+
+    def mempool_import_pointer(self, pool: Handle, data: bytes) -> int:
+        """``cuMemPoolImportPointer`` from an imported pool; the import ends with
+        ``mem_free`` or ``mem_free_async``, which must complete before the exporter frees
+        the allocation."""
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         """The device that owns a device pointer (for foreign arrays); ArgumentError
         when ``ptr`` is not device memory."""
 
     # -- modules and kernels --------------------------------------------------------------
-    def module_load_data(self, image: bytes) -> Handle:
-        """Load PTX, cubin or fatbin into the current context; the JIT log is in the
-        error's message on failure."""
+    def module_load_data(self, image: bytes, options: JitOptions | None = None) -> tuple[Handle, str]:
+        """Load PTX, cubin or fatbin into the current context: ``(module, info_log)``.
+        The JIT's error log is in the error's message on failure."""
 
     def module_unload(self, module: Handle) -> None: ...
 
     def module_get_function(self, module: Handle, name: str) -> Handle: ...
+
+    def module_get_global(self, module: Handle, name: str) -> tuple[int, int]:
+        """``(device address, bytes)`` of a ``__device__`` or ``__constant__`` variable;
+        ArgumentError (``NOT_FOUND``) when the module has none of that name."""
+
+    def module_function_names(self, module: Handle) -> list[str]:
+        """The exported names of every kernel in the module (mangled where C++ mangles)."""
+
+    def link(self, inputs: Sequence[LinkInput], options: JitOptions | None = None) -> tuple[bytes, str]:
+        """Link ``inputs`` into one cubin for the current context's device (``cuLink*``):
+        ``(cubin, info_log)``. CompileError with the linker's log on failure."""
 
     def function_get_attribute(self, func: Handle, attribute: str) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix, e.g. ``"num_regs"``."""
 
     def function_set_attribute(self, func: Handle, attribute: str, value: int) -> None: ...
 
-    def occupancy_max_active_blocks(self, func: Handle, block_size: int, dynamic_smem: int) -> int: ...
+    def function_set_cache_config(self, func: Handle, config: str) -> None:
+        """The kernel's preferred L1/shared split (see :meth:`context_set_cache_config`)."""
 
-    def occupancy_max_potential_block_size(self, func: Handle, dynamic_smem: int) -> tuple[int, int]:
-        """``(min_grid_size, block_size)``."""
+    def occupancy_max_active_blocks(
+        self, func: Handle, block_size: int, dynamic_smem: int, disable_caching_override: bool = False
+    ) -> int:
+        """Blocks per multiprocessor; ``disable_caching_override`` asks what fits when the
+        kernel's cache configuration is not overridden by the global caching setting."""
+
+    def occupancy_max_potential_block_size(
+        self, func: Handle, dynamic_smem: int, block_size_limit: int = 0, disable_caching_override: bool = False
+    ) -> tuple[int, int]:
+        """``(min_grid_size, block_size)``; ``block_size_limit`` caps the block size (0: none)."""
+
+    def occupancy_available_dynamic_smem(self, func: Handle, num_blocks: int, block_size: int) -> int:
+        """Dynamic shared memory per block that still lets ``num_blocks`` blocks of
+        ``block_size`` threads run on one multiprocessor."""
+
+    def occupancy_max_active_clusters(self, func: Handle, config: LaunchConfig) -> int:
+        """How many clusters of ``config.cluster`` can be resident on the device at once."""
+
+    def occupancy_max_potential_cluster_size(self, func: Handle, config: LaunchConfig) -> int:
+        """The largest cluster size the kernel can launch with under ``config``."""
 
     def launch_kernel(self, func: Handle, config: LaunchConfig, stream: Handle, params: KernelParams) -> None:
         """Launch ``func`` on ``stream``: ``cuLaunchKernel``, or ``cuLaunchKernelEx`` when
@@ -267,3 +519,67 @@ class Driver(Protocol):
         with whatever ``params`` holds at that moment, and a truthy ``err`` goes to
         ``fail(err)``, which raises. ``params.address`` must stay valid while the triple
         is used."""
+
+    # -- graphs ---------------------------------------------------------------------------
+    def stream_begin_capture(self, stream: Handle, mode: CaptureMode) -> None:
+        """Start capturing ``stream``'s work into a new graph (not the null stream; not a
+        stream already capturing)."""
+
+    def stream_end_capture(self, stream: Handle) -> Handle:
+        """End the capture begun on ``stream`` and return its graph. ``CaptureError`` if
+        the capture was invalidated or work forked to another stream was not joined back
+        (the capture ends either way)."""
+
+    def graph_nodes(self, graph: Handle) -> Sequence[GraphNodeInfo]:
+        """The graph's nodes in an order where every node comes after its dependencies
+        (for a captured graph: the order of capture, where the driver keeps it)."""
+
+    def graph_kernel_node_arguments(self, node: GraphNodeInfo, codes: str) -> tuple[Any, ...]:
+        """A kernel node's arguments as captured, one ``struct`` code per parameter
+        (``"QQi"``: two pointers and an int)."""
+
+    def graph_instantiate(self, graph: Handle) -> Handle:
+        """An executable graph (only one may exist at a time for a graph that allocates or
+        frees memory)."""
+
+    def graph_launch(self, graph_exec: Handle, stream: Handle) -> None:
+        """Enqueue one replay on ``stream``; replays of one executable graph run one after
+        another, whatever their streams."""
+
+    def graph_exec_update(self, graph_exec: Handle, graph: Handle) -> None:
+        """Give the executable graph the parameters of ``graph``, a graph of the same
+        topology; ``GraphUpdateError`` (nothing changed) when it is not."""
+
+    def graph_exec_kernel_node_set_params(
+        self, graph_exec: Handle, node: GraphNodeInfo, func: Handle, config: LaunchConfig, params: KernelParams
+    ) -> None:
+        """New function, configuration and arguments for one kernel node of the executable
+        graph (later replays only)."""
+
+    def graph_exec_copy_setter(
+        self, graph_exec: Handle, node: GraphNodeInfo, ctx: Handle
+    ) -> Callable[[int, int], None]:
+        """``set(dst, src)``: new addresses for one memcpy node of the executable graph
+        (later replays only), of the same kinds of memory and ``ctx``'s. Built once per
+        node: the hot path of replays with new pointers."""
+
+    def graph_destroy(self, graph: Handle) -> None: ...
+
+    def graph_exec_destroy(self, graph_exec: Handle) -> None:
+        """Replays already enqueued still run."""
+
+    # -- profiling ------------------------------------------------------------------------
+    def profiler_start(self) -> None:
+        """``cuProfilerStart``: begin collecting (Nsight Systems with ``--capture-range=cudaProfilerApi``)."""
+
+    def profiler_stop(self) -> None: ...
+
+    def nvtx_available(self) -> bool:
+        """Whether NVTX ranges reach a tool (the NVTX library could be loaded)."""
+
+    def nvtx_range_start(self, message: str, color: int | None) -> int:
+        """Start an NVTX range in aiocuda's domain; returns its id for :meth:`nvtx_range_end`.
+        Ranges started and ended by id may overlap and cross threads and tasks, unlike
+        push/pop ranges. ``color`` is 0xAARRGGBB or None."""
+
+    def nvtx_range_end(self, range_id: int) -> None: ...

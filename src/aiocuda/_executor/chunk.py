@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .._memory import copies as _copies
 from .._memory import staging as _staging
-from .._memory.pinned import pinned_ranges
 from .._util import NoPublicConstructor, invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
@@ -145,10 +145,7 @@ class ChunkContext(metaclass=NoPublicConstructor):
         moved = self._allocate(array.shape, array.dtype, target, target.p2p)
         p2p.wait(target.p2p)  # the allocation on the target is enqueued before the copy
         span = self._trace._start(p2p, "p2p", "p2p", chunk=self.index) if self._trace else None
-        source.device.make_current()
-        source.device._driver.memcpy_peer_async(
-            moved.ptr, target.device._context, array.ptr, source.device._context, array.nbytes, p2p.handle
-        )
+        _copies.copy_between(moved.ptr, target.device, array.ptr, source.device, array.nbytes, p2p)
         if span is not None:
             Trace._stop(span, p2p)
             self._spans.append(span)
@@ -265,11 +262,7 @@ class ChunkRunner:
                     ctx._spans.append(span)
                 await lane  # the one host wait
             else:
-                pinned = pinned_ranges.owner(int(dest.ctypes.data), max(dest.nbytes, 1)) is not None
-                if pinned and dest.nbytes:
-                    _staging.enqueue_download(int(dest.ctypes.data), result.ptr, dest.nbytes, d2h)
-                    d2h.hold(dest)
-                else:
+                if not _copies.download(dest, result.ptr, d2h):  # pageable: staged, awaited
                     await _staging.device_to_host(dest, result.ptr, d2h)
                 if span is not None:
                     Trace._stop(span, d2h)
@@ -286,9 +279,10 @@ class ChunkRunner:
             if trace is not None and ctx._spans:
                 trace._discard(*ctx._spans)
 
-    def destination(self, index: int, result: DeviceArray) -> npt.NDArray[Any]:
-        """The host array chunk ``index``'s ``result`` is downloaded into, checked."""
-        if not result.is_c_contiguous:
+    def destination(self, index: int, result: DeviceArray, *, contiguous: bool = False) -> npt.NDArray[Any]:
+        """The host array chunk ``index``'s ``result`` is downloaded into, checked
+        (``contiguous``: the result is known to be C-contiguous)."""
+        if not (contiguous or result.is_c_contiguous):
             raise invalid_value("a stage's result must be C-contiguous")
         if self.output is None:
             return np.empty(result.shape, result.dtype)

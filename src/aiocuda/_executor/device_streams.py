@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..device import Device
 from ..memory import MemoryPool
 from ..stream import Stream
+from .lanes import Priority, stream_priority
 
 __all__ = ["DeviceStreams"]
 
@@ -16,10 +17,13 @@ __all__ = ["DeviceStreams"]
 class DeviceStreams:
     """One device's streams, pool and load, as an executor uses them.
 
+    Every stream has the stream priority of the executor's ``priority``.
+
     ``h2d``, ``d2h`` and ``p2p`` are single streams (a GPU copies each direction
     on its own hardware, so more streams would not add bandwidth); ``compute`` holds
     ``compute_streams`` streams used in turn by successive chunks (more than one lets
-    small kernels of different chunks run side by side).
+    small kernels of different chunks run side by side). ``graph_lanes`` are the streams
+    graph mode replays chunks on (made when a pipeline first needs them).
     """
 
     __slots__ = (
@@ -30,6 +34,7 @@ class DeviceStreams:
         "compute",
         "d2h",
         "device",
+        "graph_lanes",
         "h2d",
         "max_chunks",
         "p2p",
@@ -37,14 +42,18 @@ class DeviceStreams:
         "reserved",
     )
 
-    def __init__(self, device: Device, *, compute_streams: int, max_chunks: int, budget: int) -> None:
+    def __init__(
+        self, device: Device, *, compute_streams: int, max_chunks: int, budget: int, priority: Priority = "normal"
+    ) -> None:
         device.make_current()
         self.device = device
         self.pool = MemoryPool.for_device(device)
-        self.h2d = Stream(device)
-        self.compute = tuple(Stream(device) for _ in range(compute_streams))
-        self.d2h = Stream(device)
-        self.p2p = Stream(device)
+        value = stream_priority(device, priority)
+        self.h2d = Stream(device, priority=value)
+        self.compute = tuple(Stream(device, priority=value) for _ in range(compute_streams))
+        self.d2h = Stream(device, priority=value)
+        self.p2p = Stream(device, priority=value)
+        self.graph_lanes: tuple[Stream, ...] = ()
         self._turn = 0
         self.max_chunks = max_chunks
         self.budget = budget
@@ -63,7 +72,7 @@ class DeviceStreams:
 
     @property
     def streams(self) -> tuple[Stream, ...]:
-        return (self.h2d, *self.compute, self.d2h, self.p2p)
+        return (self.h2d, *self.compute, self.d2h, self.p2p, *self.graph_lanes)
 
     def __repr__(self) -> str:
         return (

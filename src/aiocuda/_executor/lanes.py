@@ -20,7 +20,7 @@ import collections
 import contextlib
 import ctypes
 import inspect
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -31,18 +31,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .._completion.event_pool import EventPool
+from .._memory import copies as _copies
 from .._memory import library_streams
-from .._memory import staging as _staging
-from .._memory.pinned import pinned_ranges
 from .._util import invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
 from ..errors import ClosedError, ContextPoisonedError, CudaError
-from ..host import pinned_empty
+from ..host import is_pinned, pinned_empty
 from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
+from . import lane_graphs
 
-__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count"]
+__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count", "stream_priority"]
 
 Priority = Literal["normal", "high"]
 PRIORITIES: tuple[Priority, ...] = ("normal", "high")
@@ -53,6 +53,13 @@ Setup = Callable[["Lane"], Any]
 
 _ALIGN = 256
 _memmove = ctypes.memmove
+
+
+def stream_priority(device: Device, priority: Priority) -> int:
+    """The stream priority a request priority stands for on ``device``: ``"normal"`` is
+    the least urgent the driver has (the default of every stream), ``"high"`` the most."""
+    least, greatest = Stream.priority_range(device)
+    return greatest if priority == "high" else least
 
 
 def default_count(device: Device) -> int:
@@ -77,6 +84,7 @@ class Lane:
     __slots__ = (
         "_buffers",
         "_copy_outs",
+        "_graphs",
         "_keep",
         "_kept_for_life",
         "_pool",
@@ -111,6 +119,32 @@ class Lane:
         """Host arrays that enqueued copies use, kept until the lane is awaited."""
         self._copy_outs: list[tuple[int, int, int]] = []
         """Downloads through staging to finish once awaited: (host address, staging address, bytes)."""
+        self._graphs: dict[Any, Any] = {}
+        """What :meth:`replay` knows of each ``(work, key)``: warmed up, its graph, or eager."""
+
+    # -- graphs --------------------------------------------------------------------------------
+    def replay(self, work: Callable[[Lane], object], *, key: Hashable = None) -> None:
+        """Enqueue ``work(lane)``'s device work on :attr:`stream`, captured once per lane
+        into a graph and replayed per request: whatever ``work`` enqueues, a replay costs
+        one launch.
+
+        The first call on the lane (per ``work`` and ``key``) runs ``work`` as it is (it
+        loads its kernels' modules and warms up the libraries it calls), the second
+        captures it and launches the graph, later ones only launch the graph. So
+        ``work`` must enqueue the same work every time, on ``lane.stream``, on the lane's
+        own memory (arrays kept in ``lane.state``): a replay repeats the pointers and
+        scalars of the capture. Give variants (a batch size, ...) their own ``key``.
+        Copies in and out stay around it::
+
+            lane.upload(host, out=lane.state.x)      # request data into the lane's array
+            lane.replay(model_step)                   # the kernels, one launch
+            result = lane.download(lane.state.y)
+            await lane
+
+        Work that cannot be captured (see :mod:`aiocuda.graph`) runs as it is from then
+        on, with a warning logged once. Returns at once; ``await lane`` waits.
+        """
+        lane_graphs.replay(self, work, key)
 
     # -- memory --------------------------------------------------------------------------------
     def empty(self, shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32) -> DeviceArray:
@@ -145,15 +179,10 @@ class Lane:
             self._check_device_array(out, array.shape, array.dtype, "out")
             out.buffer._used_on(self.stream)
         nbytes = array.nbytes
-        if nbytes:
-            src = int(array.ctypes.data)
-            if pinned_ranges.owner(src, nbytes) is None:
-                staged = self._stage(nbytes)
-                _memmove(staged, src, nbytes)
-                src = staged
-            else:
-                self._keep.append(array)
-            _staging.enqueue_upload(out.ptr, src, nbytes, self.stream)
+        if not _copies.upload(out.ptr, array, self.stream, keep=self._keep):  # pageable: staged here
+            staged = self._stage(nbytes)
+            _memmove(staged, int(array.ctypes.data), nbytes)
+            _copies.enqueue_upload(out.ptr, staged, nbytes, self.stream)
         return out
 
     def download(self, array: DeviceArray, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
@@ -179,16 +208,11 @@ class Lane:
             raise invalid_value("out must be C-contiguous and writeable")
         array.buffer._used_on(self.stream)
         nbytes = out.nbytes
-        if nbytes:
-            dst = int(out.ctypes.data)
-            if pinned_ranges.owner(dst, nbytes) is not None:
-                _staging.enqueue_download(dst, array.ptr, nbytes, self.stream)
-                self._keep.append(out)
-            else:
-                staged = self._stage(nbytes)
-                _staging.enqueue_download(staged, array.ptr, nbytes, self.stream)
-                self._copy_outs.append((dst, staged, nbytes))
-                self._keep.append(out)
+        if not _copies.download(out, array.ptr, self.stream, keep=self._keep):  # pageable: staged here
+            staged = self._stage(nbytes)
+            _copies.enqueue_download(staged, array.ptr, nbytes, self.stream)
+            self._copy_outs.append((int(out.ctypes.data), staged, nbytes))
+            self._keep.append(out)
         return out
 
     def _check_device_array(self, array: DeviceArray, shape: tuple[int, ...], dtype: Any, what: str) -> None:
@@ -205,9 +229,7 @@ class Lane:
         """Whether a copy of ``host`` goes through the lane without borrowing memory:
         pinned, or small enough for what is left of the staging block."""
         nbytes = host.nbytes
-        return self._staged + nbytes <= self._staging_size or (
-            pinned_ranges.owner(int(host.ctypes.data), max(nbytes, 1)) is not None
-        )
+        return self._staged + nbytes <= self._staging_size or is_pinned(host)
 
     def _stage(self, nbytes: int) -> int:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
@@ -417,8 +439,7 @@ class Lanes:
         device = self._device
         device.make_current()
         count = self._count if self._count is not None else default_count(device)
-        least, greatest = Stream.priority_range(device)
-        value = {"normal": least, "high": greatest}
+        value = {p: stream_priority(device, p) for p in self._priorities}
         lanes = []
         for index in range(count):
             streams = {p: Stream(device, priority=value[p]) for p in self._priorities}
@@ -455,6 +476,7 @@ class Lanes:
         is released once that work is done, and new leases fail. Prefer :meth:`aclose`."""
         self._state = "closed"
         for lane in self._lanes:
+            lane_graphs.close(lane)  # first: its replays' needs are held by the lane's streams
             with contextlib.suppress(CudaError):
                 for buffer in lane._kept_for_life:
                     buffer.free()

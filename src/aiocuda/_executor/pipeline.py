@@ -8,6 +8,9 @@ all of its GPU work without waiting -- the only host wait is the await of its fi
 download -- and sends its :class:`ChunkResult` to the consumer, which receives them in
 input order or as they complete. The slot is freed when the consumer takes the result.
 
+In graph mode (:mod:`aiocuda._executor.graph_mode`) the feeder enqueues most chunks itself,
+as replays of a captured graph, and one collector task per device delivers them.
+
 Cancellation and failure: leaving the block early, cancelling the consumer, or (with
 ``on_error="raise"``) a failing chunk cancels every chunk task. A cancelled chunk frees its
 device memory stream-ordered (after the GPU work already enqueued on it) and its host
@@ -31,6 +34,7 @@ import numpy.typing as npt
 from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .device_streams import DeviceStreams
+from .graph_mode import GraphLanes, GraphMode
 from .placement import Admission, PlacementName
 
 if sys.version_info < (3, 11):
@@ -79,8 +83,13 @@ class Pipeline(metaclass=NoPublicConstructor):
         in_flight: int,
         on_error: OnError,
         placement: PlacementName,
+        graph: bool = False,
+        graph_lanes: dict[int, GraphLanes] | None = None,
     ) -> None:
         self._runner = runner
+        self._graph = graph
+        self._graph_lanes = graph_lanes
+        self._graphs: GraphMode | None = None
         self._inputs = inputs
         self._device_streams = device_streams
         self._admission = admission
@@ -107,6 +116,8 @@ class Pipeline(metaclass=NoPublicConstructor):
         self._slots = anyio.Semaphore(self._limit)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        if self._graph:
+            self._graphs = GraphMode(self._runner, self._done, self._task_group.start_soon, self._graph_lanes)
         self._task_group.start_soon(self._feed)
         return self
 
@@ -127,6 +138,8 @@ class Pipeline(metaclass=NoPublicConstructor):
         finally:
             self._send.close()
             self._receive.close()
+            if self._graphs is not None:
+                self._graphs.close()
 
     # -- the consumer -----------------------------------------------------------------------
     def __aiter__(self) -> AsyncIterator[ChunkResult]:
@@ -140,7 +153,10 @@ class Pipeline(metaclass=NoPublicConstructor):
                 return self._deliver(result)
             if self._total is not None and self.delivered == self._total:
                 raise StopAsyncIteration
-            item = await self._receive.receive()
+            try:  # results already sent are taken without a trip through the event loop
+                item = self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                item = await self._receive.receive()
             if isinstance(item, _InputFailed):
                 raise item.error
             if item is not None:
@@ -179,13 +195,31 @@ class Pipeline(metaclass=NoPublicConstructor):
         try:
             async for host in _aiter(self._inputs):
                 array = as_input(host)
-                await self._slots.acquire()
+                if self._graphs is None:
+                    await self._slots.acquire()
+                else:  # graph mode: replays enqueued back to back while slots are free
+                    try:
+                        self._slots.acquire_nowait()
+                    except anyio.WouldBlock:
+                        await self._slots.acquire()
                 placed, cursor = await self._admission.admit(
                     self._placement, self._device_streams, reserve(array), cursor
                 )
                 self.admitted += 1
                 self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                self._task_group.start_soon(self._chunk, index, array, placed)
+                graphs = self._graphs
+                route = "eager" if graphs is None else graphs.route(index, array, placed)
+                while route == "wait":  # graph mode: the device warms up or is being captured
+                    assert graphs is not None
+                    await graphs.settled(placed)
+                    route = graphs.route(index, array, placed)
+                if route == "replay":
+                    assert graphs is not None
+                    graphs.replay(index, array, placed)
+                elif route == "capture":
+                    self._task_group.start_soon(self._capture, index, array, placed)
+                else:
+                    self._task_group.start_soon(self._chunk, index, array, placed)
                 index += 1
         except Exception as exc:
             self._send.send_nowait(_InputFailed(exc))
@@ -194,15 +228,43 @@ class Pipeline(metaclass=NoPublicConstructor):
         self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
+        output: npt.NDArray[Any] | None = None
+        error: Exception | None = None
         try:
             output = await self._runner.run(index, host, device_streams)
-            result = ChunkResult(index, device_streams.device.ordinal, output, None)
         except Exception as exc:
-            result = ChunkResult(index, device_streams.device.ordinal, None, exc)
+            error = exc
         finally:
-            device_streams.completed += 1
-            self._admission.release(device_streams, reserve(host))
-        self._send.send_nowait(result)
+            if self._graphs is not None:
+                self._graphs.warmed(index, device_streams, output is not None)
+            self._done(index, host, device_streams, output, error)
+
+    async def _capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
+        """Graph mode: capture the device's graphs with this chunk, then run it as a replay."""
+        assert self._graphs is not None
+        output: npt.NDArray[Any] | None = None
+        error: Exception | None = None
+        try:
+            output = await self._graphs.capture(index, host, device_streams)
+        except Exception as exc:
+            error = exc
+        finally:
+            self._done(index, host, device_streams, output, error)
+
+    def _done(
+        self,
+        index: int,
+        host: npt.NDArray[Any],
+        device_streams: DeviceStreams,
+        output: npt.NDArray[Any] | None,
+        error: Exception | None,
+    ) -> None:
+        """A chunk is over: give its admission back and deliver its result (none when it
+        has neither: it was cancelled)."""
+        device_streams.completed += 1
+        self._admission.release(device_streams, reserve(host))
+        if output is not None or error is not None:
+            self._send.send_nowait(ChunkResult(index, device_streams.device.ordinal, output, error))
 
 
 def reserve(host: npt.NDArray[Any]) -> int:

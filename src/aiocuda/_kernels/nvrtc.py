@@ -103,8 +103,8 @@ def _output_buffer(size: int) -> bytearray:
 def compile_program(
     source: str, name: str, options: Sequence[str], name_expressions: Sequence[str], arch: str
 ) -> CachedImage:
-    """Compile ``source`` with NVRTC for ``arch`` (``sm_XY``: cubin, ``compute_XY``: PTX);
-    CompileError with NVRTC's log on failure."""
+    """Compile ``source`` with NVRTC for ``arch`` (``sm_XY``: cubin, ``compute_XY``: PTX;
+    with ``-dlto`` among the options: LTO-IR); CompileError with NVRTC's log on failure."""
     nvrtc = load()
     prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []), "nvrtcCreateProgram")
     try:
@@ -117,7 +117,11 @@ def compile_program(
         log = bytes(raw_log).rstrip(b"\0 ").decode(errors="replace").strip()
         if result[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             raise CompileError(f"{name}: compilation failed ({' '.join(options)}):\n{log}", log=log)
-        if arch.startswith("sm_"):
+        if "-dlto" in options:
+            image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetLTOIRSize(prog), "nvrtcGetLTOIRSize"))
+            _check(nvrtc, nvrtc.nvrtcGetLTOIR(prog, image), "nvrtcGetLTOIR")
+            kind = "ltoir"
+        elif arch.startswith("sm_"):
             image = _output_buffer(_check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize"))
             _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, image), "nvrtcGetCUBIN")
             kind = "cubin"

@@ -6,6 +6,14 @@ whose entries point at each argument's bytes. Its address never changes, so a la
 only writes the new values into the block -- one ``Struct.pack_into`` call for all of
 them -- and makes one driver call.
 
+Structs and vectors passed by value (a structured dtype in the signature, laid out as
+CUDA lays it out: :func:`~aiocuda._kernels.signature.cuda_struct`) each get a block of
+their own, which the ``void*[]`` points at. A struct of scalar fields is packed with its
+own ``Struct.pack_into`` from the field values (a tuple, or a numpy record of the dtype:
+``*value`` gives the fields in order), checked as strictly as scalars; a struct with
+nested structs or arrays is assigned through numpy (``block[()] = value``), which
+converts fields as numpy assignment does. Either way no Python frame runs per launch.
+
 :func:`build_launcher` generates, once per (signature, launch configuration), a plain
 function specialised for that signature (the way :mod:`dataclasses` generates
 ``__init__``): no per-argument isinstance chains, no ctypes objects created per launch.
@@ -41,32 +49,70 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import LaunchError
-from .signature import Param, Signature
+from ..errors import CaptureError, LaunchError
+from .signature import Param, Signature, struct_format
 
-__all__ = ["ParamBuffer", "PreparedLaunch", "build_launcher", "diagnose", "to_pointer"]
+__all__ = ["ParamBuffer", "PreparedLaunch", "StructSlot", "build_launcher", "diagnose", "to_pointer"]
 
 PreparedLaunch = tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable[[Any], None]]
 """What ``Driver.prepare_launch`` returns: ``(fn, args, fail)``; a launch is
 ``err = fn(*args)[0]`` and, when ``err`` is truthy, ``fail(err)`` raises."""
 
 
+class StructSlot:
+    """The block one by-value struct argument is packed into, and how.
+
+    ``target`` is what the launcher writes to: the ctypes block itself for a struct of
+    scalar fields (``pack_into(target, 0, *value)``), else a 0-d numpy array over the
+    block (``target[()] = value``).
+    """
+
+    __slots__ = ("_block", "address", "dtype", "pack_into", "target")
+
+    def __init__(self, dtype: np.dtype) -> None:
+        self.dtype = dtype
+        self._block = (ctypes.c_uint64 * max(1, -(-dtype.itemsize // 8)))()
+        self.address = ctypes.addressof(self._block)
+        fmt = struct_format(dtype)
+        self.pack_into: Callable[..., None] | None = None if fmt is None else struct.Struct(fmt).pack_into
+        self.target: Any = (
+            self._block if fmt is not None else np.frombuffer(memoryview(self._block), dtype, count=1).reshape(())
+        )
+
+    def write(self, value: Any) -> None:
+        if self.pack_into is not None:
+            self.pack_into(self.target, 0, *value)
+        else:
+            self.target[()] = value
+
+    @property
+    def value(self) -> Any:
+        """The packed struct as a numpy record (a copy)."""
+        return np.frombuffer(bytes(self._block)[: self.dtype.itemsize], self.dtype)[0]
+
+
 class ParamBuffer:
     """A :class:`~aiocuda._driver.KernelParams`: preallocated storage for one signature.
 
     ``address`` is the ``void*[]`` for ``kernelParams``; ``values`` decodes the current
-    contents (pointers as ``int``), which is what the simulated backend reads.
+    contents (pointers as ``int``, structs as numpy records), which is what the
+    simulated backend reads. ``slots`` are the blocks of by-value structs, in order.
     """
 
-    __slots__ = ("_pointers", "_storage", "address", "pack_into", "signature", "struct")
+    __slots__ = ("_pointers", "_storage", "address", "pack_into", "signature", "slots", "struct")
 
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
         self.struct = struct.Struct("@" + "".join(p.code for p in signature))
         self._storage = (ctypes.c_uint64 * max(1, -(-self.struct.size // 8)))()
+        self.slots = tuple(StructSlot(p.dtype) for p in signature if p.by_value_struct)
         base = ctypes.addressof(self._storage)
         offsets, prefix = [], "@"
+        slots = iter(self.slots)
         for param in signature:
+            if param.by_value_struct:
+                offsets.append(next(slots).address)
+                continue
             prefix += param.code
             offsets.append(base + struct.calcsize(prefix) - struct.calcsize("@" + param.code))
         self._pointers = (ctypes.c_void_p * max(1, len(signature)))(*offsets)
@@ -75,12 +121,14 @@ class ParamBuffer:
 
     @property
     def storage(self) -> Any:
-        """The writable block the arguments are packed into."""
+        """The writable block the scalar and pointer arguments are packed into."""
         return self._storage
 
     @property
     def values(self) -> tuple[Any, ...]:
-        return self.struct.unpack_from(self._storage)
+        packed = iter(self.struct.unpack_from(self._storage))
+        slots = iter(self.slots)
+        return tuple(next(slots).value if p.by_value_struct else next(packed) for p in self.signature)
 
     def pack(self, args: tuple[Any, ...], stream: Any) -> None:
         """Pack ``args`` (any accepted form) the slow, general way; raises LaunchError."""
@@ -88,6 +136,9 @@ class ParamBuffer:
             raise diagnose(self.signature, args, "")
         try:
             self.pack_into(self._storage, 0, *_convert(self.signature, args, stream))
+            structs = (a for p, a in zip(self.signature, args, strict=True) if p.by_value_struct)
+            for slot, value in zip(self.slots, structs, strict=True):
+                slot.write(value)
         except (struct.error, OverflowError, TypeError, ValueError):
             raise diagnose(self.signature, args, "") from None
 
@@ -96,6 +147,7 @@ def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[A
     return [
         to_pointer(a, stream, p.pointee) if p.code == "Q" and type(a) is not int else a
         for p, a in zip(signature, args, strict=True)
+        if not p.by_value_struct
     ]
 
 
@@ -192,6 +244,9 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
         )
     for index, (param, arg) in enumerate(zip(signature, args, strict=True)):
         try:
+            if param.by_value_struct:
+                StructSlot(param.dtype).write(arg)
+                continue
             value = to_pointer(arg, None, param.pointee) if param.code == "Q" and type(arg) is not int else arg
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
@@ -225,9 +280,17 @@ def build_launcher(
         pointee = f", p{i}" if param.pointee is not None else ""
         return f"(a{i} if type(a{i}) is int else to_pointer(a{i}, stream{pointee}))"
 
-    values = ", ".join(value(i, p) for i, p in enumerate(signature))
+    values = ", ".join(value(i, p) for i, p in enumerate(signature) if not p.by_value_struct)
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
-    pack = f"pack_into(item[0], 0, {values})" if names else "pass"
+    pack = f"pack_into(item[0], 0, {values})" if values else "pass"
+    # One statement per by-value struct: its own pack_into, or a numpy assignment.
+    structs = [i for i, p in enumerate(signature) if p.by_value_struct]
+    first = ParamBuffer(signature)
+    packers = {f"s{i}": slot.pack_into for i, slot in zip(structs, first.slots, strict=True) if slot.pack_into}
+    writes = "".join(
+        f"\n        s{i}(item[3][{k}], 0, *a{i})" if f"s{i}" in packers else f"\n        item[3][{k}][()] = a{i}"
+        for k, i in enumerate(structs)
+    )
     source = f"""
 def launch(*args):
     try:
@@ -236,7 +299,10 @@ def launch(*args):
         item = grow()
     try:
         {unpack}
-        {pack}
+        {pack}{writes}
+    except CaptureError:
+        give(item)
+        raise
     except Exception:
         give(item)
         raise diagnose(signature, args, kernel) from None
@@ -245,15 +311,14 @@ def launch(*args):
     if err:
         fail(err, args)
 """
-    first = ParamBuffer(signature)
     fn, first_args, _ = prepare(first)
-    free: list[tuple[Any, tuple[Any, ...], ParamBuffer]] = []
+    free: list[tuple[Any, tuple[Any, ...], ParamBuffer, tuple[Any, ...]]] = []
 
-    def grow() -> tuple[Any, tuple[Any, ...], ParamBuffer]:
+    def grow() -> tuple[Any, tuple[Any, ...], ParamBuffer, tuple[Any, ...]]:
         buffer = ParamBuffer(signature)
-        return (buffer.storage, prepare(buffer)[1], buffer)
+        return (buffer.storage, prepare(buffer)[1], buffer, tuple(slot.target for slot in buffer.slots))
 
-    free.append((first.storage, first_args, first))
+    free.append((first.storage, first_args, first, tuple(slot.target for slot in first.slots)))
     namespace: dict[str, Any] = {
         "take": free.pop,
         "give": free.append,
@@ -262,11 +327,13 @@ def launch(*args):
         "to_pointer": to_pointer,
         "stream": stream,
         "diagnose": diagnose,
+        "CaptureError": CaptureError,
         "signature": signature,
         "kernel": kernel,
         "fn": fn,
         "fail": fail,
         **pointees,
+        **packers,
     }
     exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]

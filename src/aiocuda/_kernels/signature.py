@@ -1,8 +1,10 @@
 """Kernel signatures: what each argument of a ``__global__`` function is.
 
 A :class:`Signature` is a tuple of :class:`Param`: by-value scalars (a numpy dtype and
-the ``struct`` code that packs it) or pointers (packed as 8-byte addresses; the pointee
-dtype is kept for the simulated backend, which hands kernels typed numpy views).
+the ``struct`` code that packs it), by-value structs and vectors (a numpy structured
+dtype laid out as CUDA lays out the struct: :func:`cuda_struct`, :func:`vector_dtype`)
+or pointers (packed as 8-byte addresses; the pointee dtype is kept for the simulated
+backend, which hands kernels typed numpy views).
 
 Signatures come from three places, in this order of preference:
 
@@ -13,9 +15,15 @@ Signatures come from three places, in this order of preference:
 * parsed from PTX text (``.entry name(.param .u64 ..., ...)``).
 
 Parsing is deliberately modest: it understands the builtin scalar types, fixed-width
-typedefs, pointers and template type parameters. A kernel whose parameters it cannot
-read (structs by value, nested templates) simply has no inferred signature, and
-launching it asks for a declared one instead of guessing.
+typedefs, CUDA's vector types (``float2``, ``int4``, ...), pointers and template type
+parameters. A kernel whose parameters it cannot read (user structs by value, nested
+templates) simply has no inferred signature, and launching it asks for a declared one
+(a numpy structured dtype for a struct) instead of guessing.
+
+CUDA's layout rules for a struct passed by value: each field at the next offset that is
+a multiple of its alignment (a scalar's size; a vector type's own alignment, e.g. 8 for
+``float2``, 16 for ``float4`` and ``int4``, but 4 for ``float3``; a nested struct's
+largest alignment), the struct's size rounded up to its largest alignment.
 """
 
 from __future__ import annotations
@@ -23,10 +31,23 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["Param", "Signature", "parse_signature", "ptx_signatures", "source_signatures", "strip_comments"]
+__all__ = [
+    "VECTOR_TYPES",
+    "Param",
+    "Signature",
+    "cuda_alignment",
+    "cuda_struct",
+    "parse_signature",
+    "ptx_signatures",
+    "source_signatures",
+    "strip_comments",
+    "struct_format",
+    "vector_dtype",
+]
 
 _SCALARS: dict[str, str] = {
     "bool": "bool",
@@ -85,6 +106,131 @@ _STRUCT_CODES: dict[str, str] = {
     "float64": "d",
 }
 
+_VECTOR_BASES: dict[str, str] = {
+    "char": "int8", "uchar": "uint8", "short": "int16", "ushort": "uint16",
+    "int": "int32", "uint": "uint32", "long": "int64", "ulong": "uint64",
+    "longlong": "int64", "ulonglong": "uint64", "float": "float32", "double": "float64",
+}  # fmt: skip
+# Alignment of vectors, from vector_types.h: 2 and 4 components align to their whole
+# size (at most 16 bytes), 1 and 3 components to one element.
+
+VECTOR_TYPES: tuple[str, ...] = tuple(f"{base}{n}" for base in _VECTOR_BASES for n in (1, 2, 3, 4))
+"""CUDA's built-in vector type names (``char1`` .. ``double4``)."""
+
+_FIELDS = "xyzw"
+_ALIGN = "cuda_align"
+_NAME = "cuda_name"
+
+
+def vector_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a CUDA vector type (``"float2"``, ``"int4"``, ``"uchar3"``, ...):
+    fields ``x``, ``y``, ``z``, ``w``, with CUDA's size and alignment
+    (``vector_dtype("float4").itemsize == 16``). KeyError for an unknown name."""
+    base, count = name[:-1], int(name[-1]) if name[-1:].isdigit() else 0
+    if base not in _VECTOR_BASES or not 1 <= count <= 4:
+        raise KeyError(f"{name!r} is not a CUDA vector type ({', '.join(VECTOR_TYPES)})")
+    element = np.dtype(_VECTOR_BASES[base])
+    align = min(16, element.itemsize * count) if count in (2, 4) else element.itemsize
+    size = -(-element.itemsize * count // align) * align
+    return np.dtype(
+        {
+            "names": list(_FIELDS[:count]),
+            "formats": [element] * count,
+            "offsets": [i * element.itemsize for i in range(count)],
+            "itemsize": size,
+        },
+        metadata={_ALIGN: align, _NAME: name},
+    )
+
+
+def _metadata(dtype: np.dtype) -> dict[str, Any]:
+    return dict(dtype.metadata or {})
+
+
+def cuda_alignment(dtype: np.dtype) -> int:
+    """The alignment CUDA gives a field or argument of this numpy type."""
+    if dtype.subdtype is not None:
+        return cuda_alignment(dtype.subdtype[0])
+    align = _metadata(dtype).get(_ALIGN)
+    if align is not None:
+        return int(align)
+    if dtype.fields is not None:
+        return max((cuda_alignment(dtype.fields[name][0]) for name in dtype.names or ()), default=1)
+    return dtype.itemsize
+
+
+def _layout(dtype: np.dtype) -> tuple[list[int], int, int]:
+    """``(offsets, itemsize, alignment)`` CUDA gives a struct with ``dtype``'s fields in order."""
+    offsets: list[int] = []
+    end = 0
+    largest = 1
+    for name in dtype.names or ():
+        field = dtype.fields[name][0]  # type: ignore[index]
+        align = cuda_alignment(field)
+        largest = max(largest, align)
+        end = -(-end // align) * align
+        offsets.append(end)
+        end += field.itemsize
+    return offsets, -(-end // largest) * largest, largest
+
+
+def cuda_struct(dtype: np.dtype) -> np.dtype:
+    """``dtype`` (a numpy structured dtype) as CUDA lays out the struct by value.
+
+    A dtype whose layout already is CUDA's (``np.dtype(..., align=True)`` with scalar
+    fields, a vector type, explicit offsets that respect every field's alignment, as
+    ``__align__`` gives) is kept as it is; a packed one (numpy's default) is laid out
+    again with CUDA's padding. TypeError for a layout CUDA cannot have (a field at an
+    offset that is not a multiple of its alignment, in a dtype that is not packed).
+    """
+    if dtype.fields is None or not dtype.names:
+        raise TypeError(f"{dtype} is not a structured dtype with fields")
+    if dtype.hasobject:
+        raise TypeError(f"{dtype} holds Python objects, which cannot be kernel arguments")
+    names = list(dtype.names)
+    fields = [dtype.fields[name] for name in names]
+    given = [int(f[1]) for f in fields]
+    offsets, itemsize, align = _layout(dtype)
+    if given == offsets and dtype.itemsize == itemsize:
+        chosen_offsets, chosen_size = given, itemsize
+    elif given == [sum(f[0].itemsize for f in fields[:i]) for i in range(len(fields))] and dtype.itemsize == sum(
+        f[0].itemsize for f in fields
+    ):
+        chosen_offsets, chosen_size = offsets, itemsize  # packed: numpy's default layout
+    else:
+        for name, (field, offset) in zip(names, ((f[0], int(f[1])) for f in fields), strict=True):
+            if offset % cuda_alignment(field):
+                raise TypeError(
+                    f"field {name!r} of {dtype} is at offset {offset}, not a multiple of its CUDA alignment "
+                    f"{cuda_alignment(field)}: no CUDA struct has that layout"
+                )
+        if dtype.itemsize % align:
+            raise TypeError(f"{dtype} has size {dtype.itemsize}, not a multiple of its CUDA alignment {align}")
+        chosen_offsets, chosen_size = given, dtype.itemsize
+    metadata = dict(dtype.metadata or {})
+    metadata[_ALIGN] = align
+    return np.dtype(
+        {"names": names, "formats": [f[0] for f in fields], "offsets": chosen_offsets, "itemsize": chosen_size},
+        metadata=metadata,
+    )
+
+
+def struct_format(dtype: np.dtype) -> str | None:
+    """The ``struct`` format (``"="``, explicit padding) packing a struct of scalar fields
+    from its field values in order; None when a field is itself a struct or an array."""
+    parts = ["="]
+    end = 0
+    for name in dtype.names or ():
+        field, offset = dtype.fields[name][:2]  # type: ignore[index]
+        code = _STRUCT_CODES.get(field.name) if field.fields is None and field.subdtype is None else None
+        if code is None:
+            return None
+        parts.append("x" * (offset - end) + code)
+        end = offset + field.itemsize
+    parts.append("x" * (dtype.itemsize - end))
+    return "".join(parts)
+
+
 _QUALIFIERS = re.compile(r"\b(?:const|volatile|__restrict__|__restrict|restrict|struct|std::)\b|__align__\(\d+\)")
 _POINTER_WORDS = {"ptr", "pointer", "void*"}
 
@@ -104,19 +250,30 @@ class Param:
     name: str = ""
 
     @property
+    def by_value_struct(self) -> bool:
+        """A struct or vector passed by value (``dtype`` is structured)."""
+        return not self.pointer and self.dtype.fields is not None
+
+    @property
     def code(self) -> str:
-        """The ``struct`` format code the argument is packed with."""
-        return "Q" if self.pointer else _STRUCT_CODES[self.dtype.name]
+        """The ``struct`` format code a pointer or scalar argument is packed with ("" for
+        a struct, which is packed on its own)."""
+        if self.pointer:
+            return "Q"
+        return "" if self.dtype.fields is not None else _STRUCT_CODES[self.dtype.name]
 
     @property
     def pointee(self) -> np.dtype | None:
         """The element type an array passed for this pointer must have, or None when any
         array will do: ``void*``, byte pointers (``char*``, ``uint8_t*``, ...), pointers
-        to types the parser does not know, and scalars."""
-        return self.dtype if self.pointer and self.dtype.itemsize > 1 else None
+        to structs and vectors, to types the parser does not know, and scalars."""
+        return self.dtype if self.pointer and self.dtype.itemsize > 1 and self.dtype.fields is None else None
 
     def describe(self) -> str:
-        kind = f"{self.dtype.name}*" if self.pointer else self.dtype.name
+        base = self.dtype.name
+        if self.dtype.fields is not None:
+            base = _metadata(self.dtype).get(_NAME) or f"struct({', '.join(self.dtype.names or ())})"
+        kind = f"{base}*" if self.pointer else base
         return f"{kind} {self.name}".rstrip()
 
 
@@ -124,6 +281,8 @@ Signature = tuple[Param, ...]
 
 
 def _scalar_dtype(spelling: str) -> np.dtype | None:
+    if spelling in VECTOR_TYPES:
+        return vector_dtype(spelling)
     name = _SCALARS.get(spelling)
     if name is None:
         try:
@@ -174,11 +333,15 @@ def parse_signature(spec: str | Sequence[object]) -> Signature:
                 dtype = np.dtype(item)  # type: ignore[call-overload]
             except TypeError:
                 dtype = None
-            param = Param(dtype) if dtype is not None and dtype.name in _STRUCT_CODES else None
+            if dtype is not None and dtype.fields is not None:
+                param = Param(cuda_struct(dtype))
+            else:
+                param = Param(dtype) if dtype is not None and dtype.name in _STRUCT_CODES else None
         if param is None:
             raise TypeError(
                 f"signature item {index} ({item!r}) is not a supported kernel parameter type: use a "
-                f"scalar C type or numpy dtype ({', '.join(sorted(_STRUCT_CODES))}) or a pointer ('float*', 'ptr')"
+                f"scalar C type or numpy dtype ({', '.join(sorted(_STRUCT_CODES))}), a CUDA vector type "
+                f"('float2'), a numpy structured dtype (a struct) or a pointer ('float*', 'ptr')"
             )
         params.append(param)
     return tuple(params)

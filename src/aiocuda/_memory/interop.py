@@ -2,9 +2,13 @@
 
 Export (``DeviceArray.__cuda_array_interface__`` / ``__dlpack__``):
 
-* The array interface names the *producer's* stream (the array's last-use stream,
-  never 0: the legacy stream is reported as 1), so the consumer orders its reads after
-  the producer's writes.
+* The array interface is exported with ``"stream": None`` and the producer's work
+  already finished: consumers that ignore the interface's ``stream`` key (PyTorch's
+  ``torch.as_tensor``) would otherwise read before the producer's writes land. When the
+  array's last-use stream is idle (the array was awaited) that costs one stream query;
+  otherwise the export synchronises that stream, blocking the calling thread -- on an
+  event loop's thread it warns (``RuntimeWarning``): await the array's stream first, or
+  use DLPack, which orders the consumer's stream on the GPU instead.
 * ``__dlpack__(stream=s)`` honours the *consumer's* stream: ``s`` is made to wait, on
   the GPU, for the array's pending work (``None`` means the legacy default stream, 1;
   ``-1`` asks for no synchronisation). The capsule keeps the array -- hence its memory
@@ -19,9 +23,12 @@ completed.
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import ctypes
+import sys
 import threading
+import time
+import warnings
 import weakref
 from typing import Any
 
@@ -32,6 +39,7 @@ from ..array import DeviceArray
 from ..device import Device
 from ..errors import ArgumentError
 from ..stream import Stream, current_stream
+from .buffers import OwnedBuffer
 
 __all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
 
@@ -99,8 +107,24 @@ def _stream_value(stream: Stream) -> int:
     return value or 1  # CAI v3 forbids 0; 1 is the legacy default stream
 
 
+# Why the interface is exported finished, with "stream": None (CAI v3 allows it when the
+# producer has synchronised), rather than naming the producer's stream:
+# * PyTorch (2.11) ignores the stream key, and read zeros from an array whose upload was
+#   still running. CuPy and Numba honour it by synchronising that stream on the host
+#   (CUPY_CUDA_ARRAY_INTERFACE_SYNC, NUMBA_CUDA_ARRAY_INTERFACE_SYNC, both on by default),
+#   so every CAI consumer waits on the host anyway, or is wrong.
+# * Cost, for an array whose work has finished (awaited): one cuStreamQuery, about a
+#   microsecond, and CuPy and Numba then skip their own cuStreamSynchronize. For pending
+#   work: the same host wait CuPy and Numba make, moved into the export, where an event
+#   loop's thread is told about it instead of stalling silently.
+# * Consumers that want GPU-side ordering without a host wait use DLPack, which passes
+#   the consumer's stream to the producer.
+
+
 def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
-    """The ``__cuda_array_interface__`` (version 3) of ``array``."""
+    """The ``__cuda_array_interface__`` (version 3) of ``array``, whose pending work has
+    finished (``"stream": None``; see the module docstring)."""
+    _finish_for_export(array.stream)
     return {
         "shape": array.shape,
         "typestr": array.dtype.str,
@@ -108,8 +132,40 @@ def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
         "data": (array.ptr, False),
         "strides": None if array.is_c_contiguous else array.strides,
         "version": 3,
-        "stream": _stream_value(array.stream),
+        "stream": None,
     }
+
+
+def _finish_for_export(stream: Stream) -> None:
+    """Return once the work on ``stream`` has finished, synchronising if it has not."""
+    if stream.device._driver.stream_query(stream.handle):
+        return
+    started = time.perf_counter()
+    stream.synchronize()
+    if _on_event_loop():
+        waited_ms = (time.perf_counter() - started) * 1e3
+        warnings.warn(
+            f"__cuda_array_interface__ blocked the event loop for {waited_ms:.1f} ms, waiting for GPU work "
+            "still pending on the array's stream (consumers such as PyTorch ignore the interface's stream, "
+            "so the export waits for it): `await array.stream` before handing the array over, or use DLPack "
+            "(e.g. torch.from_dlpack), which orders the consumer after the array on the GPU",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def _on_event_loop() -> bool:
+    """Whether the calling thread runs an asyncio or trio event loop."""
+    if asyncio._get_running_loop() is not None:
+        return True
+    trio = sys.modules.get("trio")
+    if trio is not None:
+        try:
+            trio.lowlevel.current_trio_token()
+            return True
+        except RuntimeError:
+            pass
+    return False
 
 
 def _forget_export(managed: Any) -> None:
@@ -190,47 +246,6 @@ def to_dlpack(
 # -- import -----------------------------------------------------------------------------------
 
 
-class ForeignBuffer:
-    """Device memory owned by another library, seen through aiocuda.
-
-    Keeps ``owner`` alive; when collected, ``owner`` is handed to the last-use stream's
-    ``hold`` so the other library cannot reuse the memory before aiocuda's work on it is
-    done. :meth:`free` only drops the reference.
-    """
-
-    __slots__ = ("__weakref__", "_state", "device", "ptr", "size")
-
-    def __init__(self, ptr: int, size: int, device: Device, stream: Stream, owner: Any) -> None:
-        self.ptr = ptr
-        self.size = size
-        self.device = device
-        self._state = [stream, owner]
-        weakref.finalize(self, _hand_over, self._state)
-
-    @property
-    def stream(self) -> Stream:
-        stream: Stream = self._state[0]
-        return stream
-
-    def _used_on(self, stream: Stream) -> None:
-        previous: Stream = self._state[0]
-        if stream is not previous:
-            stream.wait(previous)
-            self._state[0] = stream
-
-    def free(self) -> None:
-        """Forget the foreign memory (its owner is held until aiocuda's work completes)."""
-
-    def __repr__(self) -> str:
-        return f"<ForeignBuffer ptr={self.ptr:#x} size={self.size} owner={type(self._state[1]).__name__}>"
-
-
-def _hand_over(state: list[Any]) -> None:
-    stream, owner = state
-    with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
-        stream.hold(owner)
-
-
 def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
     address = _capi.PyCapsule_GetPointer(capsule, _CAPSULE_NAME)
     if not address:
@@ -278,7 +293,7 @@ def _wrap(
 ) -> DeviceArray:
     byte_strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
     lo, hi = byte_span(shape, byte_strides, dtype.itemsize)
-    buffer = ForeignBuffer(ptr + lo, hi - lo, device, stream, owner)
+    buffer = OwnedBuffer(ptr + lo, hi - lo, device, stream, owner)
     return DeviceArray(shape, dtype, byte_strides, buffer=buffer, offset=-lo)
 
 

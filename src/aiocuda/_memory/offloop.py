@@ -1,18 +1,20 @@
 """One thread for driver calls that must never run on an event loop's thread.
 
-The driver makes ``cuMemFreeHost`` and ``cuMemHostUnregister`` wait until the device is
-idle: measured on an H100, both return only once a kernel running on *any* stream has
-finished (100 ms for a 100 ms kernel); unloading a module and destroying a memory pool
-may wait for the GPU too. Called from a finaliser or ``close()`` on a loop's thread,
-they would stall every task of that loop for as long as the GPU stays busy. aiocuda
-queues them here instead: one daemon thread runs them in order, each call binding the
-context it needs.
+The driver makes freeing and unpinning page-locked memory wait until the device is
+idle; unloading a module and destroying a memory pool may wait for the GPU too; and a
+pool's trim needs a context synchronisation to release memory freed on busy streams.
+Called from a finaliser or ``close()`` on a loop's thread, they would stall every task
+of that loop for as long as the GPU stays busy. aiocuda queues them here instead: one
+daemon thread runs them in order, each call binding the context it needs.
 
 Pitfalls: the memory goes back to the OS a little later (after the GPU work running at
 the time); a process exiting with calls still queued leaves that memory to the OS,
 which reclaims it anyway. After ``fork`` the child starts its own thread when it first
 needs one (calls the parent had queued are not repeated).
 """
+
+# Measured on an H100: cuMemFreeHost and cuMemHostUnregister return only once a kernel
+# running on any stream has finished (100 ms for a 100 ms kernel).
 
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ class _Worker:
                 fn(*args)
             except Exception:
                 _log.exception("aiocuda: %s failed on the off-loop thread", getattr(fn, "__qualname__", fn))
+            del fn, args  # what a call keeps goes now, not when the next call comes
 
 
 _worker: _Worker | None = None

@@ -1,12 +1,10 @@
 """Freed page-locked blocks, kept for reuse instead of given back to the driver.
 
-``cuMemFreeHost`` waits until the device is idle, and while it waits it holds a driver
-lock that other threads' calls need: measured on an H100, a ``cuMemcpyHtoDAsync`` on the
-event loop's thread stalled for the rest of a 50 ms kernel while another thread freed a
-pinned block. Freeing pinned memory while the GPU works therefore stalls the loop
-whichever thread frees it. So, like PyTorch's caching host allocator, aiocuda keeps the
-blocks of collected pinned arrays and staging slots and hands them to the next
-allocation of the same size class; ``cuMemHostAlloc`` (1-40 ms per call) is skipped too.
+Freeing pinned memory waits until the device is idle, holding a driver lock that other
+threads' calls need meanwhile, so it would stall an event loop whichever thread frees.
+So, like PyTorch's caching host allocator, aiocuda keeps the blocks of collected pinned
+arrays and staging slots and hands them to the next allocation of the same size class;
+the next allocation also skips pinning new memory.
 
 Blocks come in size classes (powers of two up to 1 MiB, then whole MiB), so a reused
 block may be larger than asked. At most :data:`LIMIT` bytes are kept; a block freed
@@ -14,9 +12,14 @@ beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
 (:mod:`aiocuda._memory.offloop`) -- at the price above if the GPU is busy then.
 """
 
+# Measured on an H100: a cuMemcpyHtoDAsync on the event loop's thread stalled for the
+# rest of a 50 ms kernel while another thread freed a pinned block (cuMemFreeHost);
+# cuMemHostAlloc takes 1-40 ms per call.
+
 from __future__ import annotations
 
 import threading
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -49,52 +52,81 @@ def _world(driver: Any) -> object:
 
 
 class _Cache:
+    # give() runs in finalisers, which the garbage collector may start on a thread that
+    # already holds the lock (inside take(), say): it only queues the block, and whoever
+    # holds the lock next files the queue. A blocking acquire there deadlocked.
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.blocks: dict[int, list[tuple[Device, int]]] = {}  # size class -> (device, ptr)
         self.bytes = 0
         self.world: object = None
+        self.returned: deque[tuple[Device, int, int]] = deque()
+        """Blocks given back and not yet filed: (device, ptr, size)."""
 
     def take(self, size: int) -> int | None:
         with self.lock:
-            self._forget_other_worlds()
+            overflow = self._file_returned()
             found = self.blocks.get(size)
-            if not found:
-                return None
-            self.bytes -= size
-            return found.pop()[1]
+            ptr = None
+            if found:
+                self.bytes -= size
+                ptr = found.pop()[1]
+        _free_blocks(overflow)
+        return ptr
 
     def give(self, device: Device, ptr: int, size: int) -> None:
-        with self.lock:
-            self._forget_other_worlds()
-            if self.bytes + size <= LIMIT and _world(device._driver) is self.world:
-                self.blocks.setdefault(size, []).append((device, ptr))
-                self.bytes += size
-                return
-        offloop.dispose(device, device._driver.mem_host_free, ptr)
+        self.returned.append((device, ptr, size))
+        self.file()
+
+    def file(self) -> None:
+        """File the blocks given back, unless this or another thread holds the lock (the
+        holder files them, or the next caller does)."""
+        if not self.lock.acquire(blocking=False):
+            return
+        try:
+            overflow = self._file_returned()
+        finally:
+            self.lock.release()
+        _free_blocks(overflow)
 
     def empty(self) -> int:
         with self.lock:
+            overflow = self._file_returned()
             dropped, self.blocks, freed = self.blocks, {}, self.bytes
             self.bytes = 0
-        _free_all(dropped)
+        _free_blocks(overflow)
+        _free_blocks([entry for entries in dropped.values() for entry in entries])
         return freed
 
-    def _forget_other_worlds(self) -> None:
+    def _file_returned(self) -> list[tuple[Device, int]]:
+        """Under the lock: keep the returned blocks that fit, after dropping the blocks
+        of another backend; returns the blocks to free."""
+        overflow = self._forget_other_worlds()
+        returned = self.returned
+        while returned:
+            device, ptr, size = returned.popleft()
+            if self.bytes + size <= LIMIT and _world(device._driver) is self.world:
+                self.blocks.setdefault(size, []).append((device, ptr))
+                self.bytes += size
+            else:
+                overflow.append((device, ptr))
+        return overflow
+
+    def _forget_other_worlds(self) -> list[tuple[Device, int]]:
         """After a switch to another backend, blocks of the previous one are not handed
-        out again (a switch from CUDA to CUDA keeps them: they stay valid). Chooses no
+        out again (a switch from CUDA to CUDA keeps them: they stay valid); returns them. Chooses no
         backend: a block given back after the simulator was closed is freed."""
         world = _world(_driver.current())
-        if world is not self.world:
-            self.world = world
-            stale, self.blocks, self.bytes = self.blocks, {}, 0
-            _free_all(stale)
+        if world is self.world:
+            return []
+        self.world = world
+        stale, self.blocks, self.bytes = self.blocks, {}, 0
+        return [entry for entries in stale.values() for entry in entries]
 
 
-def _free_all(blocks: dict[int, list[tuple[Device, int]]]) -> None:
-    for entries in blocks.values():
-        for device, ptr in entries:
-            offloop.dispose(device, device._driver.mem_host_free, ptr)
+def _free_blocks(blocks: list[tuple[Device, int]]) -> None:
+    for device, ptr in blocks:
+        offloop.dispose(device, device._driver.mem_host_free, ptr)
 
 
 _cache = _Cache()
@@ -118,4 +150,5 @@ def empty() -> int:
 
 def cached_bytes() -> int:
     """Bytes of pinned blocks kept for reuse."""
+    _cache.file()
     return _cache.bytes

@@ -4,8 +4,8 @@ The driver copies pageable memory at a fraction of the DMA rate (one CPU thread 
 it, and a device-to-host copy into pageable memory blocks the caller until done). So
 aiocuda stages pageable arrays itself, through pinned slots:
 
-* Pinned memory (see :mod:`aiocuda.host`) is copied directly, holding the pinned owner
-  until the DMA completes.
+* Pinned memory (see :mod:`aiocuda.host`) is copied directly by
+  :mod:`aiocuda._memory.copies`, which decides pinned or pageable.
 * Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
   host copy of well under a millisecond), which skips the hop to a thread.
 * Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._memory.copiers`):
@@ -21,7 +21,8 @@ abandoned at its await, ``host`` then not written.
 
 Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
 still busy with long work (a kernel enqueued before it) ties up the slots it filled until
-that work is done, and staged copies to other streams wait for them. Pinned arrays
+that work is done. Copies to other streams go through the other slots meanwhile, but a
+large copy onto such a stream can fill them all, and the others then wait. Pinned arrays
 (:func:`aiocuda.pinned_empty`) skip staging altogether.
 
 The knobs are module constants, read when the staging resources are built: change them,
@@ -43,8 +44,8 @@ import numpy.typing as npt
 from .. import _driver
 from ..device import Device
 from ..stream import Stream
+from . import copies as _copies
 from .copiers import Copiers, Job, Slot
-from .pinned import pinned_ranges
 
 __all__ = [
     "CHUNK",
@@ -54,8 +55,6 @@ __all__ = [
     "MIN_CHUNK",
     "SLOTS_PER_THREAD",
     "device_to_host",
-    "enqueue_download",
-    "enqueue_upload",
     "host_to_device",
     "reset",
 ]
@@ -78,10 +77,10 @@ nears its end, so that the DMAs after the last host copy are short. Equal to CHU
 every chunk has that size. Per chunk a copier pays a lock, two driver calls and an event
 record, so tiny chunks are wasteful."""
 
+# Host copies from pageable memory scaled to about 8 threads on a 16-core machine and
+# got slower beyond (memory bandwidth, and the cores the event loop and the driver need).
 COPY_THREADS = max(2, min(8, _usable_cpus() // 2))
-"""Copier threads. Host copies from pageable memory scale to about 8 threads on a
-16-core machine and get slower beyond (memory bandwidth, and the cores the event loop
-and the driver need)."""
+"""Copier threads: half the usable CPUs, at least 2 and at most 8."""
 
 SLOTS_PER_THREAD = 2
 """Slots per copier thread: two let a thread copy one chunk while the DMA of its
@@ -172,40 +171,21 @@ def reset() -> None:
         _resources = None
 
 
-def enqueue_upload(dst: int, src: int, nbytes: int, stream: Stream) -> None:
-    """Enqueue the DMA of ``nbytes`` from page-locked host address ``src`` to device
-    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
-    (and unchanged) until the stream has passed the copy."""
-    device = stream.device
-    device.make_current()
-    device._driver.memcpy_htod_async(dst, src, nbytes, stream.handle)
-
-
-def enqueue_download(dst: int, src: int, nbytes: int, stream: Stream) -> None:
-    """Enqueue the DMA of ``nbytes`` from device address ``src`` to page-locked host
-    address ``dst`` on ``stream``; nothing else. The caller keeps the host memory alive
-    until the stream has passed the copy, and reads it only then."""
-    device = stream.device
-    device.make_current()
-    device._driver.memcpy_dtoh_async(dst, src, nbytes, stream.handle)
-
-
 async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
     """Enqueue the copy of C-contiguous ``host`` to device address ``dst`` on ``stream``.
 
     Returns once everything is enqueued and ``host`` may be modified again; the DMA may
     still be running (await the stream for that). Pinned sources are held until it ends.
     """
-    nbytes = int(host.nbytes)
-    if nbytes == 0:
+    if _copies.upload(dst, host, stream):
         return
+    nbytes = int(host.nbytes)
     device = stream.device
     src = int(host.ctypes.data)
-    owner = pinned_ranges.owner(src, nbytes)
-    if owner is not None:
-        enqueue_upload(dst, src, nbytes, stream)
-        stream.hold(owner, host)
-        return
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy of pageable host memory", "it is staged through host threads: copy from aiocuda.pinned_empty memory"
+        )
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
@@ -213,7 +193,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
             try:
                 device.make_current()
                 _memmove(slot.ptr, src, nbytes)
-                device._driver.memcpy_htod_async(dst, slot.ptr, nbytes, stream.handle)
+                _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
                 slot.mark(device, stream.handle)
             finally:
                 staging.inline.release(slot)
@@ -232,21 +212,23 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     nbytes = int(host.nbytes)
     if nbytes == 0:
         return
+    if _copies.download(host, src, stream):
+        if stream._capture is None:  # (a captured copy fills ``host`` at each replay)
+            await stream.record()
+        return
+    if stream._capture is not None:
+        raise stream._capture.refuse(
+            "a copy to pageable host memory", "it is staged through host threads: copy into aiocuda.pinned_empty memory"
+        )
     device = stream.device
     dst = int(host.ctypes.data)
-    owner = pinned_ranges.owner(dst, nbytes)
-    if owner is not None:
-        enqueue_download(dst, src, nbytes, stream)
-        stream.hold(owner, host)
-        await stream.record()
-        return
     staging = _staging()
     if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
         slot = staging.inline.try_acquire(device)
         if slot is not None:
             try:
                 device.make_current()
-                device._driver.memcpy_dtoh_async(slot.ptr, src, nbytes, stream.handle)
+                _copies.enqueue_download(slot.ptr, src, nbytes, stream)
                 slot.mark(device, stream.handle)
                 await stream.record()
                 _memmove(dst, slot.ptr, nbytes)
@@ -261,8 +243,7 @@ async def _staged(
 ) -> None:
     job = Job(
         to_device=to_device,
-        device=stream.device,
-        stream_handle=stream.handle,
+        stream=stream,
         dst=dst,
         src=src,
         nbytes=nbytes,

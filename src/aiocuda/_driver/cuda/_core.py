@@ -24,7 +24,11 @@ from ...errors import NoDeviceError, ResultCode, error_for_code
 from .._doorbell import SemaphoreDoorbell
 from .._fork import fork_error, was_forked
 
-__all__ = ["CudaCore", "check", "drv"]
+__all__ = ["IPC_HANDLE_BYTES", "CudaCore", "check", "drv"]
+
+IPC_HANDLE_BYTES = 64
+"""``CU_IPC_HANDLE_SIZE``: the bytes of an IPC event handle and of a pool pointer's
+export data."""
 
 drv: Any = None
 """``cuda.bindings.driver``, once :meth:`CudaCore.init` has imported it."""
@@ -299,6 +303,13 @@ class CudaCore:
         finally:
             check(drv.cuCtxSetCurrent(current), "cuCtxSetCurrent")
 
+    def stream_get_priority(self, stream: Any) -> int:
+        return int(check(drv.cuStreamGetPriority(stream), "cuStreamGetPriority"))
+
+    def stream_is_non_blocking(self, stream: Any) -> bool:
+        flags = int(check(drv.cuStreamGetFlags(stream), "cuStreamGetFlags"))
+        return bool(flags & int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
     def event_create(self, timing: bool, blocking_sync: bool) -> Any:
         flags = 0
         if not timing:
@@ -307,6 +318,19 @@ class CudaCore:
             flags |= int(drv.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         return check(drv.cuEventCreate(flags), "cuEventCreate")
 
+    def ipc_event_create(self) -> Any:
+        flags = int(drv.CUevent_flags.CU_EVENT_INTERPROCESS) | int(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        return check(drv.cuEventCreate(flags), "cuEventCreate")
+
+    def ipc_event_handle(self, event: Any) -> bytes:
+        handle = check(drv.cuIpcGetEventHandle(event), "cuIpcGetEventHandle")
+        return ctypes.string_at(handle.getPtr(), IPC_HANDLE_BYTES)
+
+    def ipc_open_event(self, handle: bytes) -> Any:
+        raw = drv.CUipcEventHandle()
+        ctypes.memmove(raw.getPtr(), bytes(handle).ljust(IPC_HANDLE_BYTES, b"\0"), IPC_HANDLE_BYTES)
+        return check(drv.cuIpcOpenEventHandle(raw), "cuIpcOpenEventHandle")
+
     def event_destroy(self, event: Any) -> None:
         check(drv.cuEventDestroy(event), "cuEventDestroy")
 
@@ -314,6 +338,16 @@ class CudaCore:
         err = drv.cuEventRecord(event, stream)[0]
         if err != _SUCCESS:
             _raise(err, "cuEventRecord")
+
+    def event_record_external(self, event: Any, stream: Any) -> None:
+        # The driver takes CU_EVENT_RECORD_EXTERNAL only while the stream is capturing
+        # (ILLEGAL_STATE otherwise); outside a capture an external record is a plain one.
+        status = check(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing")
+        if status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE:
+            check(drv.cuEventRecord(event, stream), "cuEventRecord")
+            return
+        flags = int(drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL)
+        check(drv.cuEventRecordWithFlags(event, stream, flags), "cuEventRecordWithFlags")
 
     def event_query(self, event: Any) -> bool:
         err = drv.cuEventQuery(event)[0]

@@ -63,8 +63,11 @@ from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
 from ._faults import FaultPlan
+from ._graphs import ExternalRecord, SimCapture
 from ._objects import (
     HOST_FUNCTION,
+    REMOTE_POLL,
+    RemotePoint,
     SimContext,
     SimDevice,
     SimEvent,
@@ -92,6 +95,14 @@ class SimCore:
     :meth:`set_latency`, :meth:`shutdown`.
     """
 
+    # Provided by SimGraphs: the capture's checks.
+    _check_unsafe: Callable[[str], None]
+    _refuse_capturing: Callable[[SimStream, str], None]
+    _wait_in_capture: Callable[[SimStream, SimEvent], None]
+    _refuse_captured: Callable[[SimEvent, str], None]
+    # Provided by SimMemory: the pools observe the frees a synchronisation waited for.
+    _observe_frees: Callable[[int, Any], None]
+
     def __init__(self, devices: int = 1, total_memory: int = 16 << 30) -> None:
         if devices < 1:
             raise ValueError(f"a simulated driver needs at least one device, got devices={devices}")
@@ -106,6 +117,8 @@ class SimCore:
             device.null_stream = SimStream(self._workers, device, 0, non_blocking=False, priority=0)
         self._streams: dict[int, SimStream] = {}
         self._events: dict[int, SimEvent] = {}
+        self._captures: set[SimCapture] = set()
+        """Captures in progress (``_graphs.py``): while any is, seam calls check the unsafe ones."""
         super().__init__()
 
     def __repr__(self) -> str:
@@ -126,7 +139,7 @@ class SimCore:
         ``ContextPoisonedError`` if the device is poisoned, a pending asynchronous error
         of the device once, or ``CUDA_ERROR_DEINITIALIZED`` after :meth:`shutdown`.
         """
-        if self._closed or self._faults.armed:
+        if self._closed or self._faults.armed or self._captures:
             self._api_slow_path(name, device_ordinal)
         device = self._devices[self._device_of_current() if device_ordinal is None else device_ordinal]
         if device.poison is not None or device.async_error is not None:
@@ -137,6 +150,10 @@ class SimCore:
     def _api_slow_path(self, name: str, device_ordinal: int | None) -> None:
         if self._closed:
             raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+        if self._captures:
+            self._check_unsafe(name)
+        if not self._faults.armed:
+            return
         code = self._faults.take(name)
         if code is None:
             return
@@ -155,12 +172,30 @@ class SimCore:
             self._api_slow_path(name, None)
 
     def _device_of_current(self) -> int:
-        """The ordinal of the calling thread's current context; 0 when it has none."""
-        ctx: SimContext | None = getattr(self._tls, "ctx", None)
-        return 0 if ctx is None else ctx.device_ordinal
+        """The ordinal of the calling thread's current context; 0 when it has none.
+        ``CONTEXT_IS_DESTROYED`` when the current context was destroyed."""
+        ctx = self._current_context()
+        if ctx is None:
+            return 0
+        if ctx.destroyed:
+            raise sim_error(
+                ResultCode.CONTEXT_IS_DESTROYED, "context", f"the current context {ctx.value:#x} was destroyed"
+            )
+        return ctx.device_ordinal
+
+    def _context_stack(self) -> list[SimContext]:
+        """The calling thread's context stack (its top is the current context)."""
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def _current_context(self) -> SimContext | None:
+        stack: list[SimContext] | None = getattr(self._tls, "stack", None)
+        return stack[-1] if stack else None
 
     def _bind_context(self, ctx: SimContext | None) -> None:
-        self._tls.ctx = ctx
+        self._tls.stack = [] if ctx is None else [ctx]
 
     def _resolve_stream(self, stream: Any) -> SimStream:
         """The live :class:`SimStream` for a stream handle or raw value; else ArgumentError."""
@@ -193,7 +228,11 @@ class SimCore:
         self._submit(self._resolve_stream(stream), fn, name)
 
     def _submit(self, stream: SimStream, fn: Callable[[], object], name: str) -> int:
-        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs."""
+        """Enqueue on a resolved stream, after the legacy null-stream ordering it needs; on
+        a capturing stream, add a graph node instead (returns 0: no point in the stream)."""
+        capture = stream.capture
+        if capture is not None:
+            return capture.add(stream, fn, name)  # type: ignore[no-any-return]
         null = stream.device.null_stream
         if stream is null:
             for other in stream.device.streams():
@@ -377,14 +416,27 @@ class SimCore:
         device.context.retain_count -= 1
 
     def set_current(self, ctx: Any) -> None:
-        if ctx is not None and (type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices)):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "set_current", f"not a simulated context: {ctx!r}")
+        """Replace the top of the thread's context stack (push onto an empty one); None pops."""
+        if ctx is not None:
+            self._context(ctx, "set_current")
         self._counted("set_current")
-        self._tls.ctx = ctx
+        stack = self._context_stack()
+        if ctx is None:
+            if stack:
+                stack.pop()
+        elif stack:
+            stack[-1] = ctx
+        else:
+            stack.append(ctx)
+
+    def _context(self, ctx: Any, call: str) -> SimContext:
+        """``ctx`` if it is a live context of this driver; else ``INVALID_CONTEXT``."""
+        if type(ctx) is not SimContext or ctx.device_ordinal >= len(self._devices) or ctx.destroyed:
+            raise sim_error(ResultCode.INVALID_CONTEXT, call, f"not a live simulated context: {ctx!r}")
+        return ctx
 
     def enable_peer_access(self, peer_ctx: Any) -> None:
-        if type(peer_ctx) is not SimContext or peer_ctx.device_ordinal >= len(self._devices):
-            raise sim_error(ResultCode.INVALID_CONTEXT, "enable_peer_access", f"not a simulated context: {peer_ctx!r}")
+        self._context(peer_ctx, "enable_peer_access")
         ordinal = self._device_of_current()
         self._api("enable_peer_access", ordinal)
         if peer_ctx.device_ordinal == ordinal:
@@ -406,6 +458,7 @@ class SimCore:
         self._api("stream_create", ordinal)
         clamped = min(_PRIORITY_LEAST, max(_PRIORITY_GREATEST, priority))
         stream = SimStream(self._workers, self._devices[ordinal], next_handle_value(), non_blocking, clamped)
+        stream.context = self._current_context() or stream.device.context
         self._streams[stream.value] = stream
         return stream
 
@@ -433,21 +486,39 @@ class SimCore:
     def stream_query(self, stream: Any) -> bool:
         sim = self._resolve_stream(stream)
         self._api("stream_query", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_query")
         return sim.finished >= sim.submitted
 
     def stream_synchronize(self, stream: Any) -> None:
         sim = self._resolve_stream(stream)
         self._api("stream_synchronize", sim.device.ordinal)
+        self._refuse_capturing(sim, "stream_synchronize")
         target = sim.submitted
         self._wait_for(SimPoint(sim, target), "stream_synchronize")
+        self._observe_frees(sim.device.ordinal, sim)
 
     def stream_wait_event(self, stream: Any, event: Any) -> None:
         sim = self._resolve_stream(stream)
         ev = self._event(event)
         self._api("stream_wait_event", sim.device.ordinal)
-        point = ev.point
+        if ev.captured is not None or sim.capture is not None:
+            self._wait_in_capture(sim, ev)
+            return
+        point: SimPoint | RemotePoint | None = ev.point
+        if ev.remote is not None:
+            point = RemotePoint(ev.remote, ev.remote.recorded)
         if point is not None and not point.reached():
             self._submit(sim, StreamWait(point), "stream_wait_event")
+
+    def stream_get_priority(self, stream: Any) -> int:
+        sim = self._resolve_stream(stream)
+        self._api("stream_get_priority", sim.device.ordinal)
+        return sim.priority
+
+    def stream_is_non_blocking(self, stream: Any) -> bool:
+        sim = self._resolve_stream(stream)
+        self._api("stream_is_non_blocking", sim.device.ordinal)
+        return sim.non_blocking
 
     def stream_priority_range(self) -> tuple[int, int]:
         self._api("stream_priority_range")
@@ -487,36 +558,78 @@ class SimCore:
         self._api("event_destroy", ev.device_ordinal)
         ev.destroyed = True
         self._events.pop(ev.value, None)
+        if ev.shared is not None and (ev.point is None or ev.point.reached()):
+            ev.shared.slots.give_back(ev.shared)  # (one still pending keeps its slot for good)
 
     def event_record(self, event: Any, stream: Any) -> None:
+        self._record(event, stream, "event_record")
+
+    def event_record_external(self, event: Any, stream: Any) -> None:
+        """A plain record; during a capture, a node that records the event at every replay."""
+        self._record(event, stream, "event_record_external")
+
+    def _record(self, event: Any, stream: Any, call: str) -> None:
         ev = self._event(event)
         sim = self._resolve_stream(stream)
-        self._api("event_record", sim.device.ordinal)
+        self._api(call, sim.device.ordinal)
         if ev.device_ordinal != sim.device.ordinal:
             raise sim_error(
                 ResultCode.INVALID_HANDLE,
-                "event_record",
+                call,
                 f"event of device {ev.device_ordinal} recorded into a stream of device {sim.device.ordinal}",
             )
+        if ev.remote is not None:
+            raise sim_error(ResultCode.NOT_SUPPORTED, call, "the simulator does not record into an event opened by IPC")
+        capture = sim.capture
+        if capture is not None:
+            if call == "event_record_external":
+                capture.add(sim, ExternalRecord(ev), call)
+                return
+            if capture.error is not None:
+                raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, call, "the capture failed earlier")
+            ev.captured = (capture, capture.tails[sim])
+            return
         point = SimPoint(sim, 0)
-        point.seq = self._submit(sim, point.stamp, "event_record")
+        stamp = point.stamp
+        if ev.shared is not None:
+            slot, generation = ev.shared, ev.shared.record()
+
+            def stamp() -> None:
+                point.stamp()
+                slot.reach(generation)
+
+        point.seq = self._submit(sim, stamp, "event_record")
         ev.point = point
+        ev.captured = None
 
     def event_query(self, event: Any) -> bool:
         ev = self._event(event)
         self._api("event_query", ev.device_ordinal)
+        self._refuse_captured(ev, "event_query")
+        if ev.remote is not None:
+            return bool(ev.remote.done())
         return ev.point is None or ev.point.reached()
 
     def event_synchronize(self, event: Any) -> None:
         ev = self._event(event)
         self._api("event_synchronize", ev.device_ordinal)
+        self._refuse_captured(ev, "event_synchronize")
+        if ev.remote is not None:
+            generation = ev.remote.recorded
+            while ev.remote.completed() < generation:
+                if self._closed:
+                    raise sim_error(ResultCode.DEINITIALIZED, "event_synchronize", "the simulated driver was shut down")
+                time.sleep(REMOTE_POLL)
+            return
         if ev.point is not None:
             self._wait_for(ev.point, "event_synchronize")
+            self._observe_frees(ev.device_ordinal, ev.point.stream)
 
     def event_elapsed_ms(self, start: Any, end: Any) -> float:
         first, last = self._event(start), self._event(end)
         self._api("event_elapsed_ms", first.device_ordinal)
         for ev in (first, last):
+            self._refuse_captured(ev, "event_elapsed_ms")
             if not ev.timing:
                 raise sim_error(
                     ResultCode.INVALID_HANDLE,

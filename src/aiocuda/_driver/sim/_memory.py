@@ -9,6 +9,13 @@ for ranges it can check) and again when the operation runs (memory freed meanwhi
 poisons the context with ``ILLEGAL_ADDRESS``, as a real use-after-free would) -- so no
 mistake above the seam can crash the process.
 
+As with the driver, a block whose free has run is given back to the device (by
+``mempool_trim_to``, or by the release threshold) only once the host has observed that
+free complete through a synchronisation: ``stream_synchronize`` or
+``event_synchronize`` of the stream that freed it (observing every free that stream has
+run), or ``ctx_synchronize`` (every free of the device's pools). Queries observe
+nothing. The release threshold is applied at those synchronisations.
+
 Departures from the driver, kept on purpose:
 
 * A pool reuses a freed block only for an allocation of exactly the same size. Memory
@@ -20,29 +27,38 @@ Departures from the driver, kept on purpose:
   stream has run and maps new memory instead; turning them off makes that certain.)
   The pool never trims itself to satisfy an allocation: when it cannot grow it fails
   with ``OUT_OF_MEMORY``, which is what the layer above must handle (trim, retry).
-* The release threshold is applied when a free runs, not at synchronisation points.
 * Host pointers (``src`` of ``htod``, ``dst`` of ``dtoh``) cannot be validated beyond
-  "not null, not inside device memory": pass only addresses of live host buffers.
+  "not null, not inside device memory": pass only addresses of live host buffers. On a
+  capturing stream they must be page-locked (``mem_host_alloc`` or registered).
+* Graph allocations (``mem_alloc_async`` on a capturing stream, see ``_graphs.py``) do
+  not come from the pool: they count in the device's memory (``mem_get_info``) but not
+  in the pool's statistics, as with the driver's separate graph memory.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import threading
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ...errors import CudaError, ResultCode, error_for_code
+from ...errors import ResultCode, error_for_code
 from .._protocol import PoolProps
+from ._graphs import SimCapture, SimGraph
 from ._objects import SimDevice, SimPoint
+from ._operations import Copy, GraphAllocation, GraphFree, Set, device_range, host_range, page_locked
+from ._operations import invalid as _invalid
+from ._shared import SharedRegion
 
 __all__ = ["SimMemory", "SimPool"]
 
 _ALIGN = 256
 """Alignment of simulated device allocations (the driver guarantees at least 256)."""
+
+IPC_POOL_BYTES = 4 << 30
+"""Most memory one simulated IPC pool holds (its shared mapping's size)."""
 
 _REUSE_ATTRIBUTES = (
     "reuse_follow_event_dependencies",
@@ -57,10 +73,6 @@ _POOL_ATTRIBUTES = (
     "used_mem_high",
     *_REUSE_ATTRIBUTES,
 )
-
-
-def _invalid(call: str, description: str) -> CudaError:
-    return error_for_code(ResultCode.INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", description, call)
 
 
 def _never_fails(err: Any, call: str) -> None:
@@ -83,13 +95,17 @@ class SimPool:
         "cached_bytes",
         "destroyed",
         "freeing_on",
+        "imported",
         "is_default",
+        "managed",
         "max_size",
         "ordinal",
+        "region",
         "release_threshold",
         "reserved",
         "reserved_high",
         "reuse",
+        "unobserved",
         "used",
         "used_high",
     )
@@ -109,17 +125,29 @@ class SimPool:
         self.cached_bytes = 0
         self.freeing_on: dict[tuple[Any, int], dict[int, _Block]] = {}
         """Blocks whose free is enqueued but has not run, by (stream, size), then start."""
+        self.unobserved: dict[int, Any] = {}
+        """Cached blocks (by start) whose free the host has not observed, with the stream
+        that freed them: no trim gives them back."""
         self.destroyed = False
         self.access: set[int] = {ordinal}
+        self.managed = False
+        self.region: SharedRegion | None = None
+        """Where an IPC pool's blocks live (shared with the processes that import it)."""
+        self.imported = False
+        """Imported from another process: pointers are imported from it, nothing allocated."""
 
     def __repr__(self) -> str:
         return f"<SimPool device={self.ordinal} used={self.used} reserved={self.reserved}>"
 
 
+_FREED_BY_GRAPH = object()
+"""``free_token`` of a graph allocation freed by a node of its capture."""
+
+
 class _Block:
     """One entry of the allocation table: a device or pinned-host range."""
 
-    __slots__ = ("array", "free_token", "kind", "ordinal", "pool", "size", "start")
+    __slots__ = ("array", "free_token", "graph", "imported", "kind", "managed", "ordinal", "pool", "size", "start")
 
     def __init__(self, start: int, size: int, array: np.ndarray | None, kind: str, ordinal: int, pool: SimPool | None):
         self.start = start
@@ -128,8 +156,16 @@ class _Block:
         self.kind = kind  # "device", "host" (mem_host_alloc) or "registered"
         self.ordinal = ordinal
         self.pool = pool
+        """The pool it came from; None for managed allocations and imported pointers."""
+        self.managed = False
+        """Managed memory (host code may use it too)."""
+        self.imported = False
+        """A pointer imported from another process's pool (``mem_free``/``mem_free_async``
+        end the import)."""
         self.free_token: object | None = None
         """Set while a free is enqueued; a same-stream reuse clears it, cancelling that free."""
+        self.graph: SimGraph | None = None
+        """The graph owning a graph allocation (made during a capture)."""
 
 
 class SimMemory:
@@ -142,6 +178,8 @@ class SimMemory:
     _resolve_stream: Callable[[Any], Any]
     _device: Callable[[Any], SimDevice]
     _devices: tuple[SimDevice, ...]
+    _device_of_current: Callable[[], int]
+    _wait_for: Callable[[SimPoint, str], None]
 
     # -- state ------------------------------------------------------------------------------
     def _mem(self) -> _MemoryState:
@@ -166,7 +204,17 @@ class SimMemory:
         self._api("mempool_create", props.device_ordinal)
         if props.max_size < 0:
             raise _invalid("cuMemPoolCreate", f"max_size must be >= 0, got {props.max_size}")
-        return SimPool(props.device_ordinal, props.max_size, is_default=False)
+        if props.managed and (props.max_size or props.ipc):
+            raise _invalid("cuMemPoolCreate", "a managed pool has no size limit and cannot be exported")
+        pool = SimPool(props.device_ordinal, props.max_size, is_default=False)
+        pool.managed = props.managed
+        if props.ipc:
+            total = self._devices[props.device_ordinal].total_mem
+            pool.region = SharedRegion.create(min(IPC_POOL_BYTES, props.max_size or total))
+        state = self._mem()
+        with state.lock:
+            state.pools.append(pool)
+        return pool
 
     def mempool_destroy(self, pool: SimPool) -> None:
         self._api("mempool_destroy", pool.ordinal)
@@ -176,7 +224,8 @@ class SimMemory:
             if pool.is_default:
                 raise _invalid("cuMemPoolDestroy", "the default pool cannot be destroyed")
             pool.destroyed = True
-            state.trim_cached(pool, 0)
+            state.pools.remove(pool)
+            state.trim_cached(pool, 0, observed_only=False)
 
     def mempool_set_attribute(self, pool: SimPool, attribute: str, value: int) -> None:
         self._api("mempool_set_attribute", pool.ordinal)
@@ -219,11 +268,29 @@ class SimMemory:
         with state.lock:
             state.trim_cached(pool, max(0, int(min_bytes_to_keep)))
 
+    def ctx_synchronize(self) -> None:
+        ordinal = self._device_of_current()
+        self._api("ctx_synchronize", ordinal)
+        for stream in self._devices[ordinal].streams():
+            self._wait_for(SimPoint(stream, stream.submitted), "ctx_synchronize")
+        self._observe_frees(ordinal, None)
+
+    def _observe_frees(self, ordinal: int, stream: Any | None) -> None:
+        """A synchronisation returned (see the module docstring); ``stream`` is the sim
+        stream it waited for, None for the whole device."""
+        self._mem().observe_frees(ordinal, stream)
+
     def mempool_set_access(self, pool: SimPool, peer_ordinal: int) -> None:
         self._api("mempool_set_access", pool.ordinal)
         self._check_pool(pool, "cuMemPoolSetAccess")
         self._check_ordinal(peer_ordinal, "cuMemPoolSetAccess")
         pool.access.add(peer_ordinal)
+
+    def mempool_get_access(self, pool: SimPool, device_ordinal: int) -> bool:
+        self._api("mempool_get_access", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolGetAccess")
+        self._check_ordinal(device_ordinal, "cuMemPoolGetAccess")
+        return device_ordinal in pool.access
 
     def _check_pool(self, pool: Any, call: str) -> None:
         if not isinstance(pool, SimPool) or pool.destroyed:
@@ -235,9 +302,15 @@ class SimMemory:
         self._check_pool(pool, "cuMemAllocFromPoolAsync")
         if size <= 0:
             raise _invalid("cuMemAllocFromPoolAsync", f"size must be > 0, got {size}")
+        if size >= 1 << 64:  # as the bindings do, converting to size_t
+            raise OverflowError(f"size {size} does not fit a size_t")
         sim_stream = self._resolve_stream(stream)
         if sim_stream.device.ordinal != pool.ordinal:
             raise _invalid("cuMemAllocFromPoolAsync", "the stream and the pool belong to different devices")
+        if pool.imported:
+            raise _invalid("cuMemAllocFromPoolAsync", "an imported pool allocates nothing")
+        if sim_stream.capture is not None:
+            return self._graph_allocate(size, sim_stream.capture, sim_stream)
         state = self._mem()
         with state.lock:
             reused = state.take_freeing(pool, sim_stream, size)
@@ -247,34 +320,86 @@ class SimMemory:
             if array is None:
                 device = self._devices[pool.ordinal]
                 over_pool = pool.max_size and pool.reserved + size > pool.max_size
-                if over_pool or device.used_bytes + size > device.total_mem:
+                carved = None if pool.region is None else pool.region.carve(size)
+                if over_pool or device.used_bytes + size > device.total_mem or (pool.region and carved is None):
                     raise error_for_code(
                         ResultCode.OUT_OF_MEMORY,
                         "CUDA_ERROR_OUT_OF_MEMORY",
                         "out of memory",
                         "cuMemAllocFromPoolAsync",
                     )
-                array = _aligned_bytes(size)
+                array = carved if carved is not None else _aligned_bytes(size)
                 pool.reserved += size
                 pool.reserved_high = max(pool.reserved_high, pool.reserved)
                 device.used_bytes += size
             pool.used += size
             pool.used_high = max(pool.used_high, pool.used)
             start = array.ctypes.data
-            state.insert(_Block(start, size, array, "device", pool.ordinal, pool))
+            block = _Block(start, size, array, "device", pool.ordinal, pool)
+            block.managed = pool.managed
+            state.insert(block)
         return start
+
+    def _graph_allocate(self, size: int, capture: SimCapture, stream: Any) -> int:
+        """A graph allocation: memory the captured graph owns, at a fixed address."""
+        state = self._mem()
+        device = stream.device
+        with state.lock:
+            if device.used_bytes + size > device.total_mem:
+                raise error_for_code(
+                    ResultCode.OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemAllocFromPoolAsync"
+                )
+            array = _aligned_bytes(size)
+            device.used_bytes += size
+            block = _Block(array.ctypes.data, size, array, "device", device.ordinal, None)
+            block.graph = capture.graph
+            state.insert(block)
+        capture.graph.allocations.append(block)
+        capture.add(stream, GraphAllocation(block.start, size), "mem_alloc_async")
+        return block.start
+
+    def _release_graph_memory(self, graph: SimGraph) -> None:
+        """Give back a graph's allocations (it is destroyed and no replay can use them)."""
+        state = self._mem()
+        with state.lock:
+            for owned in graph.allocations:
+                start, ordinal, size = owned.start, owned.ordinal, owned.size
+                if state.blocks.get(start) is owned:
+                    state.remove(start)
+                    state.devices[ordinal].used_bytes -= size
+            graph.allocations.clear()
 
     def mem_free_async(self, ptr: int, stream: Any) -> None:
         sim_stream = self._resolve_stream(stream)
         self._api("mem_free_async", sim_stream.device.ordinal)
         state = self._mem()
+        capture: SimCapture | None = sim_stream.capture
+        if capture is not None:
+            with state.lock:
+                block = state.blocks.get(ptr)
+                if block is None or block.graph is not capture.graph or block.free_token is not None:
+                    raise capture.invalidate(
+                        ResultCode.INVALID_VALUE,
+                        "cuMemFreeAsync",
+                        f"0x{ptr:x} is not an allocation of this capture (only those can be freed during it)",
+                    )
+                block.free_token = _FREED_BY_GRAPH
+            capture.add(sim_stream, GraphFree(ptr), "mem_free_async")
+            return
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
             if block is None or block.kind != "device" or block.free_token is not None:
-                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live device allocation")
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool")
+            if block.imported:
+                block.free_token = token
+                self._enqueue(stream, lambda: state.end_import(block), "mem_free_async")
+                return
             pool, array = block.pool, block.array
-            assert pool is not None and array is not None
+            if pool is None:
+                hint = " (managed memory: free it with cuMemFree)" if block.managed else ""
+                raise _invalid("cuMemFreeAsync", f"0x{ptr:x} is not a live allocation of a memory pool{hint}")
+            assert array is not None
             block.free_token = token
             pool.freeing_on.setdefault((sim_stream, block.size), {})[ptr] = block
 
@@ -291,8 +416,7 @@ class SimMemory:
                     return
                 pool.cached.setdefault(block.size, []).append((array, sim_stream))
                 pool.cached_bytes += block.size
-                if pool.reserved > pool.release_threshold:
-                    state.trim_cached(pool, pool.release_threshold)
+                pool.unobserved[ptr] = sim_stream
 
         try:
             self._enqueue(stream, free, "mem_free_async")
@@ -314,6 +438,19 @@ class SimMemory:
     def _free_result(self, ptr: int, stream: Any) -> tuple[int]:
         self.mem_free_async(ptr, stream)
         return (0,)
+
+    def _allocate_module_memory(self, ordinal: int, size: int) -> tuple[int, np.ndarray]:
+        """Zeroed device memory for a module's variable (no pool; freed by the unload)."""
+        array = _aligned_bytes(max(1, size))
+        state = self._mem()
+        with state.lock:
+            state.insert(_Block(array.ctypes.data, size, array, "device", ordinal, None))
+        return array.ctypes.data, array
+
+    def _free_module_memory(self, ptr: int) -> None:
+        state = self._mem()
+        with state.lock:
+            state.remove(ptr)
 
     def pointer_device_ordinal(self, ptr: int) -> int:
         self._api("pointer_device_ordinal")
@@ -385,109 +522,55 @@ class SimMemory:
                     stream.wait_until(point.reached)
 
     # -- copies and memsets --------------------------------------------------------------------
-    def _device_range(self, ptr: int, size: int, call: str) -> None:
-        block = self._mem().find(ptr, size)
-        if block is None or block.kind != "device":
-            raise _invalid(call, f"[0x{ptr:x}, +{size}) is not inside one live device allocation")
-
-    def _host_range(self, ptr: int, size: int, call: str) -> None:
-        if not ptr:
-            raise _invalid(call, "null host pointer")
-        block = self._mem().find(ptr, 1)
-        if block is not None and block.kind == "device":
-            raise _invalid(call, f"0x{ptr:x} is device memory, not host memory")
-
-    def _enqueue_checked(
-        self,
-        stream: Any,
-        name: str,
-        call: str,
-        device_ranges: tuple[tuple[int, int], ...],
-        action: Callable[[], object],
-    ) -> None:
-        """Enqueue ``action``, re-validating the device ranges when it runs."""
-        state = self._mem()
-
-        def run() -> None:
-            for ptr, size in device_ranges:
-                block = state.find(ptr, size)
-                if block is None or block.kind != "device":
-                    raise error_for_code(
-                        ResultCode.ILLEGAL_ADDRESS,
-                        "CUDA_ERROR_ILLEGAL_ADDRESS",
-                        f"{call} touched freed device memory [0x{ptr:x}, +{size})",
-                        call,
-                    )
-            action()
-
-        self._enqueue(stream, run, name)
+    def _check_host(self, stream: Any, ptr: int, size: int, call: str) -> None:
+        host_range(self._mem(), ptr, size, call)
+        capture: SimCapture | None = self._resolve_stream(stream).capture
+        if capture is not None and not page_locked(self._mem(), ptr, size):
+            raise capture.invalidate(
+                ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+                call,
+                f"[0x{ptr:x}, +{size}) is pageable host memory: a copy of it cannot be captured",
+            )
 
     def _check_size(self, size: int, call: str) -> None:
         if size < 0:
             raise _invalid(call, f"size must be >= 0, got {size}")
 
-    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_htod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyHtoDAsync")
+    def _copy(self, direction: str, dst: int, src: int, size: int, stream: Any, name: str, call: str) -> None:
+        self._api(name, self._stream_ordinal(stream))
+        self._check_size(size, call)
         if size == 0:
             return
-        self._device_range(dst, size, "cuMemcpyHtoDAsync")
-        self._host_range(src, size, "cuMemcpyHtoDAsync")
-        self._enqueue_checked(
-            stream, "memcpy_htod_async", "cuMemcpyHtoDAsync", ((dst, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        state = self._mem()
+        if direction in ("htod", "dtod", "peer"):
+            device_range(state, dst, size, call)
+        else:
+            self._check_host(stream, dst, size, call)
+        if direction in ("dtoh", "dtod", "peer"):
+            device_range(state, src, size, call)
+        else:
+            self._check_host(stream, src, size, call)
+        self._enqueue(stream, Copy(state, call, direction, dst, src, size), name)
+
+    def memcpy_htod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
+        self._copy("htod", dst, src, size, stream, "memcpy_htod_async", "cuMemcpyHtoDAsync")
 
     def memcpy_dtoh_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtoh_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoHAsync")
-        if size == 0:
-            return
-        self._device_range(src, size, "cuMemcpyDtoHAsync")
-        self._host_range(dst, size, "cuMemcpyDtoHAsync")
-        self._enqueue_checked(
-            stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync", ((src, size),), lambda: ctypes.memmove(dst, src, size)
-        )
+        self._copy("dtoh", dst, src, size, stream, "memcpy_dtoh_async", "cuMemcpyDtoHAsync")
 
     def memcpy_dtod_async(self, dst: int, src: int, size: int, stream: Any) -> None:
-        self._api("memcpy_dtod_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyDtoDAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyDtoDAsync")
-        self._device_range(src, size, "cuMemcpyDtoDAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_dtod_async",
-            "cuMemcpyDtoDAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("dtod", dst, src, size, stream, "memcpy_dtod_async", "cuMemcpyDtoDAsync")
 
     def memcpy_peer_async(self, dst: int, dst_ctx: Any, src: int, src_ctx: Any, size: int, stream: Any) -> None:
-        self._api("memcpy_peer_async", self._stream_ordinal(stream))
-        self._check_size(size, "cuMemcpyPeerAsync")
-        if size == 0:
-            return
-        self._device_range(dst, size, "cuMemcpyPeerAsync")
-        self._device_range(src, size, "cuMemcpyPeerAsync")
-        self._enqueue_checked(
-            stream,
-            "memcpy_peer_async",
-            "cuMemcpyPeerAsync",
-            ((dst, size), (src, size)),
-            lambda: ctypes.memmove(dst, src, size),
-        )
+        self._copy("peer", dst, src, size, stream, "memcpy_peer_async", "cuMemcpyPeerAsync")
 
     def memset_d8_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d8_async", self._stream_ordinal(stream))
         self._check_size(count, "cuMemsetD8Async")
         if count == 0:
             return
-        self._device_range(dst, count, "cuMemsetD8Async")
-        byte = int(value) & 0xFF
-        self._enqueue_checked(
-            stream, "memset_d8_async", "cuMemsetD8Async", ((dst, count),), lambda: ctypes.memset(dst, byte, count)
-        )
+        device_range(self._mem(), dst, count, "cuMemsetD8Async")
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD8Async", dst, int(value) & 0xFF, count, 1), "memset_d8_async")
 
     def memset_d32_async(self, dst: int, value: int, count: int, stream: Any) -> None:
         self._api("memset_d32_async", self._stream_ordinal(stream))
@@ -496,13 +579,9 @@ class SimMemory:
             return
         if dst % 4:
             raise _invalid("cuMemsetD32Async", f"0x{dst:x} is not 4-byte aligned")
-        self._device_range(dst, count * 4, "cuMemsetD32Async")
+        device_range(self._mem(), dst, count * 4, "cuMemsetD32Async")
         word = int(value) & 0xFFFFFFFF
-
-        def fill() -> None:
-            np.ctypeslib.as_array((ctypes.c_uint32 * count).from_address(dst))[:] = word
-
-        self._enqueue_checked(stream, "memset_d32_async", "cuMemsetD32Async", ((dst, count * 4),), fill)
+        self._enqueue(stream, Set(self._mem(), "cuMemsetD32Async", dst, word, count, 4), "memset_d32_async")
 
 
 class _MemoryState:
@@ -513,6 +592,8 @@ class _MemoryState:
         self.blocks: dict[int, _Block] = {}
         self.starts: list[int] = []
         self.defaults: dict[int, SimPool] = {}
+        self.pools: list[SimPool] = []
+        """Every live pool, default ones included."""
         self.devices = devices
         """Their ``used_bytes`` counts the bytes pools reserve (what ``mem_get_info`` sees)."""
 
@@ -521,7 +602,30 @@ class _MemoryState:
             pool = self.defaults.get(ordinal)
             if pool is None:
                 pool = self.defaults[ordinal] = SimPool(ordinal, 0, is_default=True)
+                self.pools.append(pool)
             return pool
+
+    def observe_frees(self, ordinal: int, stream: Any | None) -> None:
+        """A synchronisation on device ``ordinal`` returned: the frees that ``stream``
+        (None: any stream of the device) has run are observed, and each pool of the
+        device gives back what exceeds its release threshold."""
+        with self.lock:
+            for pool in self.pools:
+                if pool.ordinal != ordinal:
+                    continue
+                if stream is None:
+                    pool.unobserved.clear()
+                else:
+                    for start in [start for start, freed_on in pool.unobserved.items() if freed_on is stream]:
+                        del pool.unobserved[start]
+                if pool.reserved > pool.release_threshold:
+                    self.trim_cached(pool, pool.release_threshold)
+
+    def end_import(self, block: _Block) -> None:
+        """An imported pointer's free ran: forget it (the exporter owns the memory)."""
+        with self.lock:
+            if self.blocks.get(block.start) is block:
+                self.remove(block.start)
 
     def insert(self, block: _Block) -> None:
         self.blocks[block.start] = block
@@ -581,15 +685,26 @@ class _MemoryState:
             if across or freed_on is stream:
                 del arrays[i]
                 pool.cached_bytes -= size
+                pool.unobserved.pop(array.ctypes.data, None)
                 return array
         return None
 
-    def trim_cached(self, pool: SimPool, keep: int) -> None:
-        """Give cached (unused) blocks back until ``reserved <= keep`` or none are left."""
+    def trim_cached(self, pool: SimPool, keep: int, *, observed_only: bool = True) -> None:
+        """Give cached (unused) blocks back while at least ``keep`` bytes stay reserved
+        (``cuMemPoolTrimTo`` keeps at least its ``minBytesToKeep``); with
+        ``observed_only``, only blocks whose free the host has observed."""
         for size in sorted(pool.cached, reverse=True):
             arrays = pool.cached[size]
-            while arrays and pool.reserved > keep:
-                arrays.pop()
+            for i in range(len(arrays) - 1, -1, -1):
+                if pool.reserved - size < keep:
+                    break
+                start = arrays[i][0].ctypes.data
+                if observed_only and start in pool.unobserved:
+                    continue
+                if pool.region is not None:
+                    pool.region.release(arrays[i][0])
+                del arrays[i]
+                pool.unobserved.pop(start, None)
                 pool.cached_bytes -= size
                 pool.reserved -= size
                 self.devices[pool.ordinal].used_bytes -= size

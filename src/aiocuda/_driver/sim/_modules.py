@@ -3,9 +3,18 @@
 There is no compiler in the sim. A "module image" is one of:
 
 * a sim image (what :class:`aiocuda.Program` produces on the sim backend): the
-  ``SIM_IMAGE_MAGIC`` line followed by the kernel names the source defines, one a line;
-* PTX text: its ``.entry`` names are the kernels;
+  ``SIM_IMAGE_MAGIC`` line followed by the kernel names the source defines, one a line,
+  and its ``__device__``/``__constant__`` variables, one a line as
+  ``@global NAME BYTES DTYPE`` (``DTYPE`` a numpy type string, or ``-`` when unknown);
+* PTX text: its ``.entry`` names are the kernels (its variables are not simulated);
 * anything else (cubin, fatbin bytes): accepted, defining no names of its own.
+
+Loading a module allocates its variables in simulated device memory (zeroed, freed at
+unload): ``module_get_global`` returns their addresses, so copies to and from them work
+as with any device memory. ``JitOptions`` are checked and recorded; ``max_registers``
+caps the ``num_regs`` attribute of the module's functions and ``log_verbose`` yields a
+one-line info log. ``link`` merges sim images (and PTX entry names): every kernel and
+variable of every input, each defined once.
 
 ``module_get_function(module, name)`` succeeds when the image defines ``name`` or an
 implementation is registered under it; launching a function with no registered
@@ -17,11 +26,13 @@ SimDriver, so registering once survives backend switches. An implementation is c
 the stream's worker thread, in stream order, as ``impl(launch, *args)``:
 
 * ``launch`` is a :class:`SimLaunch` (``name`` and ``config``, with ``grid``, ``block``,
-  ``shared_mem``, ``cooperative`` and ``cluster`` read from the config);
+  ``shared_mem``, ``cooperative`` and ``cluster`` read from the config, and ``globals``:
+  the module's variables as writable numpy arrays, by name);
 * a pointer argument arrives as a writable 1-D numpy array of the pointee type (from the
   kernel's signature; ``uint8`` for ``void*``) starting at the pointer and running to the
   end of its allocation -- slice it to the length you need (NULL arrives as ``None``);
-* a scalar arrives as a numpy scalar of the declared type.
+* a scalar arrives as a numpy scalar of the declared type; a struct or vector argument
+  as a numpy record (``np.void``) of its dtype (fields by name: ``v["x"]``).
 
 It computes the whole grid's result at once (vectorised numpy), not per thread. An
 ``IndexError``/``ValueError`` it raises poisons the device with ``ILLEGAL_ADDRESS``, as
@@ -33,23 +44,36 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ...errors import LaunchError, ResultCode
+from ...errors import CompileError, LaunchError, ResultCode
+from .._jit import JitOptions, LinkInput
 from .._launch import LaunchConfig
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
+from ._contexts import CACHE_CONFIGS
 from ._objects import next_handle_value
 
-__all__ = ["SIM_IMAGE_MAGIC", "SimFunction", "SimLaunch", "SimModule", "SimModules", "register_kernel"]
+__all__ = [
+    "SIM_IMAGE_MAGIC",
+    "SimFunction",
+    "SimLaunch",
+    "SimModule",
+    "SimModules",
+    "build_image",
+    "register_kernel",
+]
 
 SIM_IMAGE_MAGIC = b"AIOCUDA-SIM-MODULE 1\n"
+_VARIABLE = "@global"
 
 _PTX_ENTRY = re.compile(r"\.entry\s+([\w$]+)")
+Variables = dict[str, tuple[int, str]]
+"""A module's variables: name -> (bytes, numpy type string or ``"-"``)."""
 
 KernelImpl = Callable[..., object]
 _registry: dict[str, KernelImpl] = {}
@@ -88,10 +112,12 @@ _SETTABLE = {
 class SimLaunch:
     """What a kernel implementation learns about its launch: the kernel's ``name`` and
     its :class:`~aiocuda.LaunchConfig` (also readable as ``grid``, ``block``,
-    ``shared_mem``, ``cooperative`` and ``cluster``)."""
+    ``shared_mem``, ``cooperative`` and ``cluster``), and ``globals``: the module's
+    ``__device__``/``__constant__`` variables as writable numpy arrays by name."""
 
     name: str
     config: LaunchConfig
+    globals: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -115,14 +141,25 @@ class SimLaunch:
 
 
 class SimModule:
-    """A loaded module: the kernel names its image defines, on one device."""
+    """A loaded module: the kernel names and variables its image defines, on one device.
 
-    __slots__ = ("device_ordinal", "names", "unloaded", "value")
+    ``variables`` maps each variable's name to ``(address, bytes, dtype)`` in simulated
+    device memory (allocated by the load, freed by the unload)."""
 
-    def __init__(self, device_ordinal: int, names: frozenset[str]) -> None:
+    __slots__ = ("device_ordinal", "jit_options", "names", "unloaded", "value", "variables")
+
+    def __init__(
+        self,
+        device_ordinal: int,
+        names: frozenset[str],
+        variables: dict[str, tuple[int, int, np.dtype]],
+        jit_options: JitOptions | None = None,
+    ) -> None:
         self.value = next_handle_value()
         self.device_ordinal = device_ordinal
         self.names = names
+        self.variables = variables
+        self.jit_options = jit_options
         self.unloaded = False
 
     def __repr__(self) -> str:
@@ -130,27 +167,47 @@ class SimModule:
 
 
 class SimFunction:
-    """A kernel handle: its module, name and (settable) attributes."""
+    """A kernel handle: its module, name, (settable) attributes and cache configuration."""
 
-    __slots__ = ("attributes", "module", "name", "value")
+    __slots__ = ("attributes", "cache_config", "module", "name", "value")
 
     def __init__(self, module: SimModule, name: str) -> None:
         self.value = next_handle_value()
         self.module = module
         self.name = name
         self.attributes = dict(_FUNCTION_DEFAULTS)
+        options = module.jit_options
+        if options is not None and options.max_registers is not None:
+            self.attributes["num_regs"] = min(self.attributes["num_regs"], options.max_registers)
+        self.cache_config = "prefer_none"
 
     def __repr__(self) -> str:
         return f"<SimFunction {self.name!r} device={self.module.device_ordinal}>"
 
 
-def _image_names(image: bytes) -> frozenset[str]:
+def build_image(kernel_names: Iterable[str], variables: Mapping[str, tuple[int, str]] | None = None) -> bytes:
+    """A sim image defining ``kernel_names`` and ``variables`` (name -> (bytes, dtype str))."""
+    lines = [f"{name}\n" for name in kernel_names]
+    lines += [f"{_VARIABLE} {name} {size} {dtype or '-'}\n" for name, (size, dtype) in (variables or {}).items()]
+    return SIM_IMAGE_MAGIC + "".join(lines).encode()
+
+
+def _image_contents(image: bytes) -> tuple[frozenset[str], Variables]:
+    """The kernel names and variables an image defines."""
     if image.startswith(SIM_IMAGE_MAGIC):
-        return frozenset(line for line in image[len(SIM_IMAGE_MAGIC) :].decode().splitlines() if line)
+        names: set[str] = set()
+        variables: Variables = {}
+        for line in image[len(SIM_IMAGE_MAGIC) :].decode().splitlines():
+            if line.startswith(_VARIABLE + " "):
+                _, name, size, dtype = line.split()
+                variables[name] = (int(size), dtype)
+            elif line:
+                names.add(line)
+        return frozenset(names), variables
     head = image[:4096]
     if b".entry" in image and (b".version" in head or b".target" in head):
-        return frozenset(_PTX_ENTRY.findall(image.decode(errors="replace")))
-    return frozenset()
+        return frozenset(_PTX_ENTRY.findall(image.decode(errors="replace"))), {}
+    return frozenset(), {}
 
 
 def register_kernel(name: str, impl: KernelImpl | None) -> None:
@@ -177,6 +234,8 @@ class SimModules:
     _device_of_current: Callable[[], int]
     _stream_ordinal: Callable[[Any], int]
     _mem: Callable[[], Any]
+    _allocate_module_memory: Callable[[int, int], tuple[int, np.ndarray]]
+    _free_module_memory: Callable[[int], None]
 
     # -- test control -------------------------------------------------------------------------
     def register_kernel(self, name: str, impl: KernelImpl | None) -> None:
@@ -188,15 +247,29 @@ class SimModules:
         register_kernel(name, impl)
 
     # -- modules ------------------------------------------------------------------------------
-    def module_load_data(self, image: bytes) -> SimModule:
+    def module_load_data(self, image: bytes, options: JitOptions | None = None) -> tuple[SimModule, str]:
         self._api("module_load_data")
         if not image:
             raise sim_error(ResultCode.INVALID_IMAGE, "module_load_data", "empty module image")
-        return SimModule(self._device_of_current(), _image_names(bytes(image)))
+        if options is not None and not isinstance(options, JitOptions):
+            raise sim_error(ResultCode.INVALID_VALUE, "module_load_data", f"not JitOptions: {options!r}")
+        ordinal = self._device_of_current()
+        names, declared = _image_contents(bytes(image))
+        variables: dict[str, tuple[int, int, np.dtype]] = {}
+        for name, (size, dtype) in declared.items():
+            ptr, _ = self._allocate_module_memory(ordinal, size)
+            variables[name] = (ptr, size, np.dtype(np.uint8) if dtype == "-" else np.dtype(dtype))
+        module = SimModule(ordinal, names, variables, options)
+        log = ""
+        if options is not None and options.log_verbose:
+            log = f"aiocuda sim: loaded {len(names)} kernel(s) and {len(variables)} variable(s) for sm_90"
+        return module, log
 
     def module_unload(self, module: Any) -> None:
         self._api("module_unload", self._module(module, "module_unload").device_ordinal)
         module.unloaded = True
+        for ptr, _, _ in module.variables.values():
+            self._free_module_memory(ptr)
 
     def module_get_function(self, module: Any, name: str) -> SimFunction:
         mod = self._module(module, "module_get_function")
@@ -209,6 +282,44 @@ class SimModules:
                 f"and no simulated implementation is registered under it",
             )
         return SimFunction(mod, name)
+
+    def module_get_global(self, module: Any, name: str) -> tuple[int, int]:
+        mod = self._module(module, "module_get_global")
+        self._api("module_get_global", mod.device_ordinal)
+        found = mod.variables.get(name)
+        if found is None:
+            raise sim_error(
+                ResultCode.NOT_FOUND,
+                "module_get_global",
+                f"no variable named {name!r} in the module (it defines {sorted(mod.variables) or 'none'})",
+            )
+        return found[0], found[1]
+
+    def module_function_names(self, module: Any) -> list[str]:
+        mod = self._module(module, "module_function_names")
+        self._api("module_function_names", mod.device_ordinal)
+        return sorted(mod.names)
+
+    def link(self, inputs: Sequence[LinkInput], options: JitOptions | None = None) -> tuple[bytes, str]:
+        """Merge sim images (and PTX entries); CompileError for a name defined twice."""
+        self._api("link")
+        if not inputs:
+            raise CompileError("linking failed: nothing to link")
+        names: dict[str, str] = {}
+        variables: Variables = {}
+        for kind, data, source in inputs:
+            found, declared = _image_contents(bytes(data)) if kind in ("sim", "ptx") else (frozenset(), {})
+            for name in sorted(found) + sorted(declared):
+                if name in names:
+                    raise CompileError(
+                        f"linking failed: multiple definition of {name!r} in {names[name]!r} and {source!r}",
+                        log=f"error: multiple definition of '{name}'",
+                    )
+                names[name] = source
+            variables.update(declared)
+        kernels = [name for name in names if name not in variables]
+        log = f"aiocuda sim: linked {len(inputs)} input(s)" if options is not None and options.log_verbose else ""
+        return build_image(kernels, variables), log
 
     def _module(self, module: Any, call: str) -> SimModule:
         if type(module) is not SimModule or module.unloaded:
@@ -241,20 +352,66 @@ class SimModules:
                 )
         fn.attributes[attribute] = int(value)
 
-    def occupancy_max_active_blocks(self, func: Any, block_size: int, dynamic_smem: int) -> int:
+    def function_set_cache_config(self, func: Any, config: str) -> None:
+        fn = self._function(func, "function_set_cache_config")
+        self._api("function_set_cache_config", fn.module.device_ordinal)
+        if config not in CACHE_CONFIGS:
+            raise sim_error(
+                ResultCode.INVALID_VALUE, "function_set_cache_config", f"unknown cache configuration {config!r}"
+            )
+        fn.cache_config = config
+
+    def occupancy_max_active_blocks(
+        self, func: Any, block_size: int, dynamic_smem: int, disable_caching_override: bool = False
+    ) -> int:
         fn = self._function(func, "occupancy_max_active_blocks")
         self._api("occupancy_max_active_blocks", fn.module.device_ordinal)
         return _blocks_per_sm(fn, block_size, dynamic_smem)
 
-    def occupancy_max_potential_block_size(self, func: Any, dynamic_smem: int) -> tuple[int, int]:
+    def occupancy_max_potential_block_size(
+        self, func: Any, dynamic_smem: int, block_size_limit: int = 0, disable_caching_override: bool = False
+    ) -> tuple[int, int]:
         fn = self._function(func, "occupancy_max_potential_block_size")
         self._api("occupancy_max_potential_block_size", fn.module.device_ordinal)
-        best, best_threads = 32, 0
-        for size in range(32, fn.attributes["max_threads_per_block"] + 1, 32):
+        if block_size_limit < 0:
+            raise sim_error(ResultCode.INVALID_VALUE, "occupancy_max_potential_block_size", "block_size_limit < 0")
+        largest = fn.attributes["max_threads_per_block"]
+        if block_size_limit:
+            largest = min(largest, block_size_limit)
+        best, best_threads = min(32, largest), 0
+        for size in range(32, largest + 1, 32):
             threads = _blocks_per_sm(fn, size, dynamic_smem) * size
             if threads >= best_threads:  # ties go to the larger block, as the driver does
                 best, best_threads = size, threads
         return _blocks_per_sm(fn, best, dynamic_smem) * H100_ATTRIBUTES["multiprocessor_count"], best
+
+    def occupancy_available_dynamic_smem(self, func: Any, num_blocks: int, block_size: int) -> int:
+        fn = self._function(func, "occupancy_available_dynamic_smem")
+        self._api("occupancy_available_dynamic_smem", fn.module.device_ordinal)
+        if num_blocks < 1 or block_size < 1:
+            raise sim_error(
+                ResultCode.INVALID_VALUE, "occupancy_available_dynamic_smem", "num_blocks and block_size must be >= 1"
+            )
+        if _blocks_per_sm(fn, block_size, 0) < num_blocks:
+            return 0  # that many blocks never fit, whatever their shared memory
+        a = H100_ATTRIBUTES
+        per_block = a["max_shared_memory_per_multiprocessor"] // num_blocks - a["reserved_shared_memory_per_block"]
+        ceiling = a["max_shared_memory_per_block_optin"]
+        return max(0, min(per_block, ceiling) - fn.attributes["shared_size_bytes"])
+
+    def occupancy_max_active_clusters(self, func: Any, config: LaunchConfig) -> int:
+        fn = self._function(func, "occupancy_max_active_clusters")
+        self._api("occupancy_max_active_clusters", fn.module.device_ordinal)
+        size = _cluster_size(fn, config, "occupancy_max_active_clusters")
+        if size > _max_cluster_size(fn, config):
+            return 0
+        blocks = _blocks_per_sm(fn, config.block[0] * config.block[1] * config.block[2], config.shared_mem)
+        return blocks * H100_ATTRIBUTES["multiprocessor_count"] // size
+
+    def occupancy_max_potential_cluster_size(self, func: Any, config: LaunchConfig) -> int:
+        fn = self._function(func, "occupancy_max_potential_cluster_size")
+        self._api("occupancy_max_potential_cluster_size", fn.module.device_ordinal)
+        return _max_cluster_size(fn, config)
 
     # -- launches --------------------------------------------------------------------------------
     def launch_kernel(self, func: Any, config: LaunchConfig, stream: Any, params: Any) -> None:
@@ -284,6 +441,34 @@ class SimModules:
                 call,
                 f"kernel {fn.name!r} is loaded on device {fn.module.device_ordinal}, the stream is on device {ordinal}",
             )
+        self._enqueue(stream, _KernelRun.make(self._mem(), fn, config, params, call), call)
+
+
+class _KernelRun:
+    """A kernel launch, run on a stream's worker (or as a graph node): the implementation
+    called with the arguments as they were when it was enqueued."""
+
+    __slots__ = ("config", "func", "impl", "signature", "state", "values")
+
+    def __init__(
+        self,
+        state: Any,
+        func: SimFunction,
+        config: LaunchConfig,
+        impl: KernelImpl,
+        values: tuple[Any, ...],
+        signature: Any,
+    ) -> None:
+        self.state = state
+        self.func = func
+        self.config = config
+        self.impl = impl
+        self.values = values
+        self.signature = signature
+
+    @staticmethod
+    def make(state: Any, fn: SimFunction, config: LaunchConfig, params: Any, call: str) -> _KernelRun:
+        """Check what the driver checks at launch and capture the arguments' current values."""
         _check_config(fn, config, call)
         impl = _implementation(fn.name)
         if impl is None:
@@ -294,16 +479,55 @@ class SimModules:
                 name="CUDA_ERROR_NOT_FOUND",
                 call=call,
             )
-        launch = SimLaunch(fn.name, config)
-        values = params.values
-        signature = getattr(params, "signature", None)
-        state = self._mem()
+        return _KernelRun(state, fn, config, impl, params.values, getattr(params, "signature", None))
 
-        def run() -> None:
-            args = values if signature is None else _typed_arguments(state, signature, values, fn.name)
-            impl(launch, *args)
+    def __call__(self) -> None:
+        values, signature, fn = self.values, self.signature, self.func
+        args = values if signature is None else _typed_arguments(self.state, signature, values, fn.name)
+        self.impl(SimLaunch(fn.name, self.config, _variable_views(self.state, fn.module)), *args)
 
-        self._enqueue(stream, run, call)
+    def describe(self) -> dict[str, Any]:
+        return {"func": self.func, "config": self.config}
+
+    def replaced(self, func: Any, config: LaunchConfig, params: Any) -> _KernelRun:
+        """The launch with another function, configuration and arguments (a graph's kernel
+        node update): the function must be loaded on the same device."""
+        call = "cuGraphExecKernelNodeSetParams"
+        if type(func) is not SimFunction or func.module.unloaded:
+            raise sim_error(ResultCode.INVALID_HANDLE, call, f"not a function of a loaded module: {func!r}")
+        if func.module.device_ordinal != self.func.module.device_ordinal:
+            raise sim_error(ResultCode.INVALID_VALUE, call, "the function is loaded on another device")
+        return _KernelRun.make(self.state, func, config, params, call)
+
+
+_GPC_SMS = 16
+"""Multiprocessors per GPC on an H100: a cluster's blocks must all fit in one GPC."""
+
+
+def _cluster_size(fn: SimFunction, config: LaunchConfig, call: str) -> int:
+    required = tuple(fn.attributes[f"required_cluster_{axis}"] for axis in ("width", "height", "depth"))
+    cluster = config.cluster if config.cluster is not None else (required if all(required) else None)
+    if cluster is None:
+        raise sim_error(
+            ResultCode.INVALID_VALUE, call, "the configuration names no cluster and the kernel requires none"
+        )
+    return cluster[0] * cluster[1] * cluster[2]
+
+
+def _max_cluster_size(fn: SimFunction, config: LaunchConfig) -> int:
+    portable = 16 if fn.attributes["non_portable_cluster_size_allowed"] else 8
+    blocks = _blocks_per_sm(fn, config.block[0] * config.block[1] * config.block[2], config.shared_mem)
+    return min(portable, blocks * _GPC_SMS)
+
+
+def _variable_views(state: Any, module: SimModule) -> dict[str, np.ndarray]:
+    """The module's variables as numpy arrays over their simulated device memory."""
+    views: dict[str, np.ndarray] = {}
+    for name, (ptr, size, dtype) in module.variables.items():
+        block = state.find(ptr, size)
+        raw = block.array[ptr - block.start : ptr - block.start + size]
+        views[name] = raw.view(dtype) if size % dtype.itemsize == 0 else raw
+    return views
 
 
 def _never(err: Any) -> None:
@@ -369,7 +593,9 @@ def _typed_arguments(state: Any, signature: Any, values: tuple[Any, ...], kernel
     """Pointers -> numpy views of the simulated device memory; scalars -> numpy scalars."""
     out: list[Any] = []
     for param, value in zip(signature, values, strict=True):
-        if not param.pointer:
+        if param.by_value_struct:
+            out.append(value)
+        elif not param.pointer:
             out.append(param.dtype.type(value))
         elif value == 0:
             out.append(None)

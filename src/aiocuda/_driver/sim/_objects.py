@@ -37,14 +37,17 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ...errors import STICKY_CODES, CudaError, ResultCode
 from ._codes import sim_error
 from ._workers import Workers
 
 __all__ = [
+    "DEFAULT_LIMITS",
     "HOST_FUNCTION",
     "Poison",
+    "RemotePoint",
     "SimContext",
     "SimDevice",
     "SimEvent",
@@ -73,18 +76,41 @@ class Poison:
     cause: BaseException | None = None
 
 
+DEFAULT_LIMITS = {
+    "stack_size": 1024,
+    "printf_fifo_size": 1 << 20,
+    "malloc_heap_size": 8 << 20,
+    "dev_runtime_sync_depth": 2,
+    "dev_runtime_pending_launch_count": 2048,
+    "max_l2_fetch_granularity": 64,
+    "persisting_l2_cache_size": 0,
+}
+"""Each limit's value in a new context (as on an H100)."""
+
+
 class SimContext:
-    """A device's primary context (the sim has exactly one per device, never destroyed)."""
+    """A context: a device's primary context (one per device, never destroyed; retained
+    and released) or a user context (``context_create``, until ``context_destroy``).
 
-    __slots__ = ("device_ordinal", "retain_count", "value")
+    ``flags`` are the CUDA context flags; ``limits`` and ``cache_config`` what
+    ``context_set_limit`` and ``context_set_cache_config`` set.
+    """
 
-    def __init__(self, device_ordinal: int) -> None:
+    __slots__ = ("cache_config", "destroyed", "device_ordinal", "flags", "limits", "primary", "retain_count", "value")
+
+    def __init__(self, device_ordinal: int, *, primary: bool = True, flags: int = 0) -> None:
         self.value = next_handle_value()
         self.device_ordinal = device_ordinal
+        self.primary = primary
+        self.flags = flags
         self.retain_count = 0
+        self.destroyed = False
+        self.limits = dict(DEFAULT_LIMITS)
+        self.cache_config = "prefer_none"
 
     def __repr__(self) -> str:
-        return f"<SimContext {self.value:#x} device={self.device_ordinal} retained={self.retain_count}>"
+        kind = f"retained={self.retain_count}" if self.primary else ("destroyed" if self.destroyed else "user")
+        return f"<SimContext {self.value:#x} device={self.device_ordinal} {kind}>"
 
 
 class SimDevice:
@@ -196,10 +222,44 @@ class SimPoint:
         self.time = time.perf_counter()
 
 
-class SimEvent:
-    """An event: where it was last recorded (``point``), or None if never recorded."""
+class RemotePoint:
+    """A point of a stream in another process, seen through an interprocess event's
+    shared counters (``_shared.EventSlot``): reached once the counter of reached
+    generations gets to ``generation``. It belongs to no stream here, so a stream waiting
+    for it looks again on a timer, and a host waits by polling."""
 
-    __slots__ = ("blocking_sync", "destroyed", "device_ordinal", "point", "timing", "value")
+    __slots__ = ("generation", "slot")
+
+    stream = None
+
+    def __init__(self, slot: Any, generation: int) -> None:
+        self.slot = slot
+        self.generation = generation
+
+    def reached(self) -> bool:
+        return bool(self.slot.completed() >= self.generation)
+
+
+class SimEvent:
+    """An event: where it was last recorded (``point``), or None if never recorded.
+
+    ``captured`` is set while the event was last recorded in a capturing stream: the
+    capture and the graph nodes a wait on the event depends on (see ``_graphs.py``).
+    An interprocess event also has ``shared``, its counters for other processes; an
+    event opened from another process's handle has ``remote`` instead (and no point).
+    """
+
+    __slots__ = (
+        "blocking_sync",
+        "captured",
+        "destroyed",
+        "device_ordinal",
+        "point",
+        "remote",
+        "shared",
+        "timing",
+        "value",
+    )
 
     def __init__(self, device_ordinal: int, timing: bool, blocking_sync: bool) -> None:
         self.value = next_handle_value()
@@ -207,7 +267,10 @@ class SimEvent:
         self.timing = timing
         self.blocking_sync = blocking_sync
         self.point: SimPoint | None = None
+        self.captured: tuple[Any, tuple[int, ...]] | None = None
         self.destroyed = False
+        self.shared: Any = None
+        self.remote: Any = None
 
     def __repr__(self) -> str:
         if self.point is None:
@@ -219,6 +282,9 @@ class SimEvent:
 
 _IDLE_EXIT_S = 1.0
 """How long an idle worker thread lingers before leaving (new work starts one again)."""
+
+REMOTE_POLL = 0.0002
+"""Seconds between looks at another process's point (:class:`RemotePoint`)."""
 
 _TURN_OPERATIONS = 64
 """Operations a stream runs before it lets other queued streams have a worker."""
@@ -242,14 +308,15 @@ class StreamWait:
 
     __slots__ = ("point",)
 
-    def __init__(self, point: SimPoint) -> None:
+    def __init__(self, point: SimPoint | RemotePoint) -> None:
         self.point = point
 
     def __call__(self) -> None:
         pass  # nothing to do once the point is passed
 
     def passed(self) -> bool:
-        return self.point.reached() or self.point.stream.device.poison is not None
+        stream = self.point.stream
+        return self.point.reached() or (stream is not None and stream.device.poison is not None)
 
 
 class SimStream:
@@ -269,6 +336,8 @@ class SimStream:
         "_paused",
         "_scheduled",
         "_workers",
+        "capture",
+        "context",
         "destroyed",
         "device",
         "finished",
@@ -281,9 +350,13 @@ class SimStream:
     def __init__(self, workers: Workers, device: SimDevice, value: int, non_blocking: bool, priority: int) -> None:
         self.value = value
         self.device = device
+        self.context: SimContext = device.context
+        """The context the stream was created in (set by ``stream_create``)."""
         self.non_blocking = non_blocking
         self.priority = priority
         self.destroyed = False
+        self.capture: Any = None
+        """The capture (``_graphs.SimCapture``) this stream's operations go to, if any."""
         self.submitted = 0
         self.finished = 0
         self._workers = workers
@@ -409,6 +482,9 @@ class SimStream:
                     return
                 waits_for = fn.point if type(fn) is StreamWait and not fn.passed() else None
                 if waits_for is not None:
+                    if waits_for.stream is None:  # another process's point: look again soon
+                        self._workers.after(time.monotonic() + REMOTE_POLL, self)
+                        return
                     self._scheduled = False
             if waits_for is not None:
                 if not waits_for.stream._wait_for_me(self, waits_for):

@@ -1,0 +1,502 @@
+"""Graph mode of a pipeline (``Executor.map(..., graph=True)``): a chunk's work captured
+once per device and lane, replayed for every chunk with that chunk's addresses.
+
+Per device, the first chunk runs eagerly: it loads the stage's modules and warms up the
+libraries it calls, which must not happen during a capture. Once it has succeeded, the
+next chunk is captured on each of :data:`LANES` streams of the device -- its upload from
+page-locked memory, the stage (called once per lane: the uploaded input and the stage's
+``ctx.empty`` arrays become graph memory) and its download -- and replayed on the first
+lane. The executor keeps the captured graphs of a stage (:class:`GraphLanes`, per
+device) for its later pipelines of the same stage object, which replay from their
+first chunk. Every later chunk of the same shape and dtype is a replay on the next lane in
+turn: two copy addresses set, one graph launch, one event recorded; no task of its own
+and no call of the stage. One collector task per device awaits the replays in the order
+they were launched and delivers their results. Lanes replay side by side, so chunks
+overlap as on the eager path (the replays of one lane run one after another).
+
+A capture that fails -- a stage that waits for the GPU, copies pageable memory, moves the
+chunk to another device, or raises -- leaves the device on the eager path for the rest of
+the pipeline, with a one-line note in the trace; that chunk then runs eagerly, so its
+result or error is the eager path's. Chunks of another shape or dtype, and pageable
+inputs larger than ``staging.INLINE_LIMIT``, run eagerly too. Results default to
+page-locked arrays; a pageable ``output=`` destination is filled from page-locked
+memory once the replay is done.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any, Literal
+
+import anyio
+import anyio.to_thread
+import numpy as np
+import numpy.typing as npt
+
+from .._completion.engine import current_engine
+from .._completion.event_pool import EventPool
+from .._memory import copies as _copies
+from .._memory import staging as _staging
+from .._memory.pinned import pinned_ranges
+from ..array import DeviceArray, empty
+from ..errors import CaptureError, CudaError
+from ..graph import Graph
+from ..host import pinned_empty
+from ..stream import Stream
+from ..trace import Trace, _PendingSpan
+from .chunk import ChunkContext, ChunkRunner
+from .device_streams import DeviceStreams
+
+__all__ = ["LANES", "GraphMode", "Route"]
+
+_log = logging.getLogger("aiocuda")
+
+LANES = 4
+"""Graph lanes per device: streams with a captured graph each, replaying chunks in turn
+(at most the executor's ``chunks_per_device``). Three keep a chunk's upload, kernels and
+download overlapping those of its neighbours; the fourth absorbs uneven chunks."""
+
+Route = Literal["replay", "capture", "eager", "wait"]
+_State = Literal["new", "warming", "capture", "capturing", "ready", "eager"]
+Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
+"""``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
+releases its admission and delivers its result (none when both are None: the pipeline
+is being cancelled)."""
+
+
+class _Lane:
+    """One stream with a captured graph, and how to point the graph at a chunk."""
+
+    __slots__ = ("events", "graph", "index", "record", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
+
+    def __init__(self, index: int, stream: Stream, graph: Graph, x_ptr: int, result_ptr: int) -> None:
+        self.index = index
+        self.stream = stream
+        self.graph = graph
+        self.events = EventPool.for_device(stream.device)
+        self.record = stream.device._driver.event_record
+        self.x_ptr = x_ptr
+        """The chunk's device input: graph memory, at the same address in every replay."""
+        self.result_ptr = result_ptr
+        """What the download copies from (graph memory, or a buffer the stage returned)."""
+        self.set_upload: Callable[[int, int], None] = _no_copy
+        self.set_download: Callable[[int, int], None] = _no_copy
+
+
+def _no_copy(dst: int, src: int) -> None:
+    raise AssertionError("a lane's copies are set when it is captured")
+
+
+class _Replay:
+    """A chunk whose replay is enqueued: what its result needs once the replay is done."""
+
+    __slots__ = ("dest", "event", "host", "index", "keep", "lane", "span", "staged")
+
+    def __init__(
+        self,
+        index: int,
+        host: npt.NDArray[Any],
+        dest: npt.NDArray[Any],
+        staged: npt.NDArray[Any] | None,
+        keep: tuple[Any, ...],
+        lane: _Lane,
+        event: Any,
+        span: _PendingSpan | None,
+    ) -> None:
+        self.index = index
+        self.host = host
+        self.dest = dest
+        self.staged = staged
+        """The page-locked array the replay downloads into when ``dest`` is pageable."""
+        self.keep = keep
+        """Host memory the replay reads or writes (kept until it is done)."""
+        self.lane = lane
+        self.event = event
+        self.span = span
+
+
+class GraphLanes:
+    """A stage's captured graphs on one device, one per lane, and how far it got: kept
+    by the executor for every pipeline of the stage (or by one pipeline)."""
+
+    __slots__ = ("dtype", "lanes", "owner", "settled", "shape", "state", "template")
+
+    def __init__(self) -> None:
+        self.state: _State = "new"
+        self.owner: Any = None
+        """Whose chunk warms the device up, ``(graph mode, index)``, or which graph mode captures."""
+        self.settled: anyio.Event | None = None
+        """Set when a warm-up or capture in progress ends (chunks wait for it)."""
+        self.lanes: list[_Lane] = []
+        self.shape: tuple[int, ...] = ()
+        self.dtype: np.dtype[Any] = np.dtype(np.uint8)
+        self.template: DeviceArray | None = None
+        """The stage's result in the capture: shape and dtype for ``output(index, result)``."""
+
+    def close(self) -> None:
+        """Release the graphs (once the replays already enqueued have run)."""
+        for lane in self.lanes:
+            lane.graph.close()
+        self.lanes.clear()
+        if self.state == "ready":
+            self.state = "new"
+
+    def begin(self, state: _State, owner: Any) -> None:
+        """A warm-up or capture starts: chunks for the device wait for its end."""
+        self.state, self.owner = state, owner
+        self.settled = anyio.Event()
+
+    def settle(self, state: _State) -> None:
+        """The warm-up or capture in progress ended in ``state``: waiting chunks go on."""
+        self.state, self.owner = state, None
+        settled, self.settled = self.settled, None
+        if settled is not None:
+            settled.set()
+
+
+class _Queue:
+    """One pipeline's replays on one device: the next lane, and those awaiting delivery."""
+
+    __slots__ = ("collecting", "pending", "turn", "wake")
+
+    def __init__(self) -> None:
+        self.turn = 0
+        self.pending: collections.deque[_Replay] = collections.deque()
+        self.wake = anyio.Event()
+        self.collecting = False
+
+
+class GraphMode:
+    """Graph mode for one pipeline (see the module docstring).
+
+    ``route`` tells the pipeline how to run each admitted chunk: as a replay
+    (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own),
+    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`), or not yet: ``"wait"``
+    while the device warms up or is captured (:meth:`settled`), then route it again. ``shared`` holds the
+    stage's :class:`GraphLanes` by device ordinal: the executor's for the stage, or None
+    for graphs of this pipeline alone.
+    """
+
+    def __init__(
+        self,
+        runner: ChunkRunner,
+        finish: Finish,
+        start: Callable[..., object],
+        shared: dict[int, GraphLanes] | None = None,
+        lanes: int = LANES,
+    ) -> None:
+        self._runner = runner
+        self._finish = finish
+        self._start = start
+        self._lane_count = lanes
+        self._own = shared is None
+        self._shared: dict[int, GraphLanes] = {} if shared is None else shared
+        self._queues: dict[int, _Queue] = {}
+
+    def close(self) -> None:
+        """The pipeline is over: a warm-up or capture of its own that did not finish is
+        left to the next pipeline, and graphs of its own are released."""
+        for lanes in self._shared.values():
+            if lanes.state == "warming" and lanes.owner[0] is self:
+                lanes.settle("new")
+            if self._own:
+                lanes.close()
+
+    def _lanes(self, device_streams: DeviceStreams) -> GraphLanes:
+        ordinal = device_streams.device.ordinal
+        found = self._shared.get(ordinal)
+        if found is None:
+            found = self._shared[ordinal] = GraphLanes()
+        return found
+
+    def _queue(self, device_streams: DeviceStreams) -> _Queue:
+        ordinal = device_streams.device.ordinal
+        found = self._queues.get(ordinal)
+        if found is None:
+            found = self._queues[ordinal] = _Queue()
+        if not found.collecting:
+            found.collecting = True
+            self._start(self._collect, found, device_streams)
+        return found
+
+    # -- routing --------------------------------------------------------------------------------
+    def route(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
+        lanes = self._lanes(device_streams)
+        state = lanes.state
+        if state == "ready":
+            fits = host.shape == lanes.shape and host.dtype == lanes.dtype
+            if fits and (host.nbytes <= _staging.INLINE_LIMIT or _pinned(host)):
+                return "replay"
+            return "eager"
+        if state == "new":
+            lanes.begin("warming", (self, index))
+        elif state == "capture":
+            lanes.begin("capturing", self)
+            return "capture"
+        elif state in ("warming", "capturing"):
+            return "wait"  # a moment: the device is about to replay
+        return "eager"
+
+    async def settled(self, device_streams: DeviceStreams) -> None:
+        """Wait until the device's warm-up or capture in progress has ended."""
+        settled = self._lanes(device_streams).settled
+        if settled is not None:
+            await settled.wait()
+
+    def warmed(self, index: int, device_streams: DeviceStreams, ok: bool) -> None:
+        """An eager chunk finished: the device may be captured next, if it was warming up."""
+        lanes = self._lanes(device_streams)
+        if lanes.state == "warming" and lanes.owner == (self, index):
+            lanes.settle("capture" if ok else "new")
+
+    # -- capture --------------------------------------------------------------------------------
+    async def capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> npt.NDArray[Any]:
+        """Capture the device's lanes with chunk ``index`` and run it as the first replay;
+        on failure, note it and run the chunk eagerly (the device stays eager)."""
+        lanes = self._lanes(device_streams)
+        runner = self._runner
+        try:
+            dest, staged_in, staged_out = await self._capture_lanes(lanes, index, host, device_streams)
+        except Exception as exc:
+            lanes.close()
+            lanes.settle("eager")
+            device = device_streams.device.ordinal
+            note = (
+                f"graph mode: stage {runner.name!r} on device {device} runs eagerly: its work could not be "
+                f"captured ({type(exc).__name__}: {exc})"
+            )
+            _log.info("aiocuda: %s", note)
+            if runner.trace is not None:
+                runner.trace.note(note)
+            return await runner.run(index, host, device_streams)
+        except BaseException:  # cancelled: the next chunk (of any pipeline) captures
+            lanes.close()
+            lanes.settle("capture")
+            raise
+        lanes.settle("ready")
+        queue = self._queue(device_streams)
+        lane = lanes.lanes[0]
+        queue.turn = 1 % len(lanes.lanes)
+        trace = runner.trace
+        span = self._span(trace, lane, index)
+        launched = lane.graph.launch(lane.stream)
+        if span is not None:
+            Trace._stop(span, lane.stream)
+        try:
+            await launched
+        finally:
+            if staged_in is not None:
+                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                    lane.stream.hold(staged_in)
+        if staged_out is not None:
+            await _copy(dest, staged_out)
+        if span is not None and trace is not None:
+            trace._resolve(span)
+        return dest
+
+    async def _capture_lanes(
+        self, lanes: GraphLanes, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, npt.NDArray[Any] | None]:
+        """Capture every lane with chunk ``index``'s addresses; ``(dest, staged input,
+        staged output)``: the chunk's destination and the page-locked copies used."""
+        device = device_streams.device
+        if not device_streams.graph_lanes:
+            count = max(1, min(self._lane_count, device_streams.max_chunks))
+            device_streams.graph_lanes = await anyio.to_thread.run_sync(
+                _make_streams, device, count, device_streams.h2d.priority
+            )
+        staged_in = None if _pinned(host) else await _pin(host)
+        src = int((host if staged_in is None else staged_in).ctypes.data)
+        dest: npt.NDArray[Any] | None = None
+        staged_out: npt.NDArray[Any] | None = None
+        dst = 0
+        for k, stream in enumerate(device_streams.graph_lanes):
+            ctx = ChunkContext._create(index, host, device_streams, self._runner.streams_of, None, self._runner.name)
+            ctx.stream = stream
+            async with stream.capture(mode="relaxed") as graph:
+                x = empty(host.shape, host.dtype, stream=stream)
+                x_ptr = x.ptr
+                _copies.enqueue_upload(x_ptr, src, host.nbytes, stream)
+                returned = self._runner.stage(ctx, x)
+                if inspect.isawaitable(returned):
+                    returned = await returned
+                if returned is not None and not isinstance(returned, DeviceArray):
+                    raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+                result = x if returned is None else returned
+                if result.device is not device:
+                    raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
+                if dest is None:
+                    dest = self._destination(index, result, contiguous=False)
+                    if not _pinned(dest):
+                        staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
+                    dst = int((dest if staged_out is None else staged_out).ctypes.data)
+                    lanes.template, lanes.shape, lanes.dtype = result, host.shape, host.dtype
+                result_ptr = result.ptr
+                _copies.enqueue_download(dst, result_ptr, result.nbytes, stream)
+            lane = _Lane(k, stream, graph, x_ptr, result_ptr)
+            lanes.lanes.append(lane)
+            lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
+            lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
+            lane.set_upload(x_ptr, src)  # the driver takes these updates: else the device stays eager
+            lane.set_download(dst, result_ptr)
+        assert dest is not None
+        return dest, staged_in, staged_out
+
+    def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any]:
+        """Where chunk ``index``'s result goes: ``output()``'s array, or a page-locked one.
+        ``result`` is the capture's (checked C-contiguous then, when ``contiguous``)."""
+        if self._runner.output is None:
+            if not (contiguous or result.is_c_contiguous):
+                return self._runner.destination(index, result)  # raises its error
+            return pinned_empty(result.shape, result.dtype, device=result.device)
+        return self._runner.destination(index, result, contiguous=contiguous)
+
+    # -- replays -----------------------------------------------------------------------------------
+    def replay(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
+        """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
+        :meth:`route` sent here); the device's collector delivers its result."""
+        queue = self._queue(device_streams)
+        try:
+            pending = self._launch(self._lanes(device_streams), queue, index, host)
+        except Exception as exc:
+            self._finish(index, host, device_streams, None, exc)
+            return
+        queue.pending.append(pending)
+        if len(queue.pending) == 1:
+            queue.wake.set()
+
+    def _launch(self, lanes: GraphLanes, queue: _Queue, index: int, host: npt.NDArray[Any]) -> _Replay:
+        source = host
+        src = host.ctypes.data
+        if _owner(src, host.nbytes) is None:
+            source = pinned_empty(host.shape, host.dtype)
+            np.copyto(source, host)
+            src = source.ctypes.data
+        assert lanes.template is not None
+        dest = self._destination(index, lanes.template)
+        target, staged = dest, None
+        dst = dest.ctypes.data
+        if _owner(dst, dest.nbytes) is None:
+            target = staged = pinned_empty(dest.shape, dest.dtype)
+            dst = staged.ctypes.data
+        lane = lanes.lanes[queue.turn]
+        queue.turn = (queue.turn + 1) % len(lanes.lanes)
+        stream = lane.stream
+        lane.set_upload(lane.x_ptr, src)
+        lane.set_download(dst, lane.result_ptr)
+        span = self._span(self._runner.trace, lane, index)
+        lane.graph.launch(stream)
+        if span is not None:
+            Trace._stop(span, stream)
+        event = lane.events.acquire()
+        lane.record(event, stream._handle)
+        return _Replay(index, host, dest, staged, (source, target), lane, event, span)
+
+    def _span(self, trace: Trace | None, lane: _Lane, index: int) -> _PendingSpan | None:
+        if trace is None:
+            return None
+        name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
+        return trace._start(lane.stream, "graph", name, chunk=index, track=lane.index)
+
+    async def _collect(self, queue: _Queue, device_streams: DeviceStreams) -> None:
+        """Await the device's replays in launch order and deliver their results."""
+        engine = current_engine()
+        pool = EventPool.for_device(device_streams.device)
+        trace = self._runner.trace
+        pending = queue.pending
+        try:
+            while True:
+                while not pending:
+                    queue.wake = anyio.Event()
+                    await queue.wake.wait()
+                replay = pending[0]
+                stream = replay.lane.stream
+                output: npt.NDArray[Any] | None = None
+                error: Exception | None = None
+                event, replay.event = replay.event, None  # the wait gives it back, however it ends
+                try:
+                    await _Wait(engine, event, stream, pool)
+                    if replay.staged is not None:
+                        await _copy(replay.dest, replay.staged)
+                    output = replay.dest
+                    if replay.span is not None and trace is not None:
+                        trace._resolve(replay.span)
+                except Exception as exc:
+                    error = exc
+                    if replay.span is not None:
+                        Trace._discard(replay.span)
+                pending.popleft()
+                self._finish(replay.index, replay.host, device_streams, output, error)
+        finally:
+            # Cancelled (the pipeline is over): the replays still run; keep their memory
+            # until they have, and give their chunks' admission back.
+            while pending:
+                replay = pending.popleft()
+                if replay.event is not None:
+                    pool.release(replay.event)  # re-recording a pending event is safe
+                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                    replay.lane.stream.hold(*replay.keep)
+                if replay.span is not None:
+                    Trace._discard(replay.span)
+                self._finish(replay.index, replay.host, device_streams, None, None)
+
+
+class _Wait:
+    """An await of one recorded event through the completion engine."""
+
+    __slots__ = ("_engine", "_event", "_pool", "_stream")
+
+    def __init__(self, engine: Any, event: Any, stream: Stream, pool: EventPool) -> None:
+        self._engine = engine
+        self._event = event
+        self._stream = stream
+        self._pool = pool
+
+    def __await__(self) -> Any:
+        stream = self._stream
+        return self._engine.wait(self._event, stream._handle, stream.device, self._pool.release)
+
+
+_owner = pinned_ranges.owner
+
+
+def _pinned(array: npt.NDArray[Any]) -> bool:
+    return _owner(array.ctypes.data, max(array.nbytes, 1)) is not None
+
+
+async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A page-locked copy of ``host`` (made on a worker thread when large)."""
+    copied = pinned_empty(host.shape, host.dtype)
+    await _copy(copied, host)
+    return copied
+
+
+async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    if dst.nbytes <= _staging.INLINE_LIMIT:
+        np.copyto(dst, src)
+    else:
+        await anyio.to_thread.run_sync(np.copyto, dst, src)
+
+
+def _make_streams(device: Any, count: int, priority: int) -> tuple[Stream, ...]:
+    device.make_current()
+    return tuple(Stream(device, priority=priority) for _ in range(count))
+
+
+def _copy_node(graph: Graph, direction: str, dst: int, src: int) -> int:
+    """The index of the graph's one memcpy node of ``direction`` from ``src`` to ``dst``."""
+    found = [
+        node.index
+        for node in graph.nodes
+        if node.kind == "memcpy" and node.direction == direction and node.dst == dst and node.src == src
+    ]
+    if len(found) != 1:
+        raise CaptureError(
+            f"the captured graph has {len(found)} copies of the chunk's {direction} transfer, not one",
+            name="AIOCUDA_NOT_CAPTURABLE",
+        )
+    return found[0]

@@ -1,0 +1,73 @@
+"""The request path's graphs: a lane captures a request's device work once and replays it.
+
+:meth:`aiocuda.lanes.Lane.replay` runs here. Per lane and per ``(work, key)``: the first
+call runs ``work(lane)`` as it is (it loads the modules of its kernels and warms up the
+libraries it calls, which must not happen during a capture); the second captures it on
+the lane's stream and launches the graph; every later call only launches the graph. A
+capture that fails leaves that work to run as it is on the lane from then on, logged
+once (``aiocuda`` logger).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CaptureError
+from ..graph import Graph
+
+if TYPE_CHECKING:
+    from .lanes import Lane
+
+__all__ = ["Work", "close", "replay"]
+
+_log = logging.getLogger("aiocuda")
+
+Work = Callable[["Lane"], Any]
+"""``work(lane)``: enqueue a request's device work on ``lane.stream`` (sync; returns None)."""
+
+_WARMED = "warmed"
+_EAGER = "eager"
+
+
+def replay(lane: Lane, work: Work, key: Hashable) -> None:
+    """Enqueue ``work``'s device work on ``lane.stream``: as it is, captured, or replayed."""
+    graphs: dict[Any, Any] = lane._graphs
+    slot = (work, key)
+    found = graphs.get(slot)
+    if isinstance(found, Graph):
+        found.launch(lane.stream)
+        return
+    if found is None or found == _EAGER:
+        _run(lane, work)
+        graphs.setdefault(slot, _WARMED)
+        return
+    try:
+        with lane.stream.capture() as graph:
+            _run(lane, work)
+    except CaptureError as exc:
+        graphs[slot] = _EAGER
+        _log.warning("aiocuda: lane %d runs %r as it is: its work could not be captured (%s)", lane.index, work, exc)
+        _run(lane, work)
+        return
+    graphs[slot] = graph
+    graph.launch(lane.stream)
+
+
+def _run(lane: Lane, work: Work) -> None:
+    returned = work(lane)
+    if inspect.isawaitable(returned):
+        close_coroutine = getattr(returned, "close", None)
+        if close_coroutine is not None:
+            close_coroutine()
+        raise TypeError("Lane.replay takes a function that enqueues work (not a coroutine function)")
+
+
+def close(lane: Lane) -> None:
+    """Release the lane's graphs (once the replays already enqueued have run)."""
+    for found in lane._graphs.values():
+        if isinstance(found, Graph):
+            found.close()
+    lane._graphs.clear()

@@ -1,0 +1,2 @@
+"""The graph layer's private half: the state of a capture in progress (:mod:`.capture`),
+which streams, events and memory consult while one of their streams is being captured."""

@@ -1,0 +1,94 @@
+"""Device memory that does not come from an aiocuda pool, behind a ``DeviceArray``.
+
+Foreign arrays (CuPy, PyTorch, Numba), managed allocations and memory imported from
+another process are all "memory someone else gives back": an *owner* object whose
+release (a library's deleter, a ``cuMemFree`` off the loop, a message to the exporting
+process) must wait until the work aiocuda enqueued on the memory has completed.
+:class:`OwnedBuffer` does exactly that: freed or collected, it hands the owner to its
+last-use stream's ``hold``, and the owner goes once that stream's work so far is done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .._util import invalid_value
+from ..errors import CudaError
+
+if TYPE_CHECKING:
+    from ..device import Device
+    from ..stream import Stream
+
+__all__ = ["OwnedBuffer"]
+
+
+class OwnedBuffer:
+    """Memory at ``ptr`` kept by ``owner``, seen through aiocuda (see the module docstring).
+
+    Work on several streams is ordered as for pool buffers: a use on a new stream waits,
+    on the GPU, for the previous stream, so the last-use stream comes after all of it.
+    """
+
+    __slots__ = ("__weakref__", "_finalizer", "_ptr", "_state", "_unusable", "device", "size")
+
+    def __init__(self, ptr: int, size: int, device: Device, stream: Stream, owner: Any) -> None:
+        self._ptr = ptr
+        self.size = size
+        self.device = device
+        self._unusable: CudaError | None = None
+        self._state = [stream, owner]
+        self._finalizer = weakref.finalize(self, _hand_over, self._state)
+
+    @property
+    def ptr(self) -> int:
+        """The address (raises once the memory was freed or lost)."""
+        if self._unusable is not None:
+            raise self._unusable
+        return self._ptr
+
+    @property
+    def owner(self) -> Any:
+        return self._state[1]
+
+    @property
+    def stream(self) -> Stream:
+        """The stream of the last recorded use."""
+        stream: Stream = self._state[0]
+        return stream
+
+    @property
+    def freed(self) -> bool:
+        return self._unusable is not None
+
+    def _used_on(self, stream: Stream) -> None:
+        if self._unusable is not None:
+            raise self._unusable
+        previous: Stream = self._state[0]
+        if stream is not previous:
+            stream.wait(previous)
+            self._state[0] = stream
+
+    def free(self) -> None:
+        """Let the memory go now: its owner is released once the work aiocuda enqueued
+        on it has completed. Idempotent; the address raises afterwards."""
+        if self._unusable is None:
+            self._unusable = invalid_value("use of freed memory")
+        self._finalizer()
+
+    def lose(self, error: CudaError) -> None:
+        """Mark the memory unusable for a reason other than a free (its exporter ended):
+        the address raises ``error`` from now on."""
+        self._unusable = error
+
+    def __repr__(self) -> str:
+        state = "freed" if self._unusable is not None else f"ptr={self._ptr:#x}"
+        return f"<OwnedBuffer {state} size={self.size} owner={type(self._state[1]).__name__}>"
+
+
+def _hand_over(state: list[Any]) -> None:
+    stream, owner = state
+    state[1] = None
+    with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
+        stream.hold(owner)

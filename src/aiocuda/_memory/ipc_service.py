@@ -1,0 +1,468 @@
+"""The process's side of sharing device memory with other processes.
+
+Both directions go through one daemon thread per process (started at first use, and
+again in a forked child), serving Unix sockets of type ``SOCK_SEQPACKET`` (one message
+per send, and an end of file when the other process goes):
+
+* **Exporting.** A listening socket in the abstract namespace (no file to clean up),
+  named in every descriptor this process hands out. Each export -- an allocation of an
+  IPC pool, the event marking the end of its producer's work, and a random token -- is
+  *pinned*: the export keeps the buffer, so the memory cannot be freed, until it has
+  been imported the number of times it was shared for and every import was released.
+  An importer asks for an export by its token (``A``); the answer names the pool and,
+  the first time this connection sees that pool, carries the pool's POSIX file
+  descriptor (``SCM_RIGHTS``). ``R`` releases one import. A connection that ends
+  releases everything it held: a process that dies lets go of its imports.
+* **Importing.** One connection per exporting process, kept open: it carries the
+  requests, and its end of file says that the exporter is gone. Then every buffer
+  imported from it is marked lost, so using it raises
+  :class:`~aiocuda.errors.ExporterLostError` instead of touching memory that process
+  no longer owns. An import ends once its buffer is freed and the work on it is done:
+  the pointer is freed (``cuMemFree``, off the loop) and ``R`` is sent -- in that order,
+  since the driver requires the importer's free to complete before the exporter's.
+
+Requests block the calling thread for one round trip (the caller runs them in a worker
+thread, never on an event loop's thread). Messages are fixed byte layouts, never
+pickles: any local process may connect, but only a token's holder gets anything.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import secrets
+import selectors
+import socket
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ExporterLostError
+from . import offloop as _offloop
+
+if TYPE_CHECKING:
+    from ..device import Device
+    from ..memory import MemoryPool
+
+__all__ = ["REPLY_TIMEOUT", "Connection", "Export", "Import", "Service", "Use", "service"]
+
+REPLY_TIMEOUT = 30.0
+"""Seconds an import waits for the exporting process to answer before it counts as lost."""
+
+TOKEN_BYTES = 32
+POOL_KEY_BYTES = 16
+_ACQUIRE, _RELEASE, _GRANTED, _REFUSED = b"A", b"R", b"K", b"N"
+
+
+@dataclass
+class Export:
+    """One shared allocation, pinned in the exporting process (see the module docstring)."""
+
+    token: bytes
+    buffer: Any
+    """The :class:`~aiocuda.memory.DeviceBuffer`: kept, so the memory stays allocated."""
+    event: Any
+    """The interprocess :class:`~aiocuda.event.Event` marking the end of the producer's work."""
+    pool_key: bytes
+    imports_left: int
+    held: int = 0
+    """Imports acquired and not yet released."""
+
+
+@dataclass
+class _Peer:
+    """A connection from an importing process, as the exporter sees it."""
+
+    sock: socket.socket
+    pools_sent: set[bytes] = field(default_factory=set)
+    held: collections.Counter[bytes] = field(default_factory=collections.Counter)
+
+
+class _Reply:
+    """An importer's request waiting for the exporter's answer."""
+
+    __slots__ = ("data", "done", "fds")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.data = b""
+        self.fds: list[int] = []
+
+
+class Connection:
+    """This process's connection to one exporting process."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            self.sock.connect(address)
+        except OSError as exc:
+            self.sock.close()
+            raise ExporterLostError(
+                f"the process that shared this memory cannot be reached ({exc}): it has ended", name="AIOCUDA_IPC_LOST"
+            ) from None
+        self.lock = threading.Lock()
+        self.waiting: collections.deque[_Reply] = collections.deque()
+        self.lost: ExporterLostError | None = None
+        self.pools: dict[bytes, Any] = {}
+        """Pools of the exporter imported into this process, by the exporter's key."""
+        self.imports: weakref.WeakSet[Import] = weakref.WeakSet()
+
+    def request(self, token: bytes) -> tuple[bytes, int | None]:
+        """Acquire the export ``token`` names: ``(pool key, pool fd or None)``."""
+        reply = _Reply()
+        with self.lock:
+            if self.lost is not None:
+                raise self.lost
+            self.waiting.append(reply)
+            try:
+                self.sock.send(_ACQUIRE + token)
+            except OSError as exc:
+                self.waiting.remove(reply)
+                raise ExporterLostError(f"the exporting process went away ({exc})", name="AIOCUDA_IPC_LOST") from None
+        if not reply.done.wait(REPLY_TIMEOUT):
+            self.fail(ExporterLostError("the exporting process did not answer", name="AIOCUDA_IPC_LOST"))
+        if self.lost is not None and not reply.data:
+            raise self.lost
+        if reply.data[:1] != _GRANTED:
+            for fd in reply.fds:
+                os.close(fd)
+            reason = reply.data[1:].decode(errors="replace")
+            raise ExporterLostError(f"the exporting process refused the import: {reason}", name="AIOCUDA_IPC_REFUSED")
+        return reply.data[1 : 1 + POOL_KEY_BYTES], (reply.fds[0] if reply.fds else None)
+
+    def release(self, token: bytes) -> None:
+        """Release one import of ``token`` (nothing if the exporter is gone)."""
+        with self.lock:
+            if self.lost is None:
+                with contextlib.suppress(OSError):
+                    self.sock.send(_RELEASE + token)
+
+    def answer(self, data: bytes, fds: list[int]) -> None:
+        """The service thread received the exporter's next answer."""
+        with self.lock:
+            reply = self.waiting.popleft() if self.waiting else None
+        if reply is None:
+            for fd in fds:
+                os.close(fd)
+            return
+        reply.data, reply.fds = data, fds
+        reply.done.set()
+
+    def fail(self, error: ExporterLostError) -> None:
+        """The exporter is gone: fail waiting requests, mark every import lost."""
+        with self.lock:
+            if self.lost is not None:
+                return
+            self.lost = error
+            waiting, self.waiting = self.waiting, collections.deque()
+        for reply in waiting:
+            reply.done.set()
+        for imported in list(self.imports):
+            imported.lose(error)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+class Import:
+    """One allocation imported from another process, shared by every buffer this
+    process opened over it (each through a :class:`Use`).
+
+    Kept by the service while it is in use. When its last use ends, ending it is handed
+    to the off-loop thread, which -- under the service's import lock, so that no new
+    open can import the same allocation meanwhile -- frees the pointer if no new use
+    came, and then releases the tokens of the uses that ended (see the module
+    docstring): the free completes before the exporter hears of it."""
+
+    def __init__(self, key: tuple[str, bytes], connection: Connection, device: Device, ptr: int) -> None:
+        self.key = key
+        self.connection = connection
+        self.device = device
+        self.ptr = ptr
+        self.users = 0
+        self.ended: list[bytes] = []
+        """Tokens of uses that ended, to release once the pointer is freed (or kept)."""
+        self.ending = False
+        self.buffers: weakref.WeakSet[Any] = weakref.WeakSet()
+        connection.imports.add(self)
+
+    def lose(self, error: ExporterLostError) -> None:
+        for buffer in list(self.buffers):
+            buffer.lose(error)
+
+
+class Use:
+    """One open of a shared allocation: the owner of the buffer it gave (an
+    :class:`~aiocuda._memory.buffers.OwnedBuffer`, which lets it go once the work on
+    the buffer is done)."""
+
+    def __init__(self, service: Service, imported: Import, token: bytes) -> None:
+        self.imported = imported
+        weakref.finalize(self, service._use_ended, imported, token).atexit = False
+
+
+class Service:
+    """This process's sharing thread (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.address = f"\0aiocuda-ipc-{self.pid}-{secrets.token_hex(8)}"
+        # Reentrant: a finaliser (a pool's, closing its descriptor) may run on a thread
+        # that holds it.
+        self._lock = threading.RLock()
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake_write = socket.socketpair()
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._todo: list[Callable[[], object]] = []
+        self._listener: socket.socket | None = None
+        self._exports: dict[bytes, Export] = {}
+        self._pool_keys: weakref.WeakKeyDictionary[MemoryPool, bytes] = weakref.WeakKeyDictionary()
+        self._pool_fds: dict[bytes, int] = {}
+        self._connections: dict[str, Connection] = {}
+        self._imports: dict[tuple[str, bytes], Import] = {}
+        self._import_lock = threading.RLock()  # (reentrant for the same reason)
+        self._thread = threading.Thread(target=self._serve, name="aiocuda-ipc", daemon=True)
+        self._thread.start()
+
+    # -- exporting ----------------------------------------------------------------------------
+    def export(self, buffer: Any, event: Any, imports: int) -> Export:
+        """Pin ``buffer`` (an allocation of an IPC pool) for ``imports`` imports."""
+        pool = buffer.pool
+        with self._lock:
+            key = self._pool_keys.get(pool)
+        if key is None:
+            device = pool.device
+            device.make_current()
+            fd = device._driver.mempool_export_fd(pool.handle)
+            with self._lock:
+                key = self._pool_keys.get(pool)
+                if key is None:
+                    key = secrets.token_bytes(POOL_KEY_BYTES)
+                    self._pool_keys[pool] = key
+                    self._pool_fds[key] = fd
+                    weakref.finalize(pool, self._forget_pool, key)
+                    fd = -1
+            if fd >= 0:
+                os.close(fd)  # another thread exported the pool meanwhile
+        self._listen()
+        export = Export(secrets.token_bytes(TOKEN_BYTES), buffer, event, key, imports)
+        with self._lock:
+            self._exports[export.token] = export
+        return export
+
+    def _forget_pool(self, key: bytes) -> None:
+        """A pool is gone (and every export of it, which kept it): close its descriptor."""
+        with self._lock:
+            fd = self._pool_fds.pop(key, None)
+        if fd is not None:
+            os.close(fd)
+
+    def take_local(self, token: bytes) -> tuple[Any, Any] | None:
+        """An import of ``token`` by this very process: the export's buffer and event
+        (counted as an import; the caller keeps them), or None if it is gone or used up."""
+        with self._lock:
+            export = self._exports.get(token)
+            if export is None or export.imports_left <= 0:
+                return None
+            export.imports_left -= 1
+            taken = (export.buffer, export.event)
+            self._settle(export)
+        return taken
+
+    def revoke(self, token: bytes) -> None:
+        """Stop waiting for imports of ``token`` not made yet."""
+        with self._lock:
+            export = self._exports.get(token)
+            if export is not None:
+                export.imports_left = 0
+                self._settle(export)
+
+    def _settle(self, export: Export) -> None:
+        """(Lock held.) Unpin an export nobody holds or will import any more; its buffer
+        and event are let go on the off-loop thread, where the device's context is bound."""
+        if export.imports_left <= 0 and export.held <= 0 and self._exports.pop(export.token, None) is not None:
+            kept, export.buffer, export.event = (export.buffer, export.event), None, None
+            _offloop.dispose(kept[0].device, _no_op, keep=kept)
+
+    def _listen(self) -> None:
+        with self._lock:
+            if self._listener is not None:
+                return
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+            listener.bind(self.address)
+            listener.listen(64)
+            listener.setblocking(False)
+            self._listener = listener
+        self._call_soon(lambda: self._selector.register(listener, selectors.EVENT_READ, "listen"))
+
+    # -- importing ----------------------------------------------------------------------------
+    def connection(self, address: str) -> Connection:
+        """The connection to the exporter at ``address`` (made on first use)."""
+        with self._lock:
+            connection = self._connections.get(address)
+            if connection is not None and connection.lost is None:
+                return connection
+        connection = Connection(address)
+        with self._lock:
+            self._connections[address] = connection
+        self._call_soon(lambda: self._selector.register(connection.sock, selectors.EVENT_READ, connection))
+        return connection
+
+    def open_import(
+        self, connection: Connection, pool_key: bytes, fd: int | None, pointer: bytes, token: bytes, device: Device
+    ) -> Use:
+        """A use of the allocation ``pointer`` names, importing the pool (from ``fd``,
+        which stays the caller's) and the pointer the first time; ``token`` is the
+        export the exporter granted, released when the use ends."""
+        driver = device._driver
+        key = (connection.address, pointer)
+        with self._import_lock:
+            imported = self._imports.get(key)
+            if imported is None:
+                handle = connection.pools.get(pool_key)
+                if handle is None:
+                    if fd is None:
+                        raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
+                    device.make_current()
+                    handle = driver.mempool_import_fd(fd)
+                    if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
+                        driver.mempool_set_access(handle, device.ordinal)
+                    connection.pools[pool_key] = handle
+                device.make_current()
+                ptr = driver.mempool_import_pointer(handle, pointer)
+                imported = self._imports[key] = Import(key, connection, device, ptr)
+            imported.users += 1
+            return Use(self, imported, token)
+
+    def _use_ended(self, imported: Import, token: bytes) -> None:
+        """A :class:`Use` went (a finaliser, on any thread)."""
+        with self._import_lock:
+            imported.users -= 1
+            imported.ended.append(token)
+            if imported.users or imported.ending:
+                return
+            imported.ending = True
+        _offloop.submit(self._end_import, imported)
+
+    def _end_import(self, imported: Import) -> None:
+        """(The off-loop thread.) Free an import nobody uses, then release its tokens."""
+        with self._import_lock:
+            imported.ending = False
+            tokens, imported.ended = imported.ended, []
+            if not imported.users and self._imports.get(imported.key) is imported:
+                del self._imports[imported.key]
+                with contextlib.suppress(Exception):  # the exporter gone, the context poisoned...
+                    imported.device.make_current()
+                    imported.device._driver.mem_free(imported.ptr)
+        for token in tokens:
+            imported.connection.release(token)
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _call_soon(self, fn: Callable[[], object]) -> None:
+        with self._lock:
+            self._todo.append(fn)
+        with contextlib.suppress(OSError):
+            self._wake_write.send(b"\0")
+
+    def _serve(self) -> None:
+        while True:
+            for key, _ in self._selector.select():
+                with contextlib.suppress(Exception):  # one bad peer must not stop the service
+                    self._ready(key)
+
+    def _ready(self, key: selectors.SelectorKey) -> None:
+        if key.data is None:  # woken: run what other threads queued
+            self._wake_read.recv(4096)
+            with self._lock:
+                todo, self._todo = self._todo, []
+            for fn in todo:
+                fn()
+        elif key.data == "listen":
+            assert self._listener is not None
+            sock, _ = self._listener.accept()
+            sock.setblocking(True)
+            self._selector.register(sock, selectors.EVENT_READ, _Peer(sock))
+        elif isinstance(key.data, Connection):
+            self._from_exporter(key.data)
+        else:
+            self._from_importer(key.data)
+
+    def _from_exporter(self, connection: Connection) -> None:
+        try:
+            data, fds, _, _ = socket.recv_fds(connection.sock, 256, 1)
+        except OSError:
+            data, fds = b"", []
+        if data:
+            connection.answer(data, fds)
+            return
+        self._selector.unregister(connection.sock)
+        connection.fail(ExporterLostError("the process that shared this memory has ended", name="AIOCUDA_IPC_LOST"))
+        with self._lock:
+            if self._connections.get(connection.address) is connection:
+                del self._connections[connection.address]
+
+    def _from_importer(self, peer: _Peer) -> None:
+        try:
+            data = peer.sock.recv(256)
+        except OSError:
+            data = b""
+        if not data:
+            self._selector.unregister(peer.sock)
+            peer.sock.close()
+            with self._lock:
+                for token, count in peer.held.items():
+                    export = self._exports.get(token)
+                    if export is not None:
+                        export.held -= count
+                        self._settle(export)
+            return
+        op, token = data[:1], data[1 : 1 + TOKEN_BYTES]
+        if op == _RELEASE:
+            with self._lock:
+                export = self._exports.get(token)
+                if peer.held[token] > 0:
+                    peer.held[token] -= 1
+                    if export is not None:
+                        export.held -= 1
+                        self._settle(export)
+            return
+        with self._lock:
+            export = self._exports.get(token)
+            if export is None or export.imports_left <= 0:
+                reply, fd = _REFUSED + b"no such export, or every import it was shared for was made", None
+            else:
+                export.imports_left -= 1
+                export.held += 1
+                peer.held[token] += 1
+                reply = _GRANTED + export.pool_key
+                fd = None if export.pool_key in peer.pools_sent else self._pool_fds[export.pool_key]
+                peer.pools_sent.add(export.pool_key)
+        with contextlib.suppress(OSError):
+            if fd is None:
+                peer.sock.send(reply)
+            else:
+                socket.send_fds(peer.sock, [reply], [fd])
+
+
+def _no_op() -> None:
+    pass
+
+
+_service: Service | None = None
+_service_lock = threading.Lock()
+
+
+def service() -> Service:
+    """This process's sharing service (a new one after ``fork``)."""
+    global _service
+    current = _service
+    if current is None or current.pid != os.getpid():
+        with _service_lock:
+            if _service is None or _service.pid != os.getpid():
+                _service = Service()
+            current = _service
+    return current

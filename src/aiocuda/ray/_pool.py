@@ -1,0 +1,251 @@
+"""A pool of GPU actors: creating them with their Ray resources, opening, closing, and
+the per-actor load that placement reads."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import ray
+import ray.exceptions
+
+from .._executor.placement import Admission
+from .._util import NoPublicConstructor
+from . import _refs, _transfer
+from ._actor import ActorStatistics, GpuActor
+
+__all__ = ["ActorLostError", "ActorPool", "ActorSlot"]
+
+_RemoteGpuActor = ray.remote(GpuActor)
+
+_UNLIMITED = 1 << 62
+"""An actor's byte budget for placement: its own executor enforces device memory."""
+
+
+class ActorLostError(RuntimeError):
+    """A chunk's GPU actor died (or became unreachable) and the chunk could not be run
+    elsewhere: no live actor was left, or it had used up its retries. ``__cause__`` is
+    Ray's error, which says why the actor went."""
+
+
+class ActorSlot(metaclass=NoPublicConstructor):
+    """One actor of a pool and its load, as placement sees it (:attr:`ActorPool.slots`)."""
+
+    _factories = "ActorPool"
+
+    __slots__ = ("actor", "budget", "chunks", "completed", "index", "lost", "max_chunks", "reserved")
+
+    def __init__(self, actor: Any, index: int, max_chunks: int) -> None:
+        self.actor = actor
+        self.index = index
+        self.max_chunks = max_chunks
+        self.budget = _UNLIMITED
+        self.chunks = 0
+        """Chunks placed on the actor and not yet finished."""
+        self.reserved = 0
+        """Bytes of those chunks' inputs."""
+        self.completed = 0
+        """Chunks finished on the actor (successfully or not)."""
+        self.lost: BaseException | None = None
+        """Ray's error, once the actor is known to be gone."""
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None
+
+    def __repr__(self) -> str:
+        state = "lost" if self.lost is not None else f"chunks={self.chunks}/{self.max_chunks}"
+        return f"<ActorSlot {self.index} {state} completed={self.completed}>"
+
+
+class ActorPool:
+    """GPU actors for :func:`aiocuda.ray.map`, each a process with its own event loop and
+    an :class:`~aiocuda.executor.Executor` on the GPUs Ray gives it.
+
+    Args:
+        actors: how many actors.
+        num_gpus: GPUs Ray reserves for each (``CUDA_VISIBLE_DEVICES`` then names them
+            in the actor; a fraction shares a GPU between actors). On the simulated
+            backend each assigned GPU is a simulated device.
+        num_cpus: CPUs Ray reserves for each (for scheduling; an actor's loop thread
+            is mostly idle while its GPU works).
+        chunks_per_actor: chunks placed on one actor at most: the back-pressure that
+            keeps a fast producer from queueing inputs in the object store.
+        backend: ``"cuda"``, ``"sim"`` or ``"auto"`` for the actors; default: the
+            ``AIOCUDA_BACKEND`` of the driver process (every ``AIOCUDA_*`` variable of
+            the driver, the compile cache's ``AIOCUDA_CACHE_DIR`` among them, is passed
+            to the actors), else ``auto``.
+        setup: a module-level function each actor calls once, after selecting the
+            backend and before opening its executor (sync or async).
+        executor: keyword arguments of each actor's :class:`~aiocuda.executor.Executor`
+            (``compute_streams``, ``chunks_per_device``, ``memory_fraction``).
+        upload: how actors upload inputs from the object store (``"staging"`` or
+            ``"register"``); default: the measured faster one.
+        options: more Ray actor options (``resources``, ``scheduling_strategy``,
+            ``runtime_env``, ...).
+
+    Use as ``async with ActorPool(...) as pool`` (which waits until every actor has
+    opened its executor, and on leaving waits for their GPU work, then ends them), or
+    :meth:`start` / :meth:`wait_ready` / :meth:`aclose` for a pool that outlives one
+    block. A pool can serve many :func:`~aiocuda.ray.map` calls, one after the other or
+    at once (they share ``chunks_per_actor``); its actors keep their compiled kernels
+    and memory pools between them.
+    """
+
+    def __init__(
+        self,
+        actors: int = 1,
+        *,
+        num_gpus: float = 1,
+        num_cpus: float = 1,
+        chunks_per_actor: int = 8,
+        backend: str | None = None,
+        setup: Callable[[], Any] | None = None,
+        executor: dict[str, Any] | None = None,
+        upload: _transfer.UploadName | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> None:
+        if actors < 1:
+            raise ValueError(f"actors must be >= 1, got {actors}")
+        if num_gpus <= 0:
+            raise ValueError(f"a GPU actor needs num_gpus > 0, got {num_gpus}")
+        if chunks_per_actor < 1:
+            raise ValueError(f"chunks_per_actor must be >= 1, got {chunks_per_actor}")
+        if upload not in (None, "staging", "register"):
+            raise ValueError(f"upload must be 'staging' or 'register', got {upload!r}")
+        self._count = actors
+        self._chunks_per_actor = chunks_per_actor
+        self._actor_args = (backend, setup, dict(executor or {}), upload or _transfer.UPLOAD)
+        self._options = _actor_options(num_gpus, num_cpus, dict(options or {}))
+        self._slots: tuple[ActorSlot, ...] = ()
+        self._ready = False
+        self.admission = Admission()
+        """Placement's reservations on the actors, shared by every map over the pool."""
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Create the actors (Ray starts their processes in the background)."""
+        if not self._slots:
+            remote = _RemoteGpuActor.options(**self._options)
+            self._slots = tuple(
+                ActorSlot._create(remote.remote(*self._actor_args), i, self._chunks_per_actor)
+                for i in range(self._count)
+            )
+
+    async def wait_ready(self) -> list[ActorStatistics]:
+        """Start the actors if needed and wait until each has opened its executor;
+        raises the first actor's error (say, no usable device) after ending them all."""
+        self.start()
+        try:
+            opened = [slot.actor.open.remote() for slot in self._slots]
+            stats = [await _refs.value(ref) for ref in opened]
+        except BaseException:
+            self.kill()
+            raise
+        self._ready = True
+        return stats
+
+    async def __aenter__(self) -> ActorPool:
+        await self.wait_ready()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Let each live actor finish its GPU work and close its executor, then end
+        them (shielded from cancellation)."""
+        with anyio.CancelScope(shield=True):
+            closing = [(slot, slot.actor.close.remote()) for slot in self.live]
+            for slot, ref in closing:
+                try:
+                    await _refs.result(ref)
+                except ray.exceptions.RayError as exc:
+                    slot.lost = slot.lost or exc
+            self.kill()
+
+    def kill(self) -> None:
+        """End every actor now (``ray.kill``), whatever it is doing."""
+        for slot in self._slots:
+            try:
+                ray.kill(slot.actor)
+            except Exception:  # already gone
+                pass
+            slot.lost = slot.lost or ActorLostError(f"actor {slot.index} was ended by the pool")
+        self._ready = False
+
+    # -- state --------------------------------------------------------------------------------
+    @property
+    def slots(self) -> tuple[ActorSlot, ...]:
+        """Every actor with its load, in creation order (read-only use)."""
+        return self._slots
+
+    @property
+    def live(self) -> list[ActorSlot]:
+        """The actors not known to be gone."""
+        return [slot for slot in self._slots if slot.alive]
+
+    @property
+    def actors(self) -> list[Any]:
+        """The live actors' Ray handles (call their methods as ``handle.run.remote(...)``)."""
+        return [slot.actor for slot in self.live]
+
+    @property
+    def chunks_per_actor(self) -> int:
+        return self._chunks_per_actor
+
+    @property
+    def ready(self) -> bool:
+        """Whether every actor opened (and the pool was not closed since)."""
+        return self._ready
+
+    async def statistics(self) -> list[ActorStatistics | None]:
+        """Each actor's counters (None for one that is gone), in creation order."""
+        refs = [slot.actor.statistics.remote() if slot.alive else None for slot in self._slots]
+        out: list[ActorStatistics | None] = []
+        for slot, ref in zip(self._slots, refs, strict=True):
+            if ref is None:
+                out.append(None)
+                continue
+            try:
+                out.append(await _refs.value(ref))
+            except ray.exceptions.RayActorError as exc:
+                self._lose(slot, exc)
+                out.append(None)
+        return out
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run ``fn(executor, *args)`` on every live actor (a module-level function,
+        sync or async) and return the results in actor order."""
+        refs = [slot.actor.call.remote(fn, *args) for slot in self.live]
+        return [await _refs.value(ref) for ref in refs]
+
+    def _lose(self, slot: ActorSlot, error: BaseException) -> None:
+        """Record that ``slot``'s actor is gone: placement skips it from now on, unless
+        no actor is left (then chunks are still placed, and fail at once)."""
+        if slot.lost is None:
+            slot.lost = error
+        live = self.live
+        for each in self._slots:
+            each.max_chunks = self._chunks_per_actor if (each.alive or not live) else 0
+
+    def __repr__(self) -> str:
+        if not self._slots:
+            return f"<ActorPool not started actors={self._count}>"
+        load = ", ".join("lost" if not s.alive else f"{s.chunks}" for s in self._slots)
+        return f"<ActorPool [{len(self.live)}/{len(self._slots)} live | chunks: {load}]>"
+
+
+def _actor_options(num_gpus: float, num_cpus: float, options: dict[str, Any]) -> dict[str, Any]:
+    """Ray options for the pool's actors: resources, no restarts or task retries (a
+    chunk whose actor died is placed elsewhere by the map), and the driver's ``AIOCUDA_*``
+    environment."""
+    forwarded = {k: v for k, v in os.environ.items() if k.startswith("AIOCUDA_")}
+    chosen = {"num_gpus": num_gpus, "num_cpus": num_cpus, "max_restarts": 0, "max_task_retries": 0, **options}
+    if forwarded:
+        runtime_env = dict(chosen.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**forwarded, **dict(runtime_env.get("env_vars") or {})}
+        chosen["runtime_env"] = runtime_env
+    return chosen

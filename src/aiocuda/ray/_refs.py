@@ -1,0 +1,65 @@
+"""Awaiting Ray object refs from any event loop aiocuda supports (asyncio, uvloop, trio).
+
+Ray's own ``await ref`` works on asyncio only. Here the ref's ``concurrent.futures``
+future (completed on one of Ray's threads) wakes the task through the loop's thread-safe
+call (:mod:`aiocuda._completion.loops`): Ray's thread never blocks on the loop, so a loop
+thread that is itself inside a Ray call cannot deadlock with it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import anyio
+import ray
+import ray.exceptions
+
+from .._completion.loops import current_adapter
+
+__all__ = ["cancel", "result", "unwrap", "value"]
+
+
+async def result(ref: Any) -> Any:
+    """The value of ``ref`` once Ray has it; raises what the task raised (as Ray wraps it).
+
+    Cancelling the awaiting task leaves the Ray task alone: see :func:`cancel`.
+    """
+    future: concurrent.futures.Future[Any] = ref.future()
+    if not future.done():
+        adapter = current_adapter()
+        done = anyio.Event()
+        future.add_done_callback(lambda _: adapter.call_soon_threadsafe(done.set))
+        await done.wait()
+    return future.result()
+
+
+async def value(ref: Any) -> Any:
+    """:func:`result`, with a remote task's own exception raised as itself
+    (:func:`unwrap`)."""
+    try:
+        return await result(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise unwrap(exc) from exc
+
+
+def cancel(ref: Any) -> None:
+    """Ask Ray to cancel the task behind ``ref`` (an async actor's task gets
+    ``CancelledError``; a queued one never starts). Never raises."""
+    try:
+        ray.cancel(ref)
+    except Exception:  # finished, already cancelled, or its actor is gone: nothing to stop
+        pass
+
+
+def unwrap(error: Exception) -> Exception:
+    """The exception a remote task raised, out of Ray's ``RayTaskError`` wrapper (which
+    holds it as ``cause``), so that callers can branch on its own type; it is chained to
+    the wrapper, whose message has the remote traceback."""
+    if isinstance(error, ray.exceptions.RayTaskError):
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, Exception):
+            if cause.__cause__ is None:
+                cause.__cause__ = error
+            return cause
+    return error

@@ -1,0 +1,78 @@
+"""One local Ray cluster for the tests here (ended after the last), on the simulated backend.
+
+The cluster declares more GPUs than the machine has (Ray only counts them): each actor
+takes one, and on the simulated backend each becomes a simulated device. CPUs are few
+(CI is a loaded 2-core machine) and actors reserve none. Pools of 2 and 4 actors are
+shared by the tests that leave them as they found them; tests that pause streams, kill
+actors or cancel work make their own.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+
+if os.environ.get("AIOCUDA_REQUIRE_RAY"):  # CI: a missing Ray is a failure, not a skip
+    import ray
+
+    import aiocuda.ray as aiocuda_ray
+else:
+    ray = pytest.importorskip("ray")
+    aiocuda_ray = pytest.importorskip("aiocuda.ray")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+GPUS = 16
+
+
+@pytest.fixture(scope="package")
+def ray_cluster() -> Iterator[Any]:
+    """A local Ray cluster whose workers can import ``tests.ray._stages``."""
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_USAGE_STATS_ENABLED")}
+    paths = [str(ROOT), str(ROOT / "src"), *filter(None, [saved["PYTHONPATH"]])]
+    os.environ["PYTHONPATH"] = os.pathsep.join(paths)  # the raylet, and so every worker, inherits it
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    try:
+        ray.init(
+            num_cpus=2,
+            num_gpus=GPUS,
+            object_store_memory=256 << 20,
+            include_dashboard=False,
+            configure_logging=False,
+        )
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    yield ray
+    ray.shutdown()
+
+
+def new_pool(actors: int, **options: Any) -> Any:
+    """A pool of simulated GPU actors reserving no CPU."""
+    options.setdefault("backend", "sim")
+    options.setdefault("num_cpus", 0)
+    return aiocuda_ray.ActorPool(actors, **options)
+
+
+def _shared_pool(actors: int) -> Iterator[Any]:
+    pool = new_pool(actors)
+    anyio.run(pool.wait_ready)
+    yield pool
+    pool.kill()  # no waiting: a failed test may have left a stream paused
+
+
+@pytest.fixture(scope="package")
+def pool2(ray_cluster: Any) -> Iterator[Any]:
+    yield from _shared_pool(2)
+
+
+@pytest.fixture(scope="package")
+def pool4(ray_cluster: Any) -> Iterator[Any]:
+    yield from _shared_pool(4)

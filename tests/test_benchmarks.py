@@ -1,0 +1,64 @@
+"""The benchmarks' shared rules: results from three runs, written only from full GPU runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from benchmarks import _common
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _result() -> _common.Result:
+    result = _common.Result("unit")
+    result.target("ratio", [1.2, 0.9, 1.0], 1.1, "<=")
+    result.target("verified", 1.0, 1, "==")
+    result.metric("speed_us", [3.0, 5.0, 4.0])
+    result.baseline("raw_us", [2.0, 2.5, 2.25])
+    return result
+
+
+def test_a_figure_is_the_median_of_its_runs() -> None:
+    result = _result()
+    ratio, verified = result.targets
+    assert ratio == {"name": "ratio", "value": 1.0, "limit": 1.1, "op": "<=", "met": True, "runs": [1.2, 0.9, 1.0]}
+    assert verified["runs"] == [1.0] and verified["met"]
+    assert (result.metrics["speed_us"], result.baselines["raw_us"]) == (4.0, 2.25)
+    assert result.runs == {"speed_us": [3.0, 5.0, 4.0], "raw_us": [2.0, 2.5, 2.25]}
+    assert _common.ratios([2.0, 3.0], [1.0, 2.0]) == [2.0, 1.5]
+    assert _common.repeat(iter([{"a": 1.0}, {"a": 2.0}, {"a": 3.0}]).__next__) == {"a": [1.0, 2.0, 3.0]}
+
+
+def test_results_are_written_only_from_full_runs_on_a_gpu(
+    sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_common, "RESULTS", tmp_path / "results")
+    assert _result().write() is None  # the simulator
+    monkeypatch.setattr(_common, "_quick", True)
+    assert _result().write(tmp_path / "results" / "unit.json") is None  # --quick, pointed at results/ itself
+    assert not (tmp_path / "results").exists()
+    smoke = _result().write(tmp_path / "smoke.json")  # elsewhere: a smoke run's file
+    assert smoke is not None
+    doc = json.loads(smoke.read_text())
+    assert doc["backend"] == "sim" and doc["targets"][0]["runs"] == [1.2, 0.9, 1.0]
+
+
+def test_a_benchmark_runs_on_the_simulator(tmp_path: pathlib.Path) -> None:
+    """The launch benchmark's simulated path, as a smoke test (the others take longer)."""
+    out = tmp_path / "launch.json"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "launch.py"), "--quick", "--out", str(out)],
+        env={**os.environ, "AIOCUDA_BACKEND": "sim"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(json.loads(out.read_text())["runs"]["aiocuda_us"]) == _common.RUNS

@@ -1,0 +1,217 @@
+"""The executor's graph mode: the same results, order, back-pressure and errors as the eager
+path, with chunks replayed from graphs captured once per device and lane.
+
+On the simulator with 1 and 4 devices, and on a real GPU where one is present.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda import _driver
+from aiocuda._cli.workload import ScaleStage, scale_reference
+from aiocuda._executor.graph_mode import LANES
+from aiocuda.array import DeviceArray
+from aiocuda.errors import ContextPoisonedError
+from aiocuda.executor import ChunkContext, Executor
+from aiocuda.host import is_pinned, pinned_empty
+from aiocuda.kernel import register_sim_kernel
+from aiocuda.program import Program
+
+from ._workload import _kernel, poison_op
+
+pytestmark = pytest.mark.anyio
+
+REPS = 20
+N = 1024
+
+
+@pytest.fixture(params=[1, 4], ids=["1-device", "4-devices"])
+def devices(request: pytest.FixtureRequest, backend: Any) -> Iterator[int]:
+    """How many devices the executor uses: 1, and 4 simulated ones (on a GPU machine the
+    4-device case runs only with 4 GPUs)."""
+    wanted: int = request.param
+    if backend.name == "sim":
+        _driver.use_backend("sim", devices=wanted)
+    elif backend.device_count() < wanted:
+        pytest.skip(f"needs {wanted} GPUs")
+    yield wanted
+
+
+def pinned_chunks(count: int, n: int = N) -> np.ndarray:
+    inputs = pinned_empty((count, n), np.float32)
+    inputs[:] = np.random.default_rng(0).random((count, n), dtype=np.float32)
+    return inputs
+
+
+class CountingStage:
+    """``scale`` in place, counting its calls per device."""
+
+    def __init__(self) -> None:
+        self.scale = ScaleStage(REPS)
+        self.calls: dict[int, int] = {}
+        self.__name__ = "counting"
+
+    def __call__(self, ctx: ChunkContext, x: DeviceArray) -> None:
+        self.calls[ctx.device.ordinal] = self.calls.get(ctx.device.ordinal, 0) + 1
+        self.scale(ctx, x)
+
+
+async def test_same_results_and_order_as_eager(devices: int, anyio_backend: Any) -> None:
+    inputs = pinned_chunks(12 * devices)
+    stage = CountingStage()
+    async with Executor(list(range(devices)), trace=True) as ex:
+        # Two chunks in flight: a device's warm-up chunk has been delivered before its next
+        # chunk is admitted, so that one is captured, whatever the machine's speed.
+        async with ex.map(stage, inputs, graph=True, in_flight=2) as results:
+            got = [r async for r in results]
+        async with ex.map(ScaleStage(REPS), inputs, graph=True) as results:  # many in flight
+            assert all([r.ok async for r in results])
+        eager = await ex.run(ScaleStage(REPS), inputs)
+        trace = ex.trace
+        assert trace is not None
+        spans = trace.spans
+    assert [r.index for r in got] == list(range(len(inputs)))
+    for r, expected in zip(got, eager, strict=True):
+        np.testing.assert_allclose(r.value, expected, rtol=1e-6)
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+    replays = [s for s in spans if s.unit == "graph" and s.name.startswith("counting")]
+    assert replays and all("(graph, " in s.name for s in replays)
+    assert {s.device for s in replays} == set(range(devices))
+    for device in range(devices):
+        # warming up, then capturing every lane; the other chunks were replays or ran
+        # eagerly while those were going on
+        ran_eagerly = sum(1 for r in got if r.device == device) - sum(1 for s in replays if s.device == device)
+        assert stage.calls[device] == ran_eagerly + LANES
+    assert not trace.notes
+    assert all(is_pinned(r.value) for r in got if any(s.chunk == r.index for s in replays))
+
+
+async def test_stage_with_its_own_output_and_pageable_memory(devices: int, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+        out = ctx.empty(x.shape, x.dtype)
+        scale.kernel.launch((x.size + 255) // 256, 256, x, x.size, REPS, stream=ctx.stream)
+        scale.kernel.launch((x.size + 255) // 256, 256, x, x.size, 0, stream=ctx.stream)
+        ctx.stream.wait(ctx.stream)  # a no-op wait, captured too
+        return _copy_into(out, x, ctx)
+
+    inputs = [np.random.default_rng(i).random(N, dtype=np.float32) for i in range(8 * devices)]
+    outputs = [np.zeros(N, np.float32) for _ in inputs]  # pageable destinations
+    async with Executor(list(range(devices))) as ex:
+        async with ex.map(stage, inputs, graph=True, output=lambda i, _: outputs[i]) as results:
+            got = [r async for r in results]
+    for r in got:
+        assert r.value is outputs[r.index]
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+def _copy_into(out: DeviceArray, x: DeviceArray, ctx: ChunkContext) -> DeviceArray:
+    """Enqueue a device-to-device copy on the chunk's stream (captured with the stage)."""
+    ctx.device.make_current()
+    ctx.device._driver.memcpy_dtod_async(out.ptr, x.ptr, x.nbytes, ctx.stream.handle)
+    out.buffer._used_on(ctx.stream)
+    return out
+
+
+async def test_a_stage_that_cannot_be_captured_runs_eagerly_with_a_note(devices: int, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+
+    async def waits(ctx: ChunkContext, x: DeviceArray) -> None:
+        scale(ctx, x)
+        await ctx.stream  # cannot be captured: the stage waits for its own work
+
+    inputs = pinned_chunks(6 * devices)
+    async with Executor(list(range(devices)), trace=True) as ex:
+        got = await ex.run(waits, inputs, graph=True, in_flight=1)  # chunk 1 is captured
+        trace = ex.trace
+        assert trace is not None
+        notes = trace.notes
+        assert not any(s.unit == "graph" for s in trace.spans)
+    for i, value in enumerate(got):
+        np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)
+    assert len(notes) == devices
+    assert all("runs eagerly" in note and "CaptureError" in note for note in notes)
+
+
+async def test_back_pressure_and_other_shapes(devices: int, anyio_backend: Any) -> None:
+    inputs = list(pinned_chunks(10 * devices)) + [pinned_empty(N // 2, np.float32) for _ in range(3)]
+    for extra in inputs[-3:]:
+        extra[:] = 1.0
+    async with Executor(list(range(devices)), chunks_per_device=3) as ex:
+        async with ex.map(ScaleStage(REPS), inputs, graph=True, in_flight=2) as results:
+            got = [r async for r in results]
+            peak = results.peak_in_flight
+    assert peak <= 2
+    for r in got:
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+async def test_a_fault_in_a_replay_fails_the_pipeline(sim_backend: Any, anyio_backend: Any) -> None:
+    """A kernel fault inside a replay: the chunks' awaits fail with ContextPoisonedError."""
+    faulty = {"armed": False}
+
+    def fault(launch: Any, x: np.ndarray, n: np.int32) -> None:
+        if faulty["armed"]:
+            raise IndexError("out of bounds")
+
+    register_sim_kernel("touch", fault)
+    try:
+        kernel = Program('extern "C" __global__ void touch(float* x, int n) {}').compile().kernel("touch")
+
+        def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+            kernel.launch(1, 1, x, x.size, stream=ctx.stream)
+
+        inputs = pinned_chunks(30)
+        ex = Executor([0], trace=True)
+        with pytest.raises(ContextPoisonedError):
+            async with ex, ex.map(stage, inputs, graph=True, in_flight=4) as results:
+                async for r in results:
+                    if r.index == 10:
+                        faulty["armed"] = True  # later replays fault
+        assert ex.trace is not None
+        assert any(s.unit == "graph" for s in ex.trace.spans)
+    finally:
+        register_sim_kernel("touch", None)
+
+
+async def test_replays_that_fault_fail_their_chunks(sim_backend: Any, anyio_backend: Any) -> None:
+    stage_calls = 0
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+        nonlocal stage_calls
+        stage_calls += 1
+        _kernel(ctx.stream, "poison")
+        if stage_calls > 1:  # captured: every replay faults
+            poison_op(ctx.stream)
+
+    got = []
+    with pytest.raises(ContextPoisonedError):  # raised leaving the executor: its device failed
+        async with Executor([0]) as ex:
+            async with ex.map(stage, pinned_chunks(8), graph=True, on_error="continue", in_flight=1) as results:
+                got = [r async for r in results]
+    assert len(got) == 8 and got[0].ok  # the eager warm-up
+    assert all(isinstance(r.error, ContextPoisonedError) for r in got[1:])
+
+
+async def test_later_pipelines_of_a_stage_replay_its_graphs(devices: int, anyio_backend: Any) -> None:
+    stage = CountingStage()
+    inputs = pinned_chunks(6 * devices)
+    async with Executor(list(range(devices)), trace=True) as ex:
+        await ex.run(stage, inputs, graph=True, in_flight=2)
+        calls = dict(stage.calls)
+        assert ex.trace is not None
+        ex.trace.clear()
+        again = await ex.run(stage, inputs, graph=True)  # every chunk a replay
+        assert stage.calls == calls
+        assert len([s for s in ex.trace.spans if s.unit == "graph"]) == len(inputs)
+        other = CountingStage()  # another stage object: its own warm-up and captures
+        await ex.run(other, inputs, graph=True, in_flight=2)
+        assert sum(other.calls.values()) > 0
+    for i, value in enumerate(again):
+        np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)

@@ -1,0 +1,494 @@
+"""Graphs: capture, replay, updates, what cannot be captured, faults and cancellation.
+
+Every test runs on the simulated backend (which records the enqueued operations of a
+capture and replays them in order) and on a real GPU where one is present.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aiocuda
+from aiocuda import _driver
+from aiocuda._driver._doorbell import SemaphoreDoorbell
+from aiocuda.array import empty
+from aiocuda.errors import ArgumentError, CaptureError, ContextPoisonedError, GraphUpdateError, LaunchError
+from aiocuda.host import pinned_empty
+from aiocuda.kernel import Kernel, register_sim_kernel
+from aiocuda.module import Module
+from aiocuda.program import Program
+from aiocuda.stream import Stream
+
+from ._workload import _kernel, poison_op, slow_op
+from .test_completion import run_script
+
+pytestmark = pytest.mark.anyio
+
+SOURCE = r"""
+extern "C" __global__ void saxpy(float a, const float* x, float* y, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = a * x[i] + y[i];
+}
+extern "C" __global__ void add_one(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += 1.0f;
+}
+"""
+N = 1000
+BLOCK = 256
+GRID = (N + BLOCK - 1) // BLOCK
+
+
+def _saxpy(launch: Any, a: np.float32, x: np.ndarray, y: np.ndarray, n: np.int32) -> None:
+    y[:n] = a * x[:n] + y[:n]
+
+
+def _add_one(launch: Any, x: np.ndarray, n: np.int32) -> None:
+    x[:n] += 1
+
+
+@pytest.fixture
+def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
+    register_sim_kernel("saxpy", _saxpy)
+    register_sim_kernel("add_one", _add_one)
+    module = Program(SOURCE, cache=tmp_path).compile()
+    for name in ("saxpy", "add_one"):
+        module.kernel(name).function(0)  # loaded before capturing: a module cannot load during a capture
+    yield module
+    register_sim_kernel("saxpy", None)
+    register_sim_kernel("add_one", None)
+
+
+def _pinned(values: Any) -> np.ndarray:
+    array = pinned_empty(N, np.float32)
+    array[:] = values
+    return array
+
+
+async def _device(values: Any, stream: Stream) -> aiocuda.DeviceArray:
+    array = empty(N, np.float32, stream=stream)
+    await array.copy_from(np.full(N, values, np.float32), stream=stream)
+    return array
+
+
+# -- capture and replay -------------------------------------------------------------------------
+async def test_capture_then_replay_with_new_data(module: Module, anyio_backend: object) -> None:
+    saxpy = module.kernel("saxpy")
+    with Stream(0) as s:
+        host_in, host_out = _pinned(0), _pinned(-1)
+        y = await _device(1.0, s)
+        async with s.capture() as graph:
+            x = empty(N, np.float32, stream=s)  # the graph's own memory
+            await x.copy_from(host_in, stream=s)  # returns once recorded
+            saxpy.launch(GRID, BLOCK, 2.0, x, y, N, stream=s)
+            await y.to_host(out=host_out, stream=s)
+        assert (host_out == -1).all()  # nothing ran
+        assert x.buffer.freed  # allocated and freed by every replay
+        kinds = [node.kind for node in graph.nodes]
+        assert kinds == ["mem_alloc", "memcpy", "kernel", "memcpy", "mem_free"]
+        kernel_node = graph.nodes[2]
+        assert kernel_node.kernel is saxpy and kernel_node.dependencies == (1,)
+        assert kernel_node.arguments == (2.0, graph.nodes[0].dst, y.ptr, N)
+        assert kernel_node.config is not None and kernel_node.config.grid == (GRID, 1, 1)
+        expected = np.ones(N, np.float32)
+        for value in (1.0, 2.0, 3.0):
+            host_in[:] = value
+            await graph.launch(s)
+            expected = 2 * value + expected
+            np.testing.assert_allclose(host_out, expected)
+        graph.close()
+
+
+async def test_plain_with_and_launch_on_another_stream(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as other:
+        x = await _device(0.0, s)
+        with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        graph.launch(other)  # ordered after x's earlier work on s
+        await graph.launch(other)
+        np.testing.assert_array_equal(await x.to_host(stream=other), 4.0)
+        assert repr(graph).startswith("<Graph device=0 ready nodes=2 (2 kernel)")
+
+
+async def test_streams_that_wait_join_the_capture(module: Module, anyio_backend: object) -> None:
+    add_one, saxpy = module.kernel("add_one"), module.kernel("saxpy")
+    with Stream(0) as s, Stream(0) as side:
+        x, y = await _device(1.0, s), await _device(10.0, s)
+        async with s.capture() as graph:
+            side.wait(s)  # side joins the capture
+            add_one.launch(GRID, BLOCK, x, N, stream=side)  # x moves to side: ordered inside the graph
+            saxpy.launch(GRID, BLOCK, 1.0, x, y, N, stream=s)  # waits for side's work
+        side.query()  # no CaptureError: side left the capture with the origin
+        kernels = [node for node in graph.nodes if node.kind == "kernel"]
+        assert [node.kernel for node in kernels] == [add_one, saxpy]
+        assert _depends(graph, kernels[1].index, kernels[0].index)  # x's uses are ordered in the graph
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 12.0)
+        x.buffer.free()  # the capture left the buffer's own ordering alone: a plain free
+        await s
+
+
+def _depends(graph: aiocuda.Graph, node: int, on: int) -> bool:
+    """Whether node ``node`` runs after node ``on`` in ``graph`` (directly or not)."""
+    seen, todo = set(), [node]
+    while todo:
+        for dep in graph.nodes[todo.pop()].dependencies:
+            if dep == on:
+                return True
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return False
+
+
+# -- updates ---------------------------------------------------------------------------------------
+async def test_kernel_arguments_and_rebind_apply_to_later_replays(module: Module, anyio_backend: object) -> None:
+    saxpy = module.kernel("saxpy")
+    with Stream(0) as s:
+        x, y = await _device(1.0, s), await _device(0.0, s)
+        async with s.capture() as graph:
+            saxpy.launch(GRID, BLOCK, 2.0, x, y, N, stream=s)
+        node = graph.nodes[0]
+        graph.set_kernel_args(node, 3.0, x, y, N)
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 3.0)
+        assert graph.nodes[0].arguments == (3.0, x.ptr, y.ptr, N)
+        x2, y2 = await _device(5.0, s), await _device(100.0, s)
+        graph.rebind({x: x2, y: y2})
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y2.to_host(stream=s), 115.0)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 3.0)  # untouched now
+        with pytest.raises(LaunchError, match="argument 0"):
+            graph.set_kernel_args(node, "three", x, y, N)
+        with pytest.raises(GraphUpdateError, match="not memcpy"):
+            graph.set_copy(node, dst=y)
+        with pytest.raises(GraphUpdateError, match="no node 5"):
+            graph.set_kernel_args(5, 1.0, x, y, N)
+        with pytest.raises(GraphUpdateError, match="only 400"):
+            graph.rebind({x2: empty(100, np.float32, stream=s)})
+
+
+async def test_copies_move_to_new_host_memory(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        host_in, host_out = _pinned(1.0), _pinned(0.0)
+        async with s.capture() as graph:
+            x = empty(N, np.float32, stream=s)
+            await x.copy_from(host_in, stream=s)
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            await x.to_host(out=host_out, stream=s)
+        upload, download = (node for node in graph.nodes if node.kind == "memcpy")
+        other_in, other_out = _pinned(41.0), _pinned(0.0)
+        graph.set_copy(upload, src=other_in)
+        graph.set_copy(download, dst=other_out)
+        await graph.launch(s)
+        np.testing.assert_array_equal(other_out, 42.0)
+        assert (host_out == 0.0).all()
+        with pytest.raises(ArgumentError, match="page-locked"):
+            graph.set_copy(upload, src=np.zeros(N, np.float32))
+        graph.rebind([(other_out, host_out), (other_in, host_in)])
+        await graph.launch(s)
+        np.testing.assert_array_equal(host_out, 2.0)
+
+
+async def test_whole_graph_update_from_another_capture(module: Module, anyio_backend: object) -> None:
+    saxpy, add_one = module.kernel("saxpy"), module.kernel("add_one")
+    with Stream(0) as s:
+        x, y, y2 = await _device(1.0, s), await _device(0.0, s), await _device(10.0, s)
+
+        async def capture(a: float, target: aiocuda.DeviceArray) -> aiocuda.Graph:
+            async with s.capture() as graph:
+                saxpy.launch(GRID, BLOCK, a, x, target, N, stream=s)
+                add_one.launch(GRID, BLOCK, target, N, stream=s)
+            return graph
+
+        graph, other = await capture(1.0, y), await capture(3.0, y2)
+        graph.update(other)
+        other.close()
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y2.to_host(stream=s), 14.0)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 0.0)
+        with s.capture() as different:
+            add_one.launch(GRID, BLOCK, y, N, stream=s)
+        with pytest.raises(GraphUpdateError):
+            graph.update(different)
+        await graph.launch(s)  # unchanged by the failed update
+        np.testing.assert_array_equal(await y2.to_host(stream=s), 18.0)
+
+
+# -- what cannot be captured -------------------------------------------------------------------------
+async def test_operations_that_cannot_be_captured_raise_at_the_call(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as outside:
+        x = await _device(0.0, s)
+        pageable = np.zeros(N, np.float32)
+        with s.capture() as earlier:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            with pytest.raises(CaptureError, match="await stream cannot be captured"):
+                await s
+            with pytest.raises(CaptureError, match="synchronize"):
+                s.synchronize()
+            with pytest.raises(CaptureError, match="query"):
+                s.query()
+            with pytest.raises(CaptureError, match="await event"):
+                await s.record()
+            with pytest.raises(CaptureError, match="pageable host memory"):
+                await x.copy_from(pageable, stream=s)
+            with pytest.raises(CaptureError, match="to_host"):
+                await x.to_host(stream=s)
+            with pytest.raises(CaptureError, match="outside the capture"):
+                s.wait(outside)
+            with pytest.raises(CaptureError, match="launching a graph"):
+                earlier.launch(s)
+            with pytest.raises(CaptureError, match="still being captured"):
+                graph.launch(s)
+            add_one.launch(GRID, BLOCK, x, N, stream=s)  # the capture goes on
+        assert len(graph.nodes) == 2
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 2.0)
+
+
+async def test_graph_memory_exists_only_in_the_graph(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as outside:
+        async with s.capture():
+            x = empty(N, np.float32, stream=s)
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            with pytest.raises(CaptureError, match="allocated during a capture"):
+                add_one.launch(GRID, BLOCK, x, N, stream=outside)
+        with pytest.raises(LaunchError, match="freed"):
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+
+
+async def test_a_block_that_raises_discards_the_capture(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        with pytest.raises(RuntimeError, match="stage bug"):
+            async with s.capture() as graph:
+                add_one.launch(GRID, BLOCK, x, N, stream=s)
+                raise RuntimeError("stage bug")
+        with pytest.raises(CaptureError, match="capture failed"):
+            graph.launch(s)
+        add_one.launch(GRID, BLOCK, x, N, stream=s)  # the stream works as before
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
+async def test_buffers_used_by_a_graph_stay_ordered_and_alive(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    pool = aiocuda.MemoryPool.for_device(0)
+    with Stream(0) as s, Stream(0) as other:
+        x = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        await x.fill(5.0, stream=other)  # a replay on s must come after it
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 6.0)
+        live = pool.statistics().live_buffers
+        del x
+        gc.collect()
+        assert pool.statistics().live_buffers == live  # the graph keeps it
+        await graph.launch(s)
+        graph.close()
+        await s
+        await s  # the replays are done: what they used goes
+        gc.collect()
+        assert pool.statistics().live_buffers == live - 1
+        z = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, z, N, stream=s)
+        z.buffer.free()
+        with pytest.raises(ArgumentError, match="freed"):
+            graph.launch(s)
+
+
+# -- doorbells ---------------------------------------------------------------------------------------
+class _OneShotDoorbell(SemaphoreDoorbell):
+    """A host function that frees its data after the first call, as cuda-bindings' wrapper
+    of cuLaunchHostFunc does: captured into a graph, it rings on the first replay only."""
+
+    __slots__ = ("_spent",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._spent = False
+
+    def ring(self) -> None:
+        if not self._spent:
+            self._spent = True
+            super().ring()
+
+
+@pytest.mark.parametrize(
+    "bell_type",
+    [
+        pytest.param(SemaphoreDoorbell, id="sem_post"),
+        pytest.param(_OneShotDoorbell, id="one-shot", marks=pytest.mark.xfail(strict=True, reason="rings once")),
+    ],
+)
+async def test_captured_doorbell_rings_on_every_replay(
+    backend: _driver.Driver, bell_type: type[SemaphoreDoorbell], anyio_backend: object
+) -> None:
+    if bell_type is _OneShotDoorbell and backend.name != "sim":
+        pytest.skip("the one-shot host function is the simulator's model of cuda-bindings' wrapper")
+    bell = bell_type()
+    with Stream(0) as s:
+        async with s.capture() as graph:
+            backend.launch_doorbell(s.handle, bell)
+        assert [node.kind for node in graph.nodes] == ["host"]
+        rung = []
+        for _ in range(3):
+            await graph.launch(s)  # a replay is done once its host nodes have run
+            rung.append(bell.wait(0.0))
+        assert rung == [True, True, True]
+
+
+# -- faults and cancellation ---------------------------------------------------------------------------
+async def test_a_fault_inside_a_replay_fails_its_await(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    with Stream(0) as s, Stream(0) as other:
+        _kernel(s, "poison")
+        async with s.capture() as graph:
+            poison_op(s)
+        with pytest.raises(ContextPoisonedError):
+            await graph.launch(s)
+        with pytest.raises(ContextPoisonedError):
+            await other.record()
+
+
+FAULT_SCRIPT = """
+import anyio
+from aiocuda.stream import Stream
+from aiocuda.errors import ContextPoisonedError
+from _workload import _kernel, poison_op
+
+async def main():
+    s, other = Stream(0), Stream(0)
+    _kernel(s, "poison")
+    async with s.capture() as graph:
+        poison_op(s)
+    other.wait(s)
+    try:
+        await graph.launch(s)
+    except ContextPoisonedError as exc:
+        print("REPLAY FAILED", exc.name)
+    try:
+        await other.record()
+    except ContextPoisonedError as exc:
+        print("OTHER FAILED", exc.name)
+
+anyio.run(main, backend="{lib}")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lib", ["asyncio", "trio"])
+def test_real_fault_inside_a_replay_fails_its_await(lib: str) -> None:
+    """On the GPU, in a process of its own: an illegal address in a replayed kernel fails
+    the await of the replay and later calls with ContextPoisonedError."""
+    from .conftest import real_gpu_count
+
+    if real_gpu_count() == 0:
+        pytest.skip("no real GPU")
+    if lib == "trio":
+        pytest.importorskip("trio")
+    proc = run_script(FAULT_SCRIPT.replace("{lib}", lib), "cuda")
+    assert "REPLAY FAILED" in proc.stdout, proc.stdout + proc.stderr
+    assert "OTHER FAILED" in proc.stdout, proc.stdout + proc.stderr
+
+
+async def test_a_cancelled_await_leaves_the_replay_and_its_memory(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    backend = Stream(0).device._driver
+    with Stream(0) as s:
+        host_in, host_out = _pinned(1.0), _pinned(0.0)
+        async with s.capture() as graph:
+            x = empty(N, np.float32, stream=s)
+            await x.copy_from(host_in, stream=s)
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            await x.to_host(out=host_out, stream=s)
+        watched = weakref.ref(host_in)
+        if backend.name == "sim":
+            backend.pause(s.handle)  # type: ignore[attr-defined]
+        else:
+            slow_op(s, 0.5)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await graph.launch(s)
+        assert scope.cancelled_caught
+        graph.close()
+        del graph, host_in
+        gc.collect()
+        assert watched() is not None  # the replay still reads it
+        if backend.name == "sim":
+            backend.resume(s.handle)  # type: ignore[attr-defined]
+        await s
+        np.testing.assert_array_equal(host_out, 2.0)
+
+
+async def test_replays_run_one_after_another(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    log: list[str] = []
+    with Stream(0) as s, Stream(0) as t:
+        async with s.capture() as graph:
+            sim_backend.enqueue(s.handle, lambda: log.append("replay"))  # type: ignore[attr-defined]
+        sim_backend.pause(s.handle)  # type: ignore[attr-defined]
+        graph.launch(s)
+        done = graph.launch(t)  # waits for the replay held up on s
+        sim_backend.enqueue(t.handle, lambda: log.append("after"))  # type: ignore[attr-defined]
+        assert log == []
+        sim_backend.resume(s.handle)  # type: ignore[attr-defined]
+        await done
+        await t
+        assert log == ["replay", "replay", "after"]
+
+
+def test_unknown_capture_mode(backend: _driver.Driver) -> None:
+    with Stream(0) as s, pytest.raises(ArgumentError, match="unknown capture mode"):
+        s.capture("loose")  # type: ignore[arg-type]
+
+
+async def test_kernel_nodes_of_unknown_kernels_are_replayed_not_read(module: Module, anyio_backend: object) -> None:
+    """A kernel aiocuda did not launch (here: its registration dropped) has no arguments
+    to read; its node is replayed as captured."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        assert isinstance(graph.nodes[0].kernel, Kernel)
+        from aiocuda._graph import kernels as registry
+
+        registry._kernels.clear()
+        async with s.capture() as unknown:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        node = unknown.nodes[0]
+        assert node.kernel is None and node.arguments is None
+        with pytest.raises(GraphUpdateError, match="did not launch"):
+            unknown.set_kernel_args(node, x, N)
+        await unknown.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
+async def test_an_external_event_record_is_recorded_by_every_replay(module: Module, anyio_backend: object) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        done = aiocuda.Event(0)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            done.record(s, external=True)
+        assert [node.kind for node in graph.nodes] == ["kernel", "event_record"]
+        for expected in (1.0, 2.0):
+            graph.launch(s)
+            await done  # recorded by the replay
+            np.testing.assert_array_equal(await x.to_host(stream=s), expected)

@@ -1,0 +1,227 @@
+"""Sharing device memory and events between processes (aiocuda.ipc).
+
+The two-process tests start a real second process (multiprocessing, spawn) on the same
+backend: on the simulator the processes share memory through memfds, on a GPU through
+the driver's IPC. Ordering is checked by content, never by timing: the producer's
+stream is held back (paused on the simulator, busy behind a slow kernel on a GPU) while
+the consumer reads, so a read not ordered after the producer's event would see zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import pickle
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+
+import aiocuda
+from aiocuda import _driver, ipc
+from aiocuda.errors import ArgumentError, ExporterLostError
+
+from . import _ipc_child
+from ._workload import slow_op
+
+pytestmark = pytest.mark.anyio
+
+WAIT = 60.0  # generous: a spawned child imports numpy and aiocuda on a loaded machine
+
+
+class Child:
+    """A spawned process running one of ``_ipc_child``'s functions."""
+
+    def __init__(self, target: Callable[..., None], backend: str) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.inbox: Any = context.Queue()
+        self.outbox: Any = context.Queue()
+        self.process = context.Process(target=target, args=(backend, self.inbox, self.outbox), daemon=True)
+        self.process.start()
+
+    async def expect(self, tag: str) -> Any:
+        got, value = await anyio.to_thread.run_sync(lambda: self.outbox.get(timeout=WAIT))
+        if got == "error":
+            pytest.fail(f"the other process failed:\n{value}")
+        assert got == tag, f"expected {tag!r} from the other process, got {got!r}"
+        return value
+
+    def end(self) -> None:
+        self.process.join(5.0)  # it has said everything it will say: it ends, or is ended
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+
+async def _eventually(condition: Callable[[], bool]) -> bool:
+    """Whether ``condition()`` holds within WAIT seconds (looked at every 10 ms)."""
+    deadline = time.monotonic() + WAIT
+    for _ in itertools.count():
+        if condition() or time.monotonic() > deadline:
+            break
+        await anyio.sleep(0.01)
+    return condition()
+
+
+@pytest.fixture
+def child_backend(backend: _driver.Driver) -> Iterator[str]:
+    yield backend.name
+
+
+IOTA = r"""
+extern "C" __global__ void iota(float* x, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] = (float)i;
+}
+"""
+
+
+def _iota(launch: Any, x: np.ndarray, n: np.int32) -> None:
+    x[: int(n)] = np.arange(int(n), dtype=np.float32)
+
+
+@pytest.fixture
+def iota(backend: _driver.Driver) -> Iterator[aiocuda.Kernel]:
+    """A kernel writing 0, 1, 2, ...: producer work enqueued without an await."""
+    aiocuda.register_sim_kernel("iota", _iota)
+    try:
+        yield aiocuda.Program(IOTA, name="iota.cu").compile(aiocuda.Device(0)).kernel("iota")
+    finally:
+        aiocuda.register_sim_kernel("iota", None)
+
+
+def _hold_back(stream: aiocuda.Stream) -> Callable[[], None]:
+    """Keep ``stream`` from running what is enqueued next for a while; returns the
+    release (the simulator pauses it; a GPU runs a slow kernel first)."""
+    backend = stream.device._driver
+    if backend.name == "sim":
+        backend.pause(stream.handle)  # type: ignore[attr-defined]
+        return lambda: backend.resume(stream.handle)  # type: ignore[attr-defined]
+    slow_op(stream, 1.0)
+    return lambda: None
+
+
+async def test_two_processes_exchange_a_buffer_and_an_event(
+    backend: _driver.Driver, child_backend: str, anyio_backend: object, iota: aiocuda.Kernel
+) -> None:
+    pool = ipc.pool(0)
+    child = Child(_ipc_child.consume, child_backend)
+    try:
+        stream = aiocuda.Stream(0)
+        n = 1 << 16
+        values = np.arange(n, dtype=np.float32)
+        array = await aiocuda.zeros(n, np.float32, stream=stream, pool=pool)
+        release = _hold_back(stream)
+        iota.launch((n + 255) // 256, 256, array, n, stream=stream)  # behind the hold
+        shared = ipc.share_array(array)  # records the producer's event after the kernel
+        child.inbox.put(shared)
+        await child.expect("opened")
+        release()
+        seen, written = await child.expect("seen")
+        np.testing.assert_array_equal(seen, values)  # read after the producer's copy
+        done = ipc.open_event(written)
+        await done  # the consumer's write, awaited in this process
+        np.testing.assert_array_equal(await array.to_host(stream=stream), values + 1)
+        child.inbox.put("done")
+        await child.expect("finished")
+    finally:
+        child.end()
+
+
+async def test_memory_outlives_neither_side(backend: _driver.Driver, child_backend: str, anyio_backend: object) -> None:
+    """An import whose exporter ends raises ExporterLostError instead of reading memory
+    that is no longer the exporter's; a shared array's memory is freed once the exporter
+    dropped it and every importer is done, an importer that died included."""
+    child = Child(_ipc_child.produce, child_backend)
+    try:
+        shared = await child.expect("shared")
+        stream = aiocuda.Stream(0)
+        array = await ipc.open_array(shared, stream=stream)
+        np.testing.assert_array_equal(await array.to_host(stream=stream), np.arange(4096, dtype=np.int32))
+        with pytest.raises(ExporterLostError, match="every import"):
+            await ipc.open_array(shared, stream=stream)  # shared for one import only
+        child.inbox.put("exit")
+        await anyio.to_thread.run_sync(child.process.join, WAIT)
+        assert await _eventually(lambda: array.buffer.freed)
+        with pytest.raises(ExporterLostError, match="ended"):
+            await array.to_host(stream=stream)
+    finally:
+        child.end()
+    pool = ipc.pool(0)
+    before = pool.statistics().used_bytes
+    consumer = Child(_ipc_child.consume, child_backend)
+    try:
+        shared_here = ipc.share_array(await aiocuda.zeros(1 << 16, np.float32, pool=pool))
+        consumer.inbox.put(shared_here)
+        await consumer.expect("opened")
+        await consumer.expect("seen")  # it holds the import now
+        assert pool.statistics().used_bytes > before
+        consumer.process.kill()  # ended without releasing: its connection's end does
+        assert await _eventually(lambda: pool.statistics().used_bytes == before)
+    finally:
+        consumer.end()
+
+
+async def test_one_allocation_shared_again_and_again(
+    backend: _driver.Driver, child_backend: str, anyio_backend: object
+) -> None:
+    """Each round shares the same allocation anew while the other process drops the
+    last round's import: an import ending must never free the next round's."""
+    child = Child(_ipc_child.reopen, child_backend)
+    try:
+        stream = aiocuda.Stream(0)
+        array = aiocuda.empty(1024, np.int32, stream=stream, pool=ipc.pool(0))
+        for round_ in range(20):
+            await array.fill(round_, stream=stream)
+            child.inbox.put(ipc.share_array(array))
+            assert await child.expect("read") == round_
+        child.inbox.put(None)
+    finally:
+        child.end()
+
+
+async def test_sharing_in_one_process(backend: _driver.Driver, anyio_backend: object) -> None:
+    """The descriptor pickles; opened in the process that shared it, it is the same
+    memory; each share allows the imports it was made for; the pool is exportable."""
+    pool = ipc.pool(0)
+    assert pool.exportable and ipc.pool(0) is pool
+    stream = aiocuda.Stream(0)
+    array = await aiocuda.to_device(np.arange(64, dtype=np.int64).reshape(8, 8), stream=stream, pool=pool)
+    shared = pickle.loads(pickle.dumps(ipc.share_array(array[2:6, ::2], imports=2)))
+    assert shared.shape == (4, 4) and shared.strides == (64, 16)
+    first = await ipc.open_array(shared, stream=stream)
+    second = await ipc.open_array(shared)
+    np.testing.assert_array_equal(await second.to_host(), np.arange(64).reshape(8, 8)[2:6, ::2])
+    await first.fill(-1, stream=stream)
+    assert (await array.to_host(stream=stream))[2:6, ::2].tolist() == [[-1] * 4] * 4
+    with pytest.raises(ExporterLostError):
+        await ipc.open_array(shared)
+    revoked = ipc.share_array(array)
+    revoked.revoke()
+    with pytest.raises(ExporterLostError, match="revoked"):
+        await ipc.open_array(revoked)
+    with pytest.raises(ArgumentError, match="IPC pool"):
+        ipc.share_array(await aiocuda.zeros(4))
+    with pytest.raises(ArgumentError, match="imports"):
+        ipc.share_array(array, imports=0)
+
+
+async def test_interprocess_events(backend: _driver.Driver, anyio_backend: object) -> None:
+    stream = aiocuda.Stream(0)
+    event = aiocuda.Event(0, interprocess=True)
+    shared = pickle.loads(pickle.dumps(ipc.share_event(event)))
+    assert ipc.open_event(shared) is event  # in the sharing process: the event itself
+    release = _hold_back(stream)
+    stream.record(event)
+    if backend.name == "sim":
+        assert not event.query()
+    release()
+    await ipc.open_event(shared)
+    assert event.query()
+    with pytest.raises(ArgumentError, match="interprocess"):
+        ipc.share_event(aiocuda.Event(0))
+    with pytest.raises(ArgumentError, match="timing"):
+        aiocuda.Event(0, interprocess=True, timing=True)

@@ -1,0 +1,125 @@
+"""By-value struct and vector arguments: CUDA's layout rules for numpy structured
+dtypes and vector types, packing, argument checking, and a kernel that reads every
+field (both backends: on the GPU the kernel itself says where CUDA put each field)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiocuda import _driver
+from aiocuda._kernels.packing import ParamBuffer
+from aiocuda._kernels.signature import cuda_struct, parse_signature, source_signatures, vector_dtype
+from aiocuda.array import to_device
+from aiocuda.errors import LaunchError
+from aiocuda.kernel import register_sim_kernel
+from aiocuda.module import Module
+from aiocuda.program import Program
+from aiocuda.stream import Stream
+
+
+def test_vector_types_have_cuda_sizes() -> None:
+    sizes = {"char2": 2, "char3": 3, "short2": 4, "float2": 8, "float3": 12, "float4": 16, "int4": 16, "double2": 16}
+    for name, size in sizes.items():
+        assert vector_dtype(name).itemsize == size, name
+    assert vector_dtype("float4").names == ("x", "y", "z", "w")
+    with pytest.raises(KeyError):
+        vector_dtype("float5")
+
+
+def test_packed_dtypes_get_cuda_padding() -> None:
+    packed = np.dtype([("c", "i1"), ("d", "f8"), ("i", "i4"), ("v", vector_dtype("float2"))])
+    laid_out = cuda_struct(packed)
+    assert [laid_out.fields[n][1] for n in laid_out.names] == [0, 8, 16, 24]
+    assert laid_out.itemsize == 32
+    aligned = np.dtype([("a", "i1"), ("b", "f4")], align=True)
+    assert cuda_struct(aligned).itemsize == 8 and cuda_struct(aligned).fields["b"][1] == 4
+    with_float4 = cuda_struct(np.dtype([("a", "f4"), ("v", vector_dtype("float4"))]))
+    assert with_float4.fields["v"][1] == 16 and with_float4.itemsize == 32
+    explicit = np.dtype({"names": ["a"], "formats": ["f4"], "offsets": [0], "itemsize": 16})  # __align__(16)
+    assert cuda_struct(explicit).itemsize == 16
+    misaligned = np.dtype({"names": ["a", "b"], "formats": ["i1", "f8"], "offsets": [0, 4], "itemsize": 16})
+    with pytest.raises(TypeError, match="offset 4"):
+        cuda_struct(misaligned)
+
+
+def test_signatures_with_vectors_and_structs() -> None:
+    params = parse_signature("float2 a, const int4* p, int n")
+    assert [p.describe() for p in params] == ["float2 a", "int4* p", "int32 n"]
+    assert params[0].by_value_struct and not params[1].by_value_struct and params[1].pointee is None
+    found = source_signatures('extern "C" __global__ void k(float4 v, double2* out) {}')
+    assert found["k"] is not None and found["k"][0].dtype.itemsize == 16
+    struct = np.dtype([("x", "f4"), ("n", "i4")])
+    declared = parse_signature([struct, "float*"])
+    assert declared[0].by_value_struct and declared[0].describe() == "struct(x, n)"
+
+
+def test_struct_values_pack_where_cuda_reads_them() -> None:
+    params = np.dtype([("c", "i1"), ("d", "f8"), ("i", "i4"), ("v", vector_dtype("float2"))])
+    buffer = ParamBuffer(parse_signature([params, "float2", "int4", "int"]))
+    buffer.pack(((7, 2.5, -3, (1.5, -1.5)), (0.25, 4.0), (1, 2, 3, 4), 9), None)
+    record, pair, quad, n = buffer.values
+    assert record["c"] == 7 and record["d"] == 2.5 and record["i"] == -3 and tuple(record["v"]) == (1.5, -1.5)
+    assert tuple(pair) == (0.25, 4.0) and tuple(quad) == (1, 2, 3, 4) and n == 9
+    raw = bytes(buffer.slots[0]._block)[:32]  # the bytes the driver copies for the struct
+    assert raw[0] == 7 and np.frombuffer(raw[8:16], np.float64)[0] == 2.5
+    assert np.frombuffer(raw[16:20], np.int32)[0] == -3 and tuple(np.frombuffer(raw[24:32], np.float32)) == (1.5, -1.5)
+
+
+SOURCE = r"""
+struct Params { char c; double d; int i; float2 v; };
+
+extern "C" __global__ void unpack(Params p, float2 w, int4 q, double* out) {
+    out[0] = p.c; out[1] = p.d; out[2] = p.i; out[3] = p.v.x; out[4] = p.v.y;
+    out[5] = w.x; out[6] = w.y; out[7] = q.x; out[8] = q.y; out[9] = q.z; out[10] = q.w;
+    out[11] = sizeof(Params);
+}
+"""
+
+PARAMS = np.dtype([("c", "i1"), ("d", "f8"), ("i", "i4"), ("v", vector_dtype("float2"))])  # packed: relaid out
+
+
+def _unpack(launch: Any, p: np.void, w: np.void, q: np.void, out: np.ndarray) -> None:
+    out[:12] = [p["c"], p["d"], p["i"], p["v"]["x"], p["v"]["y"], w["x"], w["y"], *q.tolist(), p.dtype.itemsize]
+
+
+@pytest.fixture
+def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
+    register_sim_kernel("unpack", _unpack)
+    yield Program(SOURCE, cache=tmp_path).compile()
+    register_sim_kernel("unpack", None)
+
+
+@pytest.mark.anyio
+async def test_a_kernel_reads_every_field(module: Module, anyio_backend: object) -> None:
+    kernel = module.kernel("unpack", signature=[PARAMS, "float2", "int4", "double*"])
+    record = np.array((-5, 1e300, 123456, (0.5, -0.25)), dtype=cuda_struct(PARAMS))[()]
+    with Stream(0) as s:
+        out = await to_device(np.zeros(12), stream=s)
+        kernel.launch(1, 1, (-5, 1e300, 123456, (0.5, -0.25)), (3.5, 4.5), (1, -2, 3, -4), out, stream=s)
+        first = await out.to_host(stream=s)
+        go = kernel.bind(1, 1, stream=s)
+        go(record, np.array((3.5, 4.5), vector_dtype("float2"))[()], np.int32([1, -2, 3, -4]), out)
+        second = await out.to_host(stream=s)
+    expected = [-5, 1e300, 123456, 0.5, -0.25, 3.5, 4.5, 1, -2, 3, -4, 32]
+    np.testing.assert_array_equal(first, expected)
+    np.testing.assert_array_equal(second, expected)
+
+
+def test_bad_struct_arguments_name_the_argument(module: Module) -> None:
+    kernel = module.kernel("unpack", signature=[PARAMS, "float2", "int4", "double*"])
+    good = ((1, 2.0, 3, (4.0, 5.0)), (1.0, 2.0), (1, 2, 3, 4))
+    with Stream(0) as s:
+        for index, bad in (
+            (1, (1.0, 2.0, 3.0)),  # too many fields
+            (2, (1.5, 2, 3, 4)),  # a float for an int field
+            (2, 7),  # not a struct at all
+            (0, (1, 2.0, 3)),  # a field missing
+        ):
+            args = list(good)
+            args[index] = bad
+            with pytest.raises(LaunchError, match=f"argument {index}"):
+                kernel.launch(1, 1, *args, 0, stream=s)  # refused before the driver sees the NULL
