@@ -118,8 +118,10 @@ def baseline_methods(s: Stream, kernel: Any, a: int, b: int) -> tuple[dict[str, 
     arr = (ctypes.c_void_p * 3)(ctypes.addressof(pa), ctypes.addressof(pb), ctypes.addressof(pn))
     params = ctypes.addressof(arr)
 
+    keep = (pa, pb, pn, arr)  # what ``params`` points at: alive as long as the closures
+
     def raw(n: int) -> None:  # as tight as Python allows: bound locally, the result tested inline
-        launch_kernel, f, h, p = d.cuLaunchKernel, func, stream, params
+        launch_kernel, f, h, p, _ = d.cuLaunchKernel, func, stream, params, keep
         for _ in range(n):
             (err,) = launch_kernel(f, 1, 1, 1, 32, 1, 1, 0, h, p, 0)
             if err:

@@ -11,7 +11,7 @@ import anyio
 import numpy as np
 import pytest
 
-from aiocuda import _driver
+from aiocuda import _driver, memory
 from aiocuda._memory import offloop as _offloop
 from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, OutOfMemoryError
@@ -480,3 +480,28 @@ def test_the_off_loop_thread_lets_go_of_what_a_call_kept(sim_backend: _driver.Dr
     _offloop.dispose(Device(0), lambda: None, keep=kept)
     del kept
     assert gone.wait(30), "the off-loop thread still holds what its last call kept"
+
+
+async def test_a_buffer_collected_in_one_cycle_with_its_stream_is_freed(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Cyclic garbage collection runs weakref callbacks (the stream's finaliser, which
+    destroys it) before ``__del__`` methods (the buffer's free, on that stream): the free
+    must not meet a destroyed stream (on the real driver a SIGSEGV in cuMemFreeAsync)."""
+    pool = MemoryPool.create(0)
+    gc.collect()
+
+    class Holder:
+        pass
+
+    for _ in range(4):
+        holder = Holder()
+        holder.stream = Stream(0)  # type: ignore[attr-defined]
+        holder.buffer = pool.allocate(MiB, holder.stream)  # type: ignore[attr-defined]
+        holder.me = holder  # type: ignore[attr-defined]  # a cycle: only the collector frees it
+        del holder
+        gc.collect()
+    with Stream(0) as s:
+        await s
+    assert pool.statistics().used_bytes == 0
+    assert memory._last_finaliser_error is None

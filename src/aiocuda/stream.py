@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import gc
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -72,10 +73,35 @@ def _retire(driver: Any, engine: CompletionEngine, handle: Any, owned: bool, poo
         _orphans.append((driver, pool, holds))
     engine.forget(handle)  # the driver may hand the same handle to a new stream
     if owned:
-        try:
-            driver.stream_destroy(handle)  # the driver finishes pending work first
-        except CudaError:
-            pass
+        if _collecting:
+            # The collector runs weakref callbacks (this finaliser) before the __del__ of
+            # objects in the same garbage cycle, among them buffers that free memory on
+            # this stream: destroyed now, their cuMemFreeAsync would get a dead handle (a
+            # SIGSEGV on the real driver). Destroyed once the collection is over.
+            _destroy_after_collection.append((driver, handle))
+        else:
+            _destroy(driver, handle)
+
+
+def _destroy(driver: Any, handle: Any) -> None:
+    try:
+        driver.stream_destroy(handle)  # the driver finishes pending work first
+    except CudaError:
+        pass
+
+
+_collecting = False
+_destroy_after_collection: list[tuple[Any, Any]] = []
+
+
+def _on_collection(phase: str, info: dict[str, int]) -> None:
+    global _collecting
+    _collecting = phase == "start"
+    while not _collecting and _destroy_after_collection:
+        _destroy(*_destroy_after_collection.pop())
+
+
+gc.callbacks.append(_on_collection)
 
 
 def _foreign_handle(obj: Any) -> tuple[int, Any]:
