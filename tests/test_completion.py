@@ -160,6 +160,7 @@ async def main():
         await long_waits()
     busy, line, bad = Stream(0), Stream(0), Stream(0)
     _kernel(bad, "poison")  # compile and load first: not timed
+    _kernel(line, "spin")
     failed: dict[str, float] = {}
 
     async def expect_failure(name, awaitable) -> None:
@@ -168,9 +169,6 @@ async def main():
         except ContextPoisonedError:
             failed[name] = time.perf_counter() - t
 
-    async def queued(i: int) -> None:
-        slow_op(line, 0.001)
-        await expect_failure(f"queued{i}", line)
 
     t = time.perf_counter()
     watcher = threading.Thread(target=watch, args=(int(bad), t))
@@ -181,13 +179,17 @@ async def main():
     fault = bad.record()
     busy.wait(fault)
     line.wait(fault)
+    queued = []
+    for _ in range(3):  # enqueued now: once the fault is reported, a launch fails at once
+        slow_op(line, 0.001)
+        queued.append(line.record())
     event = busy.record()
     watcher.start()
     async with anyio.create_task_group() as tg:
         tg.start_soon(expect_failure, "doorbell", busy)
         tg.start_soon(expect_failure, "event", event)
-        for i in range(3):
-            tg.start_soon(queued, i)
+        for i, point in enumerate(queued):  # waits queued on one stream
+            tg.start_soon(expect_failure, f"queued{i}", point)
     watcher.join()
     print("POISONED", len(failed), round(max(failed.values()) * 1e3, 1), round(driver_saw[0] * 1e3, 1))
     try:

@@ -40,6 +40,7 @@ memory to be freed: back-pressure for services.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import operator
 import threading
 import weakref
@@ -678,6 +679,12 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:
+            deferred = getattr(_capturing, "collected", None)
+            if deferred is not None:
+                # Collected while this thread captures a stream: a free now would be a
+                # driver call in the capture's way (the driver invalidates the capture).
+                deferred.append(self)
+                return
             try:
                 self.free()
             except Exception as exc:  # a finaliser cannot raise; see the class docstring
@@ -695,4 +702,27 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         return f"<DeviceBuffer {state} size={self.size} device={self._pool.device.ordinal}>"
 
 
-_new_buffer = object.__new__  # the allocation hot path fills the slots itself (see _util)
+_new_buffer = object.__new__
+
+_capturing = threading.local()
+"""``collected``: buffers collected on this thread while it captures (see
+:func:`frees_after_capture`)."""
+
+
+def frees_after_capture() -> contextlib.AbstractContextManager[None]:
+    """For the graph layer: buffers collected on this thread inside the block are freed
+    when it ends, not inside a stream capture."""
+    return _FreesAfterCapture()
+
+
+class _FreesAfterCapture:
+    def __enter__(self) -> None:
+        self.outer = getattr(_capturing, "collected", None)
+        _capturing.collected = [] if self.outer is None else self.outer
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outer is not None:
+            return
+        collected, _capturing.collected = _capturing.collected, None
+        for buffer in collected:
+            buffer.__del__()  # the allocation hot path fills the slots itself (see _util)

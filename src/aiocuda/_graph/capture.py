@@ -49,6 +49,7 @@ class Capture:
         "_allocated",
         "_before",
         "_deferred",
+        "_deferred_frees",
         "_last_use",
         "active",
         "device",
