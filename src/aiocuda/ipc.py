@@ -128,8 +128,29 @@ def pool(device: Device | int | None = None) -> MemoryPool:
                     code=ResultCode.NOT_SUPPORTED,
                     name="CUDA_ERROR_NOT_SUPPORTED",
                 )
-            found = _pools[key] = MemoryPool.create(dev, ipc=True)
+            created = MemoryPool.create(dev, ipc=True)
+            _check_exports(created)
+            found = _pools[key] = created
     return found
+
+
+def _check_exports(created: MemoryPool) -> None:
+    """Raise NOT_SUPPORTED where the driver creates shareable pools but refuses to export
+    their allocations (an H100 in a virtual machine here: cuMemPoolExportPointer returns
+    CUDA_ERROR_INVALID_VALUE for every allocation, through the bindings and libcuda alike)."""
+    with Stream(created.device) as stream:
+        probe = created.allocate(256, stream)
+        try:
+            created.device._driver.mempool_export_pointer(probe.ptr)
+        except ArgumentError as exc:
+            raise CudaError(
+                f"the driver refuses to export allocations of device {created.device.ordinal}'s shareable "
+                f"pools ({exc}): memory cannot be shared with other processes on this system",
+                code=ResultCode.NOT_SUPPORTED,
+                name="CUDA_ERROR_NOT_SUPPORTED",
+            ) from exc
+        finally:
+            probe.free()
 
 
 def share_array(array: DeviceArray, *, stream: Stream | None = None, imports: int = 1) -> SharedArray:
