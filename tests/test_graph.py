@@ -313,6 +313,24 @@ async def test_buffers_used_by_a_graph_stay_ordered_and_alive(module: Module, an
             graph.launch(s)
 
 
+async def test_buffers_collected_during_a_capture_are_freed_after_it(module: Module, anyio_backend: object) -> None:
+    # On an H100 a free on the capturing thread invalidated the capture now and then.
+    add_one = module.kernel("add_one")
+    pool = aiocuda.MemoryPool.for_device(0)
+    with Stream(0) as s, Stream(0) as other:
+        x = await _device(0.0, s)
+        dropped = await _device(0.0, other)
+        live = pool.statistics().live_buffers
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            del dropped
+            gc.collect()
+            assert pool.statistics().live_buffers == live  # not freed inside the capture
+        assert pool.statistics().live_buffers == live - 1
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
 # -- doorbells ---------------------------------------------------------------------------------------
 class _OneShotDoorbell(SemaphoreDoorbell):
     """A host function that frees its data after the first call, as cuda-bindings' wrapper

@@ -40,7 +40,6 @@ memory to be freed: back-pressure for services.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import operator
 import threading
 import weakref
@@ -705,24 +704,23 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 _new_buffer = object.__new__
 
 _capturing = threading.local()
-"""``collected``: buffers collected on this thread while it captures (see
-:func:`frees_after_capture`)."""
+"""This thread's captures: ``depth`` (how many are in progress) and ``collected`` (the
+buffers collected meanwhile, freed when the last one ends)."""
 
 
-def frees_after_capture() -> contextlib.AbstractContextManager[None]:
-    """For the graph layer: buffers collected on this thread inside the block are freed
-    when it ends, not inside a stream capture."""
-    return _FreesAfterCapture()
+def _defer_frees() -> None:
+    """For the graph layer, when this thread begins a capture: buffers collected on it
+    from now on are freed by :func:`_end_deferral`, not inside the capture."""
+    depth = getattr(_capturing, "depth", 0)
+    if depth == 0:
+        _capturing.collected = []
+    _capturing.depth = depth + 1
 
 
-class _FreesAfterCapture:
-    def __enter__(self) -> None:
-        self.outer = getattr(_capturing, "collected", None)
-        _capturing.collected = [] if self.outer is None else self.outer
-
-    def __exit__(self, *exc: object) -> None:
-        if self.outer is not None:
-            return
+def _end_deferral() -> None:
+    """When a capture of this thread ends: after the last one, free what was collected."""
+    _capturing.depth -= 1
+    if _capturing.depth == 0:
         collected, _capturing.collected = _capturing.collected, None
         for buffer in collected:
             buffer.__del__()  # the allocation hot path fills the slots itself (see _util)

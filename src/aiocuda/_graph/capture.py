@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from .. import memory
 from .._driver import CaptureMode
 from ..errors import CaptureError, CudaError
 
@@ -49,7 +50,6 @@ class Capture:
         "_allocated",
         "_before",
         "_deferred",
-        "_deferred_frees",
         "_last_use",
         "active",
         "device",
@@ -93,6 +93,10 @@ class Capture:
         self.driver.stream_begin_capture(origin.handle, self.mode)
         origin._capture = self
         self.active = True
+        # A free on this thread while it captures makes the driver invalidate the capture
+        # (a flaky STREAM_CAPTURE_INVALIDATED on an H100): buffers the collector finds
+        # meanwhile are freed once it ends.
+        memory._defer_frees()
 
     def end(self, *, failed: bool) -> Any:
         """End the capture and return the driver's graph (``None`` when ``failed``: the
@@ -123,6 +127,7 @@ class Capture:
                 with contextlib.suppress(CudaError):
                     pool._free_on(ptr, stream, waits)
             self._deferred.clear()
+            memory._end_deferral()
         if failed and graph is not None:
             with contextlib.suppress(CudaError):
                 self.driver.graph_destroy(graph)
