@@ -307,6 +307,7 @@ class Server:
     async def lifespan(self, app: Starlette) -> AsyncIterator[None]:
         module = await asyncio.to_thread(Program(SOURCE, name="serve_work.cu").compile)
         self.kernel = module.kernel("work")
+        await self.kernel.load(0)
         if self.with_torch:
             self.load_torch()
         ticker = asyncio.ensure_future(self.lag.run())

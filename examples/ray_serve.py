@@ -80,8 +80,10 @@ class GPU:
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     register_sim_kernel("affine", affine_on_the_simulator)
     module = await anyio.to_thread.run_sync(Program(SOURCE, name="affine.cu").compile)
+    kernel = module.kernel("affine")
+    await kernel.load(0)  # the module loaded off the loop, not by the first request
     async with Lanes(device=0) as lanes:  # device 0: the GPU Ray gave this replica
-        gpu = GPU(lanes, module.kernel("affine"))
+        gpu = GPU(lanes, kernel)
         async with gpu.batcher:
             app.state.gpu = gpu
             yield

@@ -73,8 +73,10 @@ class GPU:
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     module = await anyio.to_thread.run_sync(Program(SOURCE, name="affine.cu").compile)
+    kernel = module.kernel("affine")
+    await kernel.load(0)  # the module loaded off the loop, not by the first request
     async with Lanes(device=0, priorities=("normal", "high")) as lanes:
-        gpu = GPU(lanes, module.kernel("affine"))
+        gpu = GPU(lanes, kernel)
         async with gpu.batcher:
             app.state.gpu = gpu
             yield

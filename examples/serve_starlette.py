@@ -64,8 +64,10 @@ class GPU:
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
     # Compiling takes tens of milliseconds on a cache miss: never on the loop.
     module = await anyio.to_thread.run_sync(Program(SOURCE, name="affine.cu").compile)
+    kernel = module.kernel("affine")
+    await kernel.load(0)  # the module loaded off the loop, not by the first request
     async with Lanes(device=0) as lanes:
-        app.state.gpu = GPU(lanes, module.kernel("affine"))
+        app.state.gpu = GPU(lanes, kernel)
         yield
     # uvicorn runs this after the requests in flight have finished; leaving the block
     # awaited the lanes' streams and closed them.

@@ -337,6 +337,57 @@ def test_every_spelling_of_a_configuration_shares_one_launcher(module: Module, m
     assert len(binds) == 1
 
 
+@pytest.mark.anyio
+async def test_load_happens_off_the_loop_and_the_first_launch_loads_nothing(
+    module: Module, backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch, anyio_backend: object
+) -> None:
+    calls: list[tuple[str, int]] = []
+    for name in ("module_load_data", "module_get_function"):
+        original = getattr(backend, name)
+
+        def spy(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            calls.append((_name, threading.get_ident()))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(backend, name, spy)
+    fill = module.kernel("fill")
+    await fill.load(0)
+    assert {name for name, _ in calls} == {"module_load_data", "module_get_function"}
+    assert threading.get_ident() not in {thread for _, thread in calls}
+    calls.clear()
+    await fill.load(0)  # loaded: nothing to do
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        fill.launch(1, 32, out, 1, 32, stream=s)
+        await s
+    assert calls == []
+
+
+def test_launchers_of_many_streams_stay_cached(module: Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A service launches one kernel on each of its lanes' streams in turn (33 lanes on an
+    # H100): a cache that held 32 streams was emptied and rebuilt every round.
+    fill = module.kernel("fill")
+    binds: list[Any] = []
+    bind = Kernel.bind
+    monkeypatch.setattr(Kernel, "bind", lambda self, *a, **k: binds.append(a) or bind(self, *a, **k))
+    streams = [Stream(0) for _ in range(3 * 64)]
+    try:
+        out = empty(32, np.int32, stream=streams[0])
+        for _ in range(3):
+            for s in streams:
+                fill.launch(1, 32, out, 1, 32, stream=s)
+        assert len(binds) == len(streams)
+        for s in streams[: len(streams) // 2]:
+            s.close()
+        for s in streams[len(streams) // 2 :]:
+            fill[1, 64, s](out, 1, 32)  # new entries: the closed streams' make room
+            fill.launch(1, 32, out, 1, 32, stream=s)
+        assert len(binds) == len(streams) + len(streams) // 2
+    finally:
+        for s in streams:
+            s.close()
+
+
 def test_stream_must_be_a_stream(module: Module) -> None:
     fill = module.kernel("fill")
     with Stream(0) as s:

@@ -36,6 +36,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import anyio.to_thread
+
 from . import _driver
 from ._driver import Dim3, LaunchConfig
 from ._graph import kernels as _graph_kernels
@@ -50,7 +52,9 @@ from .stream import Stream, current_stream
 
 __all__ = ["Kernel", "KernelAttributes", "LaunchConfig", "register_sim_kernel"]
 
-_LAUNCHER_CACHE_SIZE = 64
+_LAUNCHER_CACHE_SIZE = 512
+"""Launchers a kernel keeps (each spelling of a configuration is an entry): room for two
+spellings on each stream of 64 lanes at three priorities."""
 _CONFIG: Any = object()
 """``launch``'s ``block`` when not given: the first argument is a :class:`LaunchConfig`."""
 
@@ -142,6 +146,7 @@ def _plain_subscript(parts: tuple[Any, ...]) -> bool:
 
 
 def _subscript_stream(parts: tuple[Any, ...]) -> Stream:
+    """The stream of a subscript, or of any key of a kernel's launcher cache."""
     stream: Stream = parts[1] if parts[0].__class__ is LaunchConfig else parts[2]
     return stream
 
@@ -186,6 +191,17 @@ class Kernel(metaclass=NoPublicConstructor):
             func = self._functions[key] = dev._driver.module_get_function(handle, self.module.symbol(self.name))
             _graph_kernels.register(dev._driver, func, self)  # so that graphs can read its nodes
         return func
+
+    async def load(self, device: Device | int | None = None) -> None:
+        """Load the kernel's module on ``device`` (default 0) and look the kernel up, on a
+        worker thread: ``await kernel.load(device)`` at a service's start-up.
+
+        The first launch on a device does this otherwise, on the launching thread -- in a
+        coroutine, the event loop's -- where the driver may make it wait for work already
+        running on the device."""
+        dev = _as_device(device)
+        if (_driver.backend_generation(), dev.ordinal) not in self._functions:
+            await anyio.to_thread.run_sync(self.function, dev)
 
     def attribute(self, name: str, device: Device | int | None = None) -> int:
         """A ``CU_FUNC_ATTRIBUTE_*`` value by lowercase suffix (``"num_regs"``)."""
@@ -409,9 +425,15 @@ class Kernel(metaclass=NoPublicConstructor):
 
     def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None]) -> None:
         with self._lock:
-            if len(self._launchers) >= _LAUNCHER_CACHE_SIZE:
-                self._launchers.clear()
-            self._launchers[key] = launcher
+            launchers = self._launchers
+            if len(launchers) >= _LAUNCHER_CACHE_SIZE:
+                # Room: first the launchers of closed streams, else the oldest entry (a
+                # cache emptied at once was rebuilt on every round over a service's lanes).
+                for old in [k for k in launchers if _subscript_stream(k)._closed]:
+                    del launchers[old]
+                if len(launchers) >= _LAUNCHER_CACHE_SIZE:
+                    del launchers[next(iter(launchers))]
+            launchers[key] = launcher
 
     def _pack(self, args: tuple[Any, ...]) -> ParamBuffer:
         """``args`` packed for this kernel's signature (a graph's kernel node update);
