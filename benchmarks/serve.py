@@ -20,8 +20,9 @@ in the window; loop lag is how late a 1 ms sleep on the server's loop wakes.
 
 Also: a launch-bound case (W = 0) with ``/batch`` (``aiocuda.Batcher``) against
 ``/lanes`` over HTTP (reported), and ``serve_batched_speedup`` measured in the server
-process without HTTP (64 tasks, per-request launches against the batcher: over HTTP the
-server's per-request parsing and serialising dominate both); and with PyTorch installed,
+process without HTTP (64 tasks, per-request launches against the batcher, 1 KiB
+requests: over HTTP the server's per-request parsing and serialising dominate both;
+``batched_speedup_64k`` beside it with 64 KiB requests); and with PyTorch installed,
 a two-layer fp16 MLP (8192 wide, 4 rows) per request, through ``interop.torch_stream``
 on lanes warmed up in the lifespan, awaited with ``await lane`` against polling a torch
 event and ``to_thread``, plus the loop's worst gap during the very first torch requests
@@ -57,6 +58,11 @@ from _serve_client import serve_commands  # noqa: E402
 
 WORK = ["lanes", "lanes_alloc", "readme", "submit", "to_thread", "blocking", "poll"]
 TINY = ["lanes", "batch", "poll"]
+LAUNCH_BOUND_FLOATS = 256
+"""Values per request of ``serve_batched_speedup``'s work: 1 KiB, so that a request's cost
+is its launch and copies' overhead, not moving its data (the issue's "kernel whose cost is
+mostly launch overhead"); ``batched_speedup_64k`` reports the 64 KiB requests beside it,
+where concatenating and splitting the batch's data weighs as much as the launches saved."""
 TORCH = ["torch_lanes", "torch_poll", "torch_to_thread"]
 OPEN = ["lanes", "poll"]
 CONNECTIONS = 64
@@ -207,7 +213,9 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
                         result = window(server, clients, "open", path, rate=rate, seconds=args.open_seconds)
                         figures.setdefault(f"open_{endpoint}", []).append(result)
         rounds = max(1, args.rounds)
-        out["inprocess_batched"] = server.get(f"/inprocess_batched?tasks=64&per_task=50&rounds={rounds}")
+        for key, floats in (("inprocess_batched", LAUNCH_BOUND_FLOATS), ("inprocess_batched_64k", 16384)):
+            query = f"tasks=64&per_task=50&rounds={rounds}&floats={floats}"
+            out[key] = server.get(f"/inprocess_batched?{query}")
     finally:
         server.stop()
     return out
@@ -252,6 +260,9 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
         batched = data["inprocess_batched"]
         speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
         target(f"serve_batched_speedup_{loop}", speedups, 3.0, ">=")
+        batched = data["inprocess_batched_64k"]
+        speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
+        result.metrics[f"batched_speedup_64k_{loop}"] = round(statistics.median(speedups), 4)
         result.metrics[f"batched_http_vs_lanes_{loop}"] = round(
             statistics.median(ratios(data["tiny"], "batch", "lanes")), 4
         )
