@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -48,7 +49,12 @@ def _make(stream: Stream, library: str) -> Any:
         torch = _import("torch")
         return torch.cuda.ExternalStream(handle, device=torch.device("cuda", ordinal))
     cupy = _import("cupy")
-    return cupy.cuda.ExternalStream(handle, device_id=ordinal)
+    # CuPy 14 deprecates ExternalStream for Stream.from_external(obj), which makes a
+    # cupy.cuda.Stream: its finaliser destroys the handle (our stream) when collected,
+    # and it takes the device from CuPy's current one. ExternalStream never destroys.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "ExternalStream is deprecated", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device_id=ordinal)
 
 
 def on_simulator(stream: Stream) -> bool:
