@@ -1,5 +1,6 @@
 """GPU work for tests of waiting: one that takes a set time, one that poisons the
-context, and a :class:`Gate` that keeps a stream busy until the test opens it.
+context, and a :class:`Gate` that keeps a stream busy until the test opens it; and
+:func:`observed`, for tests that read the driver's pool statistics.
 
 On the real driver the slow operation is a kernel that spins on ``clock64()``; on the
 simulated backend it is an operation that sleeps on the stream's worker thread.
@@ -15,6 +16,7 @@ import functools
 import threading
 import time
 
+import anyio.to_thread
 import numpy as np
 
 from aiocuda.device import Device
@@ -115,3 +117,10 @@ class Gate:
 
     def __exit__(self, *exc: object) -> None:
         self.open()
+
+
+async def observed(stream: Stream) -> None:
+    """Return once the driver has seen ``stream`` idle from the host: a synchronize, on a
+    worker thread. The driver settles a pool's frees only then (``await stream`` queries
+    an event, which the driver does not count), so a test reads pool statistics after it."""
+    await anyio.to_thread.run_sync(stream.synchronize)

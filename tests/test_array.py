@@ -18,7 +18,7 @@ from aiocuda.host import is_pinned, pinned_zeros, register_host
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
-from ._workload import Gate, slow_op
+from ._workload import Gate, observed, slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -218,7 +218,7 @@ async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Dri
     with Stream(0) as s:
         src = await ga.to_device(host, stream=s)
         await s
-        s.synchronize()
+        await observed(s)
         used_before = pool.statistics().used_bytes
         dst = ga.empty(host.shape, np.uint8, stream=s)
         for _ in range(3):
@@ -236,7 +236,7 @@ async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Dri
         del dst
         gc.collect()
         await s
-        s.synchronize()
+        await observed(s)
         assert pool.statistics().used_bytes == used_before
 
 
@@ -250,7 +250,7 @@ async def test_cancelled_to_device_frees_its_memory_even_if_the_exception_is_kep
     kept: list[BaseException] = []
     with Stream(0) as s:
         await s
-        s.synchronize()
+        await observed(s)
         before = pool.statistics().used_bytes
         with Gate(s):  # the copy cannot finish before the cancellation arrives
             with anyio.CancelScope() as scope:
@@ -262,7 +262,7 @@ async def test_cancelled_to_device_frees_its_memory_even_if_the_exception_is_kep
                     raise
         assert kept, "to_device was not cancelled"
         await s
-        s.synchronize()
+        await observed(s)
         assert pool.statistics().used_bytes == before
 
 

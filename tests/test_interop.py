@@ -15,6 +15,7 @@ import aiocuda.array as ga
 from aiocuda import _driver
 from aiocuda._memory import interop as _interop
 from aiocuda._memory.interop import DLPACK_CUDA, as_device_array
+from aiocuda.errors import CaptureError
 from aiocuda.stream import Stream
 
 from ._workload import slow_op
@@ -92,6 +93,18 @@ async def test_cai_export_on_an_event_loop_warns_when_it_waits(backend: _driver.
             cai = array.__cuda_array_interface__
         assert cai["stream"] is None and s.query()
         assert (await array.to_host(stream=s) == 7).all()
+
+
+async def test_cai_export_is_refused_while_the_arrays_stream_is_captured(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    with Stream(0) as s:
+        array = await ga.zeros(1024, np.uint32, stream=s)
+        with pytest.raises(CaptureError, match="__cuda_array_interface__"):
+            async with s.capture():
+                array.__cuda_array_interface__  # noqa: B018
+        await s
+        assert array.__cuda_array_interface__["stream"] is None  # after the capture: as before
 
 
 async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_backend: object) -> None:

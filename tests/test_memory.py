@@ -18,7 +18,7 @@ from aiocuda.errors import ArgumentError, OutOfMemoryError
 from aiocuda.memory import DEFAULT_RELEASE_THRESHOLD, MemoryPool, PoolStatistics
 from aiocuda.stream import Stream, current_stream
 
-from ._workload import slow_op
+from ._workload import observed, slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -105,7 +105,7 @@ async def test_release_threshold_and_trim(backend: _driver.Driver, anyio_backend
         pool.allocate(8 * MiB, s).free()
         await s
         assert pool.statistics().reserved_bytes >= 8 * MiB
-        s.synchronize()
+        await observed(s)
         pool.trim(0)
         assert pool.statistics().reserved_bytes == 0
         pool.reset_peaks()
@@ -118,7 +118,7 @@ async def test_out_of_memory_trims_cache_then_raises_clearly(backend: _driver.Dr
     with Stream(0) as s:
         pool.allocate(160 * MiB, s).free()
         await s
-        s.synchronize()
+        await observed(s)
         second = pool.allocate(128 * MiB, s)  # needs the cached 160 MiB trimmed (sim) or reused
         if backend.name == "sim":
             assert pool.statistics().out_of_memory_recoveries == 1
@@ -130,7 +130,7 @@ async def test_out_of_memory_trims_cache_then_raises_clearly(backend: _driver.Dr
         assert isinstance(info.value, MemoryError) and info.value.name == "CUDA_ERROR_OUT_OF_MEMORY"
         second.free()
         await s
-        s.synchronize()
+        await observed(s)
         third = pool.allocate(200 * MiB, s)  # the pool is still usable
         third.free()
         await s
@@ -237,7 +237,7 @@ async def test_buffer_outliving_its_closed_stream_is_still_freed(
     s.close()
     del buf  # freed on the device's default stream instead
     gc.collect()
-    current_stream(0).synchronize()
+    await observed(current_stream(0))
     assert pool.statistics().used_bytes == 0
 
 
@@ -271,7 +271,7 @@ async def test_random_churn_leaks_nothing(backend: _driver.Driver, anyio_backend
     with Stream(0) as s:
         gc.collect()
         await s
-        s.synchronize()
+        await observed(s)
         before = pool.statistics().used_bytes
         live = []
         for _ in range(400):
@@ -290,7 +290,7 @@ async def test_random_churn_leaks_nothing(backend: _driver.Driver, anyio_backend
         live.clear()
         gc.collect()
         await s
-        s.synchronize()
+        await observed(s)
         assert pool.statistics().used_bytes == before
 
 

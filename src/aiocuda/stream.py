@@ -275,6 +275,10 @@ class Stream:
         if self._capture is not None:
             raise self._capture.refuse("stream.synchronize()")
         warn_if_on_loop("Stream.synchronize()")
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        """:meth:`synchronize` without its warning, for callers that give their own."""
         if self._closed:
             self._driver.event_synchronize(self._end().handle)
             return

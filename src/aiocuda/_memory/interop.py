@@ -138,10 +138,12 @@ def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
 
 def _finish_for_export(stream: Stream) -> None:
     """Return once the work on ``stream`` has finished, synchronising if it has not."""
+    if stream._capture is not None:
+        raise stream._capture.refuse("exporting an array through __cuda_array_interface__")
     if stream.device._driver.stream_query(stream.handle):
         return
     started = time.perf_counter()
-    stream.synchronize()
+    stream._synchronize()  # the warning below says more than synchronize()'s own
     if _on_event_loop():
         waited_ms = (time.perf_counter() - started) * 1e3
         warnings.warn(
