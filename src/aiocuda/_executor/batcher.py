@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import math
-import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
@@ -21,9 +20,7 @@ import anyio
 import anyio.abc
 
 from ..errors import ClosedError
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
+from .chunk_map import exit_task_group
 
 __all__ = ["BatchFn", "Batcher", "BatcherStatistics"]
 
@@ -125,11 +122,7 @@ class Batcher(Generic[T, R]):
         self._state = "closing"
         self._notify()
         try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            if exc is not None and group.split(lambda e: e is exc)[1] is None:
-                return None
-            raise
+            return await exit_task_group(self._task_group, exc_type, exc, tb)
         finally:
             self._state = "closed"
             for pending in self._queue:

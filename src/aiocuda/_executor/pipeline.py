@@ -20,45 +20,24 @@ later run can see torn or reused memory.
 
 from __future__ import annotations
 
-import math
-import sys
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, Iterable, Sequence
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import anyio
-import anyio.lowlevel
-import numpy as np
 import numpy.typing as npt
 
 from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
+from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
 from .graph_mode import GraphLanes, GraphMode
 from .placement import Admission, PlacementName
 
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
-
-__all__ = ["OnError", "Pipeline", "as_input", "reserve"]
-
-OnError = Literal["raise", "continue"]
+__all__ = ["Pipeline", "reserve"]
 
 
-class _InputFailed:
-    """Sent by the feeder when iterating the inputs raised."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_Item = ChunkResult | _InputFailed | None
-"""What chunk tasks and the feeder send the consumer (None: the inputs are exhausted)."""
-
-
-class Pipeline(metaclass=NoPublicConstructor):
+class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
     """A running :meth:`~aiocuda.executor.Executor.map`; an async context manager whose
     value is an async iterator of :class:`ChunkResult`.
 
@@ -86,146 +65,63 @@ class Pipeline(metaclass=NoPublicConstructor):
         graph: bool = False,
         graph_lanes: dict[int, GraphLanes] | None = None,
     ) -> None:
+        super().__init__(inputs, ordered=ordered, on_error=on_error)
         self._runner = runner
         self._graph = graph
         self._graph_lanes = graph_lanes
         self._graphs: GraphMode | None = None
-        self._inputs = inputs
         self._device_streams = device_streams
         self._admission = admission
-        self._ordered = ordered
         self._limit = in_flight
-        self._on_error = on_error
         self._placement = placement
-        self._ready: dict[int, ChunkResult] = {}
-        self._next = 0
-        self._total: int | None = None
-        self.delivered = 0
-        self.admitted = 0
-        self.peak_in_flight = 0
-        self.failures: list[ChunkResult] = []
-        self._task_group: anyio.abc.TaskGroup | None = None
-
-    @property
-    def in_flight(self) -> int:
-        return self.admitted - self.delivered
+        self._cursor = 0
 
     # -- lifetime ---------------------------------------------------------------------------
     async def __aenter__(self) -> Pipeline:
-        self._send, self._receive = anyio.create_memory_object_stream[_Item](math.inf)
-        self._slots = anyio.Semaphore(self._limit)
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
+        task_group = await self._open(self._limit)
         if self._graph:
-            self._graphs = GraphMode(self._runner, self._done, self._task_group.start_soon, self._graph_lanes)
-        self._task_group.start_soon(self._feed)
+            self._graphs = GraphMode(self._runner, self._done, task_group.start_soon, self._graph_lanes)
+        self._feed_soon()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        assert self._task_group is not None
-        self._task_group.cancel_scope.cancel()  # the consumer is done: stop what is left
         try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            # The block's own exception (a chunk's error the consumer raised) comes back
-            # wrapped by the task group; chunk tasks report their errors as results, so
-            # there is nothing else in the group: let the original go on, unwrapped.
-            if exc is not None and group.split(lambda e: e is exc)[1] is None:
-                return None
-            raise
+            return await self._close(exc_type, exc, tb)
         finally:
-            self._send.close()
-            self._receive.close()
             if self._graphs is not None:
                 self._graphs.close()
 
-    # -- the consumer -----------------------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[ChunkResult]:
-        return self
-
-    async def __anext__(self) -> ChunkResult:
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            result = self._take_ready()
-            if result is not None:
-                return self._deliver(result)
-            if self._total is not None and self.delivered == self._total:
-                raise StopAsyncIteration
-            try:  # results already sent are taken without a trip through the event loop
-                item = self._receive.receive_nowait()
-            except anyio.WouldBlock:
-                item = await self._receive.receive()
-            if isinstance(item, _InputFailed):
-                raise item.error
-            if item is not None:
-                if item.error is not None and self._on_error == "raise":
-                    return self._deliver(item)
-                self._ready[item.index] = item
-
-    def _take_ready(self) -> ChunkResult | None:
-        if not self._ready:
-            return None
-        if self._ordered:
-            return self._ready.pop(self._next, None)
-        return self._ready.pop(next(iter(self._ready)))
-
-    def _deliver(self, result: ChunkResult) -> ChunkResult:
-        self.delivered += 1
-        if result.index == self._next:
-            self._next += 1
-        self._slots.release()
-        if result.error is not None:
-            self.failures.append(result)
-            if self._on_error == "raise":
-                assert self._task_group is not None
-                self._task_group.cancel_scope.cancel()
-                error = result.error
-                if hasattr(error, "add_note"):
-                    error.add_note(f"(in chunk {result.index} on device {result.device})")
-                raise error
-        return result
-
     # -- the producers ----------------------------------------------------------------------
-    async def _feed(self) -> None:
-        assert self._task_group is not None
-        index = 0
-        cursor = 0
-        try:
-            async for host in _aiter(self._inputs):
-                array = as_input(host)
-                if self._graphs is None:
-                    await self._slots.acquire()
-                else:  # graph mode: replays enqueued back to back while slots are free
-                    try:
-                        self._slots.acquire_nowait()
-                    except anyio.WouldBlock:
-                        await self._slots.acquire()
-                placed, cursor = await self._admission.admit(
-                    self._placement, self._device_streams, reserve(array), cursor
-                )
-                self.admitted += 1
-                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                graphs = self._graphs
-                route = "eager" if graphs is None else graphs.route(index, array, placed)
-                while route == "wait":  # graph mode: the device warms up or is being captured
-                    assert graphs is not None
-                    await graphs.settled(placed)
-                    route = graphs.route(index, array, placed)
-                if route == "replay":
-                    assert graphs is not None
-                    graphs.replay(index, array, placed)
-                elif route == "capture":
-                    self._task_group.start_soon(self._capture, index, array, placed)
-                else:
-                    self._task_group.start_soon(self._chunk, index, array, placed)
-                index += 1
-        except Exception as exc:
-            self._send.send_nowait(_InputFailed(exc))
+    async def _take_slot(self) -> None:
+        if self._graphs is None:
+            await self._slots.acquire()
             return
-        self._total = index
-        self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
+        try:  # graph mode: replays enqueued back to back while slots are free
+            self._slots.acquire_nowait()
+        except anyio.WouldBlock:
+            await self._slots.acquire()
+
+    async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
+        assert self._task_group is not None
+        placed, self._cursor = await self._admission.admit(
+            self._placement, self._device_streams, reserve(array), self._cursor
+        )
+        self._admitted()
+        graphs = self._graphs
+        route = "eager" if graphs is None else graphs.route(index, array, placed)
+        while route == "wait":  # graph mode: the device warms up or is being captured
+            assert graphs is not None
+            await graphs.settled(placed)
+            route = graphs.route(index, array, placed)
+        if route == "replay":
+            assert graphs is not None
+            graphs.replay(index, array, placed)
+        elif route == "capture":
+            self._task_group.start_soon(self._capture, index, array, placed)
+        else:
+            self._task_group.start_soon(self._chunk, index, array, placed)
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         output: npt.NDArray[Any] | None = None
@@ -264,25 +160,9 @@ class Pipeline(metaclass=NoPublicConstructor):
         device_streams.completed += 1
         self._admission.release(device_streams, reserve(host))
         if output is not None or error is not None:
-            self._send.send_nowait(ChunkResult(index, device_streams.device.ordinal, output, error))
+            self._send_result(ChunkResult(index, device_streams.device.ordinal, output, error))
 
 
 def reserve(host: npt.NDArray[Any]) -> int:
     """Device bytes reserved for a chunk: its input and an output of the same size."""
     return 2 * int(host.nbytes)
-
-
-def as_input(host: Any) -> npt.NDArray[Any]:
-    array = np.asarray(host)
-    if array.dtype.hasobject:
-        raise TypeError("pipeline inputs must be numeric numpy arrays, not arrays of Python objects")
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
-
-
-async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
-    if isinstance(inputs, AsyncIterable):
-        async for item in inputs:
-            yield item
-    else:
-        for item in inputs:
-            yield item

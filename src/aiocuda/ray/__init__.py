@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy.typing as npt
 
-from .._executor.pipeline import OnError
+from .._executor.chunk_map import OnError
 from .._executor.placement import PlacementName
 from ._actor import ActorStatistics, GpuActor
 from ._pipeline import RayPipeline

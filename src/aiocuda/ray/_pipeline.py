@@ -19,30 +19,22 @@ returns the chunk's device memory.
 
 from __future__ import annotations
 
-import math
-import sys
 import uuid
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, Iterable
 from types import TracebackType
 from typing import Any
 
-import anyio
-import anyio.abc
-import anyio.lowlevel
 import anyio.to_thread
 import numpy.typing as npt
 import ray
 import ray.exceptions
 
 from .._executor.chunk import ChunkResult
-from .._executor.pipeline import OnError, _aiter, as_input
+from .._executor.chunk_map import ChunkMap, OnError
 from .._executor.placement import PlacementName
 from .._util import NoPublicConstructor
 from . import _refs
 from ._pool import ActorLostError, ActorPool, ActorSlot
-
-if sys.version_info < (3, 11):
-    from exceptiongroup import BaseExceptionGroup
 
 __all__ = ["INLINE_LIMIT", "RayPipeline"]
 
@@ -52,19 +44,7 @@ no store round trip); larger ones are put into the object store first, from a wo
 thread (a large put is a memory copy), and the call passes the reference."""
 
 
-class _InputFailed:
-    """Sent by the feeder when iterating the inputs raised."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_Item = ChunkResult | _InputFailed | None
-
-
-class RayPipeline(metaclass=NoPublicConstructor):
+class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
     """A running :func:`aiocuda.ray.map`; an async context manager whose value is an
     async iterator of :class:`~aiocuda.executor.ChunkResult`.
 
@@ -77,6 +57,7 @@ class RayPipeline(metaclass=NoPublicConstructor):
     """
 
     _factories = "aiocuda.ray.map()"
+    _ran_on = "Ray actor"
 
     def __init__(
         self,
@@ -92,31 +73,17 @@ class RayPipeline(metaclass=NoPublicConstructor):
         placement: PlacementName,
         retries: int,
     ) -> None:
+        super().__init__(inputs, ordered=ordered, on_error=on_error)
         self._stage = stage
         self._stage_args = stage_args
-        self._inputs = inputs
         self._pool = pool
         self._owns_pool = owns_pool
-        self._ordered = ordered
         self._requested_limit = in_flight
-        self._on_error = on_error
         self._placement = placement
         self._retries = retries
         self._key = uuid.uuid4().hex
         self._cursor = 0
-        self._ready: dict[int, ChunkResult] = {}
-        self._next = 0
-        self._total: int | None = None
-        self.delivered = 0
-        self.admitted = 0
-        self.peak_in_flight = 0
         self.retried = 0
-        self.failures: list[ChunkResult] = []
-        self._task_group: anyio.abc.TaskGroup | None = None
-
-    @property
-    def in_flight(self) -> int:
-        return self.admitted - self.delivered
 
     @property
     def pool(self) -> ActorPool:
@@ -135,29 +102,16 @@ class RayPipeline(metaclass=NoPublicConstructor):
             await self._close_pool()
             raise
         limit = self._requested_limit or self._pool.chunks_per_actor * len(self._pool.live)
-        self._send, self._receive = anyio.create_memory_object_stream[_Item](math.inf)
-        self._slots = anyio.Semaphore(limit)
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._feed)
+        await self._open(limit)
+        self._feed_soon()
         return self
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        assert self._task_group is not None
-        self._task_group.cancel_scope.cancel()  # the consumer is done: stop what is left
         try:
-            return await self._task_group.__aexit__(exc_type, exc, tb)
-        except BaseExceptionGroup as group:
-            # The block's own exception comes back wrapped by the task group; chunk tasks
-            # report their errors as results, so nothing else is in it: unwrap.
-            if exc is not None and group.split(lambda e: e is exc)[1] is None:
-                return None
-            raise
+            return await self._close(exc_type, exc, tb)
         finally:
-            self._send.close()
-            self._receive.close()
             for slot in self._pool.live:
                 slot.actor.forget.remote(self._key)
             await self._close_pool()
@@ -166,67 +120,12 @@ class RayPipeline(metaclass=NoPublicConstructor):
         if self._owns_pool:
             await self._pool.aclose()
 
-    # -- the consumer -----------------------------------------------------------------------
-    def __aiter__(self) -> AsyncIterator[ChunkResult]:
-        return self
-
-    async def __anext__(self) -> ChunkResult:
-        await anyio.lowlevel.checkpoint_if_cancelled()
-        while True:
-            result = self._take_ready()
-            if result is not None:
-                return self._deliver(result)
-            if self._total is not None and self.delivered == self._total:
-                raise StopAsyncIteration
-            item = await self._receive.receive()
-            if isinstance(item, _InputFailed):
-                raise item.error
-            if item is not None:
-                if item.error is not None and self._on_error == "raise":
-                    return self._deliver(item)
-                self._ready[item.index] = item
-
-    def _take_ready(self) -> ChunkResult | None:
-        if not self._ready:
-            return None
-        if self._ordered:
-            return self._ready.pop(self._next, None)
-        return self._ready.pop(next(iter(self._ready)))
-
-    def _deliver(self, result: ChunkResult) -> ChunkResult:
-        self.delivered += 1
-        if result.index == self._next:
-            self._next += 1
-        self._slots.release()
-        if result.error is not None:
-            self.failures.append(result)
-            if self._on_error == "raise":
-                assert self._task_group is not None
-                self._task_group.cancel_scope.cancel()
-                error = result.error
-                if hasattr(error, "add_note"):
-                    error.add_note(f"(in chunk {result.index} on Ray actor {result.device})")
-                raise error
-        return result
-
     # -- the producers ----------------------------------------------------------------------
-    async def _feed(self) -> None:
+    async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
-        index = 0
-        try:
-            async for host in _aiter(self._inputs):
-                array = as_input(host)
-                await self._slots.acquire()
-                slot = await self._admit(array)
-                self.admitted += 1
-                self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
-                self._task_group.start_soon(self._chunk, index, array, slot)
-                index += 1
-        except Exception as exc:
-            self._send.send_nowait(_InputFailed(exc))
-            return
-        self._total = index
-        self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
+        slot = await self._admit(array)
+        self._admitted()
+        self._task_group.start_soon(self._chunk, index, array, slot)
 
     async def _admit(self, array: npt.NDArray[Any]) -> ActorSlot:
         slot, self._cursor = await self._pool.admission.admit(
@@ -259,7 +158,7 @@ class RayPipeline(metaclass=NoPublicConstructor):
         finally:
             if reserved_on is not None:
                 self._release(reserved_on, nbytes)
-        self._send.send_nowait(result)
+        self._send_result(result)
 
     async def _run(self, slot: ActorSlot, arg: Any) -> npt.NDArray[Any]:
         """The chunk (``arg``: the array, or its reference in the store) run on

@@ -1,0 +1,215 @@
+"""The consumer's side of a running map over chunks, shared by ``Executor.map``
+(:mod:`aiocuda._executor.pipeline`) and ``aiocuda.ray.map``.
+
+A :class:`ChunkMap` runs a feeder task in its own task group: it reads the inputs, takes
+a slot (at most ``in_flight`` chunks between admission and delivery) and hands each chunk
+to the subclass (:meth:`ChunkMap._start_chunk`: admission to a device or an actor, then a
+task, a replay, ...). Whatever runs the chunk sends its :class:`ChunkResult` through
+:meth:`ChunkMap._send_result`; the consumer receives them in input order or as they
+complete, and taking one frees its slot. With ``on_error="raise"`` a failed chunk's error
+is raised to the consumer, with a note saying where it ran, and cancels the rest.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from types import TracebackType
+from typing import Any, Literal
+
+import anyio
+import anyio.abc
+import anyio.lowlevel
+import numpy as np
+import numpy.typing as npt
+
+from .chunk import ChunkResult
+
+if sys.version_info < (3, 11):
+    from exceptiongroup import BaseExceptionGroup
+
+__all__ = ["ChunkMap", "OnError", "as_input", "exit_task_group"]
+
+OnError = Literal["raise", "continue"]
+
+
+class _InputFailed:
+    """Sent by the feeder when iterating the inputs raised."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_Item = ChunkResult | _InputFailed | None
+"""What the chunks and the feeder send the consumer (None: the inputs are exhausted)."""
+
+
+async def exit_task_group(
+    task_group: anyio.abc.TaskGroup,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> bool | None:
+    """Leave ``task_group`` as an ``async with`` block's ``__aexit__`` would, except that
+    the block's own exception comes back as it was, not wrapped in an exception group by
+    the task group (its tasks report their errors otherwise, so nothing else is in it)."""
+    try:
+        return await task_group.__aexit__(exc_type, exc, tb)
+    except BaseExceptionGroup as group:
+        if exc is not None and group.split(lambda e: e is exc)[1] is None:
+            return None
+        raise
+
+
+class ChunkMap:
+    """A running map: an async context manager whose value is an async iterator of
+    :class:`ChunkResult`. Subclasses implement :meth:`_start_chunk` and say in
+    :attr:`_ran_on` where a result's chunk ran (for the note on a raised error)."""
+
+    _ran_on = "device"
+
+    def __init__(
+        self,
+        inputs: Iterable[npt.NDArray[Any]] | AsyncIterable[npt.NDArray[Any]],
+        *,
+        ordered: bool,
+        on_error: OnError,
+    ) -> None:
+        self._inputs = inputs
+        self._ordered = ordered
+        self._on_error = on_error
+        self._ready: dict[int, ChunkResult] = {}
+        self._next = 0
+        self._total: int | None = None
+        self.delivered = 0
+        self.admitted = 0
+        self.peak_in_flight = 0
+        self.failures: list[ChunkResult] = []
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Chunks admitted and not yet delivered."""
+        return self.admitted - self.delivered
+
+    # -- lifetime ---------------------------------------------------------------------------
+    async def _open(self, in_flight: int) -> anyio.abc.TaskGroup:
+        """Enter the task group, with ``in_flight`` slots; the feeder starts once the
+        caller has set up what :meth:`_start_chunk` needs (:meth:`_feed_soon`)."""
+        self._send, self._receive = anyio.create_memory_object_stream[_Item](math.inf)
+        self._slots = anyio.Semaphore(in_flight)
+        self._task_group = task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        return task_group
+
+    def _feed_soon(self) -> None:
+        assert self._task_group is not None
+        self._task_group.start_soon(self._feed)
+
+    async def _close(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool | None:
+        """The consumer is done: stop what is left and leave the task group."""
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        try:
+            return await exit_task_group(self._task_group, exc_type, exc, tb)
+        finally:
+            self._send.close()
+            self._receive.close()
+
+    # -- the consumer -----------------------------------------------------------------------
+    def __aiter__(self) -> AsyncIterator[ChunkResult]:
+        return self
+
+    async def __anext__(self) -> ChunkResult:
+        await anyio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            result = self._take_ready()
+            if result is not None:
+                return self._deliver(result)
+            if self._total is not None and self.delivered == self._total:
+                raise StopAsyncIteration
+            try:  # results already sent are taken without a trip through the event loop
+                item = self._receive.receive_nowait()
+            except anyio.WouldBlock:
+                item = await self._receive.receive()
+            if isinstance(item, _InputFailed):
+                raise item.error
+            if item is not None:
+                if item.error is not None and self._on_error == "raise":
+                    return self._deliver(item)
+                self._ready[item.index] = item
+
+    def _take_ready(self) -> ChunkResult | None:
+        if not self._ready:
+            return None
+        if self._ordered:
+            return self._ready.pop(self._next, None)
+        return self._ready.pop(next(iter(self._ready)))
+
+    def _deliver(self, result: ChunkResult) -> ChunkResult:
+        self.delivered += 1
+        if result.index == self._next:
+            self._next += 1
+        self._slots.release()
+        if result.error is not None:
+            self.failures.append(result)
+            if self._on_error == "raise":
+                assert self._task_group is not None
+                self._task_group.cancel_scope.cancel()
+                error = result.error
+                if hasattr(error, "add_note"):
+                    error.add_note(f"(in chunk {result.index} on {self._ran_on} {result.device})")
+                raise error
+        return result
+
+    # -- the producers ----------------------------------------------------------------------
+    async def _feed(self) -> None:
+        index = 0
+        try:
+            async for host in _aiter(self._inputs):
+                array = as_input(host)
+                await self._take_slot()
+                await self._start_chunk(index, array)
+                index += 1
+        except Exception as exc:
+            self._send.send_nowait(_InputFailed(exc))
+            return
+        self._total = index
+        self._send.send_nowait(None)  # wake a consumer waiting for a result that will not come
+
+    async def _take_slot(self) -> None:
+        await self._slots.acquire()
+
+    async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
+        """Admit chunk ``index`` (then call :meth:`_admitted`) and start it; whatever runs
+        it sends its result through :meth:`_send_result`."""
+        raise NotImplementedError
+
+    def _admitted(self) -> None:
+        self.admitted += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+
+    def _send_result(self, result: ChunkResult) -> None:
+        self._send.send_nowait(result)
+
+
+def as_input(host: Any) -> npt.NDArray[Any]:
+    """``host`` as a C-contiguous numeric numpy array (TypeError for Python objects)."""
+    array = np.asarray(host)
+    if array.dtype.hasobject:
+        raise TypeError("pipeline inputs must be numeric numpy arrays, not arrays of Python objects")
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array)
+
+
+async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+    if isinstance(inputs, AsyncIterable):
+        async for item in inputs:
+            yield item
+    else:
+        for item in inputs:
+            yield item
