@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
 import aiocuda
 from aiocuda import _driver
-from aiocuda._util import byte_span, c_strides, format_bytes, invalid_value, shape_tuple
+from aiocuda._util import PerProcess, byte_span, c_strides, format_bytes, invalid_value, shape_tuple
 from aiocuda.errors import ArgumentError, ResultCode
 
 
@@ -50,3 +52,13 @@ def test_host_and_device_shapes_share_the_checks(sim_backend: _driver.Driver) ->
             make((2, -3))
         with pytest.raises(TypeError):
             make(2.5)  # type: ignore[arg-type]
+
+
+def test_per_process_makes_one_object_and_a_new_one_after_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[object] = []
+    single = PerProcess(lambda: made.append(object()) or made[-1])
+    first = single.get()
+    assert single.get() is first and len(made) == 1
+    monkeypatch.setattr(os, "getpid", lambda: -1)  # as in a forked child
+    child = single.get()
+    assert child is not first and single.get() is child and len(made) == 2

@@ -1,4 +1,5 @@
-"""Small helpers every layer shares: factory-only classes, argument errors, byte sizes.
+"""Small helpers every layer shares: factory-only classes, per-process singletons,
+argument errors, byte sizes.
 
 This module sits just above :mod:`aiocuda.errors` in the layer order, so the driver seam
 may use it too; it imports nothing else from aiocuda.
@@ -7,11 +8,22 @@ may use it too; it imports nothing else from aiocuda.
 from __future__ import annotations
 
 import operator
-from typing import Any, NoReturn, TypeVar
+import os
+import threading
+from collections.abc import Callable
+from typing import Any, Generic, NoReturn, TypeVar
 
 from .errors import ArgumentError, ResultCode
 
-__all__ = ["NoPublicConstructor", "byte_span", "c_strides", "format_bytes", "invalid_value", "shape_tuple"]
+__all__ = [
+    "NoPublicConstructor",
+    "PerProcess",
+    "byte_span",
+    "c_strides",
+    "format_bytes",
+    "invalid_value",
+    "shape_tuple",
+]
 
 T = TypeVar("T")
 
@@ -34,6 +46,27 @@ class NoPublicConstructor(type):
     def _create(cls: type[T], *args: Any, **kwargs: Any) -> T:
         instance: T = type.__call__(cls, *args, **kwargs)
         return instance
+
+
+class PerProcess(Generic[T]):
+    """One object per process, made by ``make()`` on first use (:meth:`get`) and made
+    anew in a forked child, whose copy of the parent's threads and driver state is dead."""
+
+    __slots__ = ("_lock", "_made", "_make")
+
+    def __init__(self, make: Callable[[], T]) -> None:
+        self._make = make
+        self._made: tuple[int, T] | None = None
+        self._lock = threading.Lock()
+
+    def get(self) -> T:
+        made = self._made
+        if made is None or made[0] != os.getpid():
+            with self._lock:
+                made = self._made
+                if made is None or made[0] != os.getpid():
+                    made = self._made = (os.getpid(), self._make())
+        return made[1]
 
 
 def invalid_value(message: str) -> ArgumentError:

@@ -10,11 +10,11 @@ reserve cannot supply (a doorbell with no idle signal stream) runs here whole.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable, Hashable
 
+from .._util import PerProcess
 from ..errors import CudaError
 
 __all__ = ["run_off_loop"]
@@ -30,7 +30,6 @@ class _Thread:
     queued is dropped (a top-up asked for twice runs once)."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.jobs: queue.SimpleQueue[tuple[Hashable | None, Callable[[], object]]] = queue.SimpleQueue()
         self.queued: set[Hashable] = set()
         self.lock = threading.Lock()
@@ -51,8 +50,7 @@ class _Thread:
                 _log.exception("aiocuda: %s failed on the reserve thread", getattr(job, "__qualname__", job))
 
 
-_thread: _Thread | None = None
-_lock = threading.Lock()
+_thread = PerProcess(_Thread)
 
 
 def run_off_loop(job: Callable[[], object], key: Hashable | None = None) -> None:
@@ -62,13 +60,7 @@ def run_off_loop(job: Callable[[], object], key: Hashable | None = None) -> None
     started. ``job`` binds the context it needs; a :class:`CudaError` it raises is
     ignored (anything else is logged). After ``fork`` the child starts its own thread.
     """
-    global _thread
-    worker = _thread
-    if worker is None or worker.pid != os.getpid():
-        with _lock:
-            if _thread is None or _thread.pid != os.getpid():
-                _thread = _Thread()
-            worker = _thread
+    worker = _thread.get()
     if key is not None:
         with worker.lock:
             if key in worker.queued:

@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from .._util import PerProcess
 from ..errors import ExporterLostError
 from . import offloop as _offloop
 
@@ -452,17 +453,9 @@ def _no_op() -> None:
     pass
 
 
-_service: Service | None = None
-_service_lock = threading.Lock()
+_service = PerProcess(Service)
 
 
 def service() -> Service:
     """This process's sharing service (a new one after ``fork``)."""
-    global _service
-    current = _service
-    if current is None or current.pid != os.getpid():
-        with _service_lock:
-            if _service is None or _service.pid != os.getpid():
-                _service = Service()
-            current = _service
-    return current
+    return _service.get()

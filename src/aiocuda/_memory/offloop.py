@@ -19,12 +19,12 @@ needs one (calls the parent had queued are not repeated).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._util import PerProcess
 from ..errors import CudaError
 
 if TYPE_CHECKING:
@@ -41,7 +41,6 @@ class _Worker:
     """A daemon thread running queued calls in order, one at a time."""
 
     def __init__(self) -> None:
-        self.pid = os.getpid()
         self.calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, name="aiocuda-offloop", daemon=True)
         self.thread.start()
@@ -56,19 +55,7 @@ class _Worker:
             del fn, args  # what a call keeps goes now, not when the next call comes
 
 
-_worker: _Worker | None = None
-_lock = threading.Lock()
-
-
-def _current() -> _Worker:
-    global _worker
-    worker = _worker
-    if worker is None or worker.pid != os.getpid():
-        with _lock:
-            if _worker is None or _worker.pid != os.getpid():
-                _worker = _Worker()
-            worker = _worker
-    return worker
+_worker = PerProcess(_Worker)
 
 
 def submit(fn: Callable[..., object], *args: Any) -> None:
@@ -76,7 +63,7 @@ def submit(fn: Callable[..., object], *args: Any) -> None:
 
     ``fn`` handles its own expected errors; anything else it raises is logged.
     """
-    _current().calls.put((fn, args))
+    _worker.get().calls.put((fn, args))
 
 
 def dispose(device: Device, call: Callable[..., object], *args: Any, keep: object = None) -> None:
