@@ -41,6 +41,10 @@ def example_backend(request: pytest.FixtureRequest) -> str:
 def run_example(name: str, backend: str) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    # Ray Serve kills its HTTP proxy after three 5 s readiness checks: on a loaded 2-core
+    # CI machine that happened before it was up (serve.start then raised ActorDiedError).
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "120"
+    env["RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S"] = "120"
     env["AIOCUDA_BACKEND"] = backend
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / name)],
