@@ -222,13 +222,17 @@ async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Dri
         used_before = pool.statistics().used_bytes
         dst = ga.empty(host.shape, np.uint8, stream=s)
         for _ in range(3):
-            slow_op(s, 0.05)  # keep the copies below in flight while we cancel
-            with anyio.move_on_after(0.01) as scope:
-                await ga.copy(dst, src, stream=s)
-            assert scope.cancelled_caught
-            with anyio.move_on_after(0.01) as scope:
-                await ga.to_device(host, stream=s)  # result dropped while in flight
-            assert scope.cancelled_caught
+            # The copies below stay in flight until they are cancelled, whatever the
+            # host's speed (a 50 ms slow operation once finished first on a loaded host).
+            with Gate(s) as gate:
+                with anyio.move_on_after(0.01) as scope:
+                    await ga.copy(dst, src, stream=s)
+                assert scope.cancelled_caught
+                with anyio.move_on_after(0.01) as scope:
+                    await ga.to_device(host, stream=s)  # result dropped while in flight
+                assert scope.cancelled_caught
+            await s
+            assert not gate.timed_out
         gc.collect()
         await s
         assert _digest(await dst.to_host(stream=s)) == digest
