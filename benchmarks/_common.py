@@ -22,17 +22,23 @@ The rules every benchmark keeps through this module:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import inspect
 import json
 import operator
+import os
 import pathlib
 import statistics
 import sys
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import anyio
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 RUNS = 3
@@ -189,3 +195,52 @@ class Result:
                 print(f"        {k} = {v}", file=stream)
         for k, v in self.baselines.items():
             print(f"  base  {k} = {v}", file=stream)
+
+
+_HEARTBEAT = 0.0005
+
+
+@contextlib.asynccontextmanager
+async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
+    """Where ``$AIOCUDA_BENCH_STALLS`` names a file: while the block runs, whenever the
+    event loop's thread has not come back to the loop for ``threshold`` seconds, append
+    its stack (sampled mid-stall) to that file -- what blocked the loop, found without a
+    profiler. Otherwise nothing. Any loop anyio runs."""
+    path = os.environ.get("AIOCUDA_BENCH_STALLS")
+    if not path:
+        yield
+        return
+    loop_thread = threading.get_ident()
+    beat = [time.perf_counter()]
+    stop = threading.Event()
+
+    async def heartbeat() -> None:
+        while True:
+            beat[0] = time.perf_counter()
+            await anyio.sleep(_HEARTBEAT)
+
+    def watch() -> None:
+        pending: tuple[float, str] | None = None  # (the beat a stall began after, its stack)
+        with open(path, "a") as out:
+            while not stop.wait(0.001):
+                last = beat[0]
+                if pending is not None and last != pending[0]:  # the stall is over: how long it was
+                    out.write(f"--- stalled {1e3 * (last - pending[0] - _HEARTBEAT):.1f} ms\n{pending[1]}")
+                    out.flush()
+                    pending = None
+                if pending is None and time.perf_counter() - last > threshold:
+                    frame = sys._current_frames().get(loop_thread)
+                    pending = (last, "".join(traceback.format_stack(frame)[-14:]) if frame else "?\n")
+
+    watcher = threading.Thread(target=watch, name="stall-watch", daemon=True)
+    watcher.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(heartbeat)
+            try:
+                yield
+            finally:
+                tg.cancel_scope.cancel()
+    finally:
+        stop.set()
+        watcher.join()

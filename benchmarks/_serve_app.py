@@ -32,13 +32,15 @@ import argparse
 import asyncio
 import contextlib
 import os
+import threading
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from _common import stalls_reported
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -263,7 +265,14 @@ class Server:
     # -- measurement ---------------------------------------------------------------------------
     async def stats(self, request: Request) -> JSONResponse:
         times = os.times()
-        return JSONResponse({"cpu_s": times.user + times.system, "requests": self.requests, "lag_s": self.lag.samples})
+        return JSONResponse(
+            {
+                "cpu_s": times.user + times.system,
+                "threads": thread_cpu(),
+                "requests": self.requests,
+                "lag_s": self.lag.samples,
+            }
+        )
 
     async def reset(self, request: Request) -> JSONResponse:
         self.lag.samples = []
@@ -318,8 +327,9 @@ class Server:
         if self.with_torch:
             self.load_torch()
         ticker = asyncio.ensure_future(self.lag.run())
-        async with self.lanes, self.executor, self.batcher:
-            yield
+        with profiled(os.environ.get("SERVE_PROFILE")):
+            async with stalls_reported(), self.lanes, self.executor, self.batcher:
+                yield
         ticker.cancel()
 
     def app(self) -> Starlette:
@@ -341,6 +351,43 @@ class Server:
             Route("/inprocess_batched", self.inprocess_batched),
         ]
         return Starlette(routes=routes, lifespan=self.lifespan)
+
+
+@contextlib.contextmanager
+def profiled(path: str | None) -> Iterator[None]:
+    """With a path: the loop thread's cProfile while serving, written there at shutdown."""
+    if not path:
+        yield
+        return
+    import cProfile
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each thread of this process, by name: Python threads by their
+    ``threading`` name (the loop's is ``MainThread``), others by the kernel's ``comm``
+    (the CUDA driver's own threads among them)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        name = names.get(int(tid), comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def lag_p99_ms(samples: list[float]) -> float:

@@ -59,9 +59,9 @@ from aiocuda.program import Program
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import RUNS, Result, parser
+    from benchmarks._common import RUNS, Result, parser, stalls_reported
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import RUNS, Result, parser  # type: ignore[no-redef]
+    from _common import RUNS, Result, parser, stalls_reported  # type: ignore[no-redef]
 
 TASKS = 8
 CYCLES = 5000
@@ -158,7 +158,7 @@ class Storm:
                 gaps.append(clock() - started - TICK_S)
 
         started = time.perf_counter()
-        async with anyio.create_task_group() as tg:
+        async with stalls_reported(), anyio.create_task_group() as tg:
             tg.start_soon(ticker)
             tg.start_soon(canceller)
             for i in range(TASKS):

@@ -16,7 +16,14 @@ round to round -- then an open-loop window (requests due at half the polling end
 saturation rate of that round) for ``/lanes`` and ``/poll``. Ratios are taken per round
 and reported as the median of the three with their spread (``extra.spreads``). CPU per
 request is the server process's own CPU time (every thread) over the requests it served
-in the window; loop lag is how late a 1 ms sleep on the server's loop wakes.
+in the window (per thread too, in the baselines); loop lag is how late a 1 ms sleep on
+the server's loop wakes.
+
+Throughput is compared at saturation; CPU per request at the same offered rate (the
+open-loop windows). At saturation the server is CPU-bound, so its CPU per request is
+the inverse of its throughput and says nothing more (it is reported as
+``..._saturated``); at a fixed rate it shows what each way of waiting burns while the
+loop has time to spare -- polling spins it, the doorbell lets it sleep.
 
 Also: a launch-bound case (W = 0) with ``/batch`` (``aiocuda.Batcher``) against
 ``/lanes`` over HTTP (reported), and ``serve_batched_speedup`` measured in the server
@@ -25,8 +32,11 @@ requests: over HTTP the server's per-request parsing and serialising dominate bo
 ``batched_speedup_64k`` beside it with 64 KiB requests); and with PyTorch installed,
 a two-layer fp16 MLP (8192 wide, 4 rows) per request, through ``interop.torch_stream``
 on lanes warmed up in the lifespan, awaited with ``await lane`` against polling a torch
-event and ``to_thread``, plus the loop's worst gap during the very first torch requests
-after start-up.
+event and ``to_thread`` (CPU per request again at a fixed rate: half of ``/torch_poll``'s
+saturation rate), plus the loop's worst gap during the very first torch requests after
+start-up, sent at a light load (``FIRST_RATE`` per second: at saturation every loop
+iteration serves many requests and the lag is the iteration's length, whatever the
+first requests do).
 
     PYTHONPATH=src python3 benchmarks/serve.py            # GPU: writes results/serve.json
     AIOCUDA_BACKEND=sim PYTHONPATH=src python3 benchmarks/serve.py --quick   # smoke run
@@ -65,6 +75,9 @@ mostly launch overhead"); ``batched_speedup_64k`` reports the 64 KiB requests be
 where concatenating and splitting the batch's data weighs as much as the launches saved."""
 TORCH = ["torch_lanes", "torch_poll", "torch_to_thread"]
 OPEN = ["lanes", "poll"]
+TORCH_OPEN = ["torch_lanes", "torch_poll"]
+FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
+FIRST_SECONDS = 0.5
 CONNECTIONS = 64
 BODY = bytes(64 << 10)
 
@@ -172,6 +185,7 @@ def window(server: Server, clients: Clients, kind: str, path: str, **args: Any) 
     latencies = [x for r in results for x in r["latencies"]]
     served = max(1, after["requests"] - before["requests"])
     lags = after["lag_s"]
+    threads = {name: 1e3 * (cpu - before["threads"].get(name, 0.0)) / served for name, cpu in after["threads"].items()}
     return {
         "req_per_s": done / max(r["seconds"] for r in results),
         "cpu_ms_per_req": 1e3 * (after["cpu_s"] - before["cpu_s"]) / served,
@@ -179,6 +193,7 @@ def window(server: Server, clients: Clients, kind: str, path: str, **args: Any) 
         "lat_p99_ms": 1e3 * percentile(latencies, 0.99),
         "lag_p99_ms": 1e3 * percentile(lags, 0.99) if lags else 0.0,
         "lag_max_ms": 1e3 * max(lags) if lags else 0.0,
+        **{f"thread_cpu_ms_per_req.{name}": ms for name, ms in threads.items() if ms >= 0.005},
     }
 
 
@@ -193,7 +208,7 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
     out: dict[str, Any] = {}
     try:
         if with_torch:  # first: the first torch requests after the lifespan's warm-up
-            first = window(server, clients, "closed", "/torch_lanes", seconds=args.seconds / 3)
+            first = window(server, clients, "open", "/torch_lanes", rate=FIRST_RATE, seconds=FIRST_SECONDS)
             out["torch_first"] = first
         scenarios = [("w1", 1000, WORK), ("w5", 5000, WORK), ("tiny", 0, TINY)]
         if with_torch:
@@ -206,9 +221,10 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
                     figures.setdefault(endpoint, []).append(
                         window(server, clients, "closed", path, seconds=args.seconds)
                     )
-                if name in ("w1", "w5"):
-                    rate = 0.5 * figures["poll"][-1]["req_per_s"]
-                    for endpoint in OPEN:
+                opened = {"w1": OPEN, "w5": OPEN, "torch": TORCH_OPEN}.get(name, [])
+                if opened:
+                    rate = 0.5 * figures[opened[1]][-1]["req_per_s"]
+                    for endpoint in opened:
                         path = f"/{endpoint}?w={w_us}"
                         result = window(server, clients, "open", path, rate=rate, seconds=args.open_seconds)
                         figures.setdefault(f"open_{endpoint}", []).append(result)
@@ -239,16 +255,18 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
     for loop, data in measured.items():
         for name in ("w1", "w5", "tiny", "torch"):
             for endpoint, rounds in data.get(name, {}).items():
-                for key in rounds[0]:
-                    value = statistics.median(r[key] for r in rounds)
+                for key in sorted({key for r in rounds for key in r}):  # a thread may be missing from a round
+                    value = statistics.median(r.get(key, 0.0) for r in rounds)
                     result.baselines[f"{loop}.{name}.{endpoint}.{key}"] = round(value, 4)
         for name, w_ms in (("w1", 1.0), ("w5", 5.0)):
             f = data[name]
             suffix = f"{loop}_w{int(w_ms)}"
             target(f"serve_throughput_vs_poll_{suffix}", ratios(f, "lanes", "poll"), 1.1, ">=")
             target(f"serve_throughput_vs_to_thread_{suffix}", ratios(f, "lanes", "to_thread"), 1.5, ">=")
-            cpu = ratios(f, "lanes", "poll", "cpu_ms_per_req")
+            cpu = ratios(f, "open_lanes", "open_poll", "cpu_ms_per_req")
             target(f"serve_cpu_per_request_vs_poll_{suffix}", cpu, 0.9, "<=")
+            saturated = ratios(f, "lanes", "poll", "cpu_ms_per_req")
+            result.metrics[f"serve_cpu_per_request_vs_poll_saturated_{suffix}"] = round(statistics.median(saturated), 4)
             target(f"serve_submit_vs_direct_{suffix}", ratios(f, "submit", "lanes"), 0.9, ">=")
             target(f"serve_alloc_vs_prealloc_{suffix}", ratios(f, "lanes_alloc", "lanes"), 0.9, ">=")
             target(f"serve_loop_lag_p99_ms_{suffix}", [r["lag_p99_ms"] for r in f["open_lanes"]], 3.0, "<=")
@@ -269,8 +287,10 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
         if "torch" in data:
             t = data["torch"]
             target(f"serve_torch_throughput_vs_poll_{loop}", ratios(t, "torch_lanes", "torch_poll"), 1.1, ">=")
-            cpu = ratios(t, "torch_lanes", "torch_poll", "cpu_ms_per_req")
+            cpu = ratios(t, "open_torch_lanes", "open_torch_poll", "cpu_ms_per_req")
             target(f"serve_torch_cpu_vs_poll_{loop}", cpu, 0.9, "<=")
+            saturated = ratios(t, "torch_lanes", "torch_poll", "cpu_ms_per_req")
+            result.metrics[f"serve_torch_cpu_vs_poll_saturated_{loop}"] = round(statistics.median(saturated), 4)
             result.metrics[f"torch_throughput_vs_to_thread_{loop}"] = round(
                 statistics.median(ratios(t, "torch_lanes", "torch_to_thread")), 4
             )
