@@ -14,7 +14,7 @@ Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs one closed
 window (64 connections, saturation) in turn -- interleaved, the order rotating from
 round to round -- then an open-loop window (requests due at half the polling endpoint's
 saturation rate of that round) for ``/lanes`` and ``/poll``. Ratios are taken per round
-and reported as the median of the three with their spread (``extra.spreads``). CPU per
+and reported as the median of the three, each target with its rounds' values. CPU per
 request is the server process's own CPU time (every thread) over the requests it served
 in the window (per thread too, in the baselines); loop lag is how late a 1 ms sleep on
 the server's loop wakes.
@@ -237,17 +237,8 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
     return out
 
 
-def median_and_spread(values: list[float]) -> tuple[float, list[float]]:
-    return statistics.median(values), [round(min(values), 4), round(max(values), 4)]
-
-
 def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
-    spreads: dict[str, list[float]] = {}
-
-    def target(name: str, values: list[float], limit: float, op: str) -> None:
-        value, spread = median_and_spread(values)
-        result.target(name, value, limit, op)
-        spreads[name] = spread
+    target = result.target  # each target's value is the median of its rounds, which it keeps
 
     def ratios(figures: dict[str, list[dict[str, float]]], a: str, b: str, key: str = "req_per_s") -> list[float]:
         return [x[key] / y[key] for x, y in zip(figures[a], figures[b], strict=True)]
@@ -296,7 +287,6 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
             )
             gap = data["torch_first"]["lag_max_ms"]
             result.target(f"serve_torch_first_request_loop_gap_ms_{loop}", gap, 10.0, "<=")
-    result.extra["spreads"] = spreads
 
 
 def cpu_plan() -> tuple[list[int], list[list[int]]]:
