@@ -191,6 +191,44 @@ async def test_cancelled_request_returns_its_lane_and_memory(sim_backend: Any, a
         assert used_bytes() == baseline
 
 
+async def test_the_next_lease_waits_for_staging_used_after_the_await(
+    sim_backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease that awaited its work leaves its lane idle: the next lease asks nothing.
+    One that staged a copy after its await has the lane's staging in flight: the next
+    lease, which would write that staging, waits for it."""
+    async with Lanes(count=1) as lanes:
+        (lane,) = lanes.lanes
+        queried: list[object] = []
+        query = sim_backend.stream_query
+        monkeypatch.setattr(sim_backend, "stream_query", lambda stream: queried.append(stream) or query(stream))
+        async with lanes.lease() as leased:
+            leased.upload(np.arange(100, dtype=np.float32))
+            await leased
+        queried.clear()
+        async with lanes.lease() as leased:
+            assert not queried  # awaited: nothing asked
+            await leased
+            sim_backend.pause(lane.stream.handle)
+            leased.upload(np.arange(100, dtype=np.float32))  # staged after the await, in flight
+        got_it = anyio.Event()
+
+        async def next_request() -> None:
+            async with lanes.lease() as again:
+                got_it.set()
+                await again
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(next_request)
+                await checkpoints()
+                assert not got_it.is_set()
+                sim_backend.resume(lane.stream.handle)
+        finally:
+            sim_backend.resume(lane.stream.handle)
+        assert got_it.is_set()
+
+
 async def test_a_poisoned_device_fails_pending_and_later_requests(sim_backend: Any, anyio_backend: Any) -> None:
     async with Lanes(count=2) as lanes:
         errors: list[BaseException] = []

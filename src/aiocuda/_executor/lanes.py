@@ -82,6 +82,7 @@ class Lane:
     """
 
     __slots__ = (
+        "_awaited",
         "_buffers",
         "_copy_outs",
         "_graphs",
@@ -111,6 +112,9 @@ class Lane:
         self._staging_size = staging
         self._staged = 0
         """Bytes of the staging block handed out since the lane was last awaited."""
+        self._awaited = False
+        """Whether this lease awaited :attr:`stream` and staged nothing since: the stream
+        is then idle as far as the lane's own memory goes (see Lanes._acquire)."""
         self._buffers: list[DeviceBuffer] = []
         """Device memory of the current lease (:meth:`empty`), freed when it ends."""
         self._kept_for_life: list[DeviceBuffer] = []
@@ -235,6 +239,7 @@ class Lane:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
         staging block while it lasts, else a block from the pinned cache kept until the
         lane is awaited."""
+        self._awaited = False
         start = self._staged
         end = start + nbytes
         if end <= self._staging_size:
@@ -249,6 +254,7 @@ class Lane:
         """Wait for everything enqueued on :attr:`stream` so far, then fill the host
         arrays of :meth:`download`. The one await a request needs."""
         yield from self.stream.__await__()
+        self._awaited = True
         self._settle()
 
     def _settle(self) -> None:
@@ -262,6 +268,7 @@ class Lane:
     # -- leases --------------------------------------------------------------------------------
     def _begin(self, priority: Priority) -> None:
         self.stream = self._streams[priority]
+        self._awaited = False
 
     def _end(self) -> None:
         """The lease is over: free its device memory stream-ordered, and keep host memory
@@ -504,7 +511,12 @@ class Lanes:
         lane = self._free.pop() if self._free else await self._wait_for_lane(priority)
         try:
             last = self._last[lane.index]
-            if not last.query():  # a lease ended without awaiting its work (cancelled)
+            # The lane's memory may be reused once the last lease's work is done. A lease
+            # that awaited its stream and staged nothing since leaves nothing of the lane's
+            # in flight that work on the same stream could overtake, so only a lease that
+            # ended otherwise (cancelled, say), or another priority's stream, is asked.
+            same_stream = last is lane._streams[priority]
+            if not (lane._awaited and same_stream) and not last.query():
                 await last
         except BaseException as exc:
             self._release(lane, exc)
