@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import inspect
 import json
 import operator
@@ -213,6 +214,22 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
     loop_thread = threading.get_ident()
     beat = [time.perf_counter()]
     stop = threading.Event()
+    collections: list[tuple[float, float, int]] = []  # the collector's passes: (start, end, generation)
+    collecting: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[:] = [time.perf_counter()]
+        elif collecting:
+            collections.append((collecting[0], time.perf_counter(), info["generation"]))
+            del collections[:-256]
+
+    def collected(since: float, until: float) -> str:
+        passes = [(end - start, gen) for start, end, gen in list(collections) if start < until and end > since]
+        if not passes:
+            return ""
+        took, generation = 1e3 * sum(p[0] for p in passes), max(p[1] for p in passes)
+        return f" (of which the garbage collector {took:.1f} ms, generation {generation})"
 
     async def heartbeat() -> None:
         while True:
@@ -225,7 +242,8 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
             while not stop.wait(0.001):
                 last = beat[0]
                 if pending is not None and last != pending[0]:  # the stall is over: how long it was
-                    out.write(f"--- stalled {1e3 * (last - pending[0] - _HEARTBEAT):.1f} ms\n{pending[1]}")
+                    gc_note = collected(pending[0], last)
+                    out.write(f"--- stalled {1e3 * (last - pending[0] - _HEARTBEAT):.1f} ms{gc_note}\n{pending[1]}")
                     out.flush()
                     pending = None
                 if pending is None and time.perf_counter() - last > threshold:
@@ -234,6 +252,7 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
 
     watcher = threading.Thread(target=watch, name="stall-watch", daemon=True)
     watcher.start()
+    gc.callbacks.append(on_gc)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(heartbeat)
@@ -242,5 +261,6 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
             finally:
                 tg.cancel_scope.cancel()
     finally:
+        gc.callbacks.remove(on_gc)
         stop.set()
         watcher.join()
