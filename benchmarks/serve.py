@@ -34,9 +34,9 @@ a two-layer fp16 MLP (8192 wide, 4 rows) per request, through ``interop.torch_st
 on lanes warmed up in the lifespan, awaited with ``await lane`` against polling a torch
 event and ``to_thread`` (CPU per request again at a fixed rate: half of ``/torch_poll``'s
 saturation rate), plus the loop's worst gap during the very first torch requests after
-start-up, sent at a light load (``FIRST_RATE`` per second: at saturation every loop
-iteration serves many requests and the lag is the iteration's length, whatever the
-first requests do).
+start-up, sent at a light load over a few connections (``FIRST_RATE`` per second: at saturation
+every loop iteration serves many requests and the lag is the iteration's length,
+whatever the first requests do).
 
     PYTHONPATH=src python3 benchmarks/serve.py            # GPU: writes results/serve.json
     AIOCUDA_BACKEND=sim PYTHONPATH=src python3 benchmarks/serve.py --quick   # smoke run
@@ -78,6 +78,9 @@ OPEN = ["lanes", "poll"]
 TORCH_OPEN = ["torch_lanes", "torch_poll"]
 FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
 FIRST_SECONDS = 0.5
+# Few connections for them: every window's clients connect anew, and the burst of accepts
+# for 128 connections held a newly started server's loop for 40 ms on the GPU machine.
+FIRST_CONNECTIONS = 4
 CONNECTIONS = 64
 BODY = bytes(64 << 10)
 
@@ -167,11 +170,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def window(server: Server, clients: Clients, kind: str, path: str, **args: Any) -> dict[str, float]:
-    """One measurement: reset the server's counters, run every client, read them back."""
+def window(
+    server: Server, clients: Clients, kind: str, path: str, connections: int = CONNECTIONS, **args: Any
+) -> dict[str, float]:
+    """One measurement: reset the server's counters, run every client, read them back.
+    ``connections``: in flight at once (closed loop), half the pool of an open loop."""
     server.call("POST", "/stats/reset")
     before = server.get("/stats")
-    per_client = CONNECTIONS // len(clients.pipes)
+    per_client = max(1, connections // len(clients.pipes))
     if kind == "closed":
         results = clients.run("closed", port=server.port, path=path, body=BODY, connections=per_client, **args)
     else:
@@ -208,7 +214,15 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
     out: dict[str, Any] = {}
     try:
         if with_torch:  # first: the first torch requests after the lifespan's warm-up
-            first = window(server, clients, "open", "/torch_lanes", rate=FIRST_RATE, seconds=FIRST_SECONDS)
+            first = window(
+                server,
+                clients,
+                "open",
+                "/torch_lanes",
+                connections=FIRST_CONNECTIONS,
+                rate=FIRST_RATE,
+                seconds=FIRST_SECONDS,
+            )
             out["torch_first"] = first
         scenarios = [("w1", 1000, WORK), ("w5", 5000, WORK), ("tiny", 0, TINY)]
         if with_torch:
