@@ -230,3 +230,39 @@ async def test_a_batched_gpu_stage_on_lanes(backend: Any, anyio_backend: Any) ->
         assert batcher.statistics().batches == 2
     for i, host in enumerate(inputs):
         np.testing.assert_allclose(results[i], scale_reference(host, reps), rtol=1e-4)
+
+
+async def test_a_partial_batch_starts_once_max_delay_has_passed(anyio_backend: Any) -> None:
+    run = Recorder()
+    results: list[int] = []
+    with anyio.fail_after(10):  # max_delay is 10 ms: only a lost timer waits this long
+        async with Batcher(run, max_batch=100, max_delay=0.01) as batcher:
+
+            async def one(i: int) -> None:
+                results.append(await batcher.submit(i))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(one, i)
+    assert sorted(results) == [0, 10, 20]
+    assert sorted(i for b in run.batches for i in b) == [0, 1, 2]
+
+
+async def test_the_next_batch_gathers_while_one_runs(anyio_backend: Any) -> None:
+    run = Recorder()
+    run.gate = anyio.Event()
+    results: dict[int, int] = {}
+    async with Batcher(run, max_batch=2, max_delay=NEVER, concurrency=2) as batcher:
+        async with anyio.create_task_group() as tg:
+
+            async def one(i: int) -> None:
+                results[i] = await batcher.submit(i)
+
+            for i in range(6):
+                tg.start_soon(one, i)
+            await checkpoints()
+            stats = batcher.statistics()
+            assert (stats.running, stats.queued) == (2, 2)  # two batches held at the gate, one waiting
+            run.gate.set()
+    assert [len(b) for b in run.batches] == [2, 2, 2]  # (trio starts the tasks in any order)
+    assert results == {i: i * 10 for i in range(6)}

@@ -1,24 +1,27 @@
 """Dynamic batching: concurrent requests gathered into one batched stage.
 
-See :mod:`aiocuda.batching` for the user's view. One *gatherer* task per batcher waits for
-the first queued item, keeps gathering until ``max_batch`` items or ``max_delay`` after
-that first one, and starts the batch in a task of its own (at most ``concurrency`` at
-once), so that gathering the next batch overlaps running this one. Requests wait on
-their own event; nothing a request does -- being cancelled above all -- reaches the
-batch's task.
+See :mod:`aiocuda.batching` for the user's view. ``concurrency`` *worker* tasks per
+batcher take turns gathering: the one holding the gathering lock waits for the first
+queued item, keeps gathering until ``max_batch`` items or ``max_delay`` after that first
+one, takes the batch, lets go of the lock (the next worker starts gathering the next
+batch) and runs it. A request suspends its own task on the loop adapter
+(:mod:`aiocuda._completion.loops`) until its batch resolves it; nothing a request does --
+being cancelled above all -- reaches a worker.
 """
 
 from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
 
+from .._completion.loops import LoopAdapter, current_adapter
 from ..errors import ClosedError
 from .chunk_map import exit_task_group
 
@@ -31,27 +34,49 @@ BatchFn = Callable[[list[T]], Awaitable[Sequence[R | BaseException]]]
 """``await run(items)``: the results in item order (an exception instance in place of a
 result fails that item's request alone)."""
 
+# Batching exists to cut the host cost per request, so a request is one object and one
+# suspension on the loop adapter. Measured on the simulator (operations run inline), 64
+# tasks submitting to a batch function that returns its items, host us per item:
+# asyncio 8.6 -> 3.8, uvloop 8.1 -> 3.0, trio 10.5 -> 7.0 when an anyio.Event per
+# request, a wake-up of the gatherer (under a new cancel scope) per arrival and a task per
+# batch were replaced by this; a bare future per request, resolved 64 at a time, costs
+# 2.3 (asyncio) of those.
+_clock = time.monotonic  # arrival times only feed a relative sleep: any monotonic clock does
 
-class _Pending(Generic[T, R]):
-    """One request's item, and how its request learns the outcome."""
 
-    __slots__ = ("arrived", "done", "error", "item", "result", "taken")
+class _Request(Generic[T, R]):
+    """One request's item, and how its task learns the outcome: a suspended wait of the
+    loop adapter (:class:`~aiocuda._completion.loops.Suspended`)."""
 
-    def __init__(self, item: T) -> None:
+    __slots__ = ("adapter", "arrived", "done", "error", "item", "result", "taken", "token")
+
+    def __init__(self, item: T, adapter: LoopAdapter) -> None:
         self.item = item
-        self.arrived = anyio.current_time()
-        self.done = anyio.Event()
+        self.adapter = adapter
+        self.arrived = _clock()
         self.taken = False
         """Whether a batch took it (a cancelled request is then left in its batch)."""
         self.result: R | None = None
         self.error: BaseException | None = None
+        self.token: Any = None
+        self.done = False
+
+    def finish(self) -> None:
+        self.done = True
+
+    def __await__(self) -> Generator[Any, Any, None]:
+        """Suspend the calling task until :meth:`resolve` (or its cancellation)."""
+        return self.adapter.suspend(self)
 
     def resolve(self, result: R | BaseException) -> None:
+        """Give the request its outcome and wake its task (nothing, if it was cancelled)."""
+        # The outcome travels on this object, never as the future's exception: a task
+        # cancelled just after its future was set would leave that exception unretrieved.
         if isinstance(result, BaseException):
             self.error = result
         else:
             self.result = result
-        self.done.set()
+        self.adapter.resume(self, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +107,8 @@ class Batcher(Generic[T, R]):
             (0: take what is queued at once).
         concurrency: batches running at once, at most (gathering goes on meanwhile).
 
-    Use as ``async with Batcher(...) as batcher:`` (in a lifespan): it runs a task of
-    its own for as long as the block.
+    Use as ``async with Batcher(...) as batcher:`` (in a lifespan), and submit from the
+    event loop it was entered on: it runs tasks of its own for as long as the block.
     """
 
     def __init__(self, run: BatchFn[T, R], *, max_batch: int, max_delay: float, concurrency: int = 2) -> None:
@@ -96,9 +121,12 @@ class Batcher(Generic[T, R]):
         self._run = run
         self.max_batch = max_batch
         self.max_delay = max_delay
-        self._queue: collections.deque[_Pending[T, R]] = collections.deque()
-        self._arrival: anyio.Event | None = None
-        self._slots = anyio.Semaphore(concurrency)
+        self._concurrency = concurrency
+        self._queue: collections.deque[_Request[T, R]] = collections.deque()
+        self._adapter: LoopAdapter | None = None
+        self._wakeup: anyio.Event | None = None
+        """Set while the gathering worker sleeps: what wakes it."""
+        self._gathering = anyio.Lock()
         self._task_group: anyio.abc.TaskGroup | None = None
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._running = 0
@@ -109,10 +137,12 @@ class Batcher(Generic[T, R]):
     async def __aenter__(self) -> Batcher[T, R]:
         if self._state != "new":
             raise RuntimeError(f"a Batcher is entered once (this one is {self._state})")
+        self._adapter = current_adapter()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._state = "open"
-        self._task_group.start_soon(self._gather)
+        for _ in range(self._concurrency):
+            self._task_group.start_soon(self._work)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
@@ -120,14 +150,13 @@ class Batcher(Generic[T, R]):
         items run at once (no more waiting for ``max_delay``) and every batch finishes."""
         assert self._task_group is not None
         self._state = "closing"
-        self._notify()
+        self._wake()
         try:
             return await exit_task_group(self._task_group, exc_type, exc, tb)
         finally:
             self._state = "closed"
-            for pending in self._queue:
-                pending.resolve(ClosedError("the batcher closed before this request ran"))
-            self._queue.clear()
+            while self._queue:
+                self._queue.popleft().resolve(ClosedError("the batcher closed before this request ran"))
 
     # -- requests ------------------------------------------------------------------------------
     async def submit(self, item: T) -> R:
@@ -138,76 +167,88 @@ class Batcher(Generic[T, R]):
         """
         if self._state != "open":
             raise ClosedError(f"the batcher is {self._state}")
-        pending: _Pending[T, R] = _Pending(item)
-        self._queue.append(pending)
-        self._notify()
+        assert self._adapter is not None
+        request: _Request[T, R] = _Request(item, self._adapter)
+        queue = self._queue
+        queue.append(request)
+        # The gathering worker sleeps until the first item arrives, then until the
+        # batch is full or due: only those two arrivals wake it.
+        if self._wakeup is not None and (len(queue) == 1 or len(queue) >= self.max_batch):
+            self._wake()
         try:
-            await pending.done.wait()
+            await request
         except BaseException:
-            if not pending.taken:
-                self._queue.remove(pending)
+            if not request.taken:
+                queue.remove(request)
             raise
-        if pending.error is not None:
-            raise pending.error
-        return pending.result  # type: ignore[return-value]
+        if request.error is not None:
+            raise request.error
+        return request.result  # type: ignore[return-value]
 
-    def _notify(self) -> None:
-        arrival, self._arrival = self._arrival, None
-        if arrival is not None:
-            arrival.set()
+    def _wake(self) -> None:
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None:
+            wakeup.set()
 
-    async def _next_arrival(self, deadline: float = math.inf) -> None:
-        """Sleep until an item is queued, the batcher closes, or ``deadline``."""
-        self._arrival = arrival = anyio.Event()
-        with anyio.move_on_after(deadline - anyio.current_time()):
-            await arrival.wait()
+    async def _sleep(self, seconds: float) -> None:
+        """Sleep until :meth:`_wake` or for ``seconds`` (``math.inf``: until woken)."""
+        self._wakeup = wakeup = anyio.Event()
+        with anyio.move_on_after(seconds):
+            await wakeup.wait()
+        self._wakeup = None
 
     # -- batches -------------------------------------------------------------------------------
-    async def _gather(self) -> None:
-        assert self._task_group is not None
+    async def _work(self) -> None:
+        """One worker: gather a batch (one worker at a time), run it; until closed."""
         while True:
-            while not self._queue and self._state == "open":
-                await self._next_arrival()
-            if not self._queue:
+            async with self._gathering:
+                batch = await self._gather()
+            if not batch:
                 return  # closing, and nothing left
-            deadline = self._queue[0].arrived + self.max_delay
-            while len(self._queue) < self.max_batch and self._state == "open":
-                if anyio.current_time() >= deadline:
-                    break
-                await self._next_arrival(deadline)
-            await self._slots.acquire()
-            batch: list[_Pending[T, R]] = []
-            while self._queue and len(batch) < self.max_batch:
-                pending = self._queue.popleft()
-                pending.taken = True
-                batch.append(pending)
-            if not batch:  # all cancelled while waiting for a slot
-                self._slots.release()
-                continue
-            self._running += 1
-            self._task_group.start_soon(self._run_batch, batch)
+            await self._run_batch(batch)
 
-    async def _run_batch(self, batch: list[_Pending[T, R]]) -> None:
+    async def _gather(self) -> list[_Request[T, R]]:
+        """Wait until a batch is due and take it (nothing: the batcher closed with nothing
+        queued)."""
+        queue = self._queue
+        while True:
+            if not queue:
+                if self._state != "open":
+                    return []
+                await self._sleep(math.inf)
+                continue
+            if len(queue) >= self.max_batch or self._state != "open":
+                break
+            remaining = queue[0].arrived + self.max_delay - _clock()
+            if remaining <= 0:
+                break
+            await self._sleep(remaining)
+        batch = [queue.popleft() for _ in range(min(len(queue), self.max_batch))]
+        for request in batch:
+            request.taken = True
+        return batch
+
+    async def _run_batch(self, batch: list[_Request[T, R]]) -> None:
+        self._running += 1
         try:
             try:
-                results = await self._run([pending.item for pending in batch])
+                results = await self._run([request.item for request in batch])
                 if len(results) != len(batch):
                     raise ValueError(f"the batch function returned {len(results)} results for {len(batch)} items")
             except Exception as exc:
-                for pending in batch:
-                    pending.resolve(exc)
+                for request in batch:
+                    request.resolve(exc)
                 return
             except BaseException:
-                for pending in batch:
-                    pending.resolve(ClosedError("the batcher was cancelled while this request's batch ran"))
+                for request in batch:
+                    request.resolve(ClosedError("the batcher was cancelled while this request's batch ran"))
                 raise
-            for pending, result in zip(batch, results, strict=True):
-                pending.resolve(result)
+            for request, result in zip(batch, results, strict=True):
+                request.resolve(result)
         finally:
             self._running -= 1
             self._batches += 1
             self._items += len(batch)
-            self._slots.release()
 
     # -- state ---------------------------------------------------------------------------------
     def statistics(self) -> BatcherStatistics:
