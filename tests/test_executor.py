@@ -472,6 +472,55 @@ async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend:
     np.testing.assert_allclose(value, scale_reference(chunks(1)[0], REPS), rtol=1e-5)
 
 
+async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(backend: Any, anyio_backend: Any) -> None:
+    """A submit's chunk runs on a request lane: in place or into a new array, sync or
+    async stages, pageable or pinned input, an input beyond the lane's staging, a given
+    output; traced like a pipeline's chunk; and every byte it allocated is returned."""
+    scale = ScaleStage(REPS)
+
+    async def into_new(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+        out = ctx.empty(x.shape, x.dtype)
+        ctx.device.make_current()
+        ctx.device._driver.memcpy_dtod_async(out.ptr, x.ptr, x.nbytes, ctx.stream.handle)
+        scale(ctx, out)
+        return out
+
+    pageable = chunks(1)[0]
+    inputs = [pageable, chunks(1, pinned=True, seed=1)[0], chunks(1, (3 << 20) // 4, seed=2)[0]]  # 3 MiB: > staging
+    out = pinned_empty(pageable.shape, np.float32)
+    baseline = used_bytes()
+    async with Executor([0], trace=True) as ex:
+        for host in inputs:
+            for stage in (scale, into_new):
+                np.testing.assert_allclose(await ex.submit(stage, host), scale_reference(host, REPS), rtol=1e-5)
+        assert await ex.submit(scale, pageable, output=lambda i, result: out) is out
+        with pytest.raises(TypeError, match="DeviceArray or None"):
+            await ex.submit(lambda ctx, x: 42, pageable)  # type: ignore[arg-type, return-value]
+        await ex.synchronize()
+        assert used_bytes() == baseline and ex.device_streams[0].chunks == 0
+        assert ex.trace is not None
+        units = {span.unit for span in ex.trace.spans}
+    assert {"h2d", "compute", "d2h"} <= units
+    np.testing.assert_allclose(out, scale_reference(pageable, REPS), rtol=1e-5)
+
+
+@pytest.mark.multi_gpu
+async def test_submit_with_a_stage_that_moves_its_chunk(backend: Any, anyio_backend: Any) -> None:
+    scale = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+        return ctx.move(x, 1 - ctx.device.ordinal)  # downloaded from the other device, not the lane's
+
+    host = chunks(1)[0]
+    baseline = used_bytes()
+    async with Executor([0, 1]) as ex:
+        for _ in range(3):  # on both devices (least loaded, then the cursor's order)
+            np.testing.assert_allclose(await ex.submit(stage, host), host)
+        np.testing.assert_allclose(await ex.submit(scale, host), scale_reference(host, REPS), rtol=1e-5)
+        await ex.synchronize()
+        assert used_bytes() == baseline
+
+
 @pytest.mark.anyio
 async def test_submit_and_pipeline_priorities(backend: _driver.Driver, anyio_backend: Any) -> None:
     from aiocuda.stream import Stream

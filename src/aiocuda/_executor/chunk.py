@@ -207,7 +207,7 @@ class ChunkContext(metaclass=NoPublicConstructor):
         self._arrays.clear()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: Executor.submit makes one per call, and frozen fields cost 1 us more to set
 class ChunkRunner:
     """How each chunk of a pipeline (or a lone :meth:`~aiocuda.executor.Executor.submit`)
     is processed: its stage, where its results go, and the executor's device_streams and trace."""
@@ -232,11 +232,11 @@ class ChunkRunner:
         ctx = ChunkContext._create(index, host, device_streams, self.streams_of, trace, self.name)
         try:
             h2d = device_streams.h2d if lane is None else lane.stream
-            x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
-            span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace else None
+            span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace is not None else None
             if lane is not None and lane._fits(host):
-                lane.upload(host, out=x)  # through the lane's own staging: enqueued only
+                x = lane.upload(host)  # allocated by the lane (freed when the lease ends), staged: enqueued only
             else:
+                x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
                 await _staging.host_to_device(x.ptr, host, h2d)
             if span is not None:
                 Trace._stop(span, h2d)
@@ -244,7 +244,7 @@ class ChunkRunner:
             # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
             ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
             returned = self.stage(ctx, x)
-            if inspect.isawaitable(returned):
+            if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
                 returned = await returned
             if returned is not None and not isinstance(returned, DeviceArray):
                 raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
@@ -254,13 +254,15 @@ class ChunkRunner:
             on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
             d2h = h2d if on_lane else self.streams_of(result.device).d2h
             result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
-            span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace else None
+            span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
             if on_lane and lane is not None and lane._fits(dest):
                 lane.download(result, out=dest)  # enqueued; filled by the lane's await
                 if span is not None:
                     Trace._stop(span, d2h)
                     ctx._spans.append(span)
                 await lane  # the one host wait
+                # The chunk's arrays are freed below, on their last-use stream: the lane's,
+                # where its next request allocates.
             else:
                 if not _copies.download(dest, result.ptr, d2h):  # pageable: staged, awaited
                     await _staging.device_to_host(dest, result.ptr, d2h)
@@ -268,7 +270,7 @@ class ChunkRunner:
                     Trace._stop(span, d2h)
                     ctx._spans.append(span)
                 await d2h  # the download and those before it on the stream
-            ctx._free_done()
+                ctx._free_done()
             if trace is not None:
                 trace._resolve(*ctx._spans)
                 ctx._spans.clear()

@@ -44,18 +44,25 @@ def choose(policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: 
     that accepts; ``least_loaded`` the one with the fewest reserved bytes, then chunks,
     then the cursor order (so equal devices still alternate).
     """
-    n = len(candidates)
-    order = [candidates[(cursor + k) % n] for k in range(n)]
-    fitting = [candidate for candidate in order if _fits(candidate, nbytes)]
-    if not fitting:
-        return None, cursor
-    if policy == "round_robin":
-        chosen = fitting[0]
-    elif policy == "least_loaded":
-        chosen = min(fitting, key=lambda candidate: (candidate.reserved, candidate.chunks))
-    else:
+    # Once per chunk and per submit, so a plain loop: the lists, key function and index()
+    # it replaced took 2.2 us for one device, this 1.2 (on a slow 2-core machine).
+    if policy != "round_robin" and policy != "least_loaded":
         raise ValueError(f"unknown placement {policy!r}: expected 'round_robin' or 'least_loaded'")
-    return chosen, (candidates.index(chosen) + 1) % n
+    n = len(candidates)
+    chosen: L | None = None
+    chosen_at = cursor
+    for k in range(n):
+        at = (cursor + k) % n
+        candidate = candidates[at]
+        if not _fits(candidate, nbytes):
+            continue
+        if policy == "round_robin":
+            return candidate, (at + 1) % n
+        if chosen is None or (candidate.reserved, candidate.chunks) < (chosen.reserved, chosen.chunks):
+            chosen, chosen_at = candidate, at
+    if chosen is None:
+        return None, cursor
+    return chosen, (chosen_at + 1) % n
 
 
 class Admission:
