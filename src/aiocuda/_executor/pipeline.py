@@ -115,13 +115,11 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
             assert graphs is not None
             await graphs.settled(placed)
             route = graphs.route(index, array, placed)
-        if route == "replay":
-            assert graphs is not None
-            graphs.replay(index, array, placed)
-        elif route == "capture":
+        if route == "capture":
             self._task_group.start_soon(self._capture, index, array, placed)
-        else:
+        elif route == "eager":
             self._task_group.start_soon(self._chunk, index, array, placed)
+        # else "replay": enqueued by route()
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         output: npt.NDArray[Any] | None = None
