@@ -45,16 +45,19 @@ def choose(policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: 
     then the cursor order (so equal devices still alternate).
     """
     n = len(candidates)
+    if policy == "round_robin":  # (once per chunk: no lists)
+        for k in range(n):
+            i = (cursor + k) % n
+            if _fits(candidates[i], nbytes):
+                return candidates[i], (i + 1) % n
+        return None, cursor
     order = [candidates[(cursor + k) % n] for k in range(n)]
     fitting = [candidate for candidate in order if _fits(candidate, nbytes)]
     if not fitting:
         return None, cursor
-    if policy == "round_robin":
-        chosen = fitting[0]
-    elif policy == "least_loaded":
-        chosen = min(fitting, key=lambda candidate: (candidate.reserved, candidate.chunks))
-    else:
+    if policy != "least_loaded":
         raise ValueError(f"unknown placement {policy!r}: expected 'round_robin' or 'least_loaded'")
+    chosen = min(fitting, key=lambda candidate: (candidate.reserved, candidate.chunks))
     return chosen, (candidates.index(chosen) + 1) % n
 
 
