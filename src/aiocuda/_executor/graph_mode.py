@@ -199,7 +199,7 @@ class GraphMode:
         self._lane_count = lanes
         self._own = shared is None
         self._shared: dict[int, GraphLanes] = {} if shared is None else shared
-        self._queues: dict[int, _Queue] = {}
+        self._queues: dict[DeviceStreams, _Queue] = {}
 
     def close(self) -> None:
         """The pipeline is over: a warm-up or capture of its own that did not finish is
@@ -212,13 +212,13 @@ class GraphMode:
 
     def _queue(self, device_streams: DeviceStreams) -> _Queue:
         """This pipeline's queue on the device (with the stage's graphs there)."""
-        ordinal = device_streams.device.ordinal
-        found = self._queues.get(ordinal)
+        found = self._queues.get(device_streams)
         if found is None:
+            ordinal = device_streams.device.ordinal
             lanes = self._shared.get(ordinal)
             if lanes is None:
                 lanes = self._shared[ordinal] = GraphLanes()
-            found = self._queues[ordinal] = _Queue(lanes)
+            found = self._queues[device_streams] = _Queue(lanes)
         return found
 
     def _lanes(self, device_streams: DeviceStreams) -> GraphLanes:
@@ -369,45 +369,43 @@ class GraphMode:
     def _replay(self, queue: _Queue, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
         :meth:`route` sends so); the device's collector delivers its result."""
-        self._collector(queue, device_streams)
+        if not queue.collecting:
+            self._collector(queue, device_streams)
+        lanes = queue.lanes
         try:
-            pending = self._launch(queue, index, host)
+            source = host
+            src = pinned_address(host)
+            if not src:
+                source = pinned_empty(host.shape, host.dtype)
+                np.copyto(source, host)
+                src = host_address(source)
+            assert lanes.template is not None
+            dest = self._destination(index, lanes.template)
+            target, staged = dest, None
+            dst = pinned_address(dest)
+            if not dst:
+                target = staged = pinned_empty(dest.shape, dest.dtype)
+                dst = host_address(staged)
+            turn = queue.turn
+            lane = lanes.lanes[turn]
+            queue.turn = (turn + 1) % len(lanes.lanes)
+            stream = lane.stream
+            lane.set_upload(lane.x_ptr, src)
+            lane.set_download(dst, lane.result_ptr)
+            trace = self._runner.trace
+            span = None if trace is None else self._span(trace, lane, index)
+            lane.graph._enqueue(stream)
+            if span is not None:
+                Trace._stop(span, stream)
+            event = lane.events.acquire()
+            lane.record(event, stream._handle)
         except Exception as exc:
             self._finish(index, host, device_streams, None, exc)
             return
-        queue.pending.append(pending)
-        if len(queue.pending) == 1:
+        pending = queue.pending
+        pending.append(_Replay(index, host, dest, staged, (source, target), lane, event, span))
+        if len(pending) == 1:
             queue.wake.set()
-
-    def _launch(self, queue: _Queue, index: int, host: npt.NDArray[Any]) -> _Replay:
-        lanes = queue.lanes
-        source = host
-        src = pinned_address(host)
-        if not src:
-            source = pinned_empty(host.shape, host.dtype)
-            np.copyto(source, host)
-            src = host_address(source)
-        assert lanes.template is not None
-        dest = self._destination(index, lanes.template)
-        target, staged = dest, None
-        dst = pinned_address(dest)
-        if not dst:
-            target = staged = pinned_empty(dest.shape, dest.dtype)
-            dst = host_address(staged)
-        turn = queue.turn
-        lane = lanes.lanes[turn]
-        queue.turn = (turn + 1) % len(lanes.lanes)
-        stream = lane.stream
-        lane.set_upload(lane.x_ptr, src)
-        lane.set_download(dst, lane.result_ptr)
-        trace = self._runner.trace
-        span = None if trace is None else self._span(trace, lane, index)
-        lane.graph._enqueue(stream)
-        if span is not None:
-            Trace._stop(span, stream)
-        event = lane.events.acquire()
-        lane.record(event, stream._handle)
-        return _Replay(index, host, dest, staged, (source, target), lane, event, span)
 
     def _span(self, trace: Trace, lane: _Lane, index: int) -> _PendingSpan:
         name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"

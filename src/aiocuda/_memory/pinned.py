@@ -91,7 +91,7 @@ def host_address(array: npt.NDArray[Any]) -> int:
 def pinned_address(array: npt.NDArray[Any]) -> int:
     """``array``'s address if it lies in memory known to be page-locked, else 0."""
     ptr = host_address(array)
-    return ptr if pinned_ranges.owner(ptr, max(array.nbytes, 1)) is not None else 0
+    return ptr if pinned_ranges.owner(ptr, array.nbytes or 1) is not None else 0
 
 
 class PinnedAllocation:
