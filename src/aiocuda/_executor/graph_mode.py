@@ -1,26 +1,28 @@
 """Graph mode of a pipeline (``Executor.map(..., graph=True)``): a chunk's work captured
-once per device and lane, replayed for every chunk with that chunk's addresses.
+once per device and lane, replayed for every chunk with that chunk's data.
 
 Per device, the first chunk runs eagerly: it loads the stage's modules and warms up the
 libraries it calls, which must not happen during a capture. Once it has succeeded, the
-next chunk is captured on each of :data:`LANES` streams of the device -- its upload from
-page-locked memory, the stage (called once per lane: the uploaded input and the stage's
-``ctx.empty`` arrays become graph memory) and its download -- and replayed on the first
-lane. The executor keeps the captured graphs of a stage (:class:`GraphLanes`, per
-device) for its later pipelines of the same stage object, which replay from their
-first chunk. Every later chunk of the same shape and dtype is a replay on the next lane in
-turn: two copy addresses set, one graph launch, one event recorded; no task of its own
-and no call of the stage. One collector task per device awaits the replays in the order
-they were launched and delivers their results. Lanes replay side by side, so chunks
-overlap as on the eager path (the replays of one lane run one after another).
+next chunk is captured on each graph lane of the device (:mod:`.graph_lanes`) -- its
+upload from page-locked memory, the stage (called once per lane: the uploaded input and
+the stage's ``ctx.empty`` arrays become graph memory) and its download -- and replayed
+on the first lane. The executor keeps the captured graphs of a stage
+(:class:`~.graph_lanes.GraphLanes`, per device) for its later pipelines of the same
+stage object, which replay from their first chunk. Every later chunk of the same shape
+and dtype is a replay on the next free lane in turn: a small chunk is copied into the
+lane's own page-locked buffer, a larger one is pointed at by the graph's two copies;
+then one graph launch and one event recorded; no task of its own and no call of the
+stage. One collector task per device awaits the replays in the order they were
+launched and delivers their results (copied out of the lane's buffer, for a small
+chunk). Lanes replay side by side, so chunks overlap as on the eager path.
 
 A capture that fails -- a stage that waits for the GPU, copies pageable memory, moves the
 chunk to another device, or raises -- leaves the device on the eager path for the rest of
 the pipeline, with a one-line note in the trace; that chunk then runs eagerly, so its
-result or error is the eager path's. Chunks of another shape or dtype, and pageable
-inputs larger than ``staging.INLINE_LIMIT``, run eagerly too. Results default to
-page-locked arrays; a pageable ``output=`` destination is filled from page-locked
-memory once the replay is done.
+result or error is the eager path's. Chunks of another shape or dtype, pageable inputs
+larger than ``staging.INLINE_LIMIT``, and small chunks that find every lane busy run
+eagerly too. Results default to page-locked arrays; a pageable ``output=`` destination
+is filled from page-locked memory once the replay is done.
 """
 
 from __future__ import annotations
@@ -50,47 +52,19 @@ from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
 from .device_streams import DeviceStreams
+from .graph_lanes import LANES, STAGED_LANES, STAGED_LIMIT, GraphLane, GraphLanes
 
-__all__ = ["LANES", "GraphMode", "Route"]
+__all__ = ["GraphMode", "Route"]
 
 _log = logging.getLogger("aiocuda")
-
-LANES = 4
-"""Graph lanes per device: streams with a captured graph each, replaying chunks in turn
-(at most the executor's ``chunks_per_device``). Three keep a chunk's upload, kernels and
-download overlapping those of its neighbours; the fourth absorbs uneven chunks."""
 
 Route = Literal["replay", "capture", "eager", "wait"]
 """How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself)
 or one the pipeline starts."""
-_State = Literal["new", "warming", "capture", "capturing", "ready", "eager"]
 Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
 """``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
 releases its admission and delivers its result (none when both are None: the pipeline
 is being cancelled)."""
-
-
-class _Lane:
-    """One stream with a captured graph, and how to point the graph at a chunk."""
-
-    __slots__ = ("events", "graph", "index", "record", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
-
-    def __init__(self, index: int, stream: Stream, graph: Graph, x_ptr: int, result_ptr: int) -> None:
-        self.index = index
-        self.stream = stream
-        self.graph = graph
-        self.events = EventPool.for_device(stream.device)
-        self.record = stream.device._driver.event_record
-        self.x_ptr = x_ptr
-        """The chunk's device input: graph memory, at the same address in every replay."""
-        self.result_ptr = result_ptr
-        """What the download copies from (graph memory, or a buffer the stage returned)."""
-        self.set_upload: Callable[[int, int], None] = _no_copy
-        self.set_download: Callable[[int, int], None] = _no_copy
-
-
-def _no_copy(dst: int, src: int) -> None:
-    raise AssertionError("a lane's copies are set when it is captured")
 
 
 class _Replay:
@@ -105,7 +79,7 @@ class _Replay:
         dest: npt.NDArray[Any],
         staged: npt.NDArray[Any] | None,
         keep: tuple[Any, ...],
-        lane: _Lane,
+        lane: GraphLane,
         event: Any,
         span: _PendingSpan | None,
     ) -> None:
@@ -113,51 +87,13 @@ class _Replay:
         self.host = host
         self.dest = dest
         self.staged = staged
-        """The page-locked array the replay downloads into when ``dest`` is pageable."""
+        """The page-locked array the replay downloads into, copied to ``dest`` once it is
+        done: the lane's own (staged lanes), or one for a pageable ``dest``."""
         self.keep = keep
         """Host memory the replay reads or writes (kept until it is done)."""
         self.lane = lane
         self.event = event
         self.span = span
-
-
-class GraphLanes:
-    """A stage's captured graphs on one device, one per lane, and how far it got: kept
-    by the executor for every pipeline of the stage (or by one pipeline)."""
-
-    __slots__ = ("dtype", "lanes", "owner", "settled", "shape", "state", "template")
-
-    def __init__(self) -> None:
-        self.state: _State = "new"
-        self.owner: Any = None
-        """Whose chunk warms the device up, ``(graph mode, index)``, or which graph mode captures."""
-        self.settled: anyio.Event | None = None
-        """Set when a warm-up or capture in progress ends (chunks wait for it)."""
-        self.lanes: list[_Lane] = []
-        self.shape: tuple[int, ...] = ()
-        self.dtype: np.dtype[Any] = np.dtype(np.uint8)
-        self.template: DeviceArray | None = None
-        """The stage's result in the capture: shape and dtype for ``output(index, result)``."""
-
-    def close(self) -> None:
-        """Release the graphs (once the replays already enqueued have run)."""
-        for lane in self.lanes:
-            lane.graph.close()
-        self.lanes.clear()
-        if self.state == "ready":
-            self.state = "new"
-
-    def begin(self, state: _State, owner: Any) -> None:
-        """A warm-up or capture starts: chunks for the device wait for its end."""
-        self.state, self.owner = state, owner
-        self.settled = anyio.Event()
-
-    def settle(self, state: _State) -> None:
-        """The warm-up or capture in progress ended in ``state``: waiting chunks go on."""
-        self.state, self.owner = state, None
-        settled, self.settled = self.settled, None
-        if settled is not None:
-            settled.set()
 
 
 class _Queue:
@@ -231,9 +167,8 @@ class GraphMode:
         state = lanes.state
         if state == "ready":
             fits = host.shape == lanes.shape and host.dtype == lanes.dtype
-            if fits and (host.nbytes <= _staging.INLINE_LIMIT or is_pinned(host)):
-                self._replay(queue, index, host, device_streams)
-                return "replay"
+            if fits and (lanes.staged or host.nbytes <= _staging.INLINE_LIMIT or is_pinned(host)):
+                return self._replay(queue, index, host, device_streams)
             return "eager"
         if state == "new":
             lanes.begin("warming", (self, index))
@@ -285,6 +220,10 @@ class GraphMode:
         self._collector(queue, device_streams)
         lane = lanes.lanes[0]
         queue.turn = 1 % len(lanes.lanes)
+        if lanes.staged:
+            assert lane.staged_in is not None
+            lane.busy = True
+            lane.staged_in[...] = host
         trace = runner.trace
         span = None if trace is None else self._span(trace, lane, index)
         launched = lane.graph.launch(lane.stream)
@@ -292,12 +231,15 @@ class GraphMode:
             Trace._stop(span, lane.stream)
         try:
             await launched
-        finally:
-            if staged_in is not None:
-                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    lane.stream.hold(staged_in)
+        except BaseException:
+            with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                lane.stream.hold(staged_in, staged_out)
+                if lanes.staged:
+                    lane.abandon()
+            raise
         if staged_out is not None:
             await _copy(dest, staged_out)
+        lane.busy = False
         if span is not None and trace is not None:
             trace._resolve(span)
         return dest
@@ -305,20 +247,26 @@ class GraphMode:
     async def _capture_lanes(
         self, lanes: GraphLanes, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, npt.NDArray[Any] | None]:
-        """Capture every lane with chunk ``index``'s addresses; ``(dest, staged input,
-        staged output)``: the chunk's destination and the page-locked copies used."""
+        """Capture every lane with chunk ``index``'s addresses (pointed lanes) or their
+        own buffers' (staged lanes); ``(dest, staged input, staged output)``: the chunk's
+        destination and the page-locked copies its first replay uses."""
         device = device_streams.device
-        if not device_streams.graph_lanes:
-            count = max(1, min(self._lane_count, device_streams.max_chunks))
-            device_streams.graph_lanes = await anyio.to_thread.run_sync(
-                _make_streams, device, count, device_streams.h2d.priority
+        staged = lanes.staged = host.nbytes <= STAGED_LIMIT
+        count = max(1, min(STAGED_LANES if staged else self._lane_count, device_streams.max_chunks))
+        if len(device_streams.graph_lanes) < count:
+            device_streams.graph_lanes += await anyio.to_thread.run_sync(
+                _make_streams, device, count - len(device_streams.graph_lanes), device_streams.h2d.priority
             )
-        staged_in = None if is_pinned(host) else await _pin(host)
-        src = host_address(host if staged_in is None else staged_in)
+        staged_in = None if staged or is_pinned(host) else await _pin(host)
         dest: npt.NDArray[Any] | None = None
         staged_out: npt.NDArray[Any] | None = None
-        dst = 0
-        for k, stream in enumerate(device_streams.graph_lanes):
+        for k, stream in enumerate(device_streams.graph_lanes[:count]):
+            lane_in = lane_out = None
+            if staged:
+                source = lane_in = pinned_empty(host.shape, host.dtype, device=device)
+            else:
+                source = host if staged_in is None else staged_in
+            src = host_address(source)
             ctx = ChunkContext._create(index, host, device_streams, self._runner.streams_of, None, self._runner.name)
             ctx.stream = stream
             async with stream.capture(mode="relaxed") as graph:
@@ -335,19 +283,29 @@ class GraphMode:
                     raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
                 if dest is None:
                     dest = self._destination(index, result, contiguous=False)
-                    if not is_pinned(dest):
+                    if not (staged or is_pinned(dest)):
                         staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
-                    dst = host_address(dest if staged_out is None else staged_out)
                     lanes.template, lanes.shape, lanes.dtype = result, host.shape, host.dtype
+                if staged:
+                    target = lane_out = pinned_empty(result.shape, result.dtype, device=device)
+                else:
+                    target = dest if staged_out is None else staged_out
+                dst = host_address(target)
                 result_ptr = result.ptr
                 _copies.enqueue_download(dst, result_ptr, result.nbytes, stream)
-            lane = _Lane(k, stream, graph, x_ptr, result_ptr)
+            lane = GraphLane(k, stream, graph, x_ptr, result_ptr)
             lanes.lanes.append(lane)
+            if staged:
+                lane.staged_in, lane.staged_out = lane_in, lane_out
+                continue
             lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
             lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
             lane.set_upload(x_ptr, src)  # the driver takes these updates: else the device stays eager
             lane.set_download(dst, result_ptr)
         assert dest is not None
+        if staged:
+            first = lanes.lanes[0]
+            return dest, first.staged_in, first.staged_out
         return dest, staged_in, staged_out
 
     def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any]:
@@ -366,32 +324,37 @@ class GraphMode:
             queue.collecting = True
             self._start(self._collect, queue, device_streams)
 
-    def _replay(self, queue: _Queue, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
-        """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
-        :meth:`route` sends so); the device's collector delivers its result."""
+    def _replay(self, queue: _Queue, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
+        """Enqueue chunk ``index`` as a replay on the device's next free lane (a chunk that
+        :meth:`route` sends so): ``"replay"``, or ``"eager"`` when every staged lane is
+        busy. The device's collector delivers its result."""
         if not queue.collecting:
             self._collector(queue, device_streams)
         lanes = queue.lanes
+        every = lanes.lanes
+        count = len(every)
+        turn = queue.turn
+        lane = every[turn]
+        if lanes.staged and lane.busy:  # (lanes free up in turn, unless a cancelled pipeline left one)
+            for k in range(1, count + 1):
+                lane = every[(turn + k) % count]
+                if not lane.busy or lane.reclaim():
+                    break
+            else:
+                return "eager"
+        queue.turn = (lane.index + 1) % count
         try:
-            source = host
-            src = pinned_address(host)
-            if not src:
-                source = pinned_empty(host.shape, host.dtype)
-                np.copyto(source, host)
-                src = host_address(source)
             assert lanes.template is not None
             dest = self._destination(index, lanes.template)
-            target, staged = dest, None
-            dst = pinned_address(dest)
-            if not dst:
-                target = staged = pinned_empty(dest.shape, dest.dtype)
-                dst = host_address(staged)
-            turn = queue.turn
-            lane = lanes.lanes[turn]
-            queue.turn = (turn + 1) % len(lanes.lanes)
+            if lanes.staged:
+                staged_in, staged = lane.staged_in, lane.staged_out
+                assert staged_in is not None
+                keep: tuple[Any, ...] = (staged_in, staged)
+                lane.busy = True
+                staged_in[...] = host
+            else:
+                staged, keep = self._point(lane, host, dest)
             stream = lane.stream
-            lane.set_upload(lane.x_ptr, src)
-            lane.set_download(dst, lane.result_ptr)
             trace = self._runner.trace
             span = None if trace is None else self._span(trace, lane, index)
             lane.graph._enqueue(stream)
@@ -400,14 +363,37 @@ class GraphMode:
             event = lane.events.acquire()
             lane.record(event, stream._handle)
         except Exception as exc:
+            lane.busy = False
             self._finish(index, host, device_streams, None, exc)
-            return
+            return "replay"
         pending = queue.pending
-        pending.append(_Replay(index, host, dest, staged, (source, target), lane, event, span))
+        pending.append(_Replay(index, host, dest, staged, keep, lane, event, span))
         if len(pending) == 1:
             queue.wake.set()
+        return "replay"
 
-    def _span(self, trace: Trace, lane: _Lane, index: int) -> _PendingSpan:
+    @staticmethod
+    def _point(
+        lane: GraphLane, host: npt.NDArray[Any], dest: npt.NDArray[Any]
+    ) -> tuple[npt.NDArray[Any] | None, tuple[Any, ...]]:
+        """Point a pointed lane's copies at the chunk (through page-locked copies of
+        pageable memory); ``(staged output, host memory to keep)``."""
+        source = host
+        src = pinned_address(host)
+        if not src:
+            source = pinned_empty(host.shape, host.dtype)
+            source[...] = host
+            src = host_address(source)
+        target, staged = dest, None
+        dst = pinned_address(dest)
+        if not dst:
+            target = staged = pinned_empty(dest.shape, dest.dtype)
+            dst = host_address(staged)
+        lane.set_upload(lane.x_ptr, src)
+        lane.set_download(dst, lane.result_ptr)
+        return staged, (source, target)
+
+    def _span(self, trace: Trace, lane: GraphLane, index: int) -> _PendingSpan:
         name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
         return trace._start(lane.stream, "graph", name, chunk=index, track=lane.index)
 
@@ -438,6 +424,7 @@ class GraphMode:
                     error = exc
                     if replay.span is not None:
                         Trace._discard(replay.span)
+                replay.lane.busy = False
                 pending.popleft()
                 self._finish(replay.index, replay.host, device_streams, output, error)
         finally:
@@ -447,8 +434,11 @@ class GraphMode:
                 replay = pending.popleft()
                 if replay.event is not None:
                     pool.release(replay.event)  # re-recording a pending event is safe
+                lane = replay.lane
                 with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    replay.lane.stream.hold(*replay.keep)
+                    lane.stream.hold(*replay.keep)
+                    if lane.busy:
+                        lane.abandon()
                 if replay.span is not None:
                     Trace._discard(replay.span)
                 self._finish(replay.index, replay.host, device_streams, None, None)
@@ -496,8 +486,12 @@ async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
 
 
 async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """Copy C-contiguous ``src`` into ``dst``, of the same dtype and size (not always of
+    the same shape: ``output()`` chooses its arrays' shape)."""
+    if src.shape != dst.shape:
+        src = src.reshape(dst.shape)
     if dst.nbytes <= _staging.INLINE_LIMIT:
-        np.copyto(dst, src)
+        dst[...] = src
     else:
         await anyio.to_thread.run_sync(np.copyto, dst, src)
 

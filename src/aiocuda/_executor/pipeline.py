@@ -31,7 +31,8 @@ from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
-from .graph_mode import GraphLanes, GraphMode
+from .graph_lanes import GraphLanes
+from .graph_mode import GraphMode
 from .placement import Admission, PlacementName
 
 __all__ = ["Pipeline", "reserve"]

@@ -11,6 +11,7 @@ import bisect
 import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
@@ -73,7 +74,7 @@ class PinnedRanges:
 
 pinned_ranges = PinnedRanges()
 
-_from_buffer = ctypes.c_char.from_buffer
+_from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
 _addressof = ctypes.addressof
 
 
