@@ -415,8 +415,9 @@ class GraphMode:
                 event, replay.event = replay.event, None  # the wait gives it back, however it ends
                 try:
                     await _Wait(engine, event, stream, pool)
-                    if replay.staged is not None:
-                        await _copy(replay.dest, replay.staged)
+                    staged = replay.staged
+                    if staged is not None and not _copy_inline(replay.dest, staged):
+                        await _copy(replay.dest, staged)
                     output = replay.dest
                     if replay.span is not None and trace is not None:
                         trace._resolve(replay.span)
@@ -485,15 +486,20 @@ async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copied
 
 
-async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+def _copy_inline(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> bool:
     """Copy C-contiguous ``src`` into ``dst``, of the same dtype and size (not always of
-    the same shape: ``output()`` chooses its arrays' shape)."""
-    if src.shape != dst.shape:
-        src = src.reshape(dst.shape)
-    if dst.nbytes <= _staging.INLINE_LIMIT:
-        dst[...] = src
-    else:
-        await anyio.to_thread.run_sync(np.copyto, dst, src)
+    the same shape: ``output()`` chooses its arrays' shape), on this thread if it is at
+    most ``staging.INLINE_LIMIT`` bytes; False if it is larger (nothing copied)."""
+    if dst.nbytes > _staging.INLINE_LIMIT:
+        return False
+    dst[...] = src if src.shape == dst.shape else src.reshape(dst.shape)
+    return True
+
+
+async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
+    """:func:`_copy_inline`, or on a worker thread."""
+    if not _copy_inline(dst, src):
+        await anyio.to_thread.run_sync(np.copyto, dst, src.reshape(dst.shape))
 
 
 def _make_streams(device: Any, count: int, priority: int) -> tuple[Stream, ...]:
