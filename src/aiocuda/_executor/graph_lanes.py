@@ -36,8 +36,9 @@ download overlapping those of its neighbours; the fourth absorbs uneven chunks."
 
 STAGED_LIMIT = 32 * 1024
 """Chunks of at most this many bytes replay on staged lanes."""
-# Setting a copy's addresses costs ~4 us of driver and bindings per copy (H100 machine);
-# copying 32 KiB on the host, in and out, about as much in all, and less below that.
+# A pointed replay's five driver calls took 21.5 us on the H100 machine, ~4 us each
+# (benchmarks/executor_host.py, 4 KiB chunks); copying 32 KiB on the host, in and out,
+# takes ~2.5 us in all (numpy, this machine's CPU), less below that.
 
 STAGED_LANES = 32
 """The most staged lanes a device gets: its ``chunks_per_device``, up to this many. A
