@@ -139,6 +139,8 @@ class GraphLanes:
         """Release the graphs (once the replays already enqueued have run)."""
         for lane in self.lanes:
             lane.graph.close()
+            if lane.abandoned is not None:
+                lane.events.release(lane.abandoned)  # re-recording a pending event is safe
         self.lanes.clear()
         if self.state == "ready":
             self.state = "new"
