@@ -124,7 +124,7 @@ class DeviceArray:
 
     @property
     def nbytes(self) -> int:
-        return self.size * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
     @property
     def is_c_contiguous(self) -> bool:

@@ -63,7 +63,7 @@ import numpy.typing as npt
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.chunk_map import OnError, as_input
 from ._executor.device_streams import DeviceStreams
-from ._executor.graph_mode import GraphLanes
+from ._executor.graph_lanes import GraphLanes
 from ._executor.lanes import PRIORITIES, Lanes, Priority
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName

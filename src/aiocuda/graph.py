@@ -268,6 +268,11 @@ class Graph(metaclass=NoPublicConstructor):
         from; any stream of the graph's device), after the work already on it; return an
         awaitable for it. Replays of this graph run one after another."""
         s = self.stream if stream is None else stream
+        self._enqueue(s)
+        return _Launch(s)
+
+    def _enqueue(self, s: Stream) -> None:
+        """:meth:`launch` without the awaitable (the executor's graph mode awaits an event)."""
         replays = self._ready()
         if s.device is not self.device:
             raise invalid_value(f"the graph runs on device {self.device.ordinal}, the stream is on {s.device.ordinal}")
@@ -291,7 +296,6 @@ class Graph(metaclass=NoPublicConstructor):
             self._driver.graph_launch(replays.graph_exec, s.handle)
         if id(s) not in self._launched:
             self._launched[id(s)] = s
-        return _Launch(s)
 
     def _ready(self) -> _Replays:
         replays = self._replays

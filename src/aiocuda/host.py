@@ -41,7 +41,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import offloop, pinned_cache
-from ._memory.pinned import PinnedAllocation, pinned_ranges
+from ._memory.pinned import PinnedAllocation, pinned_address, pinned_ranges
 from ._util import invalid_value, shape_tuple
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
@@ -169,7 +169,7 @@ def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -
 def is_pinned(array: npt.NDArray[Any]) -> bool:
     """Whether aiocuda knows ``array``'s memory to be page-locked (allocated by
     :func:`pinned_empty` or registered with :func:`register_host`)."""
-    return pinned_ranges.owner(int(array.ctypes.data), max(int(array.nbytes), 1)) is not None
+    return pinned_address(array) != 0
 
 
 def empty_cache() -> int:

@@ -1,26 +1,28 @@
 """Graph mode of a pipeline (``Executor.map(..., graph=True)``): a chunk's work captured
-once per device and lane, replayed for every chunk with that chunk's addresses.
+once per device and lane, replayed for every chunk with that chunk's data.
 
 Per device, the first chunk runs eagerly: it loads the stage's modules and warms up the
 libraries it calls, which must not happen during a capture. Once it has succeeded, the
-next chunk is captured on each of :data:`LANES` streams of the device -- its upload from
-page-locked memory, the stage (called once per lane: the uploaded input and the stage's
-``ctx.empty`` arrays become graph memory) and its download -- and replayed on the first
-lane. The executor keeps the captured graphs of a stage (:class:`GraphLanes`, per
-device) for its later pipelines of the same stage object, which replay from their
-first chunk. Every later chunk of the same shape and dtype is a replay on the next lane in
-turn: two copy addresses set, one graph launch, one event recorded; no task of its own
-and no call of the stage. One collector task per device awaits the replays in the order
-they were launched and delivers their results. Lanes replay side by side, so chunks
-overlap as on the eager path (the replays of one lane run one after another).
+next chunk is captured on each graph lane of the device (:mod:`.graph_lanes`) -- its
+upload from page-locked memory, the stage (called once per lane: the uploaded input and
+the stage's ``ctx.empty`` arrays become graph memory) and its download -- and replayed
+on the first lane. The executor keeps the captured graphs of a stage
+(:class:`~.graph_lanes.GraphLanes`, per device) for its later pipelines of the same
+stage object, which replay from their first chunk. Every later chunk of the same shape
+and dtype is a replay on the next free lane in turn: a small chunk is copied into the
+lane's own page-locked buffer, a larger one is pointed at by the graph's two copies;
+then one graph launch and one event recorded; no task of its own and no call of the
+stage. One collector task per device awaits the replays in the order they were
+launched and delivers their results (copied out of the lane's buffer, for a small
+chunk). Lanes replay side by side, so chunks overlap as on the eager path.
 
 A capture that fails -- a stage that waits for the GPU, copies pageable memory, moves the
 chunk to another device, or raises -- leaves the device on the eager path for the rest of
 the pipeline, with a one-line note in the trace; that chunk then runs eagerly, so its
-result or error is the eager path's. Chunks of another shape or dtype, and pageable
-inputs larger than ``staging.INLINE_LIMIT``, run eagerly too. Results default to
-page-locked arrays; a pageable ``output=`` destination is filled from page-locked
-memory once the replay is done.
+result or error is the eager path's. Chunks of another shape or dtype, pageable inputs
+larger than ``staging.INLINE_LIMIT``, and small chunks that find every lane busy run
+eagerly too. Results default to page-locked arrays; a pageable ``output=`` destination
+is filled from page-locked memory once the replay is done.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import collections
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import anyio
@@ -41,54 +43,28 @@ from .._completion.engine import current_engine
 from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
 from .._memory import staging as _staging
-from .._memory.pinned import pinned_ranges
+from .._memory.pinned import host_address, pinned_address
 from ..array import DeviceArray, empty
 from ..errors import CaptureError, CudaError
 from ..graph import Graph
-from ..host import pinned_empty
+from ..host import is_pinned, pinned_empty
 from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
 from .device_streams import DeviceStreams
+from .graph_lanes import LANES, STAGED_LANES, STAGED_LIMIT, GraphLane, GraphLanes
 
-__all__ = ["LANES", "GraphMode", "Route"]
+__all__ = ["GraphMode", "Route"]
 
 _log = logging.getLogger("aiocuda")
 
-LANES = 4
-"""Graph lanes per device: streams with a captured graph each, replaying chunks in turn
-(at most the executor's ``chunks_per_device``). Three keep a chunk's upload, kernels and
-download overlapping those of its neighbours; the fourth absorbs uneven chunks."""
-
 Route = Literal["replay", "capture", "eager", "wait"]
-_State = Literal["new", "warming", "capture", "capturing", "ready", "eager"]
+"""How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself)
+or one the pipeline starts."""
 Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
 """``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
 releases its admission and delivers its result (none when both are None: the pipeline
 is being cancelled)."""
-
-
-class _Lane:
-    """One stream with a captured graph, and how to point the graph at a chunk."""
-
-    __slots__ = ("events", "graph", "index", "record", "result_ptr", "set_download", "set_upload", "stream", "x_ptr")
-
-    def __init__(self, index: int, stream: Stream, graph: Graph, x_ptr: int, result_ptr: int) -> None:
-        self.index = index
-        self.stream = stream
-        self.graph = graph
-        self.events = EventPool.for_device(stream.device)
-        self.record = stream.device._driver.event_record
-        self.x_ptr = x_ptr
-        """The chunk's device input: graph memory, at the same address in every replay."""
-        self.result_ptr = result_ptr
-        """What the download copies from (graph memory, or a buffer the stage returned)."""
-        self.set_upload: Callable[[int, int], None] = _no_copy
-        self.set_download: Callable[[int, int], None] = _no_copy
-
-
-def _no_copy(dst: int, src: int) -> None:
-    raise AssertionError("a lane's copies are set when it is captured")
 
 
 class _Replay:
@@ -103,7 +79,7 @@ class _Replay:
         dest: npt.NDArray[Any],
         staged: npt.NDArray[Any] | None,
         keep: tuple[Any, ...],
-        lane: _Lane,
+        lane: GraphLane,
         event: Any,
         span: _PendingSpan | None,
     ) -> None:
@@ -111,7 +87,8 @@ class _Replay:
         self.host = host
         self.dest = dest
         self.staged = staged
-        """The page-locked array the replay downloads into when ``dest`` is pageable."""
+        """The page-locked array the replay downloads into, copied to ``dest`` once it is
+        done: the lane's own (staged lanes), or one for a pageable ``dest``."""
         self.keep = keep
         """Host memory the replay reads or writes (kept until it is done)."""
         self.lane = lane
@@ -119,51 +96,14 @@ class _Replay:
         self.span = span
 
 
-class GraphLanes:
-    """A stage's captured graphs on one device, one per lane, and how far it got: kept
-    by the executor for every pipeline of the stage (or by one pipeline)."""
-
-    __slots__ = ("dtype", "lanes", "owner", "settled", "shape", "state", "template")
-
-    def __init__(self) -> None:
-        self.state: _State = "new"
-        self.owner: Any = None
-        """Whose chunk warms the device up, ``(graph mode, index)``, or which graph mode captures."""
-        self.settled: anyio.Event | None = None
-        """Set when a warm-up or capture in progress ends (chunks wait for it)."""
-        self.lanes: list[_Lane] = []
-        self.shape: tuple[int, ...] = ()
-        self.dtype: np.dtype[Any] = np.dtype(np.uint8)
-        self.template: DeviceArray | None = None
-        """The stage's result in the capture: shape and dtype for ``output(index, result)``."""
-
-    def close(self) -> None:
-        """Release the graphs (once the replays already enqueued have run)."""
-        for lane in self.lanes:
-            lane.graph.close()
-        self.lanes.clear()
-        if self.state == "ready":
-            self.state = "new"
-
-    def begin(self, state: _State, owner: Any) -> None:
-        """A warm-up or capture starts: chunks for the device wait for its end."""
-        self.state, self.owner = state, owner
-        self.settled = anyio.Event()
-
-    def settle(self, state: _State) -> None:
-        """The warm-up or capture in progress ended in ``state``: waiting chunks go on."""
-        self.state, self.owner = state, None
-        settled, self.settled = self.settled, None
-        if settled is not None:
-            settled.set()
-
-
 class _Queue:
-    """One pipeline's replays on one device: the next lane, and those awaiting delivery."""
+    """One pipeline's replays on one device: the stage's graphs there, the next lane,
+    and the replays awaiting delivery."""
 
-    __slots__ = ("collecting", "pending", "turn", "wake")
+    __slots__ = ("collecting", "lanes", "pending", "turn", "wake")
 
-    def __init__(self) -> None:
+    def __init__(self, lanes: GraphLanes) -> None:
+        self.lanes = lanes
         self.turn = 0
         self.pending: collections.deque[_Replay] = collections.deque()
         self.wake = anyio.Event()
@@ -173,10 +113,10 @@ class _Queue:
 class GraphMode:
     """Graph mode for one pipeline (see the module docstring).
 
-    ``route`` tells the pipeline how to run each admitted chunk: as a replay
-    (:meth:`replay`, synchronous), a capture (:meth:`capture`, in a task of its own),
-    eagerly (``ChunkRunner.run``, which reports to :meth:`warmed`), or not yet: ``"wait"``
-    while the device warms up or is captured (:meth:`settled`), then route it again. ``shared`` holds the
+    ``route`` tells the pipeline how to run each admitted chunk: as a replay (enqueued
+    by ``route`` itself), a capture (:meth:`capture`, in a task of its own), eagerly
+    (``ChunkRunner.run``, which reports to :meth:`warmed`), or not yet: ``"wait"`` while
+    the device warms up or is captured (:meth:`settled`), then route it again. ``shared`` holds the
     stage's :class:`GraphLanes` by device ordinal: the executor's for the stage, or None
     for graphs of this pipeline alone.
     """
@@ -195,7 +135,7 @@ class GraphMode:
         self._lane_count = lanes
         self._own = shared is None
         self._shared: dict[int, GraphLanes] = {} if shared is None else shared
-        self._queues: dict[int, _Queue] = {}
+        self._queues: dict[DeviceStreams, _Queue] = {}
 
     def close(self) -> None:
         """The pipeline is over: a warm-up or capture of its own that did not finish is
@@ -206,31 +146,29 @@ class GraphMode:
             if self._own:
                 lanes.close()
 
-    def _lanes(self, device_streams: DeviceStreams) -> GraphLanes:
-        ordinal = device_streams.device.ordinal
-        found = self._shared.get(ordinal)
+    def _queue(self, device_streams: DeviceStreams) -> _Queue:
+        """This pipeline's queue on the device (with the stage's graphs there)."""
+        found = self._queues.get(device_streams)
         if found is None:
-            found = self._shared[ordinal] = GraphLanes()
+            ordinal = device_streams.device.ordinal
+            lanes = self._shared.get(ordinal)
+            if lanes is None:
+                lanes = self._shared[ordinal] = GraphLanes()
+            found = self._queues[device_streams] = _Queue(lanes)
         return found
 
-    def _queue(self, device_streams: DeviceStreams) -> _Queue:
-        ordinal = device_streams.device.ordinal
-        found = self._queues.get(ordinal)
-        if found is None:
-            found = self._queues[ordinal] = _Queue()
-        if not found.collecting:
-            found.collecting = True
-            self._start(self._collect, found, device_streams)
-        return found
+    def _lanes(self, device_streams: DeviceStreams) -> GraphLanes:
+        return self._queue(device_streams).lanes
 
     # -- routing --------------------------------------------------------------------------------
     def route(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
-        lanes = self._lanes(device_streams)
+        queue = self._queue(device_streams)
+        lanes = queue.lanes
         state = lanes.state
         if state == "ready":
             fits = host.shape == lanes.shape and host.dtype == lanes.dtype
-            if fits and (host.nbytes <= _staging.INLINE_LIMIT or _pinned(host)):
-                return "replay"
+            if fits and (lanes.staged or host.nbytes <= _staging.INLINE_LIMIT or is_pinned(host)):
+                return self._replay(queue, index, host, device_streams)
             return "eager"
         if state == "new":
             lanes.begin("warming", (self, index))
@@ -279,21 +217,29 @@ class GraphMode:
             raise
         lanes.settle("ready")
         queue = self._queue(device_streams)
+        self._collector(queue, device_streams)
         lane = lanes.lanes[0]
         queue.turn = 1 % len(lanes.lanes)
+        if lanes.staged:
+            assert lane.staged_in is not None
+            lane.busy = True
+            lane.staged_in[...] = host
         trace = runner.trace
-        span = self._span(trace, lane, index)
+        span = None if trace is None else self._span(trace, lane, index)
         launched = lane.graph.launch(lane.stream)
         if span is not None:
             Trace._stop(span, lane.stream)
         try:
             await launched
-        finally:
-            if staged_in is not None:
-                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    lane.stream.hold(staged_in)
+        except BaseException:
+            with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                lane.stream.hold(staged_in, staged_out)
+                if lanes.staged:
+                    lane.abandon()
+            raise
         if staged_out is not None:
             await _copy(dest, staged_out)
+        lane.busy = False
         if span is not None and trace is not None:
             trace._resolve(span)
         return dest
@@ -301,20 +247,26 @@ class GraphMode:
     async def _capture_lanes(
         self, lanes: GraphLanes, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams
     ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, npt.NDArray[Any] | None]:
-        """Capture every lane with chunk ``index``'s addresses; ``(dest, staged input,
-        staged output)``: the chunk's destination and the page-locked copies used."""
+        """Capture every lane with chunk ``index``'s addresses (pointed lanes) or their
+        own buffers' (staged lanes); ``(dest, staged input, staged output)``: the chunk's
+        destination and the page-locked copies its first replay uses."""
         device = device_streams.device
-        if not device_streams.graph_lanes:
-            count = max(1, min(self._lane_count, device_streams.max_chunks))
-            device_streams.graph_lanes = await anyio.to_thread.run_sync(
-                _make_streams, device, count, device_streams.h2d.priority
+        staged = lanes.staged = host.nbytes <= STAGED_LIMIT
+        count = max(1, min(STAGED_LANES if staged else self._lane_count, device_streams.max_chunks))
+        if len(device_streams.graph_lanes) < count:
+            device_streams.graph_lanes += await anyio.to_thread.run_sync(
+                _make_streams, device, count - len(device_streams.graph_lanes), device_streams.h2d.priority
             )
-        staged_in = None if _pinned(host) else await _pin(host)
-        src = int((host if staged_in is None else staged_in).ctypes.data)
+        staged_in = None if staged or is_pinned(host) else await _pin(host)
         dest: npt.NDArray[Any] | None = None
         staged_out: npt.NDArray[Any] | None = None
-        dst = 0
-        for k, stream in enumerate(device_streams.graph_lanes):
+        for k, stream in enumerate(device_streams.graph_lanes[:count]):
+            lane_in = lane_out = None
+            if staged:
+                source = lane_in = pinned_empty(host.shape, host.dtype, device=device)
+            else:
+                source = host if staged_in is None else staged_in
+            src = host_address(source)
             ctx = ChunkContext._create(index, host, device_streams, self._runner.streams_of, None, self._runner.name)
             ctx.stream = stream
             async with stream.capture(mode="relaxed") as graph:
@@ -331,19 +283,29 @@ class GraphMode:
                     raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
                 if dest is None:
                     dest = self._destination(index, result, contiguous=False)
-                    if not _pinned(dest):
+                    if not (staged or is_pinned(dest)):
                         staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
-                    dst = int((dest if staged_out is None else staged_out).ctypes.data)
                     lanes.template, lanes.shape, lanes.dtype = result, host.shape, host.dtype
+                if staged:
+                    target = lane_out = pinned_empty(result.shape, result.dtype, device=device)
+                else:
+                    target = dest if staged_out is None else staged_out
+                dst = host_address(target)
                 result_ptr = result.ptr
                 _copies.enqueue_download(dst, result_ptr, result.nbytes, stream)
-            lane = _Lane(k, stream, graph, x_ptr, result_ptr)
+            lane = GraphLane(k, stream, graph, x_ptr, result_ptr)
             lanes.lanes.append(lane)
+            if staged:
+                lane.staged_in, lane.staged_out = lane_in, lane_out
+                continue
             lane.set_upload = graph._copy_setter(_copy_node(graph, "htod", x_ptr, src))
             lane.set_download = graph._copy_setter(_copy_node(graph, "dtoh", dst, result_ptr))
             lane.set_upload(x_ptr, src)  # the driver takes these updates: else the device stays eager
             lane.set_download(dst, result_ptr)
         assert dest is not None
+        if staged:
+            first = lanes.lanes[0]
+            return dest, first.staged_in, first.staged_out
         return dest, staged_in, staged_out
 
     def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any]:
@@ -356,49 +318,82 @@ class GraphMode:
         return self._runner.destination(index, result, contiguous=contiguous)
 
     # -- replays -----------------------------------------------------------------------------------
-    def replay(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
-        """Enqueue chunk ``index`` as a replay on the device's next lane (a chunk that
-        :meth:`route` sent here); the device's collector delivers its result."""
-        queue = self._queue(device_streams)
-        try:
-            pending = self._launch(self._lanes(device_streams), queue, index, host)
-        except Exception as exc:
-            self._finish(index, host, device_streams, None, exc)
-            return
-        queue.pending.append(pending)
-        if len(queue.pending) == 1:
-            queue.wake.set()
+    def _collector(self, queue: _Queue, device_streams: DeviceStreams) -> None:
+        """Start the device's collector, unless it runs."""
+        if not queue.collecting:
+            queue.collecting = True
+            self._start(self._collect, queue, device_streams)
 
-    def _launch(self, lanes: GraphLanes, queue: _Queue, index: int, host: npt.NDArray[Any]) -> _Replay:
+    def _replay(self, queue: _Queue, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> Route:
+        """Enqueue chunk ``index`` as a replay on the device's next free lane (a chunk that
+        :meth:`route` sends so): ``"replay"``, or ``"eager"`` when every staged lane is
+        busy. The device's collector delivers its result."""
+        if not queue.collecting:
+            self._collector(queue, device_streams)
+        lanes = queue.lanes
+        every = lanes.lanes
+        count = len(every)
+        turn = queue.turn
+        lane = every[turn]
+        if lanes.staged and lane.busy:  # (lanes free up in turn, unless a cancelled pipeline left one)
+            for k in range(1, count + 1):
+                lane = every[(turn + k) % count]
+                if not lane.busy or lane.reclaim():
+                    break
+            else:
+                return "eager"
+        queue.turn = (lane.index + 1) % count
+        try:
+            assert lanes.template is not None
+            dest = self._destination(index, lanes.template)
+            if lanes.staged:
+                staged_in, staged = lane.staged_in, lane.staged_out
+                assert staged_in is not None
+                keep: tuple[Any, ...] = (staged_in, staged)
+                lane.busy = True
+                staged_in[...] = host
+            else:
+                staged, keep = self._point(lane, host, dest)
+            stream = lane.stream
+            trace = self._runner.trace
+            span = None if trace is None else self._span(trace, lane, index)
+            lane.graph._enqueue(stream)
+            if span is not None:
+                Trace._stop(span, stream)
+            event = lane.events.acquire()
+            lane.record(event, stream._handle)
+        except Exception as exc:
+            lane.busy = False
+            self._finish(index, host, device_streams, None, exc)
+            return "replay"
+        pending = queue.pending
+        pending.append(_Replay(index, host, dest, staged, keep, lane, event, span))
+        if len(pending) == 1:
+            queue.wake.set()
+        return "replay"
+
+    @staticmethod
+    def _point(
+        lane: GraphLane, host: npt.NDArray[Any], dest: npt.NDArray[Any]
+    ) -> tuple[npt.NDArray[Any] | None, tuple[Any, ...]]:
+        """Point a pointed lane's copies at the chunk (through page-locked copies of
+        pageable memory); ``(staged output, host memory to keep)``."""
         source = host
-        src = host.ctypes.data
-        if _owner(src, host.nbytes) is None:
+        src = pinned_address(host)
+        if not src:
             source = pinned_empty(host.shape, host.dtype)
-            np.copyto(source, host)
-            src = source.ctypes.data
-        assert lanes.template is not None
-        dest = self._destination(index, lanes.template)
+            source[...] = host
+            src = host_address(source)
         target, staged = dest, None
-        dst = dest.ctypes.data
-        if _owner(dst, dest.nbytes) is None:
+        dst = pinned_address(dest)
+        if not dst:
             target = staged = pinned_empty(dest.shape, dest.dtype)
-            dst = staged.ctypes.data
-        lane = lanes.lanes[queue.turn]
-        queue.turn = (queue.turn + 1) % len(lanes.lanes)
-        stream = lane.stream
+            dst = host_address(staged)
         lane.set_upload(lane.x_ptr, src)
         lane.set_download(dst, lane.result_ptr)
-        span = self._span(self._runner.trace, lane, index)
-        lane.graph.launch(stream)
-        if span is not None:
-            Trace._stop(span, stream)
-        event = lane.events.acquire()
-        lane.record(event, stream._handle)
-        return _Replay(index, host, dest, staged, (source, target), lane, event, span)
+        return staged, (source, target)
 
-    def _span(self, trace: Trace | None, lane: _Lane, index: int) -> _PendingSpan | None:
-        if trace is None:
-            return None
+    def _span(self, trace: Trace, lane: GraphLane, index: int) -> _PendingSpan:
         name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
         return trace._start(lane.stream, "graph", name, chunk=index, track=lane.index)
 
@@ -420,8 +415,9 @@ class GraphMode:
                 event, replay.event = replay.event, None  # the wait gives it back, however it ends
                 try:
                     await _Wait(engine, event, stream, pool)
-                    if replay.staged is not None:
-                        await _copy(replay.dest, replay.staged)
+                    staged = replay.staged
+                    if staged is not None and not _copy_inline(replay.dest, staged):
+                        await _copy(replay.dest, staged)
                     output = replay.dest
                     if replay.span is not None and trace is not None:
                         trace._resolve(replay.span)
@@ -429,6 +425,7 @@ class GraphMode:
                     error = exc
                     if replay.span is not None:
                         Trace._discard(replay.span)
+                replay.lane.busy = False
                 pending.popleft()
                 self._finish(replay.index, replay.host, device_streams, output, error)
         finally:
@@ -438,15 +435,19 @@ class GraphMode:
                 replay = pending.popleft()
                 if replay.event is not None:
                     pool.release(replay.event)  # re-recording a pending event is safe
+                lane = replay.lane
                 with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    replay.lane.stream.hold(*replay.keep)
+                    lane.stream.hold(*replay.keep)
+                    if lane.busy:
+                        lane.abandon()
                 if replay.span is not None:
                     Trace._discard(replay.span)
                 self._finish(replay.index, replay.host, device_streams, None, None)
 
 
 class _Wait:
-    """An await of one recorded event through the completion engine."""
+    """An await of one recorded event: through the completion engine, unless the event
+    has completed already."""
 
     __slots__ = ("_engine", "_event", "_pool", "_stream")
 
@@ -457,15 +458,25 @@ class _Wait:
         self._pool = pool
 
     def __await__(self) -> Any:
+        # A replay is done more often than not when its turn comes (the collector is
+        # behind the feeder): one query then, without the engine's planning (~2 us of
+        # Python). The engine learns from the waits it runs, as it does whenever other
+        # waits are pending; these are the short ones it would merely spin on.
+        event, release = self._event, self._pool.release
+        try:
+            done = self._engine.query(event)
+        except BaseException:
+            release(event)
+            raise
+        if done:
+            release(event)
+            return _DONE
         stream = self._stream
-        return self._engine.wait(self._event, stream._handle, stream.device, self._pool.release)
+        return self._engine.wait(event, stream._handle, stream.device, release)
 
 
-_owner = pinned_ranges.owner
-
-
-def _pinned(array: npt.NDArray[Any]) -> bool:
-    return _owner(array.ctypes.data, max(array.nbytes, 1)) is not None
+_DONE: Iterator[Any] = iter(())
+"""What a :class:`_Wait` that is over at once awaits: an iterator with nothing left."""
 
 
 async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
@@ -475,11 +486,20 @@ async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
     return copied
 
 
+def _copy_inline(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> bool:
+    """Copy C-contiguous ``src`` into ``dst``, of the same dtype and size (not always of
+    the same shape: ``output()`` chooses its arrays' shape), on this thread if it is at
+    most ``staging.INLINE_LIMIT`` bytes; False if it is larger (nothing copied)."""
+    if dst.nbytes > _staging.INLINE_LIMIT:
+        return False
+    dst[...] = src if src.shape == dst.shape else src.reshape(dst.shape)
+    return True
+
+
 async def _copy(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> None:
-    if dst.nbytes <= _staging.INLINE_LIMIT:
-        np.copyto(dst, src)
-    else:
-        await anyio.to_thread.run_sync(np.copyto, dst, src)
+    """:func:`_copy_inline`, or on a worker thread."""
+    if not _copy_inline(dst, src):
+        await anyio.to_thread.run_sync(np.copyto, dst, src.reshape(dst.shape))
 
 
 def _make_streams(device: Any, count: int, priority: int) -> tuple[Stream, ...]:

@@ -31,7 +31,8 @@ from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
-from .graph_mode import GraphLanes, GraphMode
+from .graph_lanes import GraphLanes
+from .graph_mode import GraphMode
 from .placement import Admission, PlacementName
 
 __all__ = ["Pipeline", "reserve"]
@@ -94,20 +95,21 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
                 self._graphs.close()
 
     # -- the producers ----------------------------------------------------------------------
-    async def _take_slot(self) -> None:
+    def _take_slot_nowait(self) -> bool:
         if self._graphs is None:
-            await self._slots.acquire()
-            return
+            return False
         try:  # graph mode: replays enqueued back to back while slots are free
             self._slots.acquire_nowait()
         except anyio.WouldBlock:
-            await self._slots.acquire()
+            return False
+        return True
 
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
-        placed, self._cursor = await self._admission.admit(
-            self._placement, self._device_streams, reserve(array), self._cursor
-        )
+        admission, nbytes = self._admission, reserve(array)
+        placed, self._cursor = admission.try_admit(self._placement, self._device_streams, nbytes, self._cursor)
+        if placed is None:  # no device has room: wait for one (the executor's back-pressure)
+            placed, self._cursor = await admission.admit(self._placement, self._device_streams, nbytes, self._cursor)
         self._admitted()
         graphs = self._graphs
         route = "eager" if graphs is None else graphs.route(index, array, placed)
@@ -115,13 +117,11 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
             assert graphs is not None
             await graphs.settled(placed)
             route = graphs.route(index, array, placed)
-        if route == "replay":
-            assert graphs is not None
-            graphs.replay(index, array, placed)
-        elif route == "capture":
+        if route == "capture":
             self._task_group.start_soon(self._capture, index, array, placed)
-        else:
+        elif route == "eager":
             self._task_group.start_soon(self._chunk, index, array, placed)
+        # else "replay": enqueued by route()
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         output: npt.NDArray[Any] | None = None

@@ -71,14 +71,23 @@ class Admission:
     def __init__(self) -> None:
         self._changed: anyio.Event | None = None
 
+    def try_admit(
+        self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int
+    ) -> tuple[L | None, int]:
+        """Reserve ``nbytes`` on a device that accepts them now. Returns the device (None
+        when none does) and the next cursor."""
+        candidate, cursor = choose(policy, candidates, nbytes, cursor)
+        if candidate is not None:
+            candidate.chunks += 1
+            candidate.reserved += nbytes
+        return candidate, cursor
+
     async def admit(self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
         """Wait until a device accepts ``nbytes``; reserve it there. Returns the device
         and the next cursor."""
         while True:
-            candidate, cursor = choose(policy, candidates, nbytes, cursor)
+            candidate, cursor = self.try_admit(policy, candidates, nbytes, cursor)
             if candidate is not None:
-                candidate.chunks += 1
-                candidate.reserved += nbytes
                 return candidate, cursor
             if self._changed is None:
                 self._changed = anyio.Event()

@@ -8,25 +8,40 @@ that keeps their pinned memory alive, so that copies can tell pinned from pageab
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy.typing as npt
 
 from . import pinned_cache
 
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["PinnedAllocation", "PinnedRanges", "pinned_ranges"]
+__all__ = ["PinnedAllocation", "PinnedRanges", "host_address", "pinned_address", "pinned_ranges"]
+
+_Range = tuple[int, int, "weakref.ref[Any]"]
+"""``(start, end, owner)`` of a pinned range."""
 
 
 class PinnedRanges:
     """Address ranges known to be page-locked, each with the object that owns it."""
 
+    RECENT = 4
+    """Ranges found last, looked at before the sorted list."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._entries: dict[int, tuple[int, weakref.ref[Any]]] = {}
+        # A pipeline's chunks come from one or two arrays (inputs, outputs): a lookup
+        # among the few ranges found last takes a third of the locked bisection's
+        # ~0.8 us. Replaced whole (a reader without the lock sees one tuple or the
+        # other), emptied by every removal.
+        self._recent: tuple[_Range, ...] = ()
 
     def add(self, start: int, size: int, owner: Any) -> None:
         with self._lock:
@@ -37,21 +52,47 @@ class PinnedRanges:
         with self._lock:
             if self._entries.pop(start, None) is not None:
                 del self._starts[bisect.bisect_left(self._starts, start)]
+                self._recent = ()
 
     def owner(self, ptr: int, size: int) -> Any:
         """The owner of a pinned range wholly containing ``[ptr, ptr + size)``, or None."""
+        end = ptr + size
+        for start, stop, ref in self._recent:
+            if start <= ptr and end <= stop:
+                return ref()
         with self._lock:
             i = bisect.bisect_right(self._starts, ptr) - 1
             if i < 0:
                 return None
             start = self._starts[i]
             extent, ref = self._entries[start]
-            if ptr + size <= start + extent:
-                return ref()
-            return None
+            if end > start + extent:
+                return None
+            self._recent = ((start, start + extent, ref), *self._recent[: self.RECENT - 1])
+            return ref()
 
 
 pinned_ranges = PinnedRanges()
+
+_from_buffer: Callable[[Any], ctypes.c_char] = ctypes.c_char.from_buffer
+_addressof = ctypes.addressof
+
+
+def host_address(array: npt.NDArray[Any]) -> int:
+    """The address of ``array``'s first element."""
+    # Through the buffer protocol in 0.3 us, where ``array.ctypes.data`` takes 1.2 us
+    # (it makes numpy's ctypes helper object); that protocol gives a writable,
+    # C-contiguous, non-empty array only.
+    try:
+        return _addressof(_from_buffer(array))
+    except (TypeError, ValueError):
+        return int(array.ctypes.data)
+
+
+def pinned_address(array: npt.NDArray[Any]) -> int:
+    """``array``'s address if it lies in memory known to be page-locked, else 0."""
+    ptr = host_address(array)
+    return ptr if pinned_ranges.owner(ptr, array.nbytes or 1) is not None else 0
 
 
 class PinnedAllocation:
