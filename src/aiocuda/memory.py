@@ -678,7 +678,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
     def __del__(self) -> None:
         if self._stream is not None and not _exiting:
-            deferred = getattr(_capturing, "collected", None)
+            deferred = _capturing.collected
             if deferred is not None:
                 # Collected while this thread captures a stream: a free now would be a
                 # driver call in the capture's way (the driver invalidates the capture).
@@ -703,15 +703,26 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
 _new_buffer = object.__new__
 
-_capturing = threading.local()
-"""This thread's captures: ``depth`` (how many are in progress) and ``collected`` (the
-buffers collected meanwhile, freed when the last one ends)."""
+
+class _Captures(threading.local):
+    """This thread's captures: ``depth`` (how many are in progress) and ``collected`` (the
+    buffers collected meanwhile, freed when the last one ends)."""
+
+    # Defaults as class attributes: every collected buffer reads ``collected``, and a
+    # missing attribute of a thread-local (getattr with a default) raised and caught an
+    # AttributeError each time: 0.45 to 0.85 us per buffer on the development machine,
+    # against 0.05 us for this read.
+    depth = 0
+    collected: list[DeviceBuffer] | None = None
+
+
+_capturing = _Captures()
 
 
 def _defer_frees() -> None:
     """For the graph layer, when this thread begins a capture: buffers collected on it
     from now on are freed by :func:`_end_deferral`, not inside the capture."""
-    depth = getattr(_capturing, "depth", 0)
+    depth = _capturing.depth
     if depth == 0:
         _capturing.collected = []
     _capturing.depth = depth + 1
@@ -721,6 +732,6 @@ def _end_deferral() -> None:
     """When a capture of this thread ends: after the last one, free what was collected."""
     _capturing.depth -= 1
     if _capturing.depth == 0:
-        collected, _capturing.collected = _capturing.collected, None
+        collected, _capturing.collected = _capturing.collected or [], None
         for buffer in collected:
             buffer.__del__()  # the allocation hot path fills the slots itself (see _util)
