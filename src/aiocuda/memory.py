@@ -158,8 +158,9 @@ class MemoryPool(metaclass=NoPublicConstructor):
         self._freed_on = FreedStreams()
         """Streams with frees the driver has not yet observed: :meth:`trim` makes it."""
         self._freed_handle: Any = None
-        """The handle of the stream noted in ``_freed_on`` last: a free on the same
-        stream costs the free path one identity check."""
+        """The handle of the stream noted in ``_freed_on`` last, while no
+        ``allocate_wait`` call waits (None otherwise): a free on that stream needs
+        nothing more, and costs the free path one identity check."""
         with _pools_lock:
             _pools.add(self)
 
@@ -355,14 +356,20 @@ class MemoryPool(metaclass=NoPublicConstructor):
             self._fail(err, "cuMemFreeAsync")
         self._frees += 1
         if stream._handle is not self._freed_handle:
-            self._note_free(stream)
-        if self._free_waiters:
-            self._wake_free_waiters()
+            self._after_free(stream)
 
-    def _note_free(self, stream: Stream) -> None:
-        """A free was just enqueued on ``stream``, not the stream of the previous one."""
-        self._freed_handle = stream._handle
+    def _after_free(self, stream: Stream) -> None:
+        """A free was just enqueued on ``stream``, another than the previous one's, or
+        while ``allocate_wait`` calls wait: note the stream for :meth:`trim`, and wake
+        them."""
         self._freed_on.note(stream)
+        # Set before the waiters are looked at: a waiter of another thread that comes
+        # meanwhile clears it after joining (_next_free), so it never stays set while
+        # one waits.
+        self._freed_handle = stream._handle
+        if self._free_waiters:
+            self._freed_handle = None
+            self._wake_free_waiters()
 
     def _oom_error(self, nbytes: int) -> OutOfMemoryError:
         stats = self.statistics()
@@ -418,6 +425,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         freed = anyio.Event()
         entry = (threading.get_ident(), freed)
         self._free_waiters.append(entry)
+        self._freed_handle = None  # from now on every free comes to _after_free
         try:
             with anyio.move_on_after(seconds):
                 await freed.wait()
@@ -648,9 +656,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
                 if not err:
                     pool._frees += 1
                     if last._handle is not pool._freed_handle:
-                        pool._note_free(last)
-                    if pool._free_waiters:
-                        pool._wake_free_waiters()
+                        pool._after_free(last)
                     return
                 pool._fail(err, "cuMemFreeAsync")
             except CudaError:
