@@ -42,6 +42,7 @@ from ._memory import copies as _copies
 from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
+from . import memory as _memory
 from .memory import MemoryPool, _pool_for
 from .stream import Stream, current_stream
 
@@ -61,27 +62,35 @@ def _check_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
     return dt
 
 
-# np.dtype() takes 0.15 to 0.25 us even for a dtype it has seen (the development machine;
-# the lookup below 0.1 us): a new array's dtype is checked once and kept here with its
-# item size, keyed by the name (a string), the scalar type (np.float32, float), or the
-# identity of a dtype object (its value holds it, so the id stays its own: equal dtypes
-# may differ in metadata, which np.dtype keeps). Other types (whose ``dtype`` attribute
+# np.dtype() takes 0.15 to 0.25 us even for a dtype it has seen (the development
+# machine): a new array's dtype is checked once and kept here with its item size, keyed
+# by what named it: a string, a scalar type (np.float32, float), or the identity of a
+# dtype object (equal dtypes may differ in metadata, which np.dtype keeps; the value
+# holds the object, so its id stays its own). Other types (whose ``dtype`` attribute
 # np.dtype reads) are not kept. Bounded against a program that makes up dtypes.
 _known_dtypes: dict[type | str | int, tuple[np.dtype[Any], int]] = {}
 _KNOWN_DTYPES_LIMIT = 256
 
 
+def _dtype_key(dtype: npt.DTypeLike) -> type | str | int:
+    kind = type(dtype)
+    return dtype if kind is type or kind is str else id(dtype)  # type: ignore[return-value]
+
+
 def _dtype_and_itemsize(dtype: npt.DTypeLike) -> tuple[np.dtype[Any], int]:
     """``_check_dtype(dtype)`` and its item size."""
+    known = _known_dtypes.get(_dtype_key(dtype))
+    return known if known is not None else _learn_dtype(dtype)
+
+
+def _learn_dtype(dtype: npt.DTypeLike) -> tuple[np.dtype[Any], int]:
+    """:func:`_dtype_and_itemsize` of a dtype not known yet."""
+    dt = _check_dtype(dtype)
+    known = (dt, dt.itemsize)
     kind = type(dtype)
-    key = dtype if kind is type or kind is str else id(dtype)
-    known = _known_dtypes.get(key)  # type: ignore[arg-type]
-    if known is None:
-        dt = _check_dtype(dtype)
-        known = (dt, dt.itemsize)
-        keep = kind is str or dt is dtype or (kind is type and _is_scalar_type(dtype))
-        if keep and len(_known_dtypes) < _KNOWN_DTYPES_LIMIT:
-            _known_dtypes[key] = known  # type: ignore[index]
+    lasting = kind is str or dt is dtype or (kind is type and _is_scalar_type(dtype))
+    if lasting and len(_known_dtypes) < _KNOWN_DTYPES_LIMIT:
+        _known_dtypes[_dtype_key(dtype)] = known
     return known
 
 
@@ -427,12 +436,36 @@ def empty(
     """A new C-contiguous DeviceArray, contents undefined, allocated stream-ordered on
     ``stream`` (default: the current stream of ``device``) from ``pool`` (default: the
     device's pool)."""
-    dims = shape_tuple(shape)
-    dt, itemsize = _dtype_and_itemsize(dtype)
+    # The path of every new array (Lane.empty and Lane.upload too): the helpers' common
+    # cases are written out here, as each call costs about 0.05 us.
+    kind = type(dtype)
+    known = _known_dtypes.get(dtype if kind is type or kind is str else id(dtype))  # type: ignore[arg-type]
+    if type(shape) is int and shape >= 0:  # a vector
+        dt, itemsize = known if known is not None else _learn_dtype(dtype)
+        dims: _Shape = (shape,)
+        strides: _Shape = (itemsize,)
+        nbytes = shape * itemsize
+    else:
+        dims = shape_tuple(shape)  # raises before the dtype is checked, as it always has
+        dt, itemsize = known if known is not None else _learn_dtype(dtype)
+        strides = c_strides(dims, itemsize)
+        nbytes = math.prod(dims) * itemsize
     if pool is None:
-        pool = _pool_for(stream.device if stream is not None else _as_device(device))
-    buf = pool.allocate(math.prod(dims) * itemsize, stream)
-    return _over_new_buffer(dims, dt, c_strides(dims, itemsize), buf)
+        on = stream.device if stream is not None else _as_device(device)
+        # MemoryPool.for_device. Through the module: Python 3.12 calls a method of a
+        # name bound by an import without its method-call shortcut (a bound method each
+        # time).
+        pool = _memory._current_pools.get(on)
+        if pool is None:
+            pool = MemoryPool.default(on)
+    buffer = pool.allocate(nbytes, stream)
+    array = _new_array(DeviceArray)  # _over_new_buffer
+    array.shape = dims
+    array.dtype = dt
+    array.strides = strides
+    array.buffer = buffer
+    array.offset = 0
+    return array
 
 
 def empty_pitched(
