@@ -57,10 +57,10 @@ from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians
+    from benchmarks._common import Result, parser, ratios, repeat, repeat_async, wall_medians
     from benchmarks.ipc import sharing_and_layouts
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians  # type: ignore[no-redef]
+    from _common import Result, parser, ratios, repeat, repeat_async, wall_medians  # type: ignore[no-redef]
     from ipc import sharing_and_layouts  # type: ignore[no-redef]
 
 MiB = 1 << 20

@@ -38,11 +38,11 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
+from . import memory as _memory
 from ._memory import copies as _copies
 from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
-from . import memory as _memory
 from .memory import MemoryPool, _pool_for
 from .stream import Stream, current_stream
 
