@@ -31,7 +31,7 @@ import collections
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
@@ -53,6 +53,7 @@ from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
 from .device_streams import DeviceStreams
 from .graph_lanes import LANES, STAGED_LANES, STAGED_LIMIT, GraphLane, GraphLanes
+from .waits import EventWait, Finish
 
 __all__ = ["GraphMode", "Route"]
 
@@ -61,10 +62,6 @@ _log = logging.getLogger("aiocuda")
 Route = Literal["replay", "capture", "eager", "wait"]
 """How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself)
 or one the pipeline starts."""
-Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
-"""``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
-releases its admission and delivers its result (none when both are None: the pipeline
-is being cancelled)."""
 
 
 class _Replay:
@@ -414,7 +411,7 @@ class GraphMode:
                 error: Exception | None = None
                 event, replay.event = replay.event, None  # the wait gives it back, however it ends
                 try:
-                    await _Wait(engine, event, stream, pool)
+                    await EventWait(engine, event, stream, pool)
                     staged = replay.staged
                     if staged is not None and not _copy_inline(replay.dest, staged):
                         await _copy(replay.dest, staged)
@@ -443,40 +440,6 @@ class GraphMode:
                 if replay.span is not None:
                     Trace._discard(replay.span)
                 self._finish(replay.index, replay.host, device_streams, None, None)
-
-
-class _Wait:
-    """An await of one recorded event: through the completion engine, unless the event
-    has completed already."""
-
-    __slots__ = ("_engine", "_event", "_pool", "_stream")
-
-    def __init__(self, engine: Any, event: Any, stream: Stream, pool: EventPool) -> None:
-        self._engine = engine
-        self._event = event
-        self._stream = stream
-        self._pool = pool
-
-    def __await__(self) -> Any:
-        # A replay is done more often than not when its turn comes (the collector is
-        # behind the feeder): one query then, without the engine's planning (~2 us of
-        # Python). The engine learns from the waits it runs, as it does whenever other
-        # waits are pending; these are the short ones it would merely spin on.
-        event, release = self._event, self._pool.release
-        try:
-            done = self._engine.query(event)
-        except BaseException:
-            release(event)
-            raise
-        if done:
-            release(event)
-            return _DONE
-        stream = self._stream
-        return self._engine.wait(event, stream._handle, stream.device, release)
-
-
-_DONE: Iterator[Any] = iter(())
-"""What a :class:`_Wait` that is over at once awaits: an iterator with nothing left."""
 
 
 async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
