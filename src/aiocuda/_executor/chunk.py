@@ -340,7 +340,7 @@ class ChunkRunner:
             raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
         result = x if returned is None else returned
         ctx._end_compute()
-        dest = ctx._output = self.destination(index, result)
+        dest = ctx._output = self.destination(index, result, contiguous=result is x)  # (x is, as made)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
         d2h = h2d if on_lane else self.streams_of(result.device).d2h
         result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
@@ -377,12 +377,13 @@ class ChunkRunner:
         dest = self.output(index, result)
         if not isinstance(dest, np.ndarray):
             raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
-        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
+        flags = dest.flags
+        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not flags.c_contiguous:
             raise invalid_value(
                 f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
                 "(it must be C-contiguous with the same dtype and size)"
             )
-        if not dest.flags.writeable:
+        if not flags.writeable:
             raise invalid_value("output() gave a read-only array")
         return dest
 
