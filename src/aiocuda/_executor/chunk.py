@@ -349,7 +349,7 @@ class ChunkRunner:
             lane.download(result, out=dest)  # enqueued; filled by the lane's await
             done: Stream | Lane = lane
         else:
-            if keep and not ctx._owns(result):
+            if keep and result is not x and not ctx._owns(result):
                 # A result from elsewhere (not x, nor an array of the chunk's) need not
                 # come after the upload on the GPU: the upload's host memory is held by
                 # the upload's own stream instead.
