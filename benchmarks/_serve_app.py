@@ -418,6 +418,7 @@ def main() -> None:
         log_level="warning",
         access_log=False,
         backlog=4096,
+        timeout_keep_alive=600,  # the clients keep their connections across windows
     )
 
 

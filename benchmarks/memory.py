@@ -10,7 +10,8 @@ median is reported, the runs beside it):
   PyTorch's raw caching-allocator calls; ``aiocuda.empty`` against ``torch.empty``
   (and ``cupy.empty``), each array freed by dropping it; ``cuMemAlloc`` + ``cuMemFree``
   for reference. Rounds of each are interleaved; medians per op.
-* aiocuda's Python overhead on the allocate/free path, with the driver calls stubbed.
+* aiocuda's Python overhead with the driver calls stubbed: allocate + free, and
+  ``aiocuda.empty`` + drop.
 * 256 MiB copies: aiocuda to/from pinned arrays against raw ``cuMemcpy*Async`` +
   ``cuStreamSynchronize`` (wall clock both); aiocuda ``copy_from`` of a pageable numpy
   array (staged through pinned chunks) against raw pageable ``cuMemcpyHtoDAsync``.
@@ -56,10 +57,10 @@ from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
 try:
-    from benchmarks._common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians
+    from benchmarks._common import Result, parser, ratios, repeat, repeat_async, wall_medians
     from benchmarks.ipc import sharing_and_layouts
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import RUNS, Result, parser, ratios, repeat, repeat_async, wall_medians  # type: ignore[no-redef]
+    from _common import Result, parser, ratios, repeat, repeat_async, wall_medians  # type: ignore[no-redef]
     from ipc import sharing_and_layouts  # type: ignore[no-redef]
 
 MiB = 1 << 20
@@ -202,15 +203,22 @@ def _null_free(ptr: Any, stream: Any) -> tuple[int]:
     return _NULL_FREE
 
 
-def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
-    """aiocuda allocate + free per op minus the same two (stub) driver calls made directly."""
+def _python_overhead_us(stream: Stream, n: int, rounds: int) -> dict[str, float]:
+    """Per op, minus the same two (stub) driver calls made directly: aiocuda allocate +
+    free (``buffer``), and ``aiocuda.empty`` + drop as ``aiocuda_array`` makes them
+    (``array``: the device's pool is the stub pool meanwhile)."""
     pool = MemoryPool._create(stream.device, None, owned=False)
     pool._alloc_call, pool._free_call = _null_alloc, _null_free
 
-    def ours(k: int) -> None:
+    def buffer(k: int) -> None:
         allocate = pool.allocate
         for _ in range(k):
             allocate(ALLOC_SIZE, stream).free()
+
+    def array(k: int) -> None:
+        make, size, uint8 = ga.empty, ALLOC_SIZE, np.uint8
+        for _ in range(k):
+            make(size, uint8, stream=stream)
 
     def direct(k: int) -> None:
         handle = stream.handle
@@ -218,8 +226,13 @@ def _python_overhead_us(stream: Stream, n: int, rounds: int) -> float:
             _err, ptr = _null_alloc(ALLOC_SIZE, None, handle)
             (_err,) = _null_free(ptr, handle)
 
-    medians = _interleaved({"ours": ours, "direct": direct}, n, rounds)
-    return medians["ours"] - medians["direct"]
+    device_pool = MemoryPool.for_device(stream.device)
+    MemoryPool.set_for_device(pool)
+    try:
+        medians = _interleaved({"buffer": buffer, "array": array, "direct": direct}, n, rounds)
+    finally:
+        MemoryPool.set_for_device(device_pool)
+    return {name: medians[name] - medians["direct"] for name in ("buffer", "array")}
 
 
 # -- copies -----------------------------------------------------------------------------------
@@ -445,9 +458,9 @@ async def _run(quick: bool) -> Result:
         result.target("alloc_free_ratio_torch", ratios(alloc["aiocuda_array"], alloc["torch_empty"]), 1.0, "<=")
         result.target("alloc_free_ratio_torch_raw", ratios(alloc["aiocuda_buffer"], alloc["torch_raw"]), 1.0, "<=")
     overhead_n = 20000 if quick else 100000
-    result.metric(
-        "python_overhead_alloc_free_us", [_python_overhead_us(stream, overhead_n, rounds) for _ in range(RUNS)], 3
-    )
+    overhead = repeat(lambda: _python_overhead_us(stream, overhead_n, rounds))
+    result.metric("python_overhead_alloc_free_us", overhead["buffer"], 3)
+    result.metric("python_overhead_empty_us", overhead["array"], 3)
 
     copy_bytes = 16 * MiB if quick else 256 * MiB
     result.extra["copy_bytes"] = copy_bytes

@@ -78,9 +78,7 @@ OPEN = ["lanes", "poll"]
 TORCH_OPEN = ["torch_lanes", "torch_poll"]
 FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
 FIRST_SECONDS = 0.5
-# Few connections for them: every window's clients connect anew, and the burst of accepts
-# for 128 connections held a newly started server's loop for 40 ms on the GPU machine.
-FIRST_CONNECTIONS = 4
+FIRST_CONNECTIONS = 4  # (connected before the window, as for every window: _serve_client.connect)
 CONNECTIONS = 64
 BODY = bytes(64 << 10)
 
@@ -175,9 +173,10 @@ def window(
 ) -> dict[str, float]:
     """One measurement: reset the server's counters, run every client, read them back.
     ``connections``: in flight at once (closed loop), half the pool of an open loop."""
+    per_client = max(1, connections // len(clients.pipes))
+    clients.run("connect", port=server.port, connections=per_client if kind == "closed" else 2 * per_client)
     server.call("POST", "/stats/reset")
     before = server.get("/stats")
-    per_client = max(1, connections // len(clients.pipes))
     if kind == "closed":
         results = clients.run("closed", port=server.port, path=path, body=BODY, connections=per_client, **args)
     else:

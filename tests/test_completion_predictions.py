@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Hashable
+from typing import Any
 
 import anyio
 import pytest
@@ -224,3 +225,43 @@ async def test_waits_near_their_end_are_polled_not_rung(
             s.close()
     stats = engine.waker.statistics()
     assert stats.rings == 0 and stats.listed == 0, stats
+
+
+@pytest.mark.anyio
+async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_it(
+    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait expected to take ~2 ms is queried on every turn of the loop from its start.
+    When the loop turns only for the poller, that is a spin: the wait is parked until
+    shortly before its predicted end instead, and the loop sleeps. Counted over the same
+    held wait with idle parking off (the control, in the same run)."""
+    engine = current_engine()
+    queried = [0]
+    query = engine.query
+
+    def counting(event: object) -> bool:
+        queried[0] += 1
+        return query(event)
+
+    monkeypatch.setattr(engine, "query", counting)
+
+    async def queries(stream: Stream, idle_park: float) -> int:
+        """Queries in the first 5 ms of a held wait whose place predicts 1.9 ms."""
+        monkeypatch.setattr(poller_module, "IDLE_PARK", idle_park)
+        for history in histories(stream).values():
+            history.expected, history.spread = 0.0019, 0.0001
+        sim_backend.pause(stream.handle)
+        queried[0] = 0
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(steps, stream, 0.0)
+            await anyio.sleep(0.005)
+            counted = queried[0]
+            sim_backend.resume(stream.handle)
+        return counted
+
+    idle_park = poller_module.IDLE_PARK
+    with Stream(0) as s:
+        await steps(s, 0.0)  # the place's history
+        spinning = await queries(s, float("inf"))
+        parked = await queries(s, idle_park)
+    assert parked * 3 < spinning, f"{parked} queries with idle parking, {spinning} without"

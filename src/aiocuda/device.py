@@ -338,4 +338,14 @@ def devices() -> list[Device]:
 
 def _as_device(device: Device | int | None = None) -> Device:
     """``device`` itself, or the Device of an ordinal (``None`` means device 0)."""
-    return device if isinstance(device, Device) else Device(device or 0)
+    if isinstance(device, Device):
+        return device
+    ordinal = device or 0
+    if type(ordinal) is int:
+        # A device made before is read from the registry, without Device()'s call and
+        # checks (0.3 us on the development machine).
+        found = _registry.get((_driver.backend_generation(), ordinal))
+        if found is not None:
+            _driver.driver()  # refuses a forked child, as Device() does
+            return found
+    return Device(ordinal)

@@ -67,6 +67,7 @@ UNSAFE_CALLS = frozenset(
         "module_load_data",
         "module_unload",
         "mempool_set_attribute",  # seen refused on an H100 (a pool's first use inside a capture)
+        "mempool_get_attribute",  # seen refused on an H100 (a pool's statistics inside a capture)
     }
 )
 """Seam calls a capture forbids (the driver's "potentially unsafe API calls": they may
@@ -279,6 +280,19 @@ class SimGraphs:
             for capture in conflicting:
                 capture.invalidate(ResultCode.STREAM_CAPTURE_UNSUPPORTED, name, detail)
             raise sim_error(ResultCode.STREAM_CAPTURE_UNSUPPORTED, name, detail)
+
+    def _free_beside_captures(self) -> None:
+        """A stream-ordered free on a stream outside any capture, from a thread that is
+        capturing (not relaxed): on an H100 the driver then invalidated the capture now and
+        then; the simulator always does."""
+        thread = threading.get_ident()
+        for capture in list(self._captures):
+            if capture.thread == thread and capture.mode != "relaxed":
+                capture.invalidate(
+                    ResultCode.STREAM_CAPTURE_INVALIDATED,
+                    "cuMemFreeAsync",
+                    "a stream-ordered free on another stream, from the capturing thread, during the capture",
+                )
 
     def _refuse_capturing(self, stream: SimStream, call: str) -> None:
         """A query or synchronize of a capturing stream: its work will not run until the

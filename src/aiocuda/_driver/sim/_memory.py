@@ -180,6 +180,8 @@ class SimMemory:
     _devices: tuple[SimDevice, ...]
     _device_of_current: Callable[[], int]
     _wait_for: Callable[[SimPoint, str], None]
+    _captures: set[SimCapture]
+    _free_beside_captures: Callable[[], None]  # (by SimGraphs)
 
     # -- state ------------------------------------------------------------------------------
     def _mem(self) -> _MemoryState:
@@ -386,6 +388,8 @@ class SimMemory:
                 block.free_token = _FREED_BY_GRAPH
             capture.add(sim_stream, GraphFree(ptr), "mem_free_async")
             return
+        if self._captures:
+            self._free_beside_captures()
         token = object()
         with state.lock:
             block = state.blocks.get(ptr)
