@@ -229,14 +229,15 @@ async def test_later_pipelines_of_a_stage_replay_its_graphs(devices: int, anyio_
         np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)
 
 
-async def test_cancelled_pipelines_give_every_admission_back(
-    devices: int, sim_backend: Any, anyio_backend: Any
-) -> None:
+async def test_cancelled_pipelines_give_every_admission_back(devices: int, anyio_backend: Any) -> None:
     """Left mid-way, again and again -- with replays enqueued after the device's collector
     has gone, or chunks waiting for a capture -- a pipeline gives back every chunk's
     admission: the executor's devices are as free as before."""
+    sim = _driver.driver()
+    if sim.name != "sim":
+        pytest.skip("the simulator's latencies make chunks overlap")
     for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
-        sim_backend.set_latency(op, 0.002)
+        sim.set_latency(op, 0.002)  # type: ignore[attr-defined]
     stage = CountingStage()
     async with Executor(list(range(devices))) as ex:
         for trial in range(4):

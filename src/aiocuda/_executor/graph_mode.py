@@ -135,8 +135,11 @@ class GraphMode:
         self._queues: dict[DeviceStreams, _Queue] = {}
 
     def close(self) -> None:
-        """The pipeline is over: a warm-up or capture of its own that did not finish is
-        left to the next pipeline, and graphs of its own are released."""
+        """The pipeline's task group is over: a warm-up or capture of its own that did not
+        finish is left to the next pipeline, replays no collector has left (queued for
+        one that never ran) are left, and graphs of its own are released."""
+        for device_streams, queue in self._queues.items():
+            self._leave(queue, device_streams, EventPool.for_device(device_streams.device))
         for lanes in self._shared.values():
             if lanes.state == "warming" and lanes.owner[0] is self:
                 lanes.settle("new")
@@ -426,20 +429,27 @@ class GraphMode:
                 pending.popleft()
                 self._finish(replay.index, replay.host, device_streams, output, error)
         finally:
-            # Cancelled (the pipeline is over): the replays still run; keep their memory
-            # until they have, and give their chunks' admission back.
-            while pending:
-                replay = pending.popleft()
-                if replay.event is not None:
-                    pool.release(replay.event)  # re-recording a pending event is safe
-                lane = replay.lane
-                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    lane.stream.hold(*replay.keep)
-                    if lane.busy:
-                        lane.abandon()
-                if replay.span is not None:
-                    Trace._discard(replay.span)
-                self._finish(replay.index, replay.host, device_streams, None, None)
+            # Cancelled: the pipeline is over. The feeder may still enqueue replays until
+            # its next await: they start a collector anew, which leaves them at once.
+            queue.collecting = False
+            self._leave(queue, device_streams, pool)
+
+    def _leave(self, queue: _Queue, device_streams: DeviceStreams, pool: EventPool) -> None:
+        """Leave the replays queued (the pipeline is over): they still run; keep their
+        memory until they have, and give their chunks' admission back."""
+        pending = queue.pending
+        while pending:
+            replay = pending.popleft()
+            if replay.event is not None:
+                pool.release(replay.event)  # re-recording a pending event is safe
+            lane = replay.lane
+            with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                lane.stream.hold(*replay.keep)
+                if lane.busy:
+                    lane.abandon()
+            if replay.span is not None:
+                Trace._discard(replay.span)
+            self._finish(replay.index, replay.host, device_streams, None, None)
 
 
 async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:

@@ -123,7 +123,11 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
             return
         route = graphs.route(index, array, placed)
         while route == "wait":  # the device warms up or is being captured
-            await graphs.settled(placed)
+            try:
+                await graphs.settled(placed)
+            except BaseException:  # cancelled: the chunk never started
+                admission.release(placed, nbytes)
+                raise
             route = graphs.route(index, array, placed)
         if route == "capture":
             self._task_group.start_soon(self._capture, index, array, placed)
