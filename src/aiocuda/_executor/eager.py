@@ -16,19 +16,17 @@ until the copies are done, admission given back.
 
 from __future__ import annotations
 
-import collections
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-import anyio
 import numpy.typing as npt
 
 from .._completion.engine import current_engine
 from .._completion.event_pool import EventPool
 from ..stream import Stream
 from .chunk import ChunkContext, ChunkRunner, Steps, run_steps
+from .collectors import Deliveries, EventWait, Finish
 from .device_streams import DeviceStreams
-from .waits import EventWait, Finish
 
 if TYPE_CHECKING:
     from .lanes import Lane
@@ -40,17 +38,6 @@ _Flight = tuple[ChunkContext, DeviceStreams, Any]
 recorded after the download."""
 
 
-class _Queue:
-    """The chunks whose downloads are enqueued on one stream, oldest first."""
-
-    __slots__ = ("collecting", "pending", "wake")
-
-    def __init__(self) -> None:
-        self.pending: collections.deque[_Flight] = collections.deque()
-        self.wake = anyio.Event()
-        self.collecting = False
-
-
 class EagerMode:
     """The eager path of one pipeline (see the module docstring): ``finish`` is the
     pipeline's end of a chunk, ``start`` its task group's ``start_soon``."""
@@ -59,7 +46,7 @@ class EagerMode:
         self._runner = runner
         self._finish = finish
         self._start = start
-        self._queues: dict[Stream, _Queue] = {}
+        self._queues: dict[Stream, Deliveries[_Flight]] = {}
 
     def start(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
         """Enqueue chunk ``index``, admitted on ``device_streams``; its result comes
@@ -105,16 +92,13 @@ class EagerMode:
             return
         queue = self._queues.get(d2h)
         if queue is None:
-            queue = self._queues[d2h] = _Queue()
-        pending = queue.pending
-        pending.append((ctx, admitted, event))
+            queue = self._queues[d2h] = Deliveries()
+        queue.add((ctx, admitted, event))
         if not queue.collecting:
             queue.collecting = True
             self._start(self._collect, queue, d2h)
-        elif len(pending) == 1:
-            queue.wake.set()
 
-    async def _collect(self, queue: _Queue, stream: Stream) -> None:
+    async def _collect(self, queue: Deliveries[_Flight], stream: Stream) -> None:
         """Await the chunks queued on ``stream`` in order; deliver their results."""
         engine = current_engine()
         pool = stream._pool
@@ -123,9 +107,8 @@ class EagerMode:
         waiting: _Flight | None = None
         try:
             while True:
-                while not pending:
-                    queue.wake = anyio.Event()
-                    await queue.wake.wait()
+                if not pending:
+                    await queue.arrival()
                 ctx, admitted, event = waiting = pending.popleft()
                 try:
                     await EventWait(engine, event, stream, pool)  # gives the event back, however it ends
@@ -147,7 +130,7 @@ class EagerMode:
                 finish(ctx.index, ctx.host, admitted, None, None)
             self._leave(queue, pool)
 
-    def _leave(self, queue: _Queue, pool: EventPool) -> None:
+    def _leave(self, queue: Deliveries[_Flight], pool: EventPool) -> None:
         """Leave the chunks queued: the pipeline is over."""
         pending = queue.pending
         while pending:

@@ -27,7 +27,6 @@ is filled from page-locked memory once the replay is done.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 import logging
@@ -51,9 +50,9 @@ from ..host import is_pinned, pinned_empty
 from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
+from .collectors import Deliveries, EventWait, Finish
 from .device_streams import DeviceStreams
 from .graph_lanes import LANES, STAGED_LANES, STAGED_LIMIT, GraphLane, GraphLanes
-from .waits import EventWait, Finish
 
 __all__ = ["GraphMode", "Route"]
 
@@ -93,18 +92,16 @@ class _Replay:
         self.span = span
 
 
-class _Queue:
+class _Queue(Deliveries[_Replay]):
     """One pipeline's replays on one device: the stage's graphs there, the next lane,
     and the replays awaiting delivery."""
 
-    __slots__ = ("collecting", "lanes", "pending", "turn", "wake")
+    __slots__ = ("lanes", "turn")
 
     def __init__(self, lanes: GraphLanes) -> None:
+        super().__init__()
         self.lanes = lanes
         self.turn = 0
-        self.pending: collections.deque[_Replay] = collections.deque()
-        self.wake = anyio.Event()
-        self.collecting = False
 
 
 class GraphMode:
@@ -366,10 +363,7 @@ class GraphMode:
             lane.busy = False
             self._finish(index, host, device_streams, None, exc)
             return "replay"
-        pending = queue.pending
-        pending.append(_Replay(index, host, dest, staged, keep, lane, event, span))
-        if len(pending) == 1:
-            queue.wake.set()
+        queue.add(_Replay(index, host, dest, staged, keep, lane, event, span))
         return "replay"
 
     @staticmethod
@@ -405,9 +399,8 @@ class GraphMode:
         pending = queue.pending
         try:
             while True:
-                while not pending:
-                    queue.wake = anyio.Event()
-                    await queue.wake.wait()
+                if not pending:
+                    await queue.arrival()
                 replay = pending[0]
                 stream = replay.lane.stream
                 output: npt.NDArray[Any] | None = None

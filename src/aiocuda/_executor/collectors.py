@@ -1,11 +1,13 @@
-"""What the pipelines' collectors share: an await of one recorded event, and the
-pipeline's end of a chunk."""
+"""What the pipelines' collector tasks share (eager and graph mode): the queue of chunks
+one delivers, an await of one recorded event, and the pipeline's end of a chunk."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+import anyio
 import numpy.typing as npt
 
 from .._completion.engine import CompletionEngine
@@ -13,12 +15,40 @@ from .._completion.event_pool import EventPool
 from ..stream import Stream
 from .device_streams import DeviceStreams
 
-__all__ = ["EventWait", "Finish"]
+__all__ = ["Deliveries", "EventWait", "Finish"]
+
+T = TypeVar("T")
 
 Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
 """``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
 releases its admission and delivers its result (none when both are None: the pipeline
 is being cancelled)."""
+
+
+class Deliveries(Generic[T]):
+    """Chunks whose GPU work is enqueued, oldest first, for one collector task to deliver;
+    ``collecting`` says whether that task runs (its owner starts it, and it clears the
+    flag when it ends)."""
+
+    __slots__ = ("collecting", "pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending: collections.deque[T] = collections.deque()
+        self.wake = anyio.Event()
+        self.collecting = False
+
+    def add(self, item: T) -> None:
+        """Queue ``item``, waking the collector if it waits."""
+        pending = self.pending
+        pending.append(item)
+        if len(pending) == 1:
+            self.wake.set()
+
+    async def arrival(self) -> None:
+        """For the collector: return once something is queued."""
+        while not self.pending:
+            self.wake = anyio.Event()
+            await self.wake.wait()
 
 
 class EventWait:
