@@ -121,8 +121,9 @@ class EagerMode:
                 waiting = None
                 finish(ctx.index, ctx.host, admitted, output, None)
         finally:
-            # Cancelled: the pipeline is over. The feeder may still enqueue chunks until
-            # its next await: they start a collector anew, which leaves them at once.
+            # Cancelled: the pipeline is over. Chunks queued later (by the feeder before
+            # its next await, or by a chunk's own task) start a collector anew, which
+            # leaves them at once.
             queue.collecting = False
             if waiting is not None:
                 ctx, admitted, _ = waiting
