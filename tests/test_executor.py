@@ -16,6 +16,7 @@ import anyio.lowlevel
 import numpy as np
 import pytest
 
+import aiocuda
 from aiocuda import _driver
 from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
@@ -152,6 +153,87 @@ async def test_cancel_mid_pipeline_returns_memory_and_corrupts_nothing(slow_sim:
         values = await ex.run(stage, inputs)
     for value, host in zip(values, inputs, strict=True):
         np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+
+
+def sometimes_async(every: int) -> Any:
+    """The scale stage, a coroutine for every ``every``-th chunk (which then goes on in
+    a task of its own) and a plain function for the others."""
+    inner = ScaleStage(REPS)
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> Any:
+        if ctx.index % every:
+            return inner(ctx, x)
+
+        async def later() -> None:
+            await anyio.lowlevel.checkpoint()
+            inner(ctx, x)
+
+        return later()
+
+    return stage
+
+
+LARGE = (3 << 20) // 4  # floats: 3 MiB chunks, staged through the copier threads when pageable
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+async def test_chunks_that_wait_mix_with_those_that_do_not(sim_backend: Any, ordered: bool, anyio_backend: Any) -> None:
+    """Chunks that need an await -- a coroutine stage, a large pageable input or
+    destination -- go on in tasks of their own among the chunks enqueued at once:
+    every result arrives, right, and every byte comes back."""
+    inputs = [
+        *chunks(3, pinned=True),
+        chunks(1, LARGE, seed=1)[0],
+        *chunks(3, seed=2),
+        chunks(1, LARGE, pinned=True, seed=3)[0],
+        *chunks(2, pinned=True, seed=4),
+    ]
+    baseline = used_bytes()
+    async with Executor([0]) as ex:
+        async with ex.map(sometimes_async(3), inputs, ordered=ordered) as results:
+            got = [r async for r in results]
+        await ex.synchronize()
+        assert used_bytes() == baseline
+    if ordered:
+        assert [r.index for r in got] == list(range(len(inputs)))
+    assert sorted(r.index for r in got) == list(range(len(inputs)))
+    for r in got:
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+async def test_cancel_with_chunks_waiting_in_tasks_returns_memory(slow_sim: Any, anyio_backend: Any) -> None:
+    baseline = used_bytes()
+    inputs = [chunks(1, LARGE, pinned=k % 2 == 0, seed=k)[0] for k in range(12)]
+    async with Executor() as ex:
+        with anyio.CancelScope() as scope:
+            async with ex.map(sometimes_async(2), inputs) as results:
+                async for r in results:
+                    assert r.ok
+                    if r.index == 1:
+                        scope.cancel()
+        assert scope.cancelled_caught
+        await ex.synchronize()
+        assert used_bytes() == baseline
+        assert all(per_device.chunks == 0 and per_device.reserved == 0 for per_device in ex.device_streams)
+
+
+async def test_a_result_from_outside_the_chunk_is_downloaded(backend: Any, anyio_backend: Any) -> None:
+    """A stage may return an array the chunk did not make (its own, on its own stream):
+    downloaded after the stage like any result, and left alone afterwards."""
+    inputs = chunks(4, pinned=True)
+    async with Executor([0]) as ex:
+        with aiocuda.Stream(0) as own:
+            kept = await aiocuda.to_device(np.arange(7, dtype=np.float32), stream=own)
+
+            def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+                return kept
+
+            async with ex.map(stage, inputs) as results:
+                got = [r.value async for r in results]
+            await ex.synchronize()
+            assert not kept.buffer.freed
+    for value in got:
+        np.testing.assert_array_equal(value, np.arange(7, dtype=np.float32))
 
 
 async def test_breaking_out_early_cancels_the_rest(slow_sim: Any, anyio_backend: Any) -> None:

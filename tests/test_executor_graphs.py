@@ -229,6 +229,28 @@ async def test_later_pipelines_of_a_stage_replay_its_graphs(devices: int, anyio_
         np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)
 
 
+async def test_cancelled_pipelines_give_every_admission_back(devices: int, anyio_backend: Any) -> None:
+    """Left mid-way, again and again -- with replays enqueued after the device's collector
+    has gone, or chunks waiting for a capture -- a pipeline gives back every chunk's
+    admission: the executor's devices are as free as before."""
+    sim = _driver.driver()
+    if sim.name != "sim":
+        pytest.skip("the simulator's latencies make chunks overlap")
+    for op in ("memcpy_htod_async", "launch_kernel", "memcpy_dtoh_async"):
+        sim.set_latency(op, 0.002)  # type: ignore[attr-defined]
+    stage = CountingStage()
+    async with Executor(list(range(devices))) as ex:
+        for trial in range(4):
+            with anyio.CancelScope() as scope:
+                async with ex.map(stage, pinned_chunks(10 * devices, seed=trial), graph=True) as results:
+                    async for r in results:
+                        if r.index == 2 * devices:
+                            scope.cancel()
+            assert scope.cancelled_caught
+            await ex.synchronize()
+            assert [(d.chunks, d.reserved) for d in ex.device_streams] == [(0, 0)] * devices
+
+
 async def test_a_cancelled_pipeline_keeps_its_lanes_until_its_replays_have_run(
     sim_backend: Any, anyio_backend: Any, lane_kind: str
 ) -> None:

@@ -226,6 +226,27 @@ def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
             assert "closed" in repr(event)
 
 
+def test_a_recorded_event_gives_its_pooled_handle_back_once(backend: _driver.Driver) -> None:
+    """``stream.record()`` draws from the device's event pool; the handle goes back when
+    the Event is closed or collected, and only once."""
+    from aiocuda._completion.event_pool import EventPool
+
+    free = EventPool.for_device(Device(0))._free  # (the reserve thread may add to it meanwhile)
+    with Stream(0) as s:
+        closed, dropped = s.record(), s.record()
+        handles = [closed._handle, dropped._handle]
+        assert not any(h in free for h in handles)
+        closed.close()
+        closed.close()
+        assert free.count(handles[0]) == 1
+        del dropped
+        gc.collect()
+        assert free.count(handles[1]) == 1
+        del closed
+        gc.collect()
+        assert [free.count(h) for h in handles] == [1, 1]
+
+
 async def test_closing_an_event_while_it_is_awaited(sim_backend: _driver.Driver, anyio_backend: object) -> None:
     """Its handle is destroyed (or given back to the pool) only once the await has ended:
     a pooled handle given back mid-wait would be recorded elsewhere and end the wait early."""

@@ -38,10 +38,7 @@ def _complete() -> Generator[Any, Any, None]:
     yield
 
 
-def _dispose(driver: Any, handle: Any, pool: EventPool | None) -> None:
-    if pool is not None:
-        pool.release(handle)
-        return
+def _dispose(driver: Any, handle: Any) -> None:
     try:
         driver.event_destroy(handle)
     except Exception:  # a poisoned or torn-down context: nothing left to free
@@ -69,6 +66,7 @@ class Event:
         "_driver",
         "_finalizer",
         "_handle",
+        "_pool",
         "_stream_handle",
         "_waits",
         "blocking_sync",
@@ -84,6 +82,7 @@ class Event:
         blocking_sync: bool = False,
         interprocess: bool = False,
     ):
+        self._pool: EventPool | None = None  # (first: __del__ reads it)
         dev = _as_device(device)
         if interprocess and (timing or blocking_sync):
             raise ArgumentError(
@@ -104,12 +103,20 @@ class Event:
         """The capture the event was last recorded in, if any (see ``aiocuda.graph``)."""
         self._closed = False
         self._waits = 0
-        self._finalizer = weakref.finalize(self, _dispose, self._driver, self._handle, None)
+        self._finalizer: weakref.finalize[Any, Any] | None = weakref.finalize(
+            self, _dispose, self._driver, self._handle
+        )
 
     @classmethod
-    def _pooled(cls, device: Device, handle: Any, stream_handle: Any, capture: Any = None) -> Event:
-        """An Event over a pooled handle, returned to the pool when collected."""
+    def _pooled(cls, device: Device, handle: Any, stream_handle: Any, capture: Any, pool: EventPool) -> Event:
+        """An Event over a handle of ``pool``, given back when collected (or closed)."""
+        # Given back by __del__, not by a weakref.finalize: that cost 2 us of the 5 of
+        # each stream.record() (simulator, 2-core development machine), and the executor
+        # records two per chunk. Events made by Event() keep theirs: it destroys the
+        # handle, which must happen even at interpreter exit.
         self = object.__new__(cls)
+        self._pool = pool
+        self._finalizer = None
         self._capture = capture
         self._device = device
         self._driver = device._driver
@@ -120,7 +127,6 @@ class Event:
         self._stream_handle = stream_handle
         self._closed = False
         self._waits = 0
-        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, EventPool.for_device(device))
         return self
 
     @classmethod
@@ -128,6 +134,7 @@ class Event:
         """An Event over one opened from another process's handle (destroyed when
         collected). Its recording happened there: it counts as recorded here."""
         self = object.__new__(cls)
+        self._pool = None
         self._capture = None
         self._device = device
         self._driver = device._driver
@@ -138,7 +145,7 @@ class Event:
         self._stream_handle = handle  # no stream of ours: the handle keys its wait history
         self._closed = False
         self._waits = 0
-        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle, None)
+        self._finalizer = weakref.finalize(self, _dispose, self._driver, handle)
         return self
 
     @property
@@ -202,7 +209,22 @@ class Event:
     def _wait_ended(self, handle: Any) -> None:
         self._waits -= 1
         if self._closed and not self._waits:
+            self._give_back()
+
+    def _give_back(self) -> None:
+        """Give the handle back to its pool, or destroy it (once)."""
+        pool = self._pool
+        if pool is not None:
+            self._pool = None
+            pool.release(self._handle)
+        elif self._finalizer is not None:
             self._finalizer()
+
+    def __del__(self) -> None:
+        pool = self._pool
+        if pool is not None:  # a pooled event (see _pooled)
+            self._pool = None
+            pool.release(self._handle)
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and
@@ -220,7 +242,7 @@ class Event:
         if not self._closed:
             self._closed = True
             if not self._waits:
-                self._finalizer()
+                self._give_back()
 
     @property
     def closed(self) -> bool:

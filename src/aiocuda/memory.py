@@ -681,10 +681,12 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         """
         if self._stream is None:
             return
-        self._stream = None
+        # As if last used on ``stream``, with no uses to wait for: freed by free()'s
+        # inlined path, which binds no context first (the executor frees each chunk's
+        # memory so: one driver call, not two).
+        self._stream = stream
         self._waits = None
-        if self._ptr:
-            self._pool._free_on(self._ptr, stream, None)
+        self.free()
 
     def _forget(self) -> None:
         """Count the buffer freed without freeing it: its memory belonged to a captured

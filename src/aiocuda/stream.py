@@ -310,7 +310,7 @@ class Stream:
             return Event(self.device, timing=True).record(self)
         handle = self._pool.acquire()
         self._driver.event_record(handle, self.handle)
-        return Event._pooled(self.device, handle, self._handle, self._capture)
+        return Event._pooled(self.device, handle, self._handle, self._capture, self._pool)
 
     def wait(self, other: Event | Stream) -> None:
         """Make this stream's future work wait, on the GPU, for ``other``: an Event, or

@@ -8,8 +8,9 @@ await of that download is its only host wait. :class:`ChunkRunner` does this for
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +19,11 @@ import numpy.typing as npt
 
 from .._memory import copies as _copies
 from .._memory import staging as _staging
+from .._memory.copiers import Slot
 from .._util import NoPublicConstructor, invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
+from ..errors import CudaError
 from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .device_streams import DeviceStreams
@@ -28,7 +31,7 @@ from .device_streams import DeviceStreams
 if TYPE_CHECKING:
     from .lanes import Lane
 
-__all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage"]
+__all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage", "Steps", "run_steps"]
 
 StageResult = DeviceArray | None
 Stage = Callable[["ChunkContext", DeviceArray], StageResult | Awaitable[StageResult]]
@@ -83,6 +86,10 @@ class ChunkContext(metaclass=NoPublicConstructor):
     __slots__ = (
         "_arrays",
         "_compute",
+        "_keep",
+        "_keep_on",
+        "_output",
+        "_slot",
         "_spans",
         "_streams_of",
         "_trace",
@@ -114,6 +121,15 @@ class ChunkContext(metaclass=NoPublicConstructor):
         """The chunk's device arrays, each with the stream it was allocated on."""
         self._compute: _PendingSpan | None = None
         self._spans: list[_PendingSpan] = []
+        self._keep: list[Any] = []
+        """Host arrays the chunk's copies use, and their pinned memory: kept until the
+        chunk's download has been awaited, or held by ``_keep_on`` if it never is."""
+        self._keep_on: Stream | None = None
+        """A stream ordered after every copy of ``_keep``: that of the last one."""
+        self._output: npt.NDArray[Any] | None = None
+        """The destination of the chunk's download, once enqueued."""
+        self._slot: Slot | None = None
+        """The page-locked slot a pageable destination's download goes through."""
 
     @property
     def device(self) -> Device:
@@ -183,12 +199,54 @@ class ChunkContext(metaclass=NoPublicConstructor):
             Trace._stop(span, self.stream)
             self._spans.append(span)
 
-    def _free(self) -> None:
-        """Free the chunk's arrays stream-ordered, each after its last use: for a chunk
-        that failed or was cancelled, whose GPU work may still be running."""
+    def _owns(self, array: DeviceArray) -> bool:
+        """Whether ``array`` is one of the chunk's (its upload, or from :meth:`empty`)."""
+        buffer = array.buffer
+        return any(mine.buffer is buffer for mine, _ in self._arrays)
+
+    def _complete(self, *, idle: bool) -> npt.NDArray[Any]:
+        """The chunk's download has been awaited: let its memory go (its arrays freed at
+        once where they will be reused, if ``idle``: :meth:`_free_done`), read its trace
+        spans, and return its result."""
+        output = self._output
+        assert output is not None
+        slot = self._slot
+        if slot is not None:
+            self._slot = None
+            try:
+                _staging.landed(slot, output)
+            finally:
+                _staging.release(slot)
+        self._keep.clear()
+        self._keep_on = None
+        if idle:
+            self._free_done()
+        if self._spans:
+            assert self._trace is not None
+            self._trace._resolve(*self._spans)
+            self._spans.clear()
+        return output
+
+    def _abandon(self) -> None:
+        """The chunk failed or was cancelled, its GPU work maybe still running: free its
+        arrays stream-ordered, keep its host memory until its copies are done, give its
+        trace spans' events back. Nothing left to do after :meth:`_complete`."""
+        self._end_compute()
         for array, _ in self._arrays:
             array.buffer.free()
         self._arrays.clear()
+        slot = self._slot
+        if slot is not None:
+            self._slot = None
+            _staging.release(slot)
+        keep, on = self._keep, self._keep_on
+        if keep and on is not None:
+            with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                on.hold(*keep)
+            keep.clear()
+        if self._spans:
+            Trace._discard(*self._spans)
+            self._spans.clear()
 
     def _free_done(self) -> None:
         """Free the chunk's arrays once its download has been awaited: each on the stream
@@ -207,6 +265,10 @@ class ChunkContext(metaclass=NoPublicConstructor):
         self._arrays.clear()
 
 
+Steps = Generator[Awaitable[Any], Any, "Stream | Lane"]
+"""A chunk's work being enqueued (:meth:`ChunkRunner.steps`)."""
+
+
 @dataclass(slots=True)  # not frozen: Executor.submit makes one per call, and frozen fields cost 1 us more to set
 class ChunkRunner:
     """How each chunk of a pipeline (or a lone :meth:`~aiocuda.executor.Executor.submit`)
@@ -218,6 +280,10 @@ class ChunkRunner:
     output: OutputFn | None
     name: str
 
+    def context(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> ChunkContext:
+        """A new chunk: ``host`` (input ``index``), admitted on ``device_streams``."""
+        return ChunkContext._create(index, host, device_streams, self.streams_of, self.trace, self.name)
+
     async def run(
         self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams, lane: Lane | None = None
     ) -> npt.NDArray[Any]:
@@ -228,58 +294,78 @@ class ChunkRunner:
         runs on the lane's stream instead of the device's h2d, compute and d2h streams:
         no events between streams, and the download is the only host wait.
         """
-        trace = self.trace
-        ctx = ChunkContext._create(index, host, device_streams, self.streams_of, trace, self.name)
+        ctx = self.context(index, host, device_streams)
         try:
-            h2d = device_streams.h2d if lane is None else lane.stream
-            span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace is not None else None
-            if lane is not None and lane._fits(host):
-                x = lane.upload(host)  # allocated by the lane (freed when the lease ends), staged: enqueued only
-            else:
-                x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
-                await _staging.host_to_device(x.ptr, host, h2d)
-            if span is not None:
-                Trace._stop(span, h2d)
-                ctx._spans.append(span)
-            # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
-            ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
-            returned = self.stage(ctx, x)
-            if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
-                returned = await returned
-            if returned is not None and not isinstance(returned, DeviceArray):
-                raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
-            result = x if returned is None else returned
-            ctx._end_compute()
-            dest = self.destination(index, result)
-            on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
-            d2h = h2d if on_lane else self.streams_of(result.device).d2h
-            result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
-            span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
-            if on_lane and lane is not None and lane._fits(dest):
-                lane.download(result, out=dest)  # enqueued; filled by the lane's await
-                if span is not None:
-                    Trace._stop(span, d2h)
-                    ctx._spans.append(span)
-                await lane  # the one host wait
-                # The chunk's arrays are freed below, on their last-use stream: the lane's,
-                # where its next request allocates.
-            else:
-                if not _copies.download(dest, result.ptr, d2h):  # pageable: staged, awaited
-                    await _staging.device_to_host(dest, result.ptr, d2h)
-                if span is not None:
-                    Trace._stop(span, d2h)
-                    ctx._spans.append(span)
-                await d2h  # the download and those before it on the stream
-                ctx._free_done()
-            if trace is not None:
-                trace._resolve(*ctx._spans)
-                ctx._spans.clear()
-            return dest
+            done = await run_steps(self.steps(ctx, lane))
+            await done  # the one host wait (besides staged copies)
+            # A lane's chunk leaves its arrays to _abandon: freed on their last-use
+            # stream, the lane's, where its next request allocates.
+            return ctx._complete(idle=lane is None)
         finally:
-            ctx._end_compute()
-            ctx._free()
-            if trace is not None and ctx._spans:
-                trace._discard(*ctx._spans)
+            ctx._abandon()
+
+    def steps(self, ctx: ChunkContext, lane: Lane | None = None) -> Steps:
+        """Enqueue chunk ``ctx``'s upload, its stage and its download; nothing waits for
+        the GPU. A generator: each value it yields must be awaited and the result sent
+        back in (:func:`run_steps` does); it returns what to await for the chunk to be done
+        (the ``d2h`` stream of the result's device, or the lane), ``ctx._output`` then
+        being the destination. Raising, it leaves the clean-up to ``ctx._abandon()``.
+
+        Most chunks yield nothing -- a pinned (or small) input, a stage that is a plain
+        function, a pinned destination -- and then run to the end in one ``send``, without
+        a task or an await of their own (the pipeline's eager path).
+        """
+        # (A generator rather than a coroutine: a coroutine cannot be run on without an
+        # event loop's task, and a task per chunk cost about 16 us of the loop thread.)
+        index, host, device_streams, keep = ctx.index, ctx.host, ctx.device_streams, ctx._keep
+        trace = self.trace
+        h2d = device_streams.h2d if lane is None else lane.stream
+        span = trace._start(h2d, "h2d", "h2d", chunk=index) if trace is not None else None
+        if lane is not None and lane._fits(host):
+            x = lane.upload(host)  # allocated by the lane (freed when the lease ends), staged: enqueued only
+        else:
+            x = ctx._allocate(host.shape, host.dtype, device_streams, h2d)
+            ctx._keep_on = h2d
+            if not _staging.upload_now(x.ptr, host, h2d, keep):
+                yield _staging.upload_staged(x.ptr, host, h2d)
+        if span is not None:
+            Trace._stop(span, h2d)
+            ctx._spans.append(span)
+        # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
+        ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
+        returned = self.stage(ctx, x)
+        if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
+            returned = yield returned
+        if returned is not None and not isinstance(returned, DeviceArray):
+            raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+        result = x if returned is None else returned
+        ctx._end_compute()
+        dest = ctx._output = self.destination(index, result, contiguous=result is x)  # (x is, as made)
+        on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
+        d2h = h2d if on_lane else self.streams_of(result.device).d2h
+        result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
+        span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
+        if on_lane and lane is not None and lane._fits(dest):
+            lane.download(result, out=dest)  # enqueued; filled by the lane's await
+            done: Stream | Lane = lane
+        else:
+            if keep and result is not x and not ctx._owns(result):
+                # A result from elsewhere (not x, nor an array of the chunk's) need not
+                # come after the upload on the GPU: the upload's host memory is held by
+                # the upload's own stream instead.
+                h2d.hold(*keep)
+                keep.clear()
+            if _copies.download(dest, result.ptr, d2h, keep):
+                ctx._keep_on = d2h  # ordered after the upload: both are kept until d2h passes here
+            else:  # pageable: through a page-locked slot, copied out once done (_complete)...
+                ctx._slot = _staging.download_inline(dest, result.ptr, d2h)
+                if ctx._slot is None:  # ...or through the copier threads, awaited
+                    yield _staging.download_staged(dest, result.ptr, d2h)
+            done = d2h  # the download and those before it on the stream
+        if span is not None:
+            Trace._stop(span, d2h)
+            ctx._spans.append(span)
+        return done
 
     def destination(self, index: int, result: DeviceArray, *, contiguous: bool = False) -> npt.NDArray[Any]:
         """The host array chunk ``index``'s ``result`` is downloaded into, checked
@@ -291,11 +377,26 @@ class ChunkRunner:
         dest = self.output(index, result)
         if not isinstance(dest, np.ndarray):
             raise TypeError(f"output() returns a numpy array, not {type(dest).__name__}")
-        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not dest.flags.c_contiguous:
+        flags = dest.flags
+        if dest.nbytes != result.nbytes or dest.dtype != result.dtype or not flags.c_contiguous:
             raise invalid_value(
                 f"output() gave a {dest.shape} {dest.dtype} array for a {result.shape} {result.dtype} result "
                 "(it must be C-contiguous with the same dtype and size)"
             )
-        if not dest.flags.writeable:
+        if not flags.writeable:
             raise invalid_value("output() gave a read-only array")
         return dest
+
+
+async def run_steps(steps: Steps, awaiting: Awaitable[Any] | None = None) -> Stream | Lane:
+    """Run a chunk's :meth:`~ChunkRunner.steps` to their end, awaiting what they yield
+    (first ``awaiting``, when a caller has taken their first step); returns their value."""
+    value: Any = None
+    while True:
+        if awaiting is not None:
+            value = await awaiting
+        try:
+            awaiting = steps.send(value)
+        except StopIteration as end:
+            done: Stream | Lane = end.value
+            return done

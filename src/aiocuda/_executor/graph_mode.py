@@ -27,11 +27,10 @@ is filled from page-locked memory once the replay is done.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal
 
 import anyio
@@ -51,6 +50,7 @@ from ..host import is_pinned, pinned_empty
 from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
+from .collectors import Deliveries, EventWait, Finish
 from .device_streams import DeviceStreams
 from .graph_lanes import LANES, STAGED_LANES, STAGED_LIMIT, GraphLane, GraphLanes
 
@@ -61,10 +61,6 @@ _log = logging.getLogger("aiocuda")
 Route = Literal["replay", "capture", "eager", "wait"]
 """How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself)
 or one the pipeline starts."""
-Finish = Callable[[int, npt.NDArray[Any], DeviceStreams, "npt.NDArray[Any] | None", "Exception | None"], None]
-"""``finish(index, host, device_streams, output, error)``: a chunk is done: the pipeline
-releases its admission and delivers its result (none when both are None: the pipeline
-is being cancelled)."""
 
 
 class _Replay:
@@ -96,18 +92,16 @@ class _Replay:
         self.span = span
 
 
-class _Queue:
+class _Queue(Deliveries[_Replay]):
     """One pipeline's replays on one device: the stage's graphs there, the next lane,
     and the replays awaiting delivery."""
 
-    __slots__ = ("collecting", "lanes", "pending", "turn", "wake")
+    __slots__ = ("lanes", "turn")
 
     def __init__(self, lanes: GraphLanes) -> None:
+        super().__init__()
         self.lanes = lanes
         self.turn = 0
-        self.pending: collections.deque[_Replay] = collections.deque()
-        self.wake = anyio.Event()
-        self.collecting = False
 
 
 class GraphMode:
@@ -138,8 +132,11 @@ class GraphMode:
         self._queues: dict[DeviceStreams, _Queue] = {}
 
     def close(self) -> None:
-        """The pipeline is over: a warm-up or capture of its own that did not finish is
-        left to the next pipeline, and graphs of its own are released."""
+        """The pipeline's task group is over: a warm-up or capture of its own that did not
+        finish is left to the next pipeline, replays no collector has left (queued for
+        one that never ran) are left, and graphs of its own are released."""
+        for device_streams, queue in self._queues.items():
+            self._leave(queue, device_streams, EventPool.for_device(device_streams.device))
         for lanes in self._shared.values():
             if lanes.state == "warming" and lanes.owner[0] is self:
                 lanes.settle("new")
@@ -366,10 +363,7 @@ class GraphMode:
             lane.busy = False
             self._finish(index, host, device_streams, None, exc)
             return "replay"
-        pending = queue.pending
-        pending.append(_Replay(index, host, dest, staged, keep, lane, event, span))
-        if len(pending) == 1:
-            queue.wake.set()
+        queue.add(_Replay(index, host, dest, staged, keep, lane, event, span))
         return "replay"
 
     @staticmethod
@@ -405,16 +399,15 @@ class GraphMode:
         pending = queue.pending
         try:
             while True:
-                while not pending:
-                    queue.wake = anyio.Event()
-                    await queue.wake.wait()
+                if not pending:
+                    await queue.arrival()
                 replay = pending[0]
                 stream = replay.lane.stream
                 output: npt.NDArray[Any] | None = None
                 error: Exception | None = None
                 event, replay.event = replay.event, None  # the wait gives it back, however it ends
                 try:
-                    await _Wait(engine, event, stream, pool)
+                    await EventWait(engine, event, stream, pool)
                     staged = replay.staged
                     if staged is not None and not _copy_inline(replay.dest, staged):
                         await _copy(replay.dest, staged)
@@ -429,54 +422,27 @@ class GraphMode:
                 pending.popleft()
                 self._finish(replay.index, replay.host, device_streams, output, error)
         finally:
-            # Cancelled (the pipeline is over): the replays still run; keep their memory
-            # until they have, and give their chunks' admission back.
-            while pending:
-                replay = pending.popleft()
-                if replay.event is not None:
-                    pool.release(replay.event)  # re-recording a pending event is safe
-                lane = replay.lane
-                with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
-                    lane.stream.hold(*replay.keep)
-                    if lane.busy:
-                        lane.abandon()
-                if replay.span is not None:
-                    Trace._discard(replay.span)
-                self._finish(replay.index, replay.host, device_streams, None, None)
+            # Cancelled: the pipeline is over. The feeder may still enqueue replays until
+            # its next await: they start a collector anew, which leaves them at once.
+            queue.collecting = False
+            self._leave(queue, device_streams, pool)
 
-
-class _Wait:
-    """An await of one recorded event: through the completion engine, unless the event
-    has completed already."""
-
-    __slots__ = ("_engine", "_event", "_pool", "_stream")
-
-    def __init__(self, engine: Any, event: Any, stream: Stream, pool: EventPool) -> None:
-        self._engine = engine
-        self._event = event
-        self._stream = stream
-        self._pool = pool
-
-    def __await__(self) -> Any:
-        # A replay is done more often than not when its turn comes (the collector is
-        # behind the feeder): one query then, without the engine's planning (~2 us of
-        # Python). The engine learns from the waits it runs, as it does whenever other
-        # waits are pending; these are the short ones it would merely spin on.
-        event, release = self._event, self._pool.release
-        try:
-            done = self._engine.query(event)
-        except BaseException:
-            release(event)
-            raise
-        if done:
-            release(event)
-            return _DONE
-        stream = self._stream
-        return self._engine.wait(event, stream._handle, stream.device, release)
-
-
-_DONE: Iterator[Any] = iter(())
-"""What a :class:`_Wait` that is over at once awaits: an iterator with nothing left."""
+    def _leave(self, queue: _Queue, device_streams: DeviceStreams, pool: EventPool) -> None:
+        """Leave the replays queued (the pipeline is over): they still run; keep their
+        memory until they have, and give their chunks' admission back."""
+        pending = queue.pending
+        while pending:
+            replay = pending.popleft()
+            if replay.event is not None:
+                pool.release(replay.event)  # re-recording a pending event is safe
+            lane = replay.lane
+            with contextlib.suppress(CudaError):  # a poisoned context runs nothing more
+                lane.stream.hold(*replay.keep)
+                if lane.busy:
+                    lane.abandon()
+            if replay.span is not None:
+                Trace._discard(replay.span)
+            self._finish(replay.index, replay.host, device_streams, None, None)
 
 
 async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:

@@ -1,21 +1,22 @@
 """One pipeline run: chunks admitted with back-pressure, each sent H2D -> stage -> D2H.
 
 :class:`Pipeline` is what :meth:`aiocuda.executor.Executor.map` returns. Inside its
-``async with`` block a feeder task reads the inputs, waits for a free slot (at most
-``in_flight`` chunks between admission and delivery) and for a device that accepts the
-chunk (:mod:`aiocuda._executor.placement`), then starts one task per chunk. A chunk task enqueues
-all of its GPU work without waiting -- the only host wait is the await of its final
-download -- and sends its :class:`ChunkResult` to the consumer, which receives them in
-input order or as they complete. The slot is freed when the consumer takes the result.
+``async with`` block a feeder task reads the inputs, takes a free slot (at most
+``in_flight`` chunks between admission and delivery), waits for a device that accepts
+the chunk (:mod:`aiocuda._executor.placement`) and enqueues all of the chunk's GPU work
+itself, without waiting (:mod:`aiocuda._executor.eager`); one collector task per download
+stream awaits the chunks' downloads -- their only host wait -- and sends each
+:class:`ChunkResult` to the consumer, which receives them in input order or as they
+complete. The slot is freed when the consumer takes the result.
 
-In graph mode (:mod:`aiocuda._executor.graph_mode`) the feeder enqueues most chunks itself,
-as replays of a captured graph, and one collector task per device delivers them.
+In graph mode (:mod:`aiocuda._executor.graph_mode`) the feeder enqueues most chunks as
+replays of a captured graph, and one collector task per device delivers them.
 
 Cancellation and failure: leaving the block early, cancelling the consumer, or (with
-``on_error="raise"``) a failing chunk cancels every chunk task. A cancelled chunk frees its
-device memory stream-ordered (after the GPU work already enqueued on it) and its host
-arrays stay held by their streams until the copies that use them have finished, so no
-later run can see torn or reused memory.
+``on_error="raise"``) a failing chunk cancels the collectors and every task. A chunk
+cancelled in flight frees its device memory stream-ordered (after the GPU work already
+enqueued on it) and its host arrays stay held by their streams until the copies that use
+them have finished, so no later run can see torn or reused memory.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from .._util import NoPublicConstructor
 from .chunk import ChunkResult, ChunkRunner
 from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
+from .eager import EagerMode
 from .graph_lanes import GraphLanes
 from .graph_mode import GraphMode
 from .placement import Admission, PlacementName
@@ -71,6 +73,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         self._graph = graph
         self._graph_lanes = graph_lanes
         self._graphs: GraphMode | None = None
+        self._eager: EagerMode | None = None
         self._device_streams = device_streams
         self._admission = admission
         self._limit = in_flight
@@ -82,6 +85,8 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         task_group = await self._open(self._limit)
         if self._graph:
             self._graphs = GraphMode(self._runner, self._done, task_group.start_soon, self._graph_lanes)
+        else:
+            self._eager = EagerMode(self._runner, self._done, task_group.start_soon)
         self._feed_soon()
         return self
 
@@ -93,12 +98,12 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         finally:
             if self._graphs is not None:
                 self._graphs.close()
+            if self._eager is not None:
+                self._eager.close()
 
     # -- the producers ----------------------------------------------------------------------
     def _take_slot_nowait(self) -> bool:
-        if self._graphs is None:
-            return False
-        try:  # graph mode: replays enqueued back to back while slots are free
+        try:  # chunks enqueued back to back while slots are free
             self._slots.acquire_nowait()
         except anyio.WouldBlock:
             return False
@@ -112,10 +117,17 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
             placed, self._cursor = await admission.admit(self._placement, self._device_streams, nbytes, self._cursor)
         self._admitted()
         graphs = self._graphs
-        route = "eager" if graphs is None else graphs.route(index, array, placed)
-        while route == "wait":  # graph mode: the device warms up or is being captured
-            assert graphs is not None
-            await graphs.settled(placed)
+        if graphs is None:
+            assert self._eager is not None
+            self._eager.start(index, array, placed)
+            return
+        route = graphs.route(index, array, placed)
+        while route == "wait":  # the device warms up or is being captured
+            try:
+                await graphs.settled(placed)
+            except BaseException:  # cancelled: the chunk never started
+                admission.release(placed, nbytes)
+                raise
             route = graphs.route(index, array, placed)
         if route == "capture":
             self._task_group.start_soon(self._capture, index, array, placed)
@@ -124,6 +136,8 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         # else "replay": enqueued by route()
 
     async def _chunk(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:
+        """Graph mode: a chunk run eagerly, in a task of its own (it may warm the device up)."""
+        assert self._graphs is not None
         output: npt.NDArray[Any] | None = None
         error: Exception | None = None
         try:
@@ -131,8 +145,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         except Exception as exc:
             error = exc
         finally:
-            if self._graphs is not None:
-                self._graphs.warmed(index, device_streams, output is not None)
+            self._graphs.warmed(index, device_streams, output is not None)
             self._done(index, host, device_streams, output, error)
 
     async def _capture(self, index: int, host: npt.NDArray[Any], device_streams: DeviceStreams) -> None:

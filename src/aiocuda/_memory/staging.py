@@ -55,8 +55,14 @@ __all__ = [
     "MIN_CHUNK",
     "SLOTS_PER_THREAD",
     "device_to_host",
+    "download_inline",
+    "download_staged",
     "host_to_device",
+    "landed",
+    "release",
     "reset",
+    "upload_now",
+    "upload_staged",
 ]
 
 
@@ -177,28 +183,45 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     Returns once everything is enqueued and ``host`` may be modified again; the DMA may
     still be running (await the stream for that). Pinned sources are held until it ends.
     """
-    if _copies.upload(dst, host, stream):
-        return
+    if not upload_now(dst, host, stream):
+        await upload_staged(dst, host, stream)
+
+
+def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any] | None = None) -> bool:
+    """:func:`host_to_device` if it needs no wait: ``host`` pinned (kept alive as
+    :func:`aiocuda._memory.copies.upload` says, ``keep`` included), or small enough for an
+    inline slot and one is ready. True if enqueued; False, with nothing enqueued, for
+    :func:`upload_staged`."""
+    if _copies.upload(dst, host, stream, keep):
+        return True
     nbytes = int(host.nbytes)
+    if stream._capture is not None or nbytes > INLINE_LIMIT:
+        return False
+    staging = _staging()
+    if nbytes > staging.inline.size:
+        return False
     device = stream.device
-    src = int(host.ctypes.data)
+    slot = staging.inline.try_acquire(device)
+    if slot is None:
+        return False
+    try:
+        device.make_current()
+        _memmove(slot.ptr, int(host.ctypes.data), nbytes)
+        _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
+        slot.mark(device, stream.handle)
+    finally:
+        staging.inline.release(slot)
+    return True
+
+
+async def upload_staged(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
+    """:func:`host_to_device` of pageable ``host`` through the copier threads (what
+    :func:`upload_now` leaves)."""
     if stream._capture is not None:
         raise stream._capture.refuse(
             "a copy of pageable host memory", "it is staged through host threads: copy from aiocuda.pinned_empty memory"
         )
-    staging = _staging()
-    if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
-        slot = staging.inline.try_acquire(device)
-        if slot is not None:
-            try:
-                device.make_current()
-                _memmove(slot.ptr, src, nbytes)
-                _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
-                slot.mark(device, stream.handle)
-            finally:
-                staging.inline.release(slot)
-            return
-    await _staged(staging, True, stream, dst, src, nbytes, host)
+    await _staged(_staging(), True, stream, dst, int(host.ctypes.data), int(host.nbytes), host)
 
 
 async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> None:
@@ -216,26 +239,63 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
         if stream._capture is None:  # (a captured copy fills ``host`` at each replay)
             await stream.record()
         return
+    slot = download_inline(host, src, stream)
+    if slot is not None:
+        try:
+            await stream.record()
+            landed(slot, host)
+        finally:
+            release(slot)
+        return
+    await download_staged(host, src, stream)
+
+
+async def download_staged(host: npt.NDArray[Any], src: int, stream: Stream) -> None:
+    """:func:`device_to_host` into pageable ``host`` through the copier threads (what
+    :func:`download_inline` leaves)."""
     if stream._capture is not None:
         raise stream._capture.refuse(
             "a copy to pageable host memory", "it is staged through host threads: copy into aiocuda.pinned_empty memory"
         )
-    device = stream.device
-    dst = int(host.ctypes.data)
+    await _staged(_staging(), False, stream, int(host.ctypes.data), src, int(host.nbytes), host)
+
+
+def download_inline(host: npt.NDArray[Any], src: int, stream: Stream) -> Slot | None:
+    """The first half of :func:`device_to_host` of a small pageable ``host``, for a caller
+    that awaits the stream itself: the DMA into an inline slot, enqueued. Once the stream
+    has passed it, :func:`landed` copies the slot into ``host``; then (or if that never
+    comes) :func:`release` gives the slot back. None, with nothing enqueued, when ``host``
+    is too large or no slot is ready."""
+    nbytes = int(host.nbytes)
+    if stream._capture is not None or nbytes > INLINE_LIMIT:
+        return None
     staging = _staging()
-    if nbytes <= INLINE_LIMIT and nbytes <= staging.inline.size:
-        slot = staging.inline.try_acquire(device)
-        if slot is not None:
-            try:
-                device.make_current()
-                _copies.enqueue_download(slot.ptr, src, nbytes, stream)
-                slot.mark(device, stream.handle)
-                await stream.record()
-                _memmove(dst, slot.ptr, nbytes)
-            finally:
-                staging.inline.release(slot)
-            return
-    await _staged(staging, False, stream, dst, src, nbytes, host)
+    if nbytes > staging.inline.size:
+        return None
+    device = stream.device
+    slot = staging.inline.try_acquire(device)
+    if slot is None:
+        return None
+    try:
+        device.make_current()
+        _copies.enqueue_download(slot.ptr, src, nbytes, stream)
+        slot.mark(device, stream.handle)
+    except BaseException:
+        release(slot)
+        raise
+    return slot
+
+
+def landed(slot: Slot, host: npt.NDArray[Any]) -> None:
+    """Copy what :func:`download_inline` brought into ``slot`` to ``host``, once the DMA
+    is done."""
+    _memmove(int(host.ctypes.data), slot.ptr, int(host.nbytes))
+
+
+def release(slot: Slot) -> None:
+    """Give back a slot of :func:`download_inline` (its DMA may still run: the slot is
+    used again only once it is done)."""
+    _staging().inline.release(slot)
 
 
 async def _staged(
