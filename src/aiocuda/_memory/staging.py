@@ -195,23 +195,35 @@ def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any]
     if _copies.upload(dst, host, stream, keep):
         return True
     nbytes = int(host.nbytes)
-    if stream._capture is not None or nbytes > INLINE_LIMIT:
-        return False
-    staging = _staging()
-    if nbytes > staging.inline.size:
-        return False
-    device = stream.device
-    slot = staging.inline.try_acquire(device)
+    slot = _inline_slot(nbytes, stream)
     if slot is None:
         return False
     try:
-        device.make_current()
         _memmove(slot.ptr, int(host.ctypes.data), nbytes)
         _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
-        slot.mark(device, stream.handle)
+        slot.mark(stream.device, stream.handle)
     finally:
-        staging.inline.release(slot)
+        release(slot)
     return True
+
+
+def _inline_slot(nbytes: int, stream: Stream) -> Slot | None:
+    """A ready inline slot for a copy of ``nbytes`` on ``stream``, its device made
+    current; None when the copy is too large for one, or captured, or none is ready."""
+    if stream._capture is not None or nbytes > INLINE_LIMIT:
+        return None
+    inline = _staging().inline
+    if nbytes > inline.size:
+        return None
+    device = stream.device
+    slot = inline.try_acquire(device)
+    if slot is not None:
+        try:
+            device.make_current()
+        except BaseException:
+            inline.release(slot)
+            raise
+    return slot
 
 
 async def upload_staged(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
@@ -267,19 +279,12 @@ def download_inline(host: npt.NDArray[Any], src: int, stream: Stream) -> Slot | 
     comes) :func:`release` gives the slot back. None, with nothing enqueued, when ``host``
     is too large or no slot is ready."""
     nbytes = int(host.nbytes)
-    if stream._capture is not None or nbytes > INLINE_LIMIT:
-        return None
-    staging = _staging()
-    if nbytes > staging.inline.size:
-        return None
-    device = stream.device
-    slot = staging.inline.try_acquire(device)
+    slot = _inline_slot(nbytes, stream)
     if slot is None:
         return None
     try:
-        device.make_current()
         _copies.enqueue_download(slot.ptr, src, nbytes, stream)
-        slot.mark(device, stream.handle)
+        slot.mark(stream.device, stream.handle)
     except BaseException:
         release(slot)
         raise
