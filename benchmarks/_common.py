@@ -214,18 +214,18 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
     loop_thread = threading.get_ident()
     beat = [time.perf_counter()]
     stop = threading.Event()
-    collections: list[tuple[float, float, int]] = []  # the collector's passes: (start, end, generation)
+    gc_passes: list[tuple[float, float, int]] = []  # the collector's passes: (start, end, generation)
     collecting: list[float] = []
 
     def on_gc(phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             collecting[:] = [time.perf_counter()]
         elif collecting:
-            collections.append((collecting[0], time.perf_counter(), info["generation"]))
-            del collections[:-256]
+            gc_passes.append((collecting[0], time.perf_counter(), info["generation"]))
+            del gc_passes[:-256]
 
     def collected(since: float, until: float) -> str:
-        passes = [(end - start, gen) for start, end, gen in list(collections) if start < until and end > since]
+        passes = [(end - start, gen) for start, end, gen in list(gc_passes) if start < until and end > since]
         if not passes:
             return ""
         took, generation = 1e3 * sum(p[0] for p in passes), max(p[1] for p in passes)
