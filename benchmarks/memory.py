@@ -4,9 +4,11 @@ Measured in one process, baselines in the same run, every figure in three runs (
 median is reported, the runs beside it):
 
 * allocate + free of 1 MiB, like against like: aiocuda ``pool.allocate(n, s).free()``
-  against the tightest raw loops (``cuMemAllocAsync`` on the default pool and
-  ``cuMemAllocFromPoolAsync`` on aiocuda's, each + ``cuMemFreeAsync``, functions bound
-  locally, the result code compared inline; the target takes the faster) and against
+  (the block freed is a spare that the next allocation takes back; with the spares
+  off, ``..._driver_path``, every call goes to the driver) against the tightest raw
+  loops (``cuMemAllocAsync`` on the default pool and ``cuMemAllocFromPoolAsync`` on
+  aiocuda's, each + ``cuMemFreeAsync``, functions bound locally, the result code
+  compared inline; the target takes the faster) and against
   PyTorch's raw caching-allocator calls; ``aiocuda.empty`` against ``torch.empty``
   (and ``cupy.empty``), each array freed by dropping it; ``cuMemAlloc`` + ``cuMemFree``
   for reference. Rounds of each are interleaved; medians per op.
@@ -49,7 +51,7 @@ import anyio
 import numpy as np
 
 import aiocuda.array as ga
-from aiocuda import _driver
+from aiocuda import _driver, memory
 from aiocuda._memory import staging as _staging
 from aiocuda.device import Device
 from aiocuda.host import pinned_empty
@@ -114,7 +116,22 @@ def _alloc_contenders(stream: Stream, real: bool) -> dict[str, Callable[[int], N
             make(size, uint8, stream=stream)
         stream.synchronize()
 
-    contenders: dict[str, Callable[[int], None]] = {"aiocuda_buffer": aiocuda_buffer, "aiocuda_array": aiocuda_array}
+    def aiocuda_buffer_driver_path(n: int) -> None:
+        # Spares off (aiocuda.memory.SPARE_BYTES): every allocate and free calls the driver.
+        allocate, size = pool.allocate, ALLOC_SIZE
+        saved, memory.SPARE_BYTES = memory.SPARE_BYTES, 0
+        try:
+            for _ in range(n):
+                allocate(size, stream).free()
+        finally:
+            memory.SPARE_BYTES = saved
+        stream.synchronize()
+
+    contenders: dict[str, Callable[[int], None]] = {
+        "aiocuda_buffer": aiocuda_buffer,
+        "aiocuda_buffer_driver_path": aiocuda_buffer_driver_path,
+        "aiocuda_array": aiocuda_array,
+    }
     if not real:
         return contenders
     from aiocuda._driver.cuda._core import drv
@@ -440,6 +457,7 @@ async def _run(quick: bool) -> Result:
     alloc = repeat(lambda: _interleaved(contenders, n, rounds))
     result.metric("aiocuda_alloc_free_1MiB_us", alloc["aiocuda_buffer"], 3)
     result.metric("aiocuda_empty_free_1MiB_us", alloc["aiocuda_array"], 3)
+    result.metric("aiocuda_alloc_free_1MiB_driver_path_us", alloc["aiocuda_buffer_driver_path"], 3)
     for name, key in (
         ("raw_async", "raw_alloc_free_1MiB_us"),
         ("raw_from_pool", "raw_alloc_from_pool_free_1MiB_us"),
@@ -454,6 +472,8 @@ async def _run(quick: bool) -> Result:
         # Against the faster of the two raw loops, run by run.
         tightest = [min(a, b) for a, b in zip(alloc["raw_async"], alloc["raw_from_pool"], strict=True)]
         result.target("alloc_free_ratio_raw", ratios(alloc["aiocuda_buffer"], tightest), 1.3, "<=")
+        # The same loop with the spares off: what the driver path itself costs.
+        result.metric("alloc_free_ratio_raw_driver_path", ratios(alloc["aiocuda_buffer_driver_path"], tightest), 3)
     if "torch_empty" in alloc:
         result.target("alloc_free_ratio_torch", ratios(alloc["aiocuda_array"], alloc["torch_empty"]), 1.0, "<=")
         result.target("alloc_free_ratio_torch_raw", ratios(alloc["aiocuda_buffer"], alloc["torch_raw"]), 1.0, "<=")

@@ -19,9 +19,11 @@ import time
 import anyio.to_thread
 import numpy as np
 
+from aiocuda._memory import offloop
 from aiocuda.device import Device
 from aiocuda.host import pinned_zeros
 from aiocuda.kernel import Kernel
+from aiocuda.memory import MemoryPool
 from aiocuda.program import Program
 from aiocuda.stream import Stream
 
@@ -117,6 +119,14 @@ class Gate:
 
     def __exit__(self, *exc: object) -> None:
         self.open()
+
+
+async def trimmed(pool: MemoryPool, keep_bytes: int = 0) -> None:
+    """``pool.trim(keep_bytes)``, then wait (on a worker thread) for what it gives back
+    from the off-loop thread: the spares it freed on their streams settle there when
+    the driver has not seen those frees run by the time trim looks."""
+    pool.trim(keep_bytes)
+    await anyio.to_thread.run_sync(offloop.drain)
 
 
 async def observed(stream: Stream) -> None:

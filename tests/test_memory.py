@@ -18,7 +18,7 @@ from aiocuda.errors import ArgumentError, OutOfMemoryError
 from aiocuda.memory import DEFAULT_RELEASE_THRESHOLD, MemoryPool, PoolStatistics
 from aiocuda.stream import Stream, current_stream
 
-from ._workload import observed, slow_op
+from ._workload import observed, slow_op, trimmed
 
 pytestmark = pytest.mark.anyio
 
@@ -106,7 +106,7 @@ async def test_release_threshold_and_trim(backend: _driver.Driver, anyio_backend
         await s
         assert pool.statistics().reserved_bytes >= 8 * MiB
         await observed(s)
-        pool.trim(0)
+        await trimmed(pool)
         assert pool.statistics().reserved_bytes == 0
         pool.reset_peaks()
         assert pool.statistics().used_bytes_peak == 0
@@ -250,6 +250,7 @@ async def test_injected_out_of_memory_is_retried_once(sim_backend: _driver.Drive
         buf = pool.allocate(MiB, s)  # first attempt fails, the retry after trimming succeeds
         assert pool.statistics().out_of_memory_recoveries == 1
         buf.free()
+        pool.trim(0)  # its block back to the driver, not kept for the next allocation
         for at_call in (1, 2):
             sim_backend.inject_fault(ResultCode.OUT_OF_MEMORY, at_call=at_call, call="mem_alloc_async")  # type: ignore[attr-defined]
         with pytest.raises(OutOfMemoryError, match=r"asked for 1\.0 MiB"):
@@ -302,9 +303,10 @@ async def test_sim_reuses_memory_freed_on_the_same_stream_at_once(
     a, b = Stream(0), Stream(0)
     await a
     sim_backend.pause(a.handle)  # type: ignore[attr-defined]
+    sim_backend.enqueue(a.handle, lambda: None)  # work that has not run (a kernel still queued)
     first = pool.allocate(MiB, a)
     ptr = first.ptr
-    first.free()  # enqueued behind the pause: has not run
+    first.free()  # behind that work
     with pytest.raises(OutOfMemoryError):
         pool.allocate(MiB, b)  # another stream must wait for the free to run
     again = pool.allocate(MiB, a)
@@ -374,7 +376,7 @@ async def test_the_driver_trims_only_frees_the_host_has_observed(
     the freeing stream lets the host observe it."""
     pool = MemoryPool.create(0)
     with Stream(0) as s:
-        pool.allocate(8 * MiB, s).free()
+        backend.mem_free_async(backend.mem_alloc_async(8 * MiB, pool.handle, s.handle), s.handle)
         await s
         backend.mempool_trim_to(pool.handle, 0)
         assert pool.statistics().reserved_bytes >= 8 * MiB, "the driver gave back a free it had not observed"
@@ -390,13 +392,13 @@ async def test_trim_gives_back_memory_whose_free_was_awaited(backend: _driver.Dr
         pool.allocate(4 * MiB, t).free()
         await s
         await t
-        pool.trim(0)
+        await trimmed(pool)
         assert pool.statistics().reserved_bytes == 0
         pool.allocate(2 * MiB, s).free()
         await s
-        pool.trim(MiB)  # keeps at least 1 MiB: the block holding the 2 MiB stays
+        await trimmed(pool, MiB)  # keeps at least 1 MiB: the block holding the 2 MiB stays
         assert pool.statistics().reserved_bytes >= MiB
-        pool.trim(0)
+        await trimmed(pool)
         assert pool.statistics().reserved_bytes == 0
 
 

@@ -23,6 +23,13 @@ Lifetime rules (what makes cancellation safe):
 * Host memory that enqueued work reads or writes is kept alive by ``stream.hold``
   (see :mod:`aiocuda.stream`), not by the buffer.
 
+Freed blocks are kept for reuse: a buffer freed on a stream that aiocuda owns goes to
+its pool's *spares* (up to :data:`SPARE_BYTES` per pool), and the next allocation of the
+same size on the same stream takes it back without a driver call -- stream order makes
+that safe, as it makes the driver's own reuse safe. :meth:`MemoryPool.trim` and an
+out-of-memory recovery give the spares back to the driver first; pool statistics count
+them as free.
+
 Out of memory: an allocation that fails trims the pool's cached memory
 (:meth:`MemoryPool.trim`) and retries, then trims the device's other pools and retries,
 then raises :class:`~aiocuda.errors.OutOfMemoryError` saying what was asked, what the
@@ -56,12 +63,19 @@ from .device import Device, _as_device
 from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, current_stream
 
-__all__ = ["DEFAULT_RELEASE_THRESHOLD", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
+__all__ = ["DEFAULT_RELEASE_THRESHOLD", "SPARE_BYTES", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
 
 DEFAULT_RELEASE_THRESHOLD = 2**63 - 1
 """Pools keep freed memory cached across synchronisations (like PyTorch and CuPy do);
 :meth:`MemoryPool.trim` or an out-of-memory recovery gives it back. A threshold of 0
 would return memory to the OS at every synchronisation and make allocation slow."""
+
+SPARE_BYTES = 64 << 20
+"""Bytes of freed blocks a pool keeps for reuse on their streams (see the module's text)."""
+
+_SPARE_KEYS = 32
+"""(stream, size) pairs a pool keeps spares for; one more gives them all back (streams
+used once, e.g. one per request, are not kept alive for long)."""
 
 _exiting = False
 """Set at interpreter exit: the process's memory goes with its contexts, and buffers
@@ -136,6 +150,8 @@ class MemoryPool(metaclass=NoPublicConstructor):
         "_handle",
         "_owned",
         "_recoveries",
+        "_spare_bytes",
+        "_spares",
         "device",
         "exportable",
         "max_size",
@@ -157,6 +173,9 @@ class MemoryPool(metaclass=NoPublicConstructor):
         """``allocate_wait`` calls sleeping until the next free: (loop thread, event)."""
         self._freed_on = FreedStreams()
         """Streams with frees the driver has not yet observed: :meth:`trim` makes it."""
+        self._spares: dict[tuple[Stream, int], list[Any]] = {}
+        """Freed blocks kept for reuse, by (stream freed on, size): see the module's text."""
+        self._spare_bytes = 0
         self._freed_handle: Any = None
         """The handle of the stream noted in ``_freed_on`` last, while no
         ``allocate_wait`` call waits (None otherwise): a free on that stream needs
@@ -241,18 +260,29 @@ class MemoryPool(metaclass=NoPublicConstructor):
         # would cost a Python call, a fifth of this path's own work.
         if type(nbytes) is not int or nbytes <= 0 or stream._closed or stream._capture is not None:
             return self._allocate_unusual(nbytes, stream)
-        # The bound call is read into a local first: called as ``self._alloc_call(...)``
-        # it would be looked up as a method, which the interpreter cannot specialise for
-        # a function kept in a slot (a generic lookup on every call).
-        alloc = self._alloc_call
-        try:
-            err, ptr = alloc(nbytes, self._handle, stream._handle)
-            if err:
-                self._fail(err, "cuMemAllocFromPoolAsync")
-        except CudaError as exc:
-            ptr = self._allocate_slow(nbytes, stream, exc)
-        except OverflowError:  # the bindings' size_t: at least 2**64 bytes
-            raise invalid_value(f"cannot allocate {nbytes} bytes: more than a 64-bit size") from None
+        ptr = None
+        spares = self._spares
+        if spares:
+            held = spares.get((stream, nbytes))
+            if held:
+                try:
+                    ptr = held.pop()
+                    self._spare_bytes -= nbytes
+                except IndexError:  # another thread took the last one meanwhile
+                    pass
+        if ptr is None:
+            # The bound call is read into a local first: called as ``self._alloc_call(...)``
+            # it would be looked up as a method, which the interpreter cannot specialise
+            # for a function kept in a slot (a generic lookup on every call).
+            alloc = self._alloc_call
+            try:
+                err, ptr = alloc(nbytes, self._handle, stream._handle)
+                if err:
+                    self._fail(err, "cuMemAllocFromPoolAsync")
+            except CudaError as exc:
+                ptr = self._allocate_slow(nbytes, stream, exc)
+            except OverflowError:  # the bindings' size_t: at least 2**64 bytes
+                raise invalid_value(f"cannot allocate {nbytes} bytes: more than a 64-bit size") from None
         self._allocations += 1
         buf = _new_buffer(DeviceBuffer)
         buf._ptr = ptr
@@ -311,8 +341,10 @@ class MemoryPool(metaclass=NoPublicConstructor):
         return self._recover(nbytes, stream, exc)
 
     def _recover(self, nbytes: int, stream: Stream, exc: CudaError) -> Any:
-        """Out of memory: trim this pool and retry, then the device's other pools and
-        retry, else raise a clear error."""
+        """Out of memory: give the spares back onto ``stream`` and trim this pool, retry,
+        then trim the device's other pools and retry, else raise a clear error."""
+        if self._spares:
+            self._give_back_spares(onto=stream)
         self.trim(0)
         try:
             ptr = self._call_alloc(nbytes, stream)
@@ -361,6 +393,36 @@ class MemoryPool(metaclass=NoPublicConstructor):
         self._frees += 1
         if stream._handle is not self._freed_handle:
             self._after_free(stream)
+
+    def _spares_for(self, stream: Stream, size: int) -> list[Any]:
+        """The list of spares of (``stream``, ``size``), new; with ``_SPARE_KEYS`` lists
+        already, every spare goes back to the driver first."""
+        if len(self._spares) >= _SPARE_KEYS:
+            self._give_back_spares()
+        held: list[Any] = []
+        self._spares[stream, size] = held
+        return held
+
+    def _give_back_spares(self, onto: Stream | None = None) -> None:
+        """Free every spare block: on the stream it was freed on (a closed stream's after
+        the work it had when it closed), or, given ``onto``, on ``onto`` where that
+        stream is idle now -- none of its work uses the block any more -- so that an
+        allocation on ``onto`` reuses the memory at once, in stream order."""
+        # The dict and its lists change only between bytecodes that cannot switch
+        # threads (no calls into Python): a free of another thread never appends to a
+        # list taken here.
+        spares, self._spares = self._spares, {}
+        self._spare_bytes = 0
+        query = self._driver.stream_query
+        for (stream, _), held in spares.items():
+            waits = None
+            if stream._closed:
+                waits = [stream._tail] if stream._tail is not None else None
+            elif onto is not None and stream is not onto and onto._capture is None and query(stream._handle):
+                stream = onto
+            for ptr in held:
+                self._free_on(ptr, stream, waits)
+            self._frees -= len(held)  # counted when they became spares
 
     def _after_free(self, stream: Stream) -> None:
         """A free was just enqueued on ``stream``, another than the previous one's, or
@@ -470,12 +532,15 @@ class MemoryPool(metaclass=NoPublicConstructor):
         Memory freed stream-ordered is given back once its free has run: at once for
         frees on streams that are idle now (e.g. awaited), and, for frees on streams
         still busy (or closed meanwhile), from a background thread once the work
-        queued on the device so far has finished.
+        queued on the device so far has finished. Spare blocks (kept for reuse: see
+        :mod:`aiocuda.memory`) are freed on their streams first, and given back so.
         """
         if not isinstance(keep_bytes, int) or keep_bytes < 0:
             raise invalid_value(f"keep_bytes must be a non-negative int, not {keep_bytes!r}")
         self.device.make_current()
         self._freed_handle = None  # the next free notes its stream again
+        if self._spares:
+            self._give_back_spares()
         unobserved = self._freed_on.observe(self.device)
         self._driver.mempool_trim_to(self._handle, keep_bytes)
         if unobserved:
@@ -486,7 +551,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         get = self._driver.mempool_get_attribute
         h = self._handle
         return PoolStatistics(
-            used_bytes=get(h, "used_mem_current"),
+            used_bytes=get(h, "used_mem_current") - self._spare_bytes,
             used_bytes_peak=get(h, "used_mem_high"),
             reserved_bytes=get(h, "reserved_mem_current"),
             reserved_bytes_peak=get(h, "reserved_mem_high"),
@@ -521,7 +586,9 @@ class MemoryPool(metaclass=NoPublicConstructor):
     def __repr__(self) -> str:
         kind = "created" if self._owned else "default"
         try:
-            used = format_bytes(self._driver.mempool_get_attribute(self._handle, "used_mem_current"))
+            used = format_bytes(
+                self._driver.mempool_get_attribute(self._handle, "used_mem_current") - self._spare_bytes
+            )
         except CudaError:  # a poisoned or torn-down context
             used = "unknown"
         return (
@@ -655,6 +722,15 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
             return
         pool = self._pool
         if self._waits is None and not last._closed and last._capture is None:  # the common case, inlined
+            size = self.size
+            if pool._spare_bytes + size <= SPARE_BYTES and last.owned and not pool._free_waiters:
+                held = pool._spares.get((last, size))
+                if held is None:
+                    held = pool._spares_for(last, size)
+                held.append(ptr)
+                pool._spare_bytes += size
+                pool._frees += 1
+                return
             free = pool._free_call  # a local, as in MemoryPool.allocate
             try:
                 (err,) = free(ptr, last._handle)

@@ -1,0 +1,131 @@
+"""Freed blocks a pool keeps for reuse on their streams (``aiocuda.memory``'s spares)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+
+import aiocuda.array as ga
+from aiocuda import _driver, memory
+from aiocuda.errors import OutOfMemoryError
+from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
+
+from ._workload import trimmed
+
+MiB = 1 << 20
+
+
+def driver_calls(pool: MemoryPool) -> Counter[str]:
+    """Count the pool's cuMemAllocFromPoolAsync and cuMemFreeAsync calls from now on."""
+    calls: Counter[str] = Counter()
+    alloc, free = pool._alloc_call, pool._free_call
+
+    def counted_alloc(*args: Any) -> Any:
+        calls["alloc"] += 1
+        return alloc(*args)
+
+    def counted_free(*args: Any) -> Any:
+        calls["free"] += 1
+        return free(*args)
+
+    pool._alloc_call, pool._free_call = counted_alloc, counted_free
+    return calls
+
+
+async def test_a_block_freed_on_a_stream_serves_its_next_allocation_of_that_size(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    with Stream(0) as s, Stream(0) as t:
+        first = ga.empty(MiB // 4, np.float32, stream=s, pool=pool)
+        ptr = first.buffer.ptr
+        await first.copy_from(np.full(MiB // 4, 1, np.float32), stream=s)
+        del first
+        again = ga.empty(MiB // 4, np.float32, stream=s, pool=pool)
+        assert again.buffer.ptr == ptr
+        assert calls == {"alloc": 1}, "served without a driver call"
+        await again.copy_from(np.full(MiB // 4, 2, np.float32), stream=s)
+        assert (await again.to_host(stream=s) == 2).all()
+
+        other_size = pool.allocate(2 * MiB, s)
+        other_stream = pool.allocate(MiB, t)  # never a block freed on s: s may still use it
+        assert calls == {"alloc": 3}
+        assert pool.statistics().used_bytes == 4 * MiB
+        for buffer in (again.buffer, other_size, other_stream):
+            buffer.free()
+        del again
+        await s
+        await t
+        stats = pool.statistics()
+        assert (stats.used_bytes, stats.live_buffers, calls["free"]) == (0, 0, 0)
+        await trimmed(pool)
+        assert pool.statistics().reserved_bytes == 0
+        assert calls["free"] == 3, "trim gave every spare back to the driver"
+
+
+async def test_spares_are_bounded_in_bytes_and_in_streams(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(memory, "SPARE_BYTES", 2 * MiB)
+    monkeypatch.setattr(memory, "_SPARE_KEYS", 2)
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    with Stream(0) as s:
+        buffers = [pool.allocate(MiB, s) for _ in range(3)]
+        for buffer in buffers:
+            buffer.free()
+        assert calls["free"] == 1, "the third MiB is over SPARE_BYTES: freed at once"
+        kept = pool.allocate(MiB, s)  # one of the two kept
+        pool.allocate(MiB // 2, s).free()  # a second (stream, size): two lists
+        assert calls["free"] == 1
+        pool.allocate(MiB // 4, s).free()  # a third list: the other two given back first
+        assert calls["free"] == 1 + 2
+        await trimmed(pool)
+        assert calls["free"] == 4
+        kept.free()
+        await s
+
+
+async def test_blocks_freed_on_a_foreign_or_closed_stream_go_back_to_the_driver(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A foreign stream may be destroyed by its owner at any time: nothing is kept for it.
+    A closed stream's spares are freed after the work it had when it closed."""
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    with Stream(0) as owner:
+        foreign = Stream.wrap(int(owner.__cuda_stream__()[1]))
+        pool.allocate(MiB, foreign).free()
+        assert calls["free"] == 1
+    s = Stream(0)
+    pool.allocate(MiB, s).free()
+    s.close()
+    assert calls["free"] == 1
+    await trimmed(pool)
+    assert calls["free"] == 2
+    assert pool.statistics().reserved_bytes == 0
+
+
+async def test_out_of_memory_on_another_stream_takes_a_spare_whose_stream_is_idle(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The spare of an idle stream is freed onto the allocating stream, which reuses it
+    at once; one of a stream with work still queued cannot be, and the pool is full."""
+    pool = MemoryPool.create(0, max_size=MiB)
+    with Stream(0) as s, Stream(0) as t:
+        pool.allocate(MiB, s).free()
+        await s
+        pool.allocate(MiB, t).free()  # s is idle: its spare serves t
+        sim_backend.pause(t.handle)  # type: ignore[attr-defined]
+        sim_backend.enqueue(t.handle, lambda: None)  # t now has work that has not run
+        with pytest.raises(OutOfMemoryError):
+            pool.allocate(MiB, s)
+        sim_backend.resume(t.handle)  # type: ignore[attr-defined]
+        await t
+        pool.allocate(MiB, s).free()
+        await s
