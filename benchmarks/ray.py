@@ -28,7 +28,9 @@ figure is the median over rounds that run every contender of the phase once, bac
 back (interleaved: the GPU's copy speed drifts over seconds), with the spread
 ``(max - min) / median``. Targets: ``ray_vs_local_executor`` = local / Ray (the default
 upload) >= 0.9; ``ray_scaling_sim_4`` >= 3.5; ``ray_actor_overhead_us_per_chunk`` and
-``upload_register_vs_staging`` reported.
+``upload_register_vs_staging`` reported, and ``ray_put_bound_vs_local`` = local / (chunks x
+the median time of one ``ray.put`` of a chunk in the driver): the most
+``ray_vs_local_executor`` can be while the driver's puts run one after the other.
 
     python benchmarks/ray.py [--rounds N]      (from the repository root; needs Ray)
 
@@ -160,6 +162,7 @@ async def gpu_phase(result: Result, rounds: int, on_sim: bool) -> None:
         result.baselines[f"{name}_spread"] = round(spread(xs), 4)
     result.baselines["put_32mib_ms"] = round(median(puts) * 1e3, 3) if not on_sim else 0.0
     result.target("ray_vs_local_executor", med["local"] / med[default], 0.9, ">=")
+    result.metrics["ray_put_bound_vs_local"] = round(med["local"] / (CHUNKS * median(puts)), 4)
     other = "register" if default == "staging" else "staging"
     result.metrics[f"ray_vs_local_executor_{other}"] = round(med["local"] / med[other], 4)
     result.metrics["upload_register_vs_staging"] = round(med["register"] / med["staging"], 4)

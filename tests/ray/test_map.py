@@ -14,6 +14,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
+import ray
 
 import aiocuda.ray as aray
 from aiocuda._cli.demo import ScaleStage, scale_reference
@@ -136,6 +137,36 @@ async def test_back_pressure_bounds_chunks_per_actor_and_inputs_read(ray_cluster
             got = [r.index async for r in results]
         assert got == list(range(12))
         assert results.peak_in_flight <= 4
+
+
+async def test_inputs_are_put_in_order_while_earlier_chunks_run(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    put: list[int] = []
+    real_put = ray.put
+
+    def recording_put(value: Any, **options: Any) -> Any:
+        ref = real_put(value, **options)
+        put.append(int(value.flat[0]))
+        return ref
+
+    async def three_put() -> bool:
+        return len(put) >= 3
+
+    monkeypatch.setattr(ray, "put", recording_put)
+    big = chunks(6, size=1 << 16)  # 256 KiB each: past INLINE_LIMIT, put into the store
+    async with new_pool(1, chunks_per_actor=2) as pool:
+        async with aray.map(_stages.pause_all, big, actors=pool) as results:
+            await until(lambda: _equal(in_flight(pool), [2]))
+            with anyio.move_on_after(30):  # the third input waits for room, in the store already
+                await until(three_put)
+            put_while_paused, admitted = list(put), results.admitted
+            assert sum(await pool.call(_stages.stop_pausing)) >= 1
+            got = [r.index async for r in results]
+    assert put_while_paused == [0, 1, 2]
+    assert admitted == 2
+    assert got == list(range(6))
+    assert put == list(range(6))
 
 
 async def test_in_flight_bounds_chunks_not_yet_taken(pool2: Any) -> None:

@@ -1,10 +1,11 @@
 """The consumer's side of a running map over chunks, shared by ``Executor.map``
 (:mod:`aiocuda._executor.pipeline`) and ``aiocuda.ray.map``.
 
-A :class:`ChunkMap` runs a feeder task in its own task group: it reads the inputs, takes
-a slot (at most ``in_flight`` chunks between admission and delivery) and hands each chunk
-to the subclass (:meth:`ChunkMap._start_chunk`: admission to a device or an actor, then a
-task, a replay, ...). Whatever runs the chunk sends its :class:`ChunkResult` through
+A :class:`ChunkMap` runs a feeder task in its own task group: it reads the inputs (telling
+the subclass of each at once: :meth:`ChunkMap._input_read`), takes a slot (at most
+``in_flight`` chunks between admission and delivery) and hands each chunk to the subclass
+(:meth:`ChunkMap._start_chunk`: admission to a device or an actor, then a task, a replay,
+...). Whatever runs the chunk sends its :class:`ChunkResult` through
 :meth:`ChunkMap._send_result`; the consumer receives them in input order or as they
 complete, and taking one frees its slot. With ``on_error="raise"`` a failed chunk's error
 is raised to the consumer, with a note saying where it ran, and cancels the rest.
@@ -187,6 +188,7 @@ class ChunkMap:
         try:
             async for host in _aiter(self._inputs):
                 array = as_input(host)
+                self._input_read(index, array)
                 if not self._take_slot_nowait():
                     await self._slots.acquire()
                 await self._start_chunk(index, array)
@@ -201,6 +203,11 @@ class ChunkMap:
         """Take a free slot without a checkpoint, if the subclass may (else False: the
         feeder awaits one, a checkpoint either way)."""
         return False
+
+    def _input_read(self, index: int, array: npt.NDArray[Any]) -> None:
+        """Input ``index`` was read; the feeder waits for a slot for it next. A subclass may
+        start here what needs the input alone (the Ray map's put into the object store),
+        so that it overlaps that wait."""
 
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         """Admit chunk ``index`` (then call :meth:`_admitted`) and start it; whatever runs

@@ -3,10 +3,13 @@
 A feeder task reads the inputs, waits for a free slot (``in_flight`` chunks between
 admission and delivery, at most) and for an actor with room (``chunks_per_actor``,
 placement as in the executor: :mod:`aiocuda._executor.placement`), then starts one task per
-chunk. A chunk task puts its input into the object store (off the loop: a large put is
-a memory copy; small inputs travel inside the call), calls the actor, and awaits the
-result, which it hands to the consumer; the consumer receives them in input order or as
-they complete, and frees the slot by taking one.
+chunk. Each large input is put into the object store as soon as the feeder reads it, before
+those waits, by the map's put threads (:data:`PUT_THREADS`), in input order: the puts run
+while the actor works on earlier chunks, and the first chunk's call waits for one put, not
+for all those that fit in flight. A chunk task awaits its put (small inputs travel inside
+the call), calls the actor, and awaits the result, which it hands to the consumer; the
+consumer receives them in input order or as they complete, and frees the slot by taking
+one.
 
 An actor that dies fails its chunks with Ray's ``RayActorError``: each is placed again
 on a live actor (its input is still in the store), up to ``retries`` times, and
@@ -19,12 +22,12 @@ returns the chunk's device memory.
 
 from __future__ import annotations
 
+import concurrent.futures
 import uuid
 from collections.abc import AsyncIterable, Iterable
 from types import TracebackType
 from typing import Any
 
-import anyio.to_thread
 import numpy.typing as npt
 import ray
 import ray.exceptions
@@ -36,12 +39,25 @@ from .._util import NoPublicConstructor
 from . import _refs
 from ._pool import ActorLostError, ActorPool, ActorSlot
 
-__all__ = ["INLINE_LIMIT", "RayPipeline"]
+__all__ = ["INLINE_LIMIT", "PUT_THREADS", "RayPipeline"]
 
 INLINE_LIMIT = 100 << 10
 """Inputs up to this size travel inside the actor call (as Ray inlines small arguments:
-no store round trip); larger ones are put into the object store first, from a worker
-thread (a large put is a memory copy), and the call passes the reference."""
+no store round trip); larger ones are put into the object store first, on one of the
+map's put threads (a large put is a memory copy), and the call passes the reference."""
+
+# A put is Ray's own copy into the store (its serializer splits copies over 1 MiB across
+# 6 threads, with the GIL released) between round trips to the store (create, seal): a
+# second put overlaps those round trips and the serialisation of the next input. More
+# only share the copy's memory bandwidth, so that every put of the batch finishes late
+# and the first chunk's call waits for all of them. Before, a window's puts all started
+# at once (simulated backend, 2 cores, 16 chunks of 16 MiB, one actor: each of 8 puts
+# took 26-28 ms where one alone takes 9-12, the first call came at 35-46 ms, and chunk
+# k + 8's put finished 19-24 ms after chunk k was delivered); in order on two threads a
+# put takes 9-12 ms, the first call comes at 14 ms and chunk k + 8 is in the store 8-11
+# ms before chunk k is delivered. 1, 2 and 4 threads were within the noise there.
+PUT_THREADS = 2
+"""Threads putting one map's inputs into the object store, in input order."""
 
 
 class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
@@ -83,6 +99,8 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         self._retries = retries
         self._key = uuid.uuid4().hex
         self._cursor = 0
+        self._putter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._puts: dict[int, concurrent.futures.Future[Any]] = {}
         self.retried = 0
 
     @property
@@ -102,6 +120,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
             await self._close_pool()
             raise
         limit = self._requested_limit or self._pool.chunks_per_actor * len(self._pool.live)
+        self._putter = concurrent.futures.ThreadPoolExecutor(PUT_THREADS, thread_name_prefix="aiocuda-ray-put")
         await self._open(limit)
         self._feed_soon()
         return self
@@ -112,6 +131,9 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         try:
             return await self._close(exc_type, exc, tb)
         finally:
+            if self._putter is not None:  # a put already running ends in its thread, its ref dropped
+                self._putter.shutdown(wait=False, cancel_futures=True)
+            self._puts.clear()
             for slot in self._pool.live:
                 slot.actor.forget.remote(self._key)
             await self._close_pool()
@@ -121,11 +143,16 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
             await self._pool.aclose()
 
     # -- the producers ----------------------------------------------------------------------
+    def _input_read(self, index: int, array: npt.NDArray[Any]) -> None:
+        if array.nbytes > INLINE_LIMIT:
+            assert self._putter is not None
+            self._puts[index] = self._putter.submit(ray.put, array)
+
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
         slot = await self._admit(array)
         self._admitted()
-        self._task_group.start_soon(self._chunk, index, array, slot)
+        self._task_group.start_soon(self._chunk, index, array, self._puts.pop(index, None), slot)
 
     async def _admit(self, array: npt.NDArray[Any]) -> ActorSlot:
         slot, self._cursor = await self._pool.admission.admit(
@@ -133,12 +160,16 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         )
         return slot
 
-    async def _chunk(self, index: int, host: npt.NDArray[Any], slot: ActorSlot) -> None:
+    async def _chunk(
+        self, index: int, host: npt.NDArray[Any], put: concurrent.futures.Future[Any] | None, slot: ActorSlot
+    ) -> None:
+        """Run chunk ``index`` (its put into the store, None for one that travels inside
+        the call) on ``slot``'s actor, placed again if the actor dies; send the result."""
         nbytes = int(host.nbytes)
         reserved_on: ActorSlot | None = slot  # the actor this task has a reservation on
         try:
             try:
-                arg = await _argument(host)
+                arg = host if put is None else await _refs.completed(put)
                 attempts = 0
                 while True:
                     try:
@@ -179,13 +210,6 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
     def _release(self, slot: ActorSlot, nbytes: int) -> None:
         slot.completed += 1
         self._pool.admission.release(slot, nbytes)
-
-
-async def _argument(host: npt.NDArray[Any]) -> Any:
-    """What a chunk's actor calls get for ``host`` (see :data:`INLINE_LIMIT`)."""
-    if host.nbytes <= INLINE_LIMIT:
-        return host
-    return await anyio.to_thread.run_sync(ray.put, host)
 
 
 def _lost_message(slot: ActorSlot, pool: ActorPool) -> str:

@@ -1,9 +1,10 @@
 """Awaiting Ray object refs from any event loop aiocuda supports (asyncio, uvloop, trio).
 
 Ray's own ``await ref`` works on asyncio only. Here the ref's ``concurrent.futures``
-future (completed on one of Ray's threads) wakes the task through the loop's thread-safe
-call (:mod:`aiocuda._completion.loops`): Ray's thread never blocks on the loop, so a loop
-thread that is itself inside a Ray call cannot deadlock with it.
+future (completed on one of Ray's threads; any such future: :func:`completed`) wakes the
+task through the loop's thread-safe call (:mod:`aiocuda._completion.loops`): Ray's thread
+never blocks on the loop, so a loop thread that is itself inside a Ray call cannot
+deadlock with it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import ray.exceptions
 
 from .._completion.loops import current_adapter
 
-__all__ = ["cancel", "result", "unwrap", "value"]
+__all__ = ["cancel", "completed", "result", "unwrap", "value"]
 
 
 async def result(ref: Any) -> Any:
@@ -25,7 +26,13 @@ async def result(ref: Any) -> Any:
 
     Cancelling the awaiting task leaves the Ray task alone: see :func:`cancel`.
     """
-    future: concurrent.futures.Future[Any] = ref.future()
+    return await completed(ref.future())
+
+
+async def completed(future: concurrent.futures.Future[Any]) -> Any:
+    """The result of ``future`` (completed on another thread: Ray's, or one of the map's
+    put threads) once it has one; raises what it raised. Cancelling the awaiting task
+    leaves the future alone."""
     if not future.done():
         adapter = current_adapter()
         done = anyio.Event()
