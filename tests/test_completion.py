@@ -120,7 +120,7 @@ import ctypes, threading, time, anyio
 from aiocuda.device import Device
 from aiocuda.stream import Stream
 from aiocuda.errors import ContextPoisonedError
-from _workload import _kernel, poison_op, slow_op
+from _workload import Gate, _kernel, poison_op, slow_op
 
 libcuda = ctypes.CDLL("libcuda.so.1")  # CDLL: the GIL is released during each call
 libcuda.cuStreamQuery.argtypes = [ctypes.c_void_p]
@@ -170,8 +170,9 @@ async def main():
             failed[name] = time.perf_counter() - t
 
 
-    t = time.perf_counter()
-    watcher = threading.Thread(target=watch, args=(int(bad), t))
+    # The fault comes when the gate opens, once everything below is enqueued: the driver
+    # may report it within a millisecond, and a launch after the report fails at once.
+    gate = Gate(bad)
     poison_op(bad)
     # The other streams' work now comes after the fault: awaiting it can only end in the
     # error. (Work that runs beside the fault instead -- a long kernel on another stream --
@@ -184,7 +185,10 @@ async def main():
         slow_op(line, 0.001)
         queued.append(line.record())
     event = busy.record()
+    t = time.perf_counter()
+    watcher = threading.Thread(target=watch, args=(int(bad), t))
     watcher.start()
+    gate.open()
     async with anyio.create_task_group() as tg:
         tg.start_soon(expect_failure, "doorbell", busy)
         tg.start_soon(expect_failure, "event", event)

@@ -110,3 +110,17 @@ def test_a_pinned_array_collected_while_its_thread_holds_the_cache_lock(frees: l
         gc.collect()  # the finaliser gives the block back here
     again = pinned_empty(3000, np.uint8)
     assert int(again.ctypes.data) == ptr and frees == []
+
+
+def test_a_pinned_array_collected_while_its_thread_holds_the_ranges_lock(frees: list[int]) -> None:
+    """The collector may equally run the finaliser inside the registry of pinned ranges
+    (while it adds a new array's range: seen hanging a GPU run): it removes the range
+    there, not deadlocked on."""
+    from aiocuda._memory.pinned import pinned_ranges
+
+    array = pinned_empty(3000, np.uint8)
+    ptr = int(array.ctypes.data)
+    with pinned_ranges._lock:
+        del array
+        gc.collect()  # the finaliser removes the range here
+    assert pinned_ranges.owner(ptr, 1) is None

@@ -38,7 +38,9 @@ class FreedStreams:
     __slots__ = ("_lock", "_lost", "_settling", "_streams")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: a buffer's finaliser frees (and notes its stream) wherever the
+        # collector runs, also at an allocation inside note() or observe().
+        self._lock = threading.RLock()
         self._streams: dict[int, weakref.ref[Stream]] = {}
         self._lost = False
         """A noted stream was collected before its frees were observed."""

@@ -34,7 +34,10 @@ class PinnedRanges:
     """Ranges found last, looked at before the sorted list."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Reentrant: the collector may run a pinned array's finaliser (which removes its
+        # range) on a thread inside add() or owner(), at an allocation there; a plain
+        # lock hung a GPU run so.
+        self._lock = threading.RLock()
         self._starts: list[int] = []
         self._entries: dict[int, tuple[int, weakref.ref[Any]]] = {}
         # A pipeline's chunks come from one or two arrays (inputs, outputs): a lookup
