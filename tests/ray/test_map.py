@@ -139,9 +139,7 @@ async def test_back_pressure_bounds_chunks_per_actor_and_inputs_read(ray_cluster
         assert results.peak_in_flight <= 4
 
 
-async def test_inputs_are_put_in_order_while_earlier_chunks_run(
-    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_inputs_are_put_while_earlier_chunks_run(ray_cluster: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     put: list[int] = []
     real_put = ray.put
 
@@ -163,10 +161,11 @@ async def test_inputs_are_put_in_order_while_earlier_chunks_run(
             put_while_paused, admitted = list(put), results.admitted
             assert sum(await pool.call(_stages.stop_pausing)) >= 1
             got = [r.index async for r in results]
-    assert put_while_paused == [0, 1, 2]
+    # Two put threads: the order in which puts finish is theirs, not the inputs'.
+    assert sorted(put_while_paused) == [0, 1, 2]
     assert admitted == 2
     assert got == list(range(6))
-    assert put == list(range(6))
+    assert sorted(put) == list(range(6))
 
 
 async def test_in_flight_bounds_chunks_not_yet_taken(pool2: Any) -> None:
