@@ -85,8 +85,13 @@ async def test_spares_are_bounded_in_bytes_and_in_streams(
         assert calls["free"] == 1
         pool.allocate(MiB // 4, s).free()  # a third list: the other two given back first
         assert calls["free"] == 1 + 2
+        taken = pool.allocate(MiB // 4, s)  # its list is empty now
+        pool.allocate(MiB // 8, s).free()  # a second list
+        pool.allocate(MiB // 16, s).free()  # a third: the empty one is dropped, nothing freed
+        assert calls["free"] == 3
+        taken.free()
         await trimmed(pool)
-        assert calls["free"] == 4
+        assert calls["free"] == 6
         kept.free()
         await s
 

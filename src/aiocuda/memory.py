@@ -73,9 +73,10 @@ would return memory to the OS at every synchronisation and make allocation slow.
 SPARE_BYTES = 64 << 20
 """Bytes of freed blocks a pool keeps for reuse on their streams (see the module's text)."""
 
-_SPARE_KEYS = 32
-"""(stream, size) pairs a pool keeps spares for; one more gives them all back (streams
-used once, e.g. one per request, are not kept alive for long)."""
+_SPARE_KEYS = 128
+"""(stream, size) pairs a pool keeps lists of spares for. One more drops the empty lists
+and, if none is, gives every spare back: streams used once (one per request, say) are
+not kept alive for long. Request lanes need one or two a lane (33 lanes on an H100)."""
 
 _exiting = False
 """Set at interpreter exit: the process's memory goes with its contexts, and buffers
@@ -396,9 +397,14 @@ class MemoryPool(metaclass=NoPublicConstructor):
 
     def _spares_for(self, stream: Stream, size: int) -> list[Any]:
         """The list of spares of (``stream``, ``size``), new; with ``_SPARE_KEYS`` lists
-        already, every spare goes back to the driver first."""
-        if len(self._spares) >= _SPARE_KEYS:
-            self._give_back_spares()
+        already, the empty ones are dropped first, else every spare goes back to the
+        driver."""
+        spares = self._spares
+        if len(spares) >= _SPARE_KEYS:
+            for key in [key for key, kept in spares.items() if not kept]:
+                del spares[key]
+            if len(spares) >= _SPARE_KEYS:
+                self._give_back_spares()
         held: list[Any] = []
         self._spares[stream, size] = held
         return held
