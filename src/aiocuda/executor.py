@@ -324,6 +324,10 @@ class Executor:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
 
+        Without ``output``, the result is a new numpy array, in page-locked memory up to
+        4 MiB (aiocuda's cache of pinned blocks; the block goes back to the cache when
+        the array is dropped), so that its download is a single DMA.
+
         Each submit waits for a device with room first (``chunks_per_device`` and the
         memory budget, shared with pipelines), so the executor's limits hold across all
         of them; then the whole chunk runs on one stream of its own (a request lane,
