@@ -38,8 +38,9 @@ PINNED_RESULT_BYTES = 4 << 20
 """``Executor.submit`` returns results up to this size in page-locked memory (blocks of
 aiocuda's pinned cache, given back when the array is dropped): the download is one DMA."""
 # Why: a pageable result goes through a staging slot or the copier threads and a host
-# copy; on the H100 serve benchmark, submit spent 0.12-0.2 ms more CPU per 64 KiB request
-# than a lane downloading into pinned memory.
+# copy. On the H100 serve benchmark at W = 1 ms, submit spent 0.12-0.21 ms more CPU per
+# 64 KiB request than a lane downloading into pinned memory; with pinned results,
+# 0.00-0.03 ms more (at W = 5 ms still about 0.1 ms more).
 
 StageResult = DeviceArray | None
 Stage = Callable[["ChunkContext", DeviceArray], StageResult | Awaitable[StageResult]]
