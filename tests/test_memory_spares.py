@@ -116,6 +116,19 @@ async def test_blocks_freed_on_a_foreign_or_closed_stream_go_back_to_the_driver(
     assert pool.statistics().reserved_bytes == 0
 
 
+async def test_a_pool_shared_with_other_processes_keeps_no_spares(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The driver reuses an exported block only once every importer has let it go."""
+    pool = MemoryPool.create(0, ipc=True)
+    calls = driver_calls(pool)
+    with Stream(0) as s:
+        pool.allocate(MiB, s).free()
+        pool.allocate(MiB, s).free()
+        assert calls == {"alloc": 2, "free": 2}
+        await s
+
+
 async def test_out_of_memory_on_another_stream_takes_a_spare_whose_stream_is_idle(
     sim_backend: _driver.Driver, anyio_backend: object
 ) -> None:

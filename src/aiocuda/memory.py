@@ -24,7 +24,8 @@ Lifetime rules (what makes cancellation safe):
   (see :mod:`aiocuda.stream`), not by the buffer.
 
 Freed blocks are kept for reuse: a buffer freed on a stream that aiocuda owns goes to
-its pool's *spares* (up to :data:`SPARE_BYTES` per pool), and the next allocation of the
+its pool's *spares* (up to :data:`SPARE_BYTES` per pool; none for pools shared with
+other processes), and the next allocation of the
 same size on the same stream takes it back without a driver call -- stream order makes
 that safe, as it makes the driver's own reuse safe. :meth:`MemoryPool.trim` and an
 out-of-memory recovery give the spares back to the driver first; pool statistics count
@@ -729,7 +730,14 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
         pool = self._pool
         if self._waits is None and not last._closed and last._capture is None:  # the common case, inlined
             size = self.size
-            if pool._spare_bytes + size <= SPARE_BYTES and last.owned and not pool._free_waiters:
+            # Not for a pool shared with other processes: the driver reuses an exported
+            # block only once every importer has let it go; a spare would not wait.
+            if (
+                pool._spare_bytes + size <= SPARE_BYTES
+                and last.owned
+                and not pool._free_waiters
+                and not pool.exportable
+            ):
                 held = pool._spares.get((last, size))
                 if held is None:
                     held = pool._spares_for(last, size)
