@@ -221,10 +221,8 @@ class Event:
             self._finalizer()
 
     def __del__(self) -> None:
-        pool = self._pool
-        if pool is not None:  # a pooled event (see _pooled)
-            self._pool = None
-            pool.release(self._handle)
+        if self._pool is not None:  # a pooled event (see _pooled)
+            self._give_back()
 
     def elapsed_ms(self, since: Event) -> float:
         """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and

@@ -25,11 +25,10 @@ Lifetime rules (what makes cancellation safe):
 
 Freed blocks are kept for reuse: a buffer freed on a stream that aiocuda owns goes to
 its pool's *spares* (up to :data:`SPARE_BYTES` per pool; none for pools shared with
-other processes), and the next allocation of the
-same size on the same stream takes it back without a driver call -- stream order makes
-that safe, as it makes the driver's own reuse safe. :meth:`MemoryPool.trim` and an
-out-of-memory recovery give the spares back to the driver first; pool statistics count
-them as free.
+other processes), and the next allocation of the same size on the same stream takes it
+back without a driver call -- stream order makes that safe, as it makes the driver's own
+reuse safe. :meth:`MemoryPool.trim` and an out-of-memory recovery give the spares back
+to the driver first; pool statistics count them as free.
 
 Out of memory: an allocation that fails trims the pool's cached memory
 (:meth:`MemoryPool.trim`) and retries, then trims the device's other pools and retries,
