@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
@@ -266,3 +266,102 @@ async def test_a_copy_never_waits_for_another_streams_staged_copy(
         assert _digest(await stuck.to_host(stream=paused)) == _digest(np.flip(stuck_host))
     paused.close()
     other.close()
+
+
+class _SliceWatch:
+    """Counts a busy task's turns and notes how many had passed at each host copy of
+    staging (``_memmove``); ``cancel_at_first_copy(scope, test)`` cancels ``scope`` at the
+    first copy for which ``test(dst, src)`` holds, before that copy."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.turns = 0
+        self.seen: list[tuple[int, int]] = []  # (destination address, turns so far)
+        self.running = True
+        self._cancel: tuple[anyio.CancelScope, Callable[[int, int], bool]] | None = None
+        self.cancelled = False
+        memmove = _staging._memmove
+
+        def watched(dst: int, src: int, n: int) -> Any:
+            self.seen.append((dst, self.turns))
+            if self._cancel is not None and self._cancel[1](dst, src):
+                self._cancel[0].cancel()
+                self._cancel, self.cancelled = None, True
+            return memmove(dst, src, n)
+
+        monkeypatch.setattr(_staging, "_memmove", watched)
+
+    def cancel_at_first_copy(self, scope: anyio.CancelScope, test: Callable[[int, int], bool]) -> None:
+        self._cancel = (scope, test)
+
+    async def busy(self) -> None:
+        while self.running:
+            self.turns += 1
+            await anyio.lowlevel.checkpoint()
+
+
+async def test_an_awaited_inline_copy_lets_the_loop_run_between_slices(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 64 KiB pageable copy, inline (under INLINE_LIMIT) with 16 KiB slices, is four
+    host copies each way, and another ready task runs while they go on: between each
+    two on asyncio; at least once in every three on trio (which runs each ready task
+    once per batch, in a shuffled order)."""
+    monkeypatch.setattr(_staging, "SLICE", 16 * 1024)
+    watch = _SliceWatch(monkeypatch)
+    host = _random_bytes(64 * 1024)
+    out = np.zeros_like(host)
+    with Stream(0) as s:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch.busy)
+            dev = await ga.to_device(host, stream=s)
+            uploads = [turns for _, turns in watch.seen]
+            watch.seen.clear()
+            await dev.to_host(out=out, stream=s)
+            start = out.ctypes.data
+            downloads = [turns for dst, turns in watch.seen if start <= dst < start + out.nbytes]
+            watch.running = False
+    assert len(uploads) == 4 and len(downloads) == 4
+    for turns in (uploads, downloads):
+        assert all(a < b for a, b in zip(turns, turns[2:], strict=False)), turns
+    assert _digest(out) == _digest(host)
+
+
+async def test_an_inline_download_cancelled_between_slices_fills_the_host_array_first(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled as its first slice is copied out, the download copies the rest before
+    the cancellation takes effect: ``out`` is never left half written."""
+    monkeypatch.setattr(_staging, "SLICE", 16 * 1024)
+    watch = _SliceWatch(monkeypatch)
+    host = _random_bytes(64 * 1024)
+    out = np.zeros_like(host)
+    with Stream(0) as s:
+        dev = await ga.to_device(host, stream=s)
+        with anyio.CancelScope() as scope:
+            watch.cancel_at_first_copy(scope, lambda dst, src: dst == out.ctypes.data)
+            await dev.to_host(out=out, stream=s)
+    assert watch.cancelled
+    assert _digest(out) == _digest(host)
+
+
+async def test_an_inline_upload_cancelled_between_slices_enqueues_nothing(
+    backend: _driver.Driver, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancelled as its first slice is copied in, an upload enqueues no DMA where the
+    cancellation arrives between the slices (asyncio; trio delivers it at the next
+    checkpoint, once the copy is enqueued): the device array is untouched, never torn."""
+    monkeypatch.setattr(_staging, "SLICE", 16 * 1024)
+    watch = _SliceWatch(monkeypatch)
+    host = _random_bytes(64 * 1024) | 1  # no zero byte
+    with Stream(0) as s:
+        dev = ga.empty(host.shape, np.uint8, stream=s)
+        await dev.fill(0, stream=s)
+        with anyio.CancelScope() as scope:
+            watch.cancel_at_first_copy(scope, lambda dst, src: src == host.ctypes.data)
+            await dev.copy_from(host, stream=s)
+        assert watch.cancelled and scope.cancelled_caught
+        back = await dev.to_host(stream=s)
+    if anyio_backend == "trio":
+        assert not back.any() or _digest(back) == _digest(host)
+    else:
+        assert not back.any()

@@ -14,7 +14,7 @@ import asyncio
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any, Protocol
 
 from ..errors import BlockingCallWarning
@@ -64,6 +64,13 @@ class LoopAdapter:
         False when the loop has no timers for callbacks (trio): use the waker's."""
         return False
 
+    def turn(self) -> Awaitable[None]:
+        """An awaitable that lets the loop run its other ready tasks once, then resumes
+        the current task. On trio a cancellation is not delivered there; on asyncio it
+        may be (``CancelledError`` raised from the await): a caller that must finish
+        what it started catches it, finishes, and raises it again."""
+        raise NotImplementedError
+
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         """Suspend the current task (``yield from`` this in the task) until one of two
         things happens:
@@ -108,6 +115,9 @@ class AsyncioAdapter(LoopAdapter):
         self.loop.call_later(delay, fn)
         return True
 
+    def turn(self) -> Awaitable[None]:
+        return _ONE_TURN
+
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         future = self.loop.create_future()
         waiter.token = future
@@ -125,6 +135,19 @@ class AsyncioAdapter(LoopAdapter):
                 future.set_result(None)
             else:
                 future.set_exception(error)
+
+
+class _OneTurn:
+    """A bare ``yield``: asyncio's Task runs the rest of the loop's ready callbacks, then
+    steps the task again (what ``asyncio.sleep(0)`` does, without the coroutine)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield
+
+
+_ONE_TURN = _OneTurn()
 
 
 class TrioAdapter(LoopAdapter):
@@ -145,6 +168,11 @@ class TrioAdapter(LoopAdapter):
         except trio.RunFinishedError:
             return False
         return True
+
+    def turn(self) -> Awaitable[None]:
+        import trio
+
+        return trio.lowlevel.cancel_shielded_checkpoint()  # noqa: ASYNC105 - awaited by the caller
 
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         import trio

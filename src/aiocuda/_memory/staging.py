@@ -7,7 +7,9 @@ aiocuda stages pageable arrays itself, through pinned slots:
 * Pinned memory (see :mod:`aiocuda.host`) is copied directly by
   :mod:`aiocuda._memory.copies`, which decides pinned or pageable.
 * Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
-  host copy of well under a millisecond), which skips the hop to a thread.
+  host copy of well under a millisecond), which skips the hop to a thread. An awaited
+  copy does its host side in slices of :data:`SLICE` bytes and lets the loop run its
+  other tasks between them, so that no single step of the loop is long.
 * Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._memory.copiers`):
   each thread copies whole chunks through its own slots, the host copy of one chunk
   overlapping the DMA of the last. The event loop never blocks; the awaiting task waits
@@ -17,7 +19,8 @@ Cancellation never leaves aiocuda touching the host array after the await has en
 staged copy, once started, finishes its host side before the cancellation takes
 effect (host to device: every chunk has been copied into a slot and its DMA enqueued;
 device to host: ``host`` holds the data), while the small inline device-to-host copy is
-abandoned at its await, ``host`` then not written.
+abandoned at its await, ``host`` then not written, and once it has begun to fill ``host``
+it completes first. A cancelled inline host-to-device copy enqueues nothing.
 
 Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
 still busy with long work (a kernel enqueued before it) ties up the slots it filled until
@@ -42,6 +45,7 @@ import anyio.to_thread
 import numpy.typing as npt
 
 from .. import _driver
+from .._completion.loops import current_adapter
 from ..device import Device
 from ..stream import Stream
 from . import copies as _copies
@@ -53,6 +57,7 @@ __all__ = [
     "INLINE_LIMIT",
     "INLINE_SLOTS",
     "MIN_CHUNK",
+    "SLICE",
     "SLOTS_PER_THREAD",
     "device_to_host",
     "download_inline",
@@ -98,6 +103,14 @@ INLINE_LIMIT = 1 << 20
 
 INLINE_SLOTS = 8
 """Slots for inline copies; when none is ready, a small copy goes to the copiers."""
+
+SLICE = 256 << 10
+"""An awaited inline copy moves at most this many bytes between two turns of the loop."""
+
+# Why SLICE: eight tasks each uploading and downloading 1 MiB of pageable memory in a loop
+# (benchmarks/loop_health.py's storm) made every loop step that copied 1 MiB in one go
+# about 0.15 ms long, and the loop's iterations (a step of every task) 2-6 ms long: a
+# timer on that loop fired that late. In 256 KiB slices a step copies for ~25 us.
 
 _memmove = ctypes.memmove
 
@@ -183,8 +196,24 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     Returns once everything is enqueued and ``host`` may be modified again; the DMA may
     still be running (await the stream for that). Pinned sources are held until it ends.
     """
-    if not upload_now(dst, host, stream):
+    nbytes = int(host.nbytes)
+    if nbytes <= SLICE:
+        if not upload_now(dst, host, stream):
+            await upload_staged(dst, host, stream)
+        return
+    if _copies.upload(dst, host, stream):
+        return
+    slot = _inline_slot(nbytes, stream)
+    if slot is None:
         await upload_staged(dst, host, stream)
+        return
+    try:
+        # Cancelled between slices: nothing is enqueued, and the slot goes back unused.
+        await _host_copy(slot.ptr, int(host.ctypes.data), nbytes, finish_on_cancel=False)
+        stream.device.make_current()  # (a task that ran between the slices may have changed it)
+        _enqueue_from(slot, dst, nbytes, stream)
+    finally:
+        release(slot)
 
 
 def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any] | None = None) -> bool:
@@ -200,11 +229,16 @@ def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any]
         return False
     try:
         _memmove(slot.ptr, int(host.ctypes.data), nbytes)
-        _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
-        slot.mark(stream.device, stream.handle)
+        _enqueue_from(slot, dst, nbytes, stream)
     finally:
         release(slot)
     return True
+
+
+def _enqueue_from(slot: Slot, dst: int, nbytes: int, stream: Stream) -> None:
+    """Enqueue the DMA of an inline slot's first ``nbytes`` to ``dst``; the slot is fenced by it."""
+    _copies.enqueue_upload(dst, slot.ptr, nbytes, stream)
+    slot.mark(stream.device, stream.handle)
 
 
 def _inline_slot(nbytes: int, stream: Stream) -> Slot | None:
@@ -255,7 +289,7 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     if slot is not None:
         try:
             await stream.record()
-            landed(slot, host)
+            await _host_copy(int(host.ctypes.data), slot.ptr, nbytes, finish_on_cancel=True)
         finally:
             release(slot)
         return
@@ -295,6 +329,27 @@ def landed(slot: Slot, host: npt.NDArray[Any]) -> None:
     """Copy what :func:`download_inline` brought into ``slot`` to ``host``, once the DMA
     is done."""
     _memmove(int(host.ctypes.data), slot.ptr, int(host.nbytes))
+
+
+async def _host_copy(dst: int, src: int, nbytes: int, *, finish_on_cancel: bool) -> None:
+    """``memmove`` of ``nbytes`` in slices of :data:`SLICE`, the loop running its other
+    tasks between them. Cancelled between slices, it either copies the rest first
+    (``finish_on_cancel``: the destination is never left half written) or stops."""
+    done = min(SLICE, nbytes)
+    _memmove(dst, src, done)
+    if done == nbytes:
+        return
+    turn = current_adapter().turn
+    try:
+        while done < nbytes:
+            await turn()
+            step = min(SLICE, nbytes - done)
+            _memmove(dst + done, src + done, step)
+            done += step
+    except BaseException:
+        if finish_on_cancel:
+            _memmove(dst + done, src + done, nbytes - done)
+        raise
 
 
 def release(slot: Slot) -> None:
