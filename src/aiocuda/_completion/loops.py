@@ -13,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Awaitable, Callable, Generator
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from ..errors import BlockingCallWarning
+from .timer import LoopTimer
 
 __all__ = ["LoopAdapter", "Suspended", "current_adapter", "warn_if_on_loop"]
 
@@ -59,10 +61,14 @@ class LoopAdapter:
         """Run ``fn`` on the loop, from any thread; False when the loop is gone."""
         raise NotImplementedError
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> bool:
-        """Run ``fn`` on the loop after ``delay`` seconds (from the loop's own thread);
-        False when the loop has no timers for callbacks (trio): use the waker's."""
+    def call_at(self, when: float, fn: Callable[[], None]) -> bool:
+        """Run ``fn`` on the loop at ``when`` (``time.perf_counter()`` seconds), instead
+        of what the last call asked for (from the loop's own thread); False when the loop
+        has no timers for callbacks (trio): use the waker's."""
         return False
+
+    def close(self) -> None:
+        """Give back what the adapter holds of its loop (from any thread)."""
 
     def turn(self) -> Awaitable[None]:
         """An awaitable that lets the loop run its other ready tasks once, then resumes
@@ -93,13 +99,14 @@ class LoopAdapter:
 
 
 class AsyncioAdapter(LoopAdapter):
-    __slots__ = ("loop",)
+    __slots__ = ("_timer", "loop")
 
     bare_yield = True
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self.loop = loop
+        self._timer: LoopTimer | Literal[False] | None = None  # made at the first call_at; False: none to be had
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         self.loop.call_soon(fn)
@@ -111,9 +118,27 @@ class AsyncioAdapter(LoopAdapter):
             return False
         return True
 
-    def call_later(self, delay: float, fn: Callable[[], None]) -> bool:
-        self.loop.call_later(delay, fn)
+    def call_at(self, when: float, fn: Callable[[], None]) -> bool:
+        timer = self._timer
+        if timer is None:
+            timer = self._timer = LoopTimer.create(self.loop) or False
+        if timer:
+            timer.arm(when, fn)
+        else:  # (no timerfd here: the loop's timer, a millisecond coarse)
+            self.loop.call_later(max(0.0, when - time.perf_counter()), fn)
         return True
+
+    def close(self) -> None:
+        timer, self._timer = self._timer, False
+        if not timer:
+            return
+        if self.loop.is_closed() or self.thread == threading.get_ident():
+            timer.close()
+            return
+        try:
+            self.loop.call_soon_threadsafe(timer.close)
+        except RuntimeError:  # closed meanwhile
+            timer.close()
 
     def turn(self) -> Awaitable[None]:
         return _ONE_TURN
@@ -226,7 +251,7 @@ def current_adapter() -> LoopAdapter:
         _adapters[id(key)] = entry
         if len(_adapters) > 64:  # forget loops that are long gone
             for k in [k for k, (obj, _) in _adapters.items() if obj is not key][:32]:
-                del _adapters[k]
+                _adapters.pop(k)[1].close()
     _last_loop, _last_adapter = key, entry[1]
     return entry[1]
 

@@ -68,8 +68,9 @@ IDLE_PARK = 0.0005
 than this (seconds) is parked until :data:`IDLE_LEAD` before its predicted end."""
 
 IDLE_LEAD = 0.0002
-"""Seconds before its predicted end at which a wait parked by an idle loop polls again
-(a loop's timer wakes up to a millisecond late anyway)."""
+"""Seconds before its predicted end at which a wait parked by an idle loop polls again:
+the loop's wake-up from its timer (:mod:`.timer`, tens of microseconds late; where the
+loop's own timer stands in, up to a millisecond) and the prediction's error."""
 
 # Where a pending wait is (Waiter.where). A doorbell (Waiter.ringing) is orthogonal: a
 # rung wait may still be parked until its predicted end, or active.
@@ -273,7 +274,7 @@ class Poller:
             return
         self._timer_at = when
         adapter = self.adapter
-        if not adapter.call_later(max(0.0, when - _perf()), self._timed):
+        if not adapter.call_at(when, self._timed):
             self.engine.waker.call_at(when, adapter, self._timed)
 
     def _timed(self) -> None:
