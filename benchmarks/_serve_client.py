@@ -127,12 +127,26 @@ async def open_loop(port: int, path: str, body: bytes, rate: float, seconds: flo
     tasks = []
     for k in range(count):
         due = start + k / rate
-        delay = due - time.perf_counter()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        await until(due)
         tasks.append(asyncio.ensure_future(one(due)))
     await asyncio.gather(*tasks)
     return {"done": len(latencies) - failed, "failed": failed, "seconds": seconds, "latencies": latencies}
+
+
+SPIN_BEFORE = 0.002
+"""Seconds before a request is due from which the client spins instead of sleeping."""
+
+
+async def until(due: float) -> None:
+    """Return at ``due`` (``time.perf_counter()`` seconds), on time: a loop's timers are a
+    millisecond coarse (uvloop rounds delays to whole milliseconds, asyncio rounds them
+    up), and a request sent late would count the client's lateness as the server's
+    latency. So the last stretch spins, running the client's other tasks meanwhile (its
+    CPUs are its own)."""
+    while (left := due - time.perf_counter()) > SPIN_BEFORE:
+        await asyncio.sleep(left - SPIN_BEFORE)
+    while time.perf_counter() < due:
+        await asyncio.sleep(0)
 
 
 def serve_commands(pipe: Any, cpus: list[int]) -> None:

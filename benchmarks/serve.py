@@ -13,7 +13,8 @@ synchronize and polling ``event.query()`` with ``sleep(0)``.
 Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs one closed-loop
 window (64 connections, saturation) in turn -- interleaved, the order rotating from
 round to round -- then an open-loop window (requests due at half the polling endpoint's
-saturation rate of that round) for ``/lanes`` and ``/poll``. Ratios are taken per round
+saturation rate of that round, each sent when due: the clients spin through the last
+2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes`` and ``/poll``. Ratios are taken per round
 and reported as the median of the three, each target with its rounds' values. CPU per
 request is the server process's own CPU time (every thread) over the requests it served
 in the window (per thread too, in the baselines); loop lag is how late a 1 ms sleep on
