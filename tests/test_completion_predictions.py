@@ -19,6 +19,7 @@ from aiocuda._completion import waker as waker_module
 from aiocuda._completion.engine import Waiter, current_engine
 from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
 from aiocuda._completion.poller import Poller
+from aiocuda.device import Device
 from aiocuda.stream import Stream
 
 from ._control import ControlClock
@@ -269,3 +270,33 @@ async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_
         spinning = await queries(s, float("inf"))
         parked = await queries(s, idle_park)
     assert parked * 3 < spinning, f"{parked} queries with idle parking, {spinning} without"
+
+
+class _Resumed:
+    """An adapter stand-in that records what the engine resumes."""
+
+    def __init__(self) -> None:
+        self.resumed: list[Any] = []
+
+    def resume(self, waiter: Waiter, error: BaseException | None) -> None:
+        waiter.finish()
+        self.resumed.append(waiter)
+
+
+@pytest.mark.parametrize(("polled", "learnt"), [(True, 0.005), (False, 0.006)])
+def test_a_wait_found_late_learns_when_it_ended_not_when_it_was_found(
+    sim_backend: Any, polled: bool, learnt: float
+) -> None:
+    """A parked wait found done 2 ms after a query found it pending ended somewhere in
+    between: its history learns the middle, not the find time (which would teach it the
+    finding's lateness, park the next wait later, and find it later still). A wait its
+    doorbell resumed learns the moment it was resumed."""
+    engine = current_engine()
+    adapter = _Resumed()
+    waiter = Waiter(None, "a stream", "a place", Device(0), adapter, None)  # type: ignore[arg-type]
+    waiter.head_since, waiter.pending_at = 10.0, 10.004
+    engine.complete(waiter, 10.006, polled=polled)
+    assert adapter.resumed == [waiter]
+    history = engine._histories["a stream"]["a place"]
+    assert history.expected == pytest.approx(learnt)
+    engine.forget("a stream")

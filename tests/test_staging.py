@@ -348,8 +348,9 @@ async def test_an_inline_upload_cancelled_between_slices_enqueues_nothing(
     backend: _driver.Driver, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Cancelled as its first slice is copied in, an upload enqueues no DMA where the
-    cancellation arrives between the slices (asyncio; trio delivers it at the next
-    checkpoint, once the copy is enqueued): the device array is untouched, never torn."""
+    cancellation arrives between the slices (asyncio; trio delivers it at a later
+    checkpoint, once the copy is enqueued, if any): the device array is untouched, never
+    torn."""
     monkeypatch.setattr(_staging, "SLICE", 16 * 1024)
     watch = _SliceWatch(monkeypatch)
     host = _random_bytes(64 * 1024) | 1  # no zero byte
@@ -359,9 +360,9 @@ async def test_an_inline_upload_cancelled_between_slices_enqueues_nothing(
         with anyio.CancelScope() as scope:
             watch.cancel_at_first_copy(scope, lambda dst, src: src == host.ctypes.data)
             await dev.copy_from(host, stream=s)
-        assert watch.cancelled and scope.cancelled_caught
+        assert watch.cancelled
         back = await dev.to_host(stream=s)
-    if anyio_backend == "trio":
+    if anyio_backend == "trio":  # (and with no checkpoint left, maybe not cancelled at all)
         assert not back.any() or _digest(back) == _digest(host)
     else:
-        assert not back.any()
+        assert scope.cancelled_caught and not back.any()

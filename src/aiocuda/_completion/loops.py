@@ -67,6 +67,11 @@ class LoopAdapter:
         has no timers for callbacks (trio): use the waker's."""
         return False
 
+    def timer_lateness(self) -> float | None:
+        """How late the callbacks of :meth:`call_at` run, rarely exceeded (seconds);
+        None where not known."""
+        return None
+
     def close(self) -> None:
         """Give back what the adapter holds of its loop (from any thread)."""
 
@@ -127,6 +132,9 @@ class AsyncioAdapter(LoopAdapter):
         else:  # (no timerfd here: the loop's timer, a millisecond coarse)
             self.loop.call_later(max(0.0, when - time.perf_counter()), fn)
         return True
+
+    def timer_lateness(self) -> float | None:
+        return self._timer.lateness if self._timer else None
 
     def close(self) -> None:
         timer, self._timer = self._timer, False

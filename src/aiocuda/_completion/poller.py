@@ -7,8 +7,9 @@ holds waits in two places:
   while any wait is active: a wait expected to end soon is seen ending within
   microseconds. But when the loop turns only for the poller (a pass follows the last
   within :data:`IDLE_TURN`), querying on every turn is a spin that keeps the loop from
-  sleeping: an active wait predicted to end further off than :data:`IDLE_PARK` is then
-  parked until shortly before its predicted end, and the loop sleeps meanwhile.
+  sleeping: an active wait that would sleep at least :data:`IDLE_PARK` is then parked
+  until shortly before its predicted end (the lead: how late the loop's timer tends to
+  wake it), and the loop sleeps meanwhile.
 * **parked** waits are expected to end later. Each is queried again at its *next
   check*: every :data:`RECHECK` seconds (in case it ends early), and from its predicted
   end on it is active. Passes run anyway while the loop turns; when no wait is active the
@@ -44,6 +45,7 @@ __all__ = [
     "IDLE_LEAD",
     "IDLE_PARK",
     "IDLE_TURN",
+    "LEAD_MARGIN",
     "PARKED",
     "QUEUED",
     "RECHECK",
@@ -63,14 +65,17 @@ IDLE_TURN = 50e-6
 """A pass that follows the previous one within this many seconds found the loop with
 nothing else to do: it turns only for the poller."""
 
-IDLE_PARK = 0.0005
-"""In a loop that turns only for the poller, an active wait predicted to end further off
-than this (seconds) is parked until :data:`IDLE_LEAD` before its predicted end."""
+IDLE_PARK = 0.0001
+"""In a loop that turns only for the poller, an active wait is parked if it would sleep
+at least this long (seconds) before the lead ahead of its predicted end."""
 
 IDLE_LEAD = 0.0002
-"""Seconds before its predicted end at which a wait parked by an idle loop polls again:
-the loop's wake-up from its timer (:mod:`.timer`, tens of microseconds late; where the
-loop's own timer stands in, up to a millisecond) and the prediction's error."""
+"""The lead (seconds) of a loop whose timer's lateness is not known: a parked wait polls
+again this long before its predicted end. A loop's timer (:mod:`.timer`) learns its own
+lateness, and the lead is then that plus :data:`LEAD_MARGIN`, at most this."""
+
+LEAD_MARGIN = 50e-6
+"""Added to a timer's lateness for the lead: the prediction's error (seconds)."""
 
 # Where a pending wait is (Waiter.where). A doorbell (Waiter.ringing) is orthogonal: a
 # rung wait may still be parked until its predicted end, or active.
@@ -203,6 +208,7 @@ class Poller:
             if finished:
                 self.engine.complete(w, now)
             else:
+                w.pending_at = now
                 self._push(w, w.poll_from if w.ringing else min(w.poll_from, now + RECHECK))
 
     def _check_active(self, now: float) -> None:
@@ -220,7 +226,9 @@ class Poller:
                 continue
             if finished:
                 self.engine.complete(w, now)
-            elif now < w.poll_until:
+                continue
+            w.pending_at = now
+            if now < w.poll_until:
                 still.append(w)
             elif w.ringing:
                 w.where = ASLEEP  # outlasted its window: its doorbell wakes it
@@ -231,17 +239,19 @@ class Poller:
                 self._push(w, now + RECHECK)
 
     def _park_far(self, now: float) -> None:
-        """The loop turns only for this poller: park the active waits predicted to end
-        further off than IDLE_PARK until shortly before then, so that it may sleep."""
+        """The loop turns only for this poller: park the active waits that would sleep
+        at least IDLE_PARK until the lead before their predicted end, so that it may."""
         history_of = self.engine._history
+        late = self.adapter.timer_lateness()
+        lead = IDLE_LEAD if late is None else min(IDLE_LEAD, late + LEAD_MARGIN)
         still: list[Waiter] = []
         for w in self._active:
             head = w.head_since
             history = history_of(w) if head is not None else None
-            if head is None or history is None or head + history.expected - now <= IDLE_PARK:
+            if head is None or history is None or head + history.expected - lead - now < IDLE_PARK:
                 still.append(w)  # no prediction, or its end is near: keep querying it
                 continue
-            w.poll_from = head + history.expected - IDLE_LEAD
+            w.poll_from = head + history.expected - lead
             w.where = PARKED
             self._push(w, w.poll_from if w.ringing else min(w.poll_from, now + RECHECK))
         self._active = still

@@ -104,13 +104,15 @@ INLINE_LIMIT = 1 << 20
 INLINE_SLOTS = 8
 """Slots for inline copies; when none is ready, a small copy goes to the copiers."""
 
-SLICE = 256 << 10
+SLICE = 128 << 10
 """An awaited inline copy moves at most this many bytes between two turns of the loop."""
 
 # Why SLICE: eight tasks each uploading and downloading 1 MiB of pageable memory in a loop
 # (benchmarks/loop_health.py's storm) made every loop step that copied 1 MiB in one go
 # about 0.15 ms long, and the loop's iterations (a step of every task) 2-6 ms long: a
-# timer on that loop fired that late. In 256 KiB slices a step copies for ~25 us.
+# timer on that loop fired that late (p99 13.5 ms on asyncio, H100). In 256 KiB slices
+# the p99 was 2.5-2.8 ms on asyncio and 1.5-1.6 on uvloop (H200): asyncio runs a timer
+# one iteration later than uvloop, so its steps must be shorter still.
 
 _memmove = ctypes.memmove
 
