@@ -15,7 +15,10 @@ then falls back to the loop's own ``call_later``.
 # Measured on the serve benchmark's open-loop windows (uvicorn, H100, 1 ms kernels, half
 # the polling saturation rate), with the loop's own timers: asyncio answered 0.8 ms later
 # than a polling loop at the median; uvloop as fast, but it spun where it meant to sleep
-# and burnt 0.93-0.98 of the polling loop's CPU per request.
+# and burnt 0.93-0.98 of the polling loop's CPU per request. With this timer (and waits
+# learning the middle of their last interval, engine.py), a lone 5 ms wait repeated
+# resumed 10-16 us after a spinning synchronize on asyncio and uvloop, against 617-767 us
+# with the loop's own timers (await_latency, the same H200).
 
 from __future__ import annotations
 
@@ -86,8 +89,8 @@ class LoopTimer:
     @property
     def lateness(self) -> float:
         """How late (seconds) the callback of an arming runs, rarely exceeded: learnt
-        from the timer's own firings (a thread's wake-up costs a few microseconds on bare
-        metal, a hundred or more on some virtual machines)."""
+        from the timer's own firings (the loop's wake-up from its selector, and whatever
+        the loop was running when the moment came)."""
         return self._typical + 2 * self._spread
 
     @classmethod
