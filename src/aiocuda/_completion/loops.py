@@ -205,7 +205,8 @@ class TrioAdapter(LoopAdapter):
     def turn(self) -> Awaitable[None]:
         import trio
 
-        return trio.lowlevel.cancel_shielded_checkpoint()  # noqa: ASYNC105 - awaited by the caller
+        checkpoint: Awaitable[None] = trio.lowlevel.cancel_shielded_checkpoint()  # noqa: ASYNC105 - the caller awaits it
+        return checkpoint
 
     def suspend(self, waiter: Suspended) -> Generator[Any, Any, None]:
         import trio
