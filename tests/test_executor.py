@@ -586,24 +586,32 @@ async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(backend: A
     np.testing.assert_allclose(out, scale_reference(pageable, REPS), rtol=1e-5)
 
 
-async def test_submit_returns_small_results_in_pinned_memory(
+async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory(
     backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Up to PINNED_RESULT_BYTES a submit's result is a page-locked array (its download
-    one DMA); above, or with a pipeline's map, a plain one."""
+    """A submit's result that fits the lane's staging is copied out of it into a plain
+    array; a larger one, up to PINNED_RESULT_BYTES, is a page-locked array (its download
+    one DMA); above that, or with a pipeline's map, a plain one."""
+    from aiocuda import executor
     from aiocuda._executor import chunk
     from aiocuda.host import is_pinned
 
     scale = ScaleStage(REPS)
     host = chunks(1)[0]
+    expected = scale_reference(host, REPS)
     async with Executor([0]) as ex:
         small = await ex.submit(scale, host)
-        assert is_pinned(small)
-        np.testing.assert_allclose(small, scale_reference(host, REPS), rtol=1e-5)
+        assert not is_pinned(small)
+        np.testing.assert_allclose(small, expected, rtol=1e-5)
+    monkeypatch.setattr(executor, "_SUBMIT_STAGING", host.nbytes)  # room for the upload only
+    async with Executor([0]) as ex:
+        pinned = await ex.submit(scale, host)
+        assert is_pinned(pinned)
+        np.testing.assert_allclose(pinned, expected, rtol=1e-5)
         monkeypatch.setattr(chunk, "PINNED_RESULT_BYTES", host.nbytes - 1)
         large = await ex.submit(scale, host)
         assert not is_pinned(large)
-        np.testing.assert_allclose(large, scale_reference(host, REPS), rtol=1e-5)
+        np.testing.assert_allclose(large, expected, rtol=1e-5)
         mapped = await ex.run(scale, [host])
         assert not is_pinned(mapped[0])
 

@@ -324,9 +324,11 @@ class Executor:
         """Run one chunk through ``stage`` (upload, stage, download) and return its
         result: for request/response code where many tasks each have one input.
 
-        Without ``output``, the result is a new numpy array, in page-locked memory up to
-        4 MiB (aiocuda's cache of pinned blocks; the block goes back to the cache when
-        the array is dropped), so that its download is a single DMA.
+        Without ``output``, the result is a new numpy array: copied out of the lane's
+        page-locked staging if it fits there (1 MiB per chunk in flight, shared with the
+        upload), else, up to 4 MiB, in page-locked memory (aiocuda's cache of pinned
+        blocks; the block goes back to the cache when the array is dropped), so that its
+        download is a single DMA.
 
         Each submit waits for a device with room first (``chunks_per_device`` and the
         memory budget, shared with pipelines), so the executor's limits hold across all

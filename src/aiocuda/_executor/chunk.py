@@ -35,12 +35,15 @@ if TYPE_CHECKING:
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage", "Steps", "run_steps"]
 
 PINNED_RESULT_BYTES = 4 << 20
-"""``Executor.submit`` returns results up to this size in page-locked memory (blocks of
-aiocuda's pinned cache, given back when the array is dropped): the download is one DMA."""
+"""``Executor.submit`` returns results too large for its lane's staging, up to this size,
+in page-locked memory (blocks of aiocuda's pinned cache, given back when the array is
+dropped): the download is one DMA."""
 # Why: a pageable result goes through a staging slot or the copier threads and a host
 # copy. On the H100 serve benchmark at W = 1 ms, submit spent 0.12-0.21 ms more CPU per
 # 64 KiB request than a lane downloading into pinned memory; with pinned results,
-# 0.00-0.03 ms more (at W = 5 ms still about 0.1 ms more).
+# 0.00-0.03 ms more (at W = 5 ms still about 0.1 ms more). A result that fits what is
+# left of the lane's staging costs less still: taking a pinned block from the cache and
+# giving it back cost 8-15 us (2-core CI machine), copying 64 KiB out of the staging 2 us.
 
 StageResult = DeviceArray | None
 Stage = Callable[["ChunkContext", DeviceArray], StageResult | Awaitable[StageResult]]
@@ -350,8 +353,10 @@ class ChunkRunner:
         result = x if returned is None else returned
         ctx._end_compute()
         # (x is C-contiguous, as made)
-        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=lane is not None)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
+        # A lane's result is copied out of its staging if it fits there, else downloaded into pinned memory.
+        pinned = lane is not None and not (on_lane and lane._has_room(result.nbytes))
+        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=pinned)
         d2h = h2d if on_lane else self.streams_of(result.device).d2h
         result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
         span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None

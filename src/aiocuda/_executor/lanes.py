@@ -232,8 +232,11 @@ class Lane:
     def _fits(self, host: npt.NDArray[Any]) -> bool:
         """Whether a copy of ``host`` goes through the lane without borrowing memory:
         pinned, or small enough for what is left of the staging block."""
-        nbytes = host.nbytes
-        return self._staged + nbytes <= self._staging_size or is_pinned(host)
+        return self._has_room(host.nbytes) or is_pinned(host)
+
+    def _has_room(self, nbytes: int) -> bool:
+        """Whether what is left of the staging block takes a copy of ``nbytes``."""
+        return self._staged + nbytes <= self._staging_size
 
     def _stage(self, nbytes: int) -> int:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
