@@ -12,6 +12,9 @@ Two phases, each with its own local Ray cluster:
                      the object store through aiocuda's pinned staging;
    * ``register`` -- the same over an actor that pins the store's pages in place.
 
+   * ``echo``     -- Ray alone: a plain actor (no GPU) given each chunk that returns a
+                     new array of its size. What Ray's own moves of the data cost.
+
    The Ray runs include the driver's put of every input into the object store and the
    actor's return of every result into it (read back zero-copy). Then the same three
    with 512 chunks of 64 KiB and a one-step kernel, where the host's work per chunk is
@@ -30,7 +33,9 @@ back (interleaved: the GPU's copy speed drifts over seconds), with the spread
 upload) >= 0.9; ``ray_scaling_sim_4`` >= 3.5; ``ray_actor_overhead_us_per_chunk`` and
 ``upload_register_vs_staging`` reported, and ``ray_put_bound_vs_local`` = local / (chunks x
 the median time of one ``ray.put`` of a chunk in the driver): the most
-``ray_vs_local_executor`` can be while the driver's puts run one after the other.
+``ray_vs_local_executor`` can be while the driver's puts run one after the other; and
+``ray_transfer_bound_vs_local`` = local / ``echo``: the most it can be while Ray moves
+each chunk in and a result out at the speed it does with no GPU work at all.
 
     python benchmarks/ray.py [--rounds N]      (from the repository root; needs Ray)
 
@@ -113,6 +118,19 @@ async def local_run(ex: Executor, stage: ScaleStage, data: npt.NDArray[Any], out
             pass
 
 
+@ray.remote(num_cpus=0)
+class Echo:
+    """Ray's part of a chunk alone: the input arrives, a result of its size goes back."""
+
+    async def run(self, host: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        return np.empty_like(host)
+
+
+async def echo_run(echo: Any, data: npt.NDArray[Any]) -> None:
+    for ref in [echo.run.remote(row) for row in data]:
+        await ref
+
+
 async def ray_run(pool: aray.ActorPool, reps: int, data: npt.NDArray[Any], check: bool = False) -> None:
     async with aray.map(ScaleStage, data, actors=pool, stage_args=(reps,)) as results:
         async for r in results:
@@ -134,6 +152,7 @@ async def gpu_phase(result: Result, rounds: int, on_sim: bool) -> None:
     balanced, tiny = ScaleStage(BALANCED), ScaleStage(1)
     # Two actors share device 0 (half a GPU each), one per way to upload.
     pools = {way: aray.ActorPool(1, num_gpus=0.5, num_cpus=0, upload=way) for way in ("staging", "register")}
+    echo = Echo.remote()
     async with Executor([Device(0)]) as ex, pools["staging"], pools["register"]:
         for pool in pools.values():  # correctness, and each actor's kernels compiled
             await ray_run(pool, BALANCED, data, check=True)
@@ -148,6 +167,7 @@ async def gpu_phase(result: Result, rounds: int, on_sim: bool) -> None:
                 "local": lambda: local_run(ex, balanced, data, out),
                 "staging": lambda: ray_run(pools["staging"], BALANCED, data),
                 "register": lambda: ray_run(pools["register"], BALANCED, data),
+                "echo": lambda: echo_run(echo, data),
                 "local_small": lambda: local_run(ex, tiny, small, small_out),
                 "staging_small": lambda: ray_run(pools["staging"], 1, small),
                 "register_small": lambda: ray_run(pools["register"], 1, small),
@@ -163,6 +183,7 @@ async def gpu_phase(result: Result, rounds: int, on_sim: bool) -> None:
     result.baselines["put_32mib_ms"] = round(median(puts) * 1e3, 3) if not on_sim else 0.0
     result.target("ray_vs_local_executor", med["local"] / med[default], 0.9, ">=")
     result.metrics["ray_put_bound_vs_local"] = round(med["local"] / (CHUNKS * median(puts)), 4)
+    result.metrics["ray_transfer_bound_vs_local"] = round(med["local"] / med["echo"], 4)
     other = "register" if default == "staging" else "staging"
     result.metrics[f"ray_vs_local_executor_{other}"] = round(med["local"] / med[other], 4)
     result.metrics["upload_register_vs_staging"] = round(med["register"] / med["staging"], 4)
