@@ -3,6 +3,7 @@ when the poller queries, parks and rings a wait."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Hashable
 from typing import Any
@@ -18,6 +19,7 @@ from aiocuda._completion import poller as poller_module
 from aiocuda._completion import waker as waker_module
 from aiocuda._completion.engine import Waiter, current_engine
 from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
+from aiocuda._completion.loops import current_adapter
 from aiocuda._completion.poller import Poller
 from aiocuda.device import Device
 from aiocuda.stream import Stream
@@ -270,6 +272,57 @@ async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_
         spinning = await queries(s, float("inf"))
         parked = await queries(s, idle_park)
     assert parked * 3 < spinning, f"{parked} queries with idle parking, {spinning} without"
+
+
+@pytest.mark.anyio
+async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the_poller(
+    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While another task keeps every iteration of the loop busy (200 us of work each), a
+    wait predicted to end within two iterations queries again after each of its next
+    ones instead of going to the poller: no Waiter is made. The control, the same held
+    wait on a loop with nothing else to do, is handed to the poller."""
+    if not current_adapter().bare_yield:
+        pytest.skip("trio has no bare yield: a wait goes to the poller after its first checkpoint")
+    made: list[Waiter] = []
+
+    class Counted(Waiter):
+        def __init__(self, *args: Any) -> None:
+            made.append(self)
+            super().__init__(*args)
+
+    monkeypatch.setattr(engine_module, "Waiter", Counted)
+
+    async def busy_until_resumed(stream: Stream) -> None:
+        for turn in itertools.count():
+            end = time.perf_counter() + 200e-6
+            while time.perf_counter() < end:
+                pass
+            if turn == 2:
+                sim_backend.resume(stream.handle)
+                while not stream.query():  # (the work ends on the simulator's thread)
+                    time.sleep(0)
+                return
+            await anyio.sleep(0)
+
+    async def waiters_of_a_held_wait(stream: Stream, busy: bool) -> int:
+        for history in histories(stream).values():
+            history.expected, history.spread = 0.0005, 0.0001
+        made.clear()
+        sim_backend.pause(stream.handle)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(steps, stream, 0.0)
+            if busy:
+                tg.start_soon(busy_until_resumed, stream)
+            else:
+                await anyio.sleep(0.01)
+                sim_backend.resume(stream.handle)
+        return len(made)
+
+    with Stream(0) as s:
+        await steps(s, 0.0)  # the place's history
+        assert await waiters_of_a_held_wait(s, busy=True) == 0
+        assert await waiters_of_a_held_wait(s, busy=False) == 1
 
 
 class _Resumed:
