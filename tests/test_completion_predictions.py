@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -300,10 +301,9 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
                 pass
             if turn == 2:
                 sim_backend.resume(stream.handle)
-                while not stream.query():  # (the work ends on the simulator's thread)
-                    time.sleep(0)
+                stream._synchronize()  # blocking the loop: this task is its busy work
                 return
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
 
     async def waiters_of_a_held_wait(stream: Stream, busy: bool) -> int:
         for history in histories(stream).values():
