@@ -263,28 +263,25 @@ class CompletionEngine:
             try:
                 if adapter.bare_yield:
                     # One loop iteration for free: the cheapest reschedule asyncio has.
-                    started = turned = _perf()
+                    started = _perf()
                     yield
                     if query(event):
                         return
-                    if place is None:
-                        place = _place(sys._getframe(1))
-                        history = places.get(place) if places is not None else None
-                    if history is not None:
-                        end = started + history.expected
-                        for _ in range(BUSY_TURNS):
-                            now = _perf()
-                            turn, turned = now - turned, now
-                            if turn < IDLE_TURN or end > now + 2 * turn:
-                                break  # the loop has time to spare, or the end is not near
-                            yield
-                            if query(event):
-                                # (its history is left as it is: a wrong one sends the
-                                # next wait to the poller, which learns)
-                                return
                 if place is None:
                     place = _place(sys._getframe(1))
                     history = places.get(place) if places is not None else None
+                if adapter.bare_yield and history is not None:
+                    end, turned = started + history.expected, started
+                    for _ in range(BUSY_TURNS):
+                        now = _perf()
+                        turn, turned = now - turned, now
+                        if turn < IDLE_TURN or end > now + 2 * turn:
+                            break  # the loop has time to spare, or the end is not near
+                        yield
+                        if query(event):
+                            # (its history is left as it is: a wrong one sends the next
+                            # wait to the poller, which learns)
+                            return
                 waiter = Waiter(event, stream, place, device, adapter, on_finish)
                 # Waits known to take microseconds are polled whatever is ahead of them:
                 # they skip the line's bookkeeping.
