@@ -366,3 +366,23 @@ async def test_an_inline_upload_cancelled_between_slices_enqueues_nothing(
         assert not back.any() or _digest(back) == _digest(host)
     else:
         assert scope.cancelled_caught and not back.any()
+
+
+def test_the_loop_threads_host_copies_hold_the_gil() -> None:
+    """Staging a request's data and copying a download out happen on the loop's thread
+    and keep the GIL through copies up to HOLD_GIL_BYTES (ctypes.memmove would hand it
+    over and take it back, a round trip through the kernel when another thread waits for
+    it); larger copies, and the copier threads' copies, release it."""
+    import ctypes
+
+    from aiocuda._executor import lanes
+    from aiocuda._memory import copiers, host_copy
+
+    assert lanes._memmove is host_copy.memmove and _staging._memmove is host_copy.memmove
+    assert host_copy._memmove_holding_gil._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
+    assert copiers._memmove is ctypes.memmove
+    for nbytes in (1 << 16, host_copy.HOLD_GIL_BYTES + 1):
+        src = np.arange(nbytes, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        host_copy.memmove(int(dst.ctypes.data) + 1, int(src.ctypes.data), nbytes - 1)
+        np.testing.assert_array_equal(dst[1:], src[:-1])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import inspect
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import numpy.typing as npt
 
 from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
-from .._memory import library_streams
+from .._memory import host_copy, library_streams
 from .._util import invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
@@ -52,7 +51,7 @@ Setup = Callable[["Lane"], Any]
 """``setup(lane)`` (sync or async) prepares one lane at start-up; its result is ``lane.state``."""
 
 _ALIGN = 256
-_memmove = ctypes.memmove
+_memmove = host_copy.memmove
 
 
 def stream_priority(device: Device, priority: Priority) -> int:
@@ -211,12 +210,25 @@ class Lane:
         elif not (out.flags.c_contiguous and out.flags.writeable):
             raise invalid_value("out must be C-contiguous and writeable")
         array.buffer._used_on(self.stream)
-        nbytes = out.nbytes
         if not _copies.download(out, array.ptr, self.stream, keep=self._keep):  # pageable: staged here
-            staged = self._stage(nbytes)
-            _copies.enqueue_download(staged, array.ptr, nbytes, self.stream)
-            self._copy_outs.append((int(out.ctypes.data), staged, nbytes))
-            self._keep.append(out)
+            self._download_staged(array, out)
+        return out
+
+    def _download_new(self, array: DeviceArray) -> npt.NDArray[Any]:
+        """:meth:`download` into a new array, for a caller that knows ``array`` to be a
+        C-contiguous array of the lane's device that fits what is left of the staging
+        (:meth:`_has_room`): no checks, and no look-up of whether the new array is pinned."""
+        array.buffer._used_on(self.stream)
+        return self._download_staged(array, np.empty(array.shape, array.dtype))
+
+    def _download_staged(self, array: DeviceArray, out: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """Enqueue the download of ``array`` into the staging; ``out`` is filled from
+        there by the lane's await."""
+        nbytes = out.nbytes
+        staged = self._stage(nbytes)
+        _copies.enqueue_download(staged, array.ptr, nbytes, self.stream)
+        self._copy_outs.append((int(out.ctypes.data), staged, nbytes))
+        self._keep.append(out)
         return out
 
     def _check_device_array(self, array: DeviceArray, shape: tuple[int, ...], dtype: Any, what: str) -> None:

@@ -36,7 +36,6 @@ bytes, allocated as first needed, shared by every device, stream and event loop.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from typing import Any
@@ -49,6 +48,7 @@ from .._completion.loops import current_adapter
 from ..device import Device
 from ..stream import Stream
 from . import copies as _copies
+from . import host_copy
 from .copiers import Copiers, Job, Slot
 
 __all__ = [
@@ -114,7 +114,7 @@ SLICE = 128 << 10
 # the p99 was 2.5-2.8 ms on asyncio and 1.5-1.6 on uvloop (H200): asyncio runs a timer
 # one iteration later than uvloop, so its steps must be shorter still.
 
-_memmove = ctypes.memmove
+_memmove = host_copy.memmove
 
 
 class _InlineSlots:
