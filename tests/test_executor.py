@@ -603,6 +603,11 @@ async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory
         small = await ex.submit(scale, host)
         assert not is_pinned(small)
         np.testing.assert_allclose(small, expected, rtol=1e-5)
+        half = await ex.submit(lambda ctx, x: ctx.empty((2, x.size // 2))[1:], host)  # a C-contiguous view
+        assert half.shape == (1, host.size // 2)
+        with pytest.raises(aiocuda.errors.ArgumentError, match="C-contiguous"):
+            await ex.submit(lambda ctx, x: ctx.empty((x.size // 2, 2))[:, 0], host)
+        assert ex.device_streams[0].chunks == 0
     monkeypatch.setattr(executor, "_SUBMIT_STAGING", host.nbytes)  # room for the upload only
     async with Executor([0]) as ex:
         pinned = await ex.submit(scale, host)

@@ -355,8 +355,12 @@ class ChunkRunner:
         # (x is C-contiguous, as made)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
         # A lane's result is copied out of its staging if it fits there, else downloaded into pinned memory.
-        pinned = lane is not None and not (on_lane and lane._has_room(result.nbytes))
-        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=pinned)
+        staged = lane is not None and on_lane and lane._has_room(result.nbytes)
+        if lane is not None and staged and self.output is None and trace is None:
+            if result is x or result.is_c_contiguous:  # the common case, without the checks below
+                ctx._output = lane._download_new(result)  # filled by the lane's await
+                return lane
+        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=not staged)
         d2h = h2d if on_lane else self.streams_of(result.device).d2h
         result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
         span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
