@@ -10,9 +10,11 @@ lane``), per-request memory (``/lanes_alloc``), README style (``/readme``, 2 awa
 ``Executor.submit``, and the baselines ``asyncio.to_thread(synchronize)``, a blocking
 synchronize and polling ``event.query()`` with ``sleep(0)``.
 
-Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs one closed-loop
-window (64 connections, saturation) in turn -- interleaved, the order rotating from
-round to round -- then an open-loop window (requests due at half the polling endpoint's
+Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs closed-loop
+windows (64 connections, saturation) in turn -- interleaved, the order rotating from
+round to round, each endpoint's time split between a window in that order and one in the
+reverse order (A B C C B A), so that the machine's drift weighs alike on all -- then
+open-loop windows, there and back likewise (requests due at half the polling endpoint's
 saturation rate of that round, each sent when due: the clients spin through the last
 2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes`` and ``/poll``. Ratios are taken per round
 and reported as the median of the three, each target with its rounds' values. CPU per
@@ -203,6 +205,30 @@ def window(
     }
 
 
+def there_and_back(
+    server: Server, clients: Clients, kind: str, endpoints: list[str], w_us: int, seconds: float, **args: Any
+) -> dict[str, dict[str, float]]:
+    """Each endpoint's figures over two windows of ``seconds / 2`` at ``?w=w_us``, one in
+    ``endpoints``' order and one in the reverse order (A B C C B A), each figure the mean
+    of the two: the machine's speed drifts over seconds (a window's CPU per request
+    varied by up to 40% from one window to the next on the H200 machine, for every
+    endpoint alike), and a drift that is linear in time then weighs the same on every
+    endpoint."""
+
+    def measure(endpoint: str) -> dict[str, float]:
+        return window(server, clients, kind, f"/{endpoint}?w={w_us}", seconds=seconds / 2, **args)
+
+    there = {endpoint: measure(endpoint) for endpoint in endpoints}
+    back = {endpoint: measure(endpoint) for endpoint in reversed(endpoints)}
+    return {
+        endpoint: {
+            key: (there[endpoint].get(key, 0.0) + back[endpoint].get(key, 0.0)) / 2
+            for key in there[endpoint] | back[endpoint]
+        }
+        for endpoint in endpoints
+    }
+
+
 def rotated(items: list[str], by: int) -> list[str]:
     by %= len(items)
     return items[by:] + items[:by]
@@ -230,17 +256,14 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
         for round_ in range(args.rounds):
             for name, w_us, endpoints in scenarios:
                 figures = out.setdefault(name, {})
-                for endpoint in rotated(endpoints, round_):
-                    path = f"/{endpoint}?w={w_us}"
-                    figures.setdefault(endpoint, []).append(
-                        window(server, clients, "closed", path, seconds=args.seconds)
-                    )
+                closed = there_and_back(server, clients, "closed", rotated(endpoints, round_), w_us, args.seconds)
+                for endpoint, result in closed.items():
+                    figures.setdefault(endpoint, []).append(result)
                 opened = {"w1": OPEN, "w5": OPEN, "torch": TORCH_OPEN}.get(name, [])
                 if opened:
                     rate = 0.5 * figures[opened[1]][-1]["req_per_s"]
-                    for endpoint in opened:
-                        path = f"/{endpoint}?w={w_us}"
-                        result = window(server, clients, "open", path, rate=rate, seconds=args.open_seconds)
+                    results = there_and_back(server, clients, "open", opened, w_us, args.open_seconds, rate=rate)
+                    for endpoint, result in results.items():
                         figures.setdefault(f"open_{endpoint}", []).append(result)
         rounds = max(1, args.rounds)
         for key, floats in (("inprocess_batched", LAUNCH_BOUND_FLOATS), ("inprocess_batched_64k", 16384)):
