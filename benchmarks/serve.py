@@ -14,7 +14,8 @@ Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs closed-loo
 windows (64 connections, saturation) in turn -- interleaved, the order rotating from
 round to round, each endpoint's time split between a window in that order and one in the
 reverse order (A B C C B A), so that the machine's drift weighs alike on all -- then
-open-loop windows, there and back likewise (requests due at half the polling endpoint's
+open-loop windows there and back likewise, each of them whole (a tail latency needs many
+samples; requests due at half the polling endpoint's
 saturation rate of that round, each sent when due: the clients spin through the last
 2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes`` and ``/poll``. Ratios are taken per round
 and reported as the median of the three, each target with its rounds' values. CPU per
@@ -262,7 +263,8 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
                 opened = {"w1": OPEN, "w5": OPEN, "torch": TORCH_OPEN}.get(name, [])
                 if opened:
                     rate = 0.5 * figures[opened[1]][-1]["req_per_s"]
-                    results = there_and_back(server, clients, "open", opened, w_us, args.open_seconds, rate=rate)
+                    # (whole windows there and back: the tail latency needs their samples)
+                    results = there_and_back(server, clients, "open", opened, w_us, 2 * args.open_seconds, rate=rate)
                     for endpoint, result in results.items():
                         figures.setdefault(f"open_{endpoint}", []).append(result)
         rounds = max(1, args.rounds)

@@ -118,16 +118,62 @@ async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_
     assert tensor.data == view.ptr and tensor.ndim == 2
     assert (tensor.device.device_type, tensor.device.device_id) == (DLPACK_CUDA, 0)
     assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (0, 16, 1)
-    assert [tensor.shape[i] for i in range(2)] == [4, 3]
-    assert [tensor.strides[i] for i in range(2)] == [6, 2]  # in elements
+    assert list(_interop._int64s(2).from_address(tensor.shape)) == [4, 3]
+    assert list(_interop._int64s(2).from_address(tensor.strides)) == [6, 2]  # in elements
     assert len(_interop._exports) >= 1
     del capsule, tensor
     gc.collect()
-    assert all(entry[3] is not view for entry in _interop._exports.values())
+    assert all(entry[2] is not view for entry in _interop._exports.values())
     with pytest.raises(BufferError):
         view.__dlpack__(copy=True)
     with pytest.raises(BufferError):
         view.__dlpack__(dl_device=(DLPACK_CUDA, 5))
+
+
+class _Capsule:
+    """Hands over one given DLPack capsule, as a CUDA array of device 0."""
+
+    def __init__(self, capsule: Any) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (DLPACK_CUDA, 0)
+
+
+async def test_a_dlpack_import_refuses_what_it_cannot_describe(backend: _driver.Driver, anyio_backend: object) -> None:
+    """A capsule whose dtype, device or shape aiocuda cannot take is refused with an
+    ArgumentError that says which, and a consumed capsule cannot be imported again."""
+    from aiocuda.errors import ArgumentError
+
+    dev = await ga.to_device(np.arange(12, dtype=np.float32).reshape(3, 4))
+
+    def exported() -> tuple[Any, Any, Any]:
+        capsule = dev.__dlpack__(stream=-1)
+        address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
+        tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
+        return capsule, tensor, _interop._int64s(2).from_address(tensor.shape)
+
+    capsule, tensor, _ = exported()
+    tensor.dtype.lanes = 2
+    with pytest.raises(ArgumentError, match="dtype code 2 with 2 lanes"):
+        as_device_array(_Capsule(capsule))
+    capsule, tensor, _ = exported()
+    tensor.device.device_type = 1  # kDLCPU
+    with pytest.raises(ArgumentError, match="device type 1 is not CUDA memory"):
+        as_device_array(_Capsule(capsule))
+    capsule, _, shape = exported()
+    shape[0] = -3
+    with pytest.raises(ArgumentError, match="negative dimension"):
+        as_device_array(_Capsule(capsule))
+    capsule, _, _ = exported()
+    imported = as_device_array(_Capsule(capsule))
+    assert (imported.shape, imported.strides, imported.ptr) == (dev.shape, dev.strides, dev.ptr)
+    with pytest.raises(ArgumentError, match="already consumed"):
+        as_device_array(_Capsule(capsule))
+    np.testing.assert_array_equal(await imported.to_host(), np.arange(12, dtype=np.float32).reshape(3, 4))
 
 
 @pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly])
