@@ -309,6 +309,11 @@ class _CapsuleKeeper:
 
     __slots__ = ("_address", "_deleter")
 
+    # Kept by the class: a keeper collected at interpreter exit may outlive the module's
+    # globals (ctypes among them).
+    _cast = staticmethod(ctypes.cast)
+    _pointer = ctypes.POINTER(_DLManagedTensor)
+
     def __init__(self, address: int, deleter: Any) -> None:
         self._address = address
         self._deleter = deleter
@@ -317,7 +322,7 @@ class _CapsuleKeeper:
         # (Not weakref.finalize: the keeper is in no cycle, and a finalizer object costs
         # more than the rest of the import.)
         if self._deleter:
-            self._deleter(ctypes.cast(self._address, ctypes.POINTER(_DLManagedTensor)))
+            self._deleter(self._cast(self._address, self._pointer))
 
 
 def _wrap(
