@@ -12,7 +12,7 @@ import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import numpy.typing as npt
@@ -308,13 +308,36 @@ class ChunkRunner:
         """
         ctx = self.context(index, host, device_streams)
         try:
-            done = await run_steps(self.steps(ctx, lane))
+            if lane is not None and self.trace is None and lane._fits(host):
+                done = await self._on_lane(ctx, lane)
+            else:
+                done = await run_steps(self.steps(ctx, lane))
             await done  # the one host wait (besides staged copies)
             # A lane's chunk leaves its arrays to _abandon: freed on their last-use
             # stream, the lane's, where its next request allocates.
             return ctx._complete(idle=lane is None)
         finally:
             ctx._abandon()
+
+    async def _on_lane(self, ctx: ChunkContext, lane: Lane) -> Stream | Lane:
+        """:meth:`steps` for a request's chunk, untraced, whose input ``lane`` takes: the
+        upload staged by the lane, the stage on its stream, and, for a result that fits
+        what is left of the staging, the download into a new array filled by the lane's
+        await; other results go the way of :meth:`steps`."""
+        # Why not steps(): a request's one chunk pays for the generator, its driver and
+        # the pipeline's checks (streams, trace spans, events between streams) on every
+        # call; this is the path Executor.submit takes for request-sized data.
+        x = lane.upload(ctx.host)  # allocated by the lane (freed when the lease ends), staged: enqueued only
+        ctx.stream = lane.stream
+        returned = self.stage(ctx, x)
+        if _pending(returned):
+            returned = await returned
+        result = x if returned is None else _checked(returned)
+        if self.output is None and result.device is lane.device and lane._has_room(result.nbytes):
+            if result is x or result.is_c_contiguous:
+                ctx._output = lane._download_new(result)  # filled by the lane's await
+                return lane
+        return await run_steps(self._download(ctx, x, result, lane))
 
     def steps(self, ctx: ChunkContext, lane: Lane | None = None) -> Steps:
         """Enqueue chunk ``ctx``'s upload, its stage and its download; nothing waits for
@@ -346,21 +369,22 @@ class ChunkRunner:
         # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
         ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
         returned = self.stage(ctx, x)
-        if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
+        if _pending(returned):
             returned = yield returned
-        if returned is not None and not isinstance(returned, DeviceArray):
-            raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
-        result = x if returned is None else returned
+        result = x if returned is None else _checked(returned)
         ctx._end_compute()
+        return (yield from self._download(ctx, x, result, lane))
+
+    def _download(self, ctx: ChunkContext, x: DeviceArray, result: DeviceArray, lane: Lane | None) -> Steps:
+        """The rest of :meth:`steps` once the stage has returned ``result`` (``x``: the
+        uploaded input): enqueue its download."""
+        index, keep, trace = ctx.index, ctx._keep, self.trace
+        h2d = ctx.device_streams.h2d if lane is None else lane.stream
         # (x is C-contiguous, as made)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
         # A lane's result is copied out of its staging if it fits there, else downloaded into pinned memory.
-        staged = lane is not None and on_lane and lane._has_room(result.nbytes)
-        if lane is not None and staged and self.output is None and trace is None:
-            if result is x or result.is_c_contiguous:  # the common case, without the checks below
-                ctx._output = lane._download_new(result)  # filled by the lane's await
-                return lane
-        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=not staged)
+        pinned = lane is not None and not (on_lane and lane._has_room(result.nbytes))
+        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=pinned)
         d2h = h2d if on_lane else self.streams_of(result.device).d2h
         result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
         span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
@@ -411,6 +435,18 @@ class ChunkRunner:
         if not flags.writeable:
             raise invalid_value("output() gave a read-only array")
         return dest
+
+
+def _pending(returned: StageResult | Awaitable[StageResult]) -> TypeGuard[Awaitable[StageResult]]:
+    """Whether a stage's return value is to be awaited (an async stage's)."""
+    return not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned)
+
+
+def _checked(returned: Any) -> DeviceArray:
+    """A stage's non-None result, which must be a DeviceArray."""
+    if not isinstance(returned, DeviceArray):
+        raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+    return returned
 
 
 async def run_steps(steps: Steps, awaiting: Awaitable[Any] | None = None) -> Stream | Lane:
