@@ -230,6 +230,28 @@ async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: ob
     assert int(torch.from_dlpack(contiguous).sum()) == 700
 
 
+_KEPT_TO_EXIT = """
+import numpy as np, torch
+from aiocuda._memory.interop import as_device_array
+KEPT = [as_device_array(torch.ones(256, device="cuda")) for _ in range(64)]
+KEPT.append(torch.from_dlpack(KEPT[0]))
+print("ok", float(KEPT[-1].sum()))
+"""
+
+
+@pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
+def test_torch_arrays_kept_until_exit_let_the_process_end_cleanly(cuda_backend: _driver.Driver) -> None:
+    """Imported PyTorch tensors still alive when the interpreter exits: their deleters
+    run before PyTorch is torn down (a deleter called during the teardown crashed the
+    process, exit code 139)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KEPT_TO_EXIT], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "ok 256.0" and "Exception ignored" not in done.stderr
+
+
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")
 async def test_cupy_round_trips(cuda_backend: _driver.Driver, anyio_backend: object) -> None:
     import cupy

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -307,22 +308,18 @@ def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
 class _CapsuleKeeper:
     """Calls a consumed DLPack tensor's deleter when aiocuda no longer needs it."""
 
-    __slots__ = ("_address", "_deleter")
-
-    # Kept by the class: a keeper collected at interpreter exit may outlive the module's
-    # globals (ctypes among them).
-    _cast = staticmethod(ctypes.cast)
-    _pointer = ctypes.POINTER(_DLManagedTensor)
+    __slots__ = ("__weakref__",)
 
     def __init__(self, address: int, deleter: Any) -> None:
-        self._address = address
-        self._deleter = deleter
+        # A finalizer, not __del__: it runs at exit, before the interpreter tears down
+        # modules -- a keeper collected later called PyTorch's deleter after PyTorch was
+        # gone, and the process crashed on exit (GPU machine, the gpu tests).
+        weakref.finalize(self, _call_deleter, address, deleter)
 
-    def __del__(self) -> None:
-        # (Not weakref.finalize: the keeper is in no cycle, and a finalizer object costs
-        # more than the rest of the import.)
-        if self._deleter:
-            self._deleter(self._cast(self._address, self._pointer))
+
+def _call_deleter(address: int, deleter: Any) -> None:
+    if deleter:
+        deleter(ctypes.cast(address, ctypes.POINTER(_DLManagedTensor)))
 
 
 def _wrap(
