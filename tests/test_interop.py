@@ -130,6 +130,17 @@ async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_
         view.__dlpack__(dl_device=(DLPACK_CUDA, 5))
 
 
+def test_dlpack_callbacks_need_no_module_globals() -> None:
+    """The capsule destructor and the exported tensor's deleter are called from C, also
+    while the interpreter tears modules down (their globals None by then): they use only
+    what they were bound to."""
+    import dis
+
+    for callback in (_interop._destroy_capsule, _interop._forget_export):
+        loaded = {i.argval for i in dis.get_instructions(callback) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+        assert not loaded, f"{callback.__name__} reads module globals {loaded}"
+
+
 class _Capsule:
     """Hands over one given DLPack capsule, as a CUDA array of device 0."""
 

@@ -181,12 +181,28 @@ def _on_event_loop() -> bool:
     return False
 
 
-def _forget_export(managed: Any) -> None:
-    with _exports_lock:
-        _exports.pop(ctypes.addressof(managed.contents), None)
+# The deleter and the capsule destructor are called by C code, also while the interpreter
+# tears down its modules (a capsule or consumer collected then): what they use is bound
+# as default arguments, which outlive the module's globals, and their ctypes thunks are
+# never freed (a capsule destroyed after its destructor's thunk would call freed memory).
+# Seen on the GPU machine: "TypeError: 'NoneType' object is not callable" in the
+# destructor at the end of the gpu tests.
 
 
-_deleter = _DELETER(_forget_export)
+def _immortal(thunk: Any) -> Any:
+    """Keep a ctypes callback alive for the life of the process."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
+    return thunk
+
+
+def _forget_export(
+    managed: Any, _addressof: Any = ctypes.addressof, _lock: Any = _exports_lock, _exported: Any = _exports
+) -> None:
+    with _lock:
+        _exported.pop(_addressof(managed.contents), None)
+
+
+_deleter = _immortal(_DELETER(_forget_export))
 
 
 # The capsule destructor receives a capsule that is being deallocated: it must not be
@@ -199,14 +215,21 @@ _capsule_pointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctype
 )
 
 
-def _destroy_capsule(capsule_address: int) -> None:
-    if _capsule_is_valid_raw(capsule_address, _CAPSULE_NAME):  # never consumed: still ours
-        address = _capsule_pointer_raw(capsule_address, _CAPSULE_NAME)
-        with _exports_lock:
-            _exports.pop(address, None)
+def _destroy_capsule(
+    capsule_address: int,
+    _is_valid: Any = _capsule_is_valid_raw,
+    _pointer: Any = _capsule_pointer_raw,
+    _name: bytes = _CAPSULE_NAME,
+    _lock: Any = _exports_lock,
+    _exported: Any = _exports,
+) -> None:
+    if _is_valid(capsule_address, _name):  # never consumed: still ours
+        address = _pointer(capsule_address, _name)
+        with _lock:
+            _exported.pop(address, None)
 
 
-_capsule_destructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule)
+_capsule_destructor = _immortal(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule))
 _CAPSULE_DESTRUCTOR = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
 
 
