@@ -209,7 +209,7 @@ def window(
 def there_and_back(
     server: Server, clients: Clients, kind: str, endpoints: list[str], w_us: int, seconds: float, **args: Any
 ) -> dict[str, dict[str, float]]:
-    """Each endpoint's figures over two windows of ``seconds / 2`` at ``?w=w_us``, one in
+    """Each endpoint's figures over two windows of ``seconds`` at ``?w=w_us``, one in
     ``endpoints``' order and one in the reverse order (A B C C B A), each figure the mean
     of the two: the machine's speed drifts over seconds (a window's CPU per request
     varied by up to 40% from one window to the next on the H200 machine, for every
@@ -217,7 +217,7 @@ def there_and_back(
     endpoint."""
 
     def measure(endpoint: str) -> dict[str, float]:
-        return window(server, clients, kind, f"/{endpoint}?w={w_us}", seconds=seconds / 2, **args)
+        return window(server, clients, kind, f"/{endpoint}?w={w_us}", seconds=seconds, **args)
 
     there = {endpoint: measure(endpoint) for endpoint in endpoints}
     back = {endpoint: measure(endpoint) for endpoint in reversed(endpoints)}
@@ -257,14 +257,15 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
         for round_ in range(args.rounds):
             for name, w_us, endpoints in scenarios:
                 figures = out.setdefault(name, {})
-                closed = there_and_back(server, clients, "closed", rotated(endpoints, round_), w_us, args.seconds)
+                halves = args.seconds / 2  # (an endpoint's closed-loop time, split there and back)
+                closed = there_and_back(server, clients, "closed", rotated(endpoints, round_), w_us, halves)
                 for endpoint, result in closed.items():
                     figures.setdefault(endpoint, []).append(result)
                 opened = {"w1": OPEN, "w5": OPEN, "torch": TORCH_OPEN}.get(name, [])
                 if opened:
                     rate = 0.5 * figures[opened[1]][-1]["req_per_s"]
                     # (whole windows there and back: the tail latency needs their samples)
-                    results = there_and_back(server, clients, "open", opened, w_us, 2 * args.open_seconds, rate=rate)
+                    results = there_and_back(server, clients, "open", opened, w_us, args.open_seconds, rate=rate)
                     for endpoint, result in results.items():
                         figures.setdefault(f"open_{endpoint}", []).append(result)
         rounds = max(1, args.rounds)

@@ -560,8 +560,8 @@ async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(
 ) -> None:
     """A submit's chunk runs on a request lane: in place or into a new array, sync or
     async stages, pageable or pinned input, an input beyond the lane's staging, a given
-    output; traced like a pipeline's chunk (untraced, a request-sized one takes the
-    lane's own path); and every byte it allocated is returned."""
+    output; traced like a pipeline's chunk, or untraced; and every byte it allocated is
+    returned."""
     scale = ScaleStage(REPS)
 
     async def into_new(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:

@@ -12,7 +12,7 @@ import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -308,36 +308,13 @@ class ChunkRunner:
         """
         ctx = self.context(index, host, device_streams)
         try:
-            if lane is not None and self.trace is None and lane._fits(host):
-                done = await self._on_lane(ctx, lane)
-            else:
-                done = await run_steps(self.steps(ctx, lane))
+            done = await run_steps(self.steps(ctx, lane))
             await done  # the one host wait (besides staged copies)
             # A lane's chunk leaves its arrays to _abandon: freed on their last-use
             # stream, the lane's, where its next request allocates.
             return ctx._complete(idle=lane is None)
         finally:
             ctx._abandon()
-
-    async def _on_lane(self, ctx: ChunkContext, lane: Lane) -> Stream | Lane:
-        """:meth:`steps` for a request's chunk, untraced, whose input ``lane`` takes: the
-        upload staged by the lane, the stage on its stream, and, for a result that fits
-        what is left of the staging, the download into a new array filled by the lane's
-        await; other results go the way of :meth:`steps`."""
-        # Why not steps(): a request's one chunk pays for the generator, its driver and
-        # the pipeline's checks (streams, trace spans, events between streams) on every
-        # call; this is the path Executor.submit takes for request-sized data.
-        x = lane.upload(ctx.host)  # allocated by the lane (freed when the lease ends), staged: enqueued only
-        ctx.stream = lane.stream
-        returned = self.stage(ctx, x)
-        if _pending(returned):
-            returned = await returned
-        result = x if returned is None else _checked(returned)
-        if self.output is None and result.device is lane.device and lane._has_room(result.nbytes):
-            if result is x or result.is_c_contiguous:
-                ctx._output = lane._download_new(result)  # filled by the lane's await
-                return lane
-        return await run_steps(self._download(ctx, x, result, lane))
 
     def steps(self, ctx: ChunkContext, lane: Lane | None = None) -> Steps:
         """Enqueue chunk ``ctx``'s upload, its stage and its download; nothing waits for
@@ -369,28 +346,30 @@ class ChunkRunner:
         # The compute stream waits for the upload, on the GPU (a lane: it is the same stream).
         ctx._begin_compute(x, lane=None if lane is None else (lane.index, h2d))
         returned = self.stage(ctx, x)
-        if _pending(returned):
+        if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
             returned = yield returned
-        result = x if returned is None else _checked(returned)
+        if returned is not None and not isinstance(returned, DeviceArray):
+            raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+        result = x if returned is None else returned
         ctx._end_compute()
-        return (yield from self._download(ctx, x, result, lane))
-
-    def _download(self, ctx: ChunkContext, x: DeviceArray, result: DeviceArray, lane: Lane | None) -> Steps:
-        """The rest of :meth:`steps` once the stage has returned ``result`` (``x``: the
-        uploaded input): enqueue its download."""
-        index, keep, trace = ctx.index, ctx._keep, self.trace
-        h2d = ctx.device_streams.h2d if lane is None else lane.stream
         # (x is C-contiguous, as made)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
         # A lane's result is copied out of its staging if it fits there, else downloaded into pinned memory.
         pinned = lane is not None and not (on_lane and lane._has_room(result.nbytes))
-        dest = ctx._output = self.destination(index, result, contiguous=result is x, pinned=pinned)
+        # A new array for a result the staging takes is the lane's to make (_download_new).
+        staged = on_lane and not pinned and self.output is None and (result is x or result.is_c_contiguous)
+        dest = None if staged else self.destination(index, result, contiguous=result is x, pinned=pinned)
+        ctx._output = dest
         d2h = h2d if on_lane else self.streams_of(result.device).d2h
         result.buffer._used_on(d2h)  # the download waits for the stage, on the GPU
         span = trace._start(d2h, "d2h", "d2h", chunk=index) if trace is not None else None
-        if on_lane and lane is not None and lane._fits(dest):
-            lane.download(result, out=dest)  # enqueued; filled by the lane's await
+        if dest is None:
+            assert lane is not None
+            ctx._output = lane._download_new(result)  # filled by the lane's await
             done: Stream | Lane = lane
+        elif on_lane and lane is not None and lane._fits(dest):
+            lane.download(result, out=dest)  # enqueued; filled by the lane's await
+            done = lane
         else:
             if keep and result is not x and not ctx._owns(result):
                 # A result from elsewhere (not x, nor an array of the chunk's) need not
@@ -435,18 +414,6 @@ class ChunkRunner:
         if not flags.writeable:
             raise invalid_value("output() gave a read-only array")
         return dest
-
-
-def _pending(returned: StageResult | Awaitable[StageResult]) -> TypeGuard[Awaitable[StageResult]]:
-    """Whether a stage's return value is to be awaited (an async stage's)."""
-    return not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned)
-
-
-def _checked(returned: Any) -> DeviceArray:
-    """A stage's non-None result, which must be a DeviceArray."""
-    if not isinstance(returned, DeviceArray):
-        raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
-    return returned
 
 
 async def run_steps(steps: Steps, awaiting: Awaitable[Any] | None = None) -> Stream | Lane:

@@ -216,9 +216,9 @@ class Lane:
 
     def _download_new(self, array: DeviceArray) -> npt.NDArray[Any]:
         """:meth:`download` into a new array, for a caller that knows ``array`` to be a
-        C-contiguous array of the lane's device that fits what is left of the staging
-        (:meth:`_has_room`): no checks, and no look-up of whether the new array is pinned."""
-        array.buffer._used_on(self.stream)
+        C-contiguous array of the lane's device, already used on :attr:`stream`, that fits
+        what is left of the staging (:meth:`_has_room`): no checks, and no look-up of
+        whether the new array is pinned."""
         return self._download_staged(array, np.empty(array.shape, array.dtype))
 
     def _download_staged(self, array: DeviceArray, out: npt.NDArray[Any]) -> npt.NDArray[Any]:
