@@ -22,6 +22,7 @@ import pytest
 
 from aiocuda import interop
 from aiocuda._memory import library_streams
+from aiocuda._memory.interop import _producer_stream
 from aiocuda.errors import ArgumentError
 from aiocuda.lanes import Lane, Lanes
 from aiocuda.stream import Stream
@@ -151,6 +152,20 @@ async def test_cupy_ops_on_lanes_under_concurrent_load(cupy: Any, anyio_backend:
         np.testing.assert_allclose(results[i], np.sqrt(host) * 2.0, rtol=1e-5)
 
 
+async def test_a_torch_block_gives_the_previous_stream_back(torch: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=2) as lanes:
+        async with lanes.lease() as outer, lanes.lease() as inner:
+            before = torch.cuda.current_stream()
+            with interop.torch_stream(outer.stream):
+                with pytest.raises(ZeroDivisionError):
+                    with interop.torch_stream(inner.stream):
+                        assert torch.cuda.current_stream().cuda_stream == int(inner.stream)
+                        raise ZeroDivisionError
+                assert torch.cuda.current_stream().cuda_stream == int(outer.stream)
+            assert torch.cuda.current_stream() == before
+            assert torch.cuda.current_device() == outer.stream.device.ordinal
+
+
 async def test_dlpack_exchange_is_ordered_on_the_gpu(torch: Any, anyio_backend: Any) -> None:
     async with Lanes(count=1) as lanes:
         async with lanes.lease() as lane:
@@ -160,6 +175,24 @@ async def test_dlpack_exchange_is_ordered_on_the_gpu(torch: Any, anyio_backend: 
             total = on_torch_default.sum()  # must see the upload: ordered by an event, on the GPU
             assert float(total.item()) == 2.0 * (1 << 20)
             await lane
+
+
+async def test_a_torch_tensor_comes_to_a_lane_ordered_from_either_stream(torch: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=1) as lanes:
+        async with lanes.lease() as lane:
+            with interop.torch_stream(lane.stream):  # made on the lane's stream: nothing to order
+                slow_op(lane.stream, 0.05)
+                same = torch.full((1 << 20,), 3.0, device="cuda") * 2
+                assert _producer_stream(same, lane.device.ordinal) == int(lane.stream)
+                from_same = lane.download(interop.as_device_array(same, stream=lane.stream))
+            side = torch.cuda.Stream()
+            with torch.cuda.stream(side):  # made on another stream: the lane waits for it on the GPU
+                torch.cuda._sleep(int(0.05 * lane.device.attribute("clock_rate") * 1e3))
+                other = torch.full((1 << 20,), 5.0, device="cuda") + 1
+                assert _producer_stream(other, lane.device.ordinal) != int(lane.stream)
+                from_other = lane.download(interop.as_device_array(other, stream=lane.stream))
+            await lane
+    assert (from_same == 6.0).all() and (from_other == 6.0).all()
 
 
 async def test_external_stream_takes_the_integer_handle(torch: Any, cupy: Any) -> None:

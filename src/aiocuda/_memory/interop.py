@@ -381,6 +381,20 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     return _wrap(int(ptr), shape, dtype, strides, device, target, obj)
 
 
+def _producer_stream(obj: Any, ordinal: int) -> int | None:
+    """The raw handle of the stream ``obj``'s library enqueues its work on now, where that
+    is cheap to know (a PyTorch tensor: PyTorch's current stream of the device); else None."""
+    # Why: told a consumer stream, PyTorch's __dlpack__ makes two torch.cuda.Stream objects
+    # to compare it with its current one, each under a device guard, even when they are the
+    # same stream -- the common case, a model run inside interop.torch_stream(lane.stream)
+    # whose output the lane then downloads.
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(obj, torch.Tensor):
+        return None
+    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return None if current is None else int(current(ordinal))
+
+
 def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     """A zero-copy :class:`DeviceArray` over another library's device array.
 
@@ -398,6 +412,8 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
             device = Device(int(device_id))
             target = stream if stream is not None else current_stream(device)
             value = _stream_value(target)
+            if _producer_stream(obj, device.ordinal) == value:
+                value = -1  # its pending work is on ``target`` already: DLPack's "no synchronisation"
             capsule = obj.__dlpack__(stream=value)
             return _from_capsule(capsule, obj, target)
     if hasattr(obj, "__cuda_array_interface__"):
