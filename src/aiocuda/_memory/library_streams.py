@@ -113,8 +113,8 @@ class _TorchBlock:
         if external is None:
             return None
         # torch.cuda.stream() makes two torch.cuda.Stream objects per block, each under a
-        # device guard: 28-31 us of the loop thread per torch request (H200). Its own C
-        # calls, which it makes underneath, take a few.
+        # device guard: 18 us a block on the H200, where the C calls it makes underneath,
+        # made here directly, take 4.
         torch_c = _torch_c()
         index = external.device_index
         current = torch_c._cuda_getDevice()
