@@ -39,6 +39,7 @@ from ..array import DeviceArray, _check_dtype, _over_new_buffer
 from ..device import Device
 from ..errors import ArgumentError
 from ..stream import Stream, current_stream
+from . import library_streams
 from .buffers import OwnedBuffer
 
 __all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
@@ -388,11 +389,10 @@ def _producer_stream(obj: Any, ordinal: int) -> int | None:
     # to compare it with its current one, each under a device guard, even when they are the
     # same stream -- the common case, a model run inside interop.torch_stream(lane.stream)
     # whose output the lane then downloads. A block with that import: 104 us -> 48-58 (H200).
-    torch = sys.modules.get("torch")
+    torch = sys.modules.get("torch")  # (not imported: obj is no tensor of its)
     if torch is None or not isinstance(obj, torch.Tensor):
         return None
-    current = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return None if current is None else int(current(ordinal))
+    return library_streams.torch_current_stream(ordinal)
 
 
 def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:

@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import ArgumentError, ResultCode
 from ..stream import Stream
 
-__all__ = ["adopted", "cupy_stream", "library_stream", "on_simulator", "torch_stream"]
+__all__ = ["adopted", "cupy_stream", "library_stream", "on_simulator", "torch_current_stream", "torch_stream"]
 
 _adopted: dict[int, tuple[Stream, dict[str, Any]]] = {}
 """``id(stream)`` -> (the stream, its library stream objects by library name). Entries are
@@ -96,6 +96,11 @@ def _torch_c() -> Any:
     if _torch_c_module is None:
         _torch_c_module = _import("torch")._C
     return _torch_c_module
+
+
+def torch_current_stream(ordinal: int) -> int:
+    """The raw handle of PyTorch's current stream on device ``ordinal``."""
+    return int(_torch_c()._cuda_getCurrentRawStream(ordinal))
 
 
 class _TorchBlock:
