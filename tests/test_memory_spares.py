@@ -116,6 +116,29 @@ async def test_blocks_freed_on_a_foreign_or_closed_stream_go_back_to_the_driver(
     assert pool.statistics().reserved_bytes == 0
 
 
+async def test_trimming_never_queries_a_foreign_stream(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its owner may have destroyed it since the free: a query of its handle would be
+    undefined behaviour. Its free is given back all the same."""
+    pool = MemoryPool.create(0)
+    queried: list[Any] = []
+    query = backend.stream_query
+
+    def spied(handle: Any) -> bool:
+        queried.append(handle)
+        return query(handle)
+
+    monkeypatch.setattr(backend, "stream_query", spied)
+    with Stream(0) as owner:
+        foreign = Stream.wrap(int(owner.__cuda_stream__()[1]))
+        pool.allocate(MiB, foreign).free()
+        handle = foreign.handle
+    await trimmed(pool)
+    assert all(q is not handle for q in queried)
+    assert pool.statistics().reserved_bytes == 0
+
+
 async def test_a_pool_shared_with_other_processes_keeps_no_spares(
     sim_backend: _driver.Driver, anyio_backend: object
 ) -> None:

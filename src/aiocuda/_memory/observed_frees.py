@@ -77,7 +77,10 @@ class FreedStreams:
         driver = device._driver
         for ref in refs:
             stream = ref()
-            if stream is None or stream._closed:
+            # Never a foreign stream: its owner may have destroyed it since the free, and
+            # a query of a destroyed stream is undefined behaviour (cuStreamQuery crashed
+            # the GPU lane so once, SIGSEGV). The context's synchronisation sees to it.
+            if stream is None or stream._closed or not stream.owned:
                 remaining = True
                 continue
             try:
