@@ -19,9 +19,14 @@ enqueue through them; they differ in how they allocate and how they wait:
   (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
   ``interop.torch_stream``, awaited three ways.
 
-``/stats`` reports the process's CPU seconds, requests served and the loop lag samples
-since ``/stats/reset`` (a ticker sleeping 1 ms and recording how late it wakes);
-``/inprocess_batched`` runs the batched-vs-per-request comparison without HTTP.
+The GPU endpoints share one route (a dict picks the handler), so that routing costs
+them all the same. The lifespan freezes the start-up heap (``gc.freeze()``), as
+``docs/serving.md`` advises.
+
+``/stats`` reports the process's CPU seconds, requests served, the time spent in the
+garbage collector and the loop lag samples since ``/stats/reset`` (a ticker sleeping
+1 ms and recording how late it wakes); ``/inprocess_batched`` runs the
+batched-vs-per-request comparison without HTTP.
 
     python benchmarks/_serve_app.py --port 8123 [--torch]      (run by serve.py)
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import os
 import threading
 import time
@@ -102,11 +108,29 @@ class LoopLag:
             self.samples.append(time.perf_counter() - start - 0.001)
 
 
+class GcClock:
+    """Time the process spends in the cyclic garbage collector, and collections by generation."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = [0, 0, 0]
+        self._start = 0.0
+        gc.callbacks.append(self._tick)
+
+    def _tick(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.collections[info["generation"]] += 1
+
+
 class Server:
     def __init__(self, with_torch: bool) -> None:
         self.with_torch = with_torch
         self.requests = 0
         self.lag = LoopLag()
+        self.gc = GcClock()
         self.clock_hz = _clock_hz()
         self.kernel: Any = None
         self.lanes = Lanes(device=0, setup=self.setup)
@@ -114,6 +138,7 @@ class Server:
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self.batch, max_batch=64, max_delay=0.0005)
         self.model: Any = None
         self.torch: Any = None
+        self.endpoints: dict[str, Any] = {}
 
     # -- start-up ----------------------------------------------------------------------------
     def setup(self, lane: Lane) -> Scratch:
@@ -258,6 +283,12 @@ class Server:
             lane._settle()
         return self.reply(out)
 
+    async def dispatch(self, request: Request) -> Response:
+        endpoint = self.endpoints.get(request.path_params["endpoint"])
+        if endpoint is None:
+            return Response(status_code=404)
+        return await endpoint(request)
+
     def reply(self, out: np.ndarray) -> Response:
         self.requests += 1
         return Response(out.tobytes(), media_type="application/octet-stream")
@@ -271,6 +302,8 @@ class Server:
                 "threads": thread_cpu(),
                 "requests": self.requests,
                 "lag_s": self.lag.samples,
+                "gc_s": self.gc.seconds,
+                "gc_collections": self.gc.collections,
             }
         )
 
@@ -329,22 +362,30 @@ class Server:
         ticker = asyncio.ensure_future(self.lag.run())
         with profiled(os.environ.get("SERVE_PROFILE")):
             async with stalls_reported(), self.lanes, self.executor, self.batcher:
+                gc.collect()  # what start-up left behind, then
+                gc.freeze()  # the rest out of every later collection (docs/serving.md)
                 yield
         ticker.cancel()
 
     def app(self) -> Starlette:
+        # Every GPU endpoint behind one route and a dict: Starlette tries its routes in
+        # order, so with a route each, a path further down the list paid a few
+        # microseconds more per request than one near the top.
+        self.endpoints = {
+            "lanes": self.lanes_endpoint,
+            "lanes_alloc": self.lanes_alloc,
+            "readme": self.readme,
+            "submit": self.submit,
+            "batch": self.batch_endpoint,
+            "to_thread": self.to_thread,
+            "blocking": self.blocking,
+            "poll": self.poll,
+            "torch_lanes": self.torch_lanes,
+            "torch_poll": self.torch_poll,
+            "torch_to_thread": self.torch_to_thread,
+        }
         routes = [
-            Route("/lanes", self.lanes_endpoint, methods=["POST"]),
-            Route("/lanes_alloc", self.lanes_alloc, methods=["POST"]),
-            Route("/readme", self.readme, methods=["POST"]),
-            Route("/submit", self.submit, methods=["POST"]),
-            Route("/batch", self.batch_endpoint, methods=["POST"]),
-            Route("/to_thread", self.to_thread, methods=["POST"]),
-            Route("/blocking", self.blocking, methods=["POST"]),
-            Route("/poll", self.poll, methods=["POST"]),
-            Route("/torch_lanes", self.torch_lanes, methods=["POST"]),
-            Route("/torch_poll", self.torch_poll, methods=["POST"]),
-            Route("/torch_to_thread", self.torch_to_thread, methods=["POST"]),
+            Route("/{endpoint}", self.dispatch, methods=["POST"]),
             Route("/stats", self.stats),
             Route("/stats/reset", self.reset, methods=["POST"]),
             Route("/health", self.health),

@@ -20,8 +20,8 @@ saturation rate of that round, each sent when due: the clients spin through the 
 2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes`` and ``/poll``. Ratios are taken per round
 and reported as the median of the three, each target with its rounds' values. CPU per
 request is the server process's own CPU time (every thread) over the requests it served
-in the window (per thread too, in the baselines); loop lag is how late a 1 ms sleep on
-the server's loop wakes.
+in the window (per thread too, in the baselines, and the part spent in the garbage
+collector); loop lag is how late a 1 ms sleep on the server's loop wakes.
 
 Throughput is compared at saturation; CPU per request at the same offered rate (the
 open-loop windows). At saturation the server is CPU-bound, so its CPU per request is
@@ -202,6 +202,8 @@ def window(
         "lat_p99_ms": 1e3 * percentile(latencies, 0.99),
         "lag_p99_ms": 1e3 * percentile(lags, 0.99) if lags else 0.0,
         "lag_max_ms": 1e3 * max(lags) if lags else 0.0,
+        "gc_ms_per_req": 1e3 * (after["gc_s"] - before["gc_s"]) / served,
+        "full_gc_per_1k_req": 1e3 * (after["gc_collections"][2] - before["gc_collections"][2]) / served,
         **{f"thread_cpu_ms_per_req.{name}": ms for name, ms in threads.items() if ms >= 0.005},
     }
 

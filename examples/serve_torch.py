@@ -16,6 +16,9 @@ What it shows (``docs/serving.md`` explains each):
   input goes in with ``lane.upload`` and ``torch.from_dlpack`` (zero copy, ordered on the
   stream), the output out with ``lane.download``; then one ``await lane``: the loop serves
   other requests while the GPU works, and no thread blocks in ``synchronize``;
+* once loaded, the start-up heap is frozen (``gc.freeze()``): the garbage collector's
+  full collections no longer walk PyTorch's objects, which stalled the loop for about
+  100 ms each;
 * tensors made inside the block belong to the lane's stream, so dropping them at any
   time is safe; the lanes' streams live as long as the process (PyTorch keeps state for
   them), which is why there is one lane per request in flight, never a stream per request.
@@ -26,6 +29,7 @@ On the simulated backend (no GPU) the same code runs the model on the CPU, synch
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -82,7 +86,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     served.load(on_gpu=_real_gpu())
     async with served.lanes:  # every lane warmed up before the first request
         app.state.served = served
-        yield
+        gc.collect()
+        gc.freeze()  # PyTorch's heap out of every later collection (docs/serving.md)
+        try:
+            yield
+        finally:
+            gc.unfreeze()  # for a process that goes on after the app (a test's)
 
 
 def _real_gpu() -> bool:
