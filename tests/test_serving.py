@@ -266,6 +266,7 @@ async def test_the_torch_example_serves_its_model(backend: Any, anyio_backend: A
     torch = pytest.importorskip("torch")  # CPU-only PyTorch on the simulator, CUDA on a GPU
     module = example("serve_torch")
     async with serving(module.app) as served, httpx.AsyncClient(base_url=served.url) as client:
+        assert gc.get_freeze_count() > 0  # the start-up heap, out of the collector's way
         model = served.app.state.served.model
         rng = np.random.default_rng(0)
         inputs = [rng.random((1 + i % 4, module.WIDTH), dtype=np.float32) for i in range(16)]
@@ -285,3 +286,4 @@ async def test_the_torch_example_serves_its_model(backend: Any, anyio_backend: A
                 expected = model(x).float().cpu().numpy()
                 np.testing.assert_allclose(results[i].reshape(expected.shape), expected, rtol=2e-2, atol=2e-2)
         assert (await client.get("/health")).json()["status"] == "ok"
+    assert gc.get_freeze_count() == 0  # given back at shut-down
