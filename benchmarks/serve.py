@@ -203,7 +203,7 @@ def window(
         "lag_p99_ms": 1e3 * percentile(lags, 0.99) if lags else 0.0,
         "lag_max_ms": 1e3 * max(lags) if lags else 0.0,
         "gc_ms_per_req": 1e3 * (after["gc_s"] - before["gc_s"]) / served,
-        "full_gc_per_1k_req": 1e3 * (after["gc_collections"][2] - before["gc_collections"][2]) / served,
+        "full_gc_per_1k_req": 1e3 * (after["full_gcs"] - before["full_gcs"]) / served,
         **{f"thread_cpu_ms_per_req.{name}": ms for name, ms in threads.items() if ms >= 0.005},
     }
 
@@ -256,10 +256,10 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
         scenarios = [("w1", 1000, WORK), ("w5", 5000, WORK), ("tiny", 0, TINY)]
         if with_torch:
             scenarios.append(("torch", 0, TORCH))
+        halves = args.seconds / 2  # (an endpoint's closed-loop time, split there and back)
         for round_ in range(args.rounds):
             for name, w_us, endpoints in scenarios:
                 figures = out.setdefault(name, {})
-                halves = args.seconds / 2  # (an endpoint's closed-loop time, split there and back)
                 closed = there_and_back(server, clients, "closed", rotated(endpoints, round_), w_us, halves)
                 for endpoint, result in closed.items():
                     figures.setdefault(endpoint, []).append(result)

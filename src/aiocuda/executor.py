@@ -347,9 +347,7 @@ class Executor:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
-        placed, self._cursor = self._admission.try_admit(placement, self._device_streams, nbytes, self._cursor)
-        if placed is None:  # every device is full: wait until a chunk finishes somewhere
-            placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
+        placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
         try:
             async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:

@@ -308,13 +308,7 @@ class ChunkRunner:
         """
         ctx = self.context(index, host, device_streams)
         try:
-            steps = self.steps(ctx, lane)
-            try:
-                awaiting = steps.send(None)
-            except StopIteration as end:  # most chunks: enqueued in one step, nothing awaited
-                done: Stream | Lane = end.value
-            else:
-                done = await run_steps(steps, awaiting)
+            done = await run_steps(self.steps(ctx, lane))
             await done  # the one host wait (besides staged copies)
             # A lane's chunk leaves its arrays to _abandon: freed on their last-use
             # stream, the lane's, where its next request allocates.

@@ -144,11 +144,7 @@ def torch_stream(stream: Stream) -> contextlib.AbstractContextManager[Any]:
     previous current stream (and the current device) come back at its end. Enqueue only
     inside: an ``await`` in the block would leave the stream current for the loop's other
     tasks. On the simulated backend the block does nothing (``s`` is None)."""
-    entry = _adopted.get(id(stream))
-    external = entry[1].get("torch") if entry is not None else None
-    if external is None and not on_simulator(stream):
-        external = library_stream(stream, "torch")
-    return _TorchBlock(external)
+    return _TorchBlock(None if on_simulator(stream) else library_stream(stream, "torch"))
 
 
 @contextlib.contextmanager
