@@ -15,6 +15,8 @@ enqueue through them; they differ in how they allocate and how they wait:
 * ``/to_thread``    -- ``await asyncio.to_thread(stream.synchronize)``
 * ``/blocking``     -- ``stream.synchronize()`` on the loop
 * ``/poll``         -- record an event, ``sleep(0)`` until ``event.query()``
+* ``/oracle``       -- record an event, sleep W on the loop's timer, then poll it: a wait
+  told when its kernel ends, woken once -- what no way of waiting can undercut
 * ``/torch_lanes``, ``/torch_poll``, ``/torch_to_thread`` -- a two-layer fp16 MLP
   (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
   ``interop.torch_stream``, awaited three ways.
@@ -38,6 +40,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import resource
 import threading
 import time
 import warnings
@@ -150,6 +153,7 @@ class Server:
             "to_thread": self.to_thread,
             "blocking": self.blocking,
             "poll": self.poll,
+            "oracle": self.oracle,
             "torch_lanes": self.torch_lanes,
             "torch_poll": self.torch_poll,
             "torch_to_thread": self.torch_to_thread,
@@ -271,6 +275,17 @@ class Server:
             lane._settle()
             return self.reply(s.out)
 
+    async def oracle(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        async with self.lanes.lease() as lane:
+            s = self.enqueue(lane, body, cycles)
+            event = lane.stream.record()
+            await asyncio.sleep(cycles / self.clock_hz)  # the kernel's own length, known beforehand
+            while not event.query():  # noqa: ASYNC110 - (rarely: the kernel started late)
+                await asyncio.sleep(0)
+            lane._settle()
+            return self.reply(s.out)
+
     async def torch_lanes(self, request: Request) -> Response:
         body = await request.body()
         async with self.lanes.lease() as lane:
@@ -319,6 +334,7 @@ class Server:
                 "lag_s": self.lag.samples,
                 "gc_s": self.gc.seconds,
                 "full_gcs": self.gc.full_collections,
+                "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
             }
         )
 
