@@ -23,6 +23,7 @@ from aiocuda.array import DeviceArray
 from aiocuda.device import Device
 from aiocuda.executor import ChunkContext, Executor
 from aiocuda.host import pinned_empty
+from aiocuda.lanes import default_count
 from aiocuda.memory import MemoryPool
 
 pytestmark = pytest.mark.anyio
@@ -532,6 +533,29 @@ async def test_submit_from_many_tasks_respects_the_device_limits(slow_sim: Any, 
         assert sum(per_device.completed for per_device in ex.device_streams) == 10
         assert min(per_device.completed for per_device in ex.device_streams) >= 3  # least loaded: both devices work
     assert peak == 2
+    for i, host in enumerate(inputs):
+        np.testing.assert_allclose(found[i], scale_reference(host, REPS), rtol=1e-5)
+
+
+async def test_submit_runs_on_at_most_the_default_lanes_of_a_device(slow_sim: Any, anyio_backend: Any) -> None:
+    lanes = default_count(Device(0))
+    inputs = chunks(2 * lanes)
+    streams: set[int] = set()
+    found: dict[int, np.ndarray] = {}
+    scale = ScaleStage(REPS)
+    async with Executor([0], chunks_per_device=2 * lanes) as ex:
+
+        def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+            streams.add(id(ctx.stream))
+            scale(ctx, x)
+
+        async def one(i: int) -> None:
+            found[i] = await ex.submit(stage, inputs[i])
+
+        async with anyio.create_task_group() as tg:  # all admitted at once; half wait for a lane
+            for i in range(len(inputs)):
+                tg.start_soon(one, i)
+    assert len(streams) == lanes
     for i, host in enumerate(inputs):
         np.testing.assert_allclose(found[i], scale_reference(host, REPS), rtol=1e-5)
 

@@ -64,7 +64,7 @@ from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, S
 from ._executor.chunk_map import OnError, as_input
 from ._executor.device_streams import DeviceStreams
 from ._executor.graph_lanes import GraphLanes
-from ._executor.lanes import PRIORITIES, Lanes, Priority
+from ._executor.lanes import PRIORITIES, Lanes, Priority, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
@@ -150,11 +150,16 @@ class Executor:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
                 for b in self.devices:
                     await enable_peer_access(a, b)
-            for per_device in self._device_streams:  # submit()'s: one stream per chunk in flight
-                lanes = Lanes(
-                    per_device.device, count=self._chunks_per_device, priorities=PRIORITIES, staging=_SUBMIT_STAGING
-                )
-                self._request_lanes[per_device.device.ordinal] = lanes
+            for per_device in self._device_streams:  # submit()'s lanes: one stream per chunk on the GPU
+                device = per_device.device
+                # (at most default_count: lanes beyond the device's hardware queues share them,
+                # and each request's wait cost more loop CPU. 64 tasks submitting 64 KiB
+                # requests with 1 ms kernels, in-process on the H200: 3-19 us more per request
+                # with 64 lanes than with 33 in each of 6 paired rounds, logs/submit-ab.txt; behind
+                # uvicorn on the H100 about 35 us by the medians, logs/submit-lanes-h100.txt)
+                count = min(self._chunks_per_device, default_count(device))
+                lanes = Lanes(device, count=count, priorities=PRIORITIES, staging=_SUBMIT_STAGING)
+                self._request_lanes[device.ordinal] = lanes
                 await lanes.start()
         except BaseException:
             self.close()
@@ -334,8 +339,10 @@ class Executor:
         memory budget, shared with pipelines), so the executor's limits hold across all
         of them; then the whole chunk runs on one stream of its own (a request lane,
         :mod:`aiocuda.lanes`) with a single host wait, without a pipeline's events between
-        streams. Raises the chunk's error; cancelling the awaiting task cancels the chunk
-        (memory returned).
+        streams. A device has as many of these lanes as ``chunks_per_device``, at most
+        :func:`~aiocuda.lanes.default_count` (a quarter of its SMs): admitted chunks
+        beyond that wait on the host for a lane. Raises the chunk's error; cancelling the
+        awaiting task cancels the chunk (memory returned).
 
         ``priority="high"`` runs the chunk on a stream of the device's greatest priority
         (and hands it the next free lane first): its kernels overtake those of normal

@@ -54,6 +54,6 @@ anyone: the lease does not wait for it, but the next lease of the lane does.
 
 from __future__ import annotations
 
-from ._executor.lanes import Lane, Lanes, LanesStatistics, Priority
+from ._executor.lanes import Lane, Lanes, LanesStatistics, Priority, default_count
 
-__all__ = ["Lane", "Lanes", "LanesStatistics", "Priority"]
+__all__ = ["Lane", "Lanes", "LanesStatistics", "Priority", "default_count"]
