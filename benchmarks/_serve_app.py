@@ -16,7 +16,8 @@ enqueue through them; they differ in how they allocate and how they wait:
 * ``/blocking``     -- ``stream.synchronize()`` on the loop
 * ``/poll``         -- record an event, ``sleep(0)`` until ``event.query()``
 * ``/oracle``       -- record an event, sleep W on the loop's timer, then poll it: a wait
-  told when its kernel ends, woken once -- what no way of waiting can undercut
+  told when its kernel ends, woken once (by a timer, a millisecond coarse: it gives up
+  latency for CPU)
 * ``/torch_lanes``, ``/torch_poll``, ``/torch_to_thread`` -- a two-layer fp16 MLP
   (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
   ``interop.torch_stream``, awaited three ways.

@@ -10,8 +10,8 @@ lane``), per-request memory (``/lanes_alloc``), README style (``/readme``, 2 awa
 ``Executor.submit``, and the baselines ``asyncio.to_thread(synchronize)``, a blocking
 synchronize and polling ``event.query()`` with ``sleep(0)``; and ``/oracle``, which
 sleeps exactly W on the loop's timer before it polls: a wait that is told when its kernel
-ends and is woken once, the floor under every way of waiting (``oracle_*`` metrics: how
-far any wait could take the ratios to polling).
+ends and is woken once, to show how far knowing that could take the ratios to polling
+(``oracle_*`` metrics).
 
 Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs closed-loop
 windows (64 connections, saturation) in turn -- interleaved, the order rotating from
