@@ -27,8 +27,8 @@ them all the same. The lifespan freezes the start-up heap (``gc.freeze()``), as
 ``docs/serving.md`` advises.
 
 ``/stats`` reports the process's CPU seconds, requests served, the time spent in the
-garbage collector and the loop lag samples since ``/stats/reset`` (a ticker sleeping
-1 ms and recording how late it wakes); ``/inprocess_batched`` runs the
+garbage collector, its minor page faults and the loop lag samples since ``/stats/reset``
+(a ticker sleeping 1 ms and recording how late it wakes); ``/inprocess_batched`` runs the
 batched-vs-per-request comparison without HTTP.
 
     python benchmarks/_serve_app.py --port 8123 [--torch]      (run by serve.py)

@@ -18,6 +18,7 @@ The libraries are imported on first use only; neither is a dependency of aiocuda
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import threading
 import warnings
@@ -87,15 +88,10 @@ def adopted(stream: Stream) -> bool:
     return id(stream) in _adopted
 
 
-_torch_c_module: Any = None
-
-
+@functools.cache
 def _torch_c() -> Any:
     """``torch._C``, imported on first use."""
-    global _torch_c_module
-    if _torch_c_module is None:
-        _torch_c_module = _import("torch")._C
-    return _torch_c_module
+    return _import("torch")._C
 
 
 def torch_current_stream(ordinal: int) -> int:
