@@ -133,6 +133,7 @@ class Server:
     def __init__(self, with_torch: bool) -> None:
         self.with_torch = with_torch
         self.requests = 0
+        self.handled_s: list[float] = []  # each request's time in its endpoint, since /stats/reset
         self.lag = LoopLag()
         self.gc = GcClock()
         self.clock_hz = _clock_hz()
@@ -318,7 +319,10 @@ class Server:
         endpoint = self.endpoints.get(request.path_params["endpoint"])
         if endpoint is None:
             return Response(status_code=404)
-        return await endpoint(request)
+        start = time.perf_counter()
+        response = await endpoint(request)
+        self.handled_s.append(time.perf_counter() - start)
+        return response
 
     def reply(self, out: np.ndarray) -> Response:
         self.requests += 1
@@ -333,6 +337,7 @@ class Server:
                 "threads": thread_cpu(),
                 "requests": self.requests,
                 "lag_s": self.lag.samples,
+                "handled_s": self.handled_s,
                 "gc_s": self.gc.seconds,
                 "full_gcs": self.gc.full_collections,
                 "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
@@ -341,6 +346,7 @@ class Server:
 
     async def reset(self, request: Request) -> JSONResponse:
         self.lag.samples = []
+        self.handled_s = []
         return JSONResponse({"ok": True})
 
     async def health(self, request: Request) -> JSONResponse:

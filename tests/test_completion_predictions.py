@@ -79,6 +79,27 @@ def test_wait_history_restarts_when_the_work_got_much_shorter() -> None:
     assert history.expected == 0.0001
 
 
+def test_one_wait_stalled_far_beyond_its_history_barely_moves_it() -> None:
+    """A loop that stalls 40 ms finds one 1 ms wait 40 ms late: learnt as it is, the
+    expectation jumped to 11 ms and the next waits were parked past their end."""
+    history = WaitHistory(0.001)
+    for _ in range(20):
+        history.add(0.00105)
+    history.add(0.040)
+    assert history.expected < 0.0012
+    start, _ = history.poll_window()
+    assert start < 0.00105
+
+
+def test_work_that_got_longer_for_good_is_learnt_within_a_few_waits() -> None:
+    history = WaitHistory(0.001)
+    for _ in range(20):
+        history.add(0.001)
+    for _ in range(25):
+        history.add(0.100)
+    assert history.expected == pytest.approx(0.100, rel=0.05)
+
+
 def test_a_destroyed_streams_history_is_forgotten(backend: _driver.Driver) -> None:
     """The driver may give a new stream the handle of a destroyed one: it must not
     inherit that stream's wait histories."""
@@ -346,7 +367,7 @@ def test_a_wait_found_late_learns_when_it_ended_not_when_it_was_found(
     doorbell resumed learns the moment it was resumed."""
     engine = current_engine()
     adapter = _Resumed()
-    waiter = Waiter(None, "a stream", "a place", Device(0), adapter, None)  # type: ignore[arg-type]
+    waiter = Waiter(None, "a stream", "a place", Device(0), adapter, None, 10.0)  # type: ignore[arg-type]
     waiter.head_since, waiter.pending_at = 10.0, 10.004
     engine.complete(waiter, 10.006, polled=polled)
     assert adapter.resumed == [waiter]

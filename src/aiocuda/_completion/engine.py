@@ -133,6 +133,7 @@ class Waiter:
         device: Device,
         adapter: LoopAdapter,
         on_finish: Callable[[Any], None] | None,
+        started: float,
     ) -> None:
         self.event = event
         self.stream = stream
@@ -140,13 +141,13 @@ class Waiter:
         self.device = device
         self.adapter = adapter
         self.on_finish = on_finish
-        self.started = _perf()
+        self.started = started  # when its await began
         # Since when the work before its point has been done (None while earlier waits of
         # its line are pending): what its history measures from.
-        self.head_since: float | None = self.started
+        self.head_since: float | None = started
         # When a query last found it pending (the poller keeps it up to date): its point
         # was passed between then and the query that finds it done.
-        self.pending_at = self.started
+        self.pending_at = _perf()
         self.line: _Line | None = None
         self.where = QUEUED  # see poller.py
         self.poll_from = 0.0
@@ -245,6 +246,7 @@ class CompletionEngine:
         referenced until the wait ends (an ``Event`` whose collection would give its
         handle back to a pool).
         """
+        started = _perf()
         query = self.query
         waiter: Waiter | None = None
         try:
@@ -263,7 +265,6 @@ class CompletionEngine:
             try:
                 if adapter.bare_yield:
                     # One loop iteration for free: the cheapest reschedule asyncio has.
-                    started = _perf()
                     yield
                     if query(event):
                         return
@@ -282,7 +283,13 @@ class CompletionEngine:
                             # (its history is left as it is: a wrong one sends the next
                             # wait to the poller, which learns)
                             return
-                waiter = Waiter(event, stream, place, device, adapter, on_finish)
+                # Measured and predicted from the await's start, not from here: the
+                # iterations yielded above last from microseconds to a millisecond on a
+                # busy loop, and a history measured after them learnt the kernel's length
+                # less that delay -- each wait that yielded briefly was then parked past
+                # its end, and one that yielded long restarted the history (a wait
+                # "far shorter than expected") and set the next waits polling throughout.
+                waiter = Waiter(event, stream, place, device, adapter, on_finish, started)
                 # Waits known to take microseconds are polled whatever is ahead of them:
                 # they skip the line's bookkeeping.
                 lined = just_recorded and (history is None or history.expected >= SPIN_MAX)

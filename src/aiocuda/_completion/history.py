@@ -35,9 +35,12 @@ class WaitHistory:
     absolute deviation (recent waits weigh most).
 
     A wait far shorter than expected restarts the history: the work has changed, and
-    parking the next waits on the old expectation would wake each of them late. (A
-    longer wait needs no such care: it is overdue, queried until it ends, and the mean
-    moves up.)
+    parking the next waits on the old expectation would wake each of them late. A wait
+    far longer than expected counts as only :attr:`OUTLIER` spreads (or a quarter of the
+    expectation) longer: a loop that stalled, or a GPU shared for a moment, must not park
+    the next waits past their end.
+    (Work that got longer for good is still learnt within a few waits, the spread growing
+    with each; meanwhile its waits are overdue and queried until they end.)
     """
 
     __slots__ = ("expected", "spread")
@@ -45,6 +48,9 @@ class WaitHistory:
     WEIGHT = 0.25
     RESTART_BELOW = 0.25
     """A wait shorter than this share of the expected duration restarts the history."""
+    OUTLIER = 4.0
+    """A wait is learnt as at most this many spreads (or a quarter of the expected
+    duration, if more) longer than expected."""
 
     def __init__(self, duration: float) -> None:
         self.expected = duration
@@ -55,7 +61,7 @@ class WaitHistory:
         if duration < self.RESTART_BELOW * self.expected:
             self.expected, self.spread = duration, duration / 2
             return
-        error = duration - self.expected
+        error = min(duration - self.expected, max(self.OUTLIER * self.spread, self.expected / 4))
         self.expected += self.WEIGHT * error
         self.spread += self.WEIGHT * (abs(error) - self.spread)
 
