@@ -26,6 +26,9 @@ and reported as the median of the three, each target with its rounds' values. CP
 request is the server process's own CPU time (every thread) over the requests it served
 in the window (per thread too, in the baselines, and the part spent in the garbage
 collector, and its minor page faults); loop lag is how late a 1 ms sleep on the server's loop wakes.
+The open-loop windows also report how long requests spent in their endpoint by the
+server's clock (``handled_p50_ms``, ``handled_p99_ms``): the part of the client's latency
+that the way of waiting can change, without HTTP, queueing for the loop and the client.
 
 Throughput is compared at saturation; CPU per request at the same offered rate (the
 open-loop windows). At saturation the server is CPU-bound, so its CPU per request is

@@ -265,6 +265,9 @@ async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_
     that the control spins long enough on a loaded machine too."""
     engine = current_engine()
     monkeypatch.setattr(engine_module, "POLL_WINDOW", 0.06)
+    # (every loop counts as idle to the engine: a first turn that a loaded machine made
+    # long would otherwise send the control's wait to its own task instead of the poller)
+    monkeypatch.setattr(engine_module, "IDLE_TURN", float("inf"))
     queried = [0]
     query = engine.query
 
@@ -344,6 +347,37 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
         await steps(s, 0.0)  # the place's history
         assert await waiters_of_a_held_wait(s, busy=True) == 0
         assert await waiters_of_a_held_wait(s, busy=False) == 1
+
+
+@pytest.mark.anyio
+async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
+    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a busy loop, a wait predicted to end in 20 ms is parked, its task woken shortly
+    before then, and the task finds the end itself: the poller never resumes it (that
+    would cost the task one more iteration of the busy loop). Its history is learnt as
+    for any wait. (The loop is made to count as busy: every turn, however short, is
+    taken as one that ran other work; real busy work would starve the simulator's
+    threads of the GIL.)"""
+    if not current_adapter().bare_yield:
+        pytest.skip("trio has no bare yield: its waits are resumed by the poller")
+    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+    adapter = current_adapter()
+    woken: list[Waiter] = []
+    resumed: list[Waiter] = []
+    wake, resume = type(adapter).wake, type(adapter).resume
+    monkeypatch.setattr(type(adapter), "wake", lambda self, w: (woken.append(w), wake(self, w)))
+    monkeypatch.setattr(type(adapter), "resume", lambda self, w, e: (resumed.append(w), resume(self, w, e)))
+    with Stream(0) as s:
+        await steps(s, 0.02, 3)  # learn
+        for history in histories(s).values():  # (a prediction the simulator's timing cannot spoil)
+            history.expected, history.spread = 0.02, 0.001
+        woken.clear()
+        resumed.clear()
+        await steps(s, 0.02)
+        assert len(woken) == 1 and not resumed, (woken, resumed)
+        assert woken[0].done
+        assert all(h.expected == pytest.approx(0.02, rel=0.5) for h in histories(s).values())
 
 
 class _Resumed:

@@ -11,7 +11,7 @@ goes through these phases, cheapest first:
    with a bare ``yield`` and queries again: with many tasks in flight that is all most
    waits need. While the loop is busy (that iteration ran other tasks for at least
    :data:`~.poller.IDLE_TURN`) and the wait is predicted to end within two more, it
-   goes on so, for up to :data:`BUSY_TURNS` iterations: a turn costs the loop a few
+   goes on so, until it ends or its poll window does: a turn costs the loop a few
    microseconds, a wait handed to the poller several times that.
 3. **Poll, park, or ring.** The wait joins its loop's poller (:mod:`.poller`). A wait
    expected to end soon is *active*: queried on every loop iteration. A wait expected to
@@ -20,7 +20,11 @@ goes through these phases, cheapest first:
    private signal stream (:mod:`.signals`), a wait for the event followed by a host
    function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread --
    wakes the waker thread (:mod:`.waker`), which wakes the loop. A sleeping task costs
-   no CPU.
+   no CPU. On a busy asyncio loop a wait with a history is parked instead, until its
+   poll window (or two turns before its predicted end, if later); then its task is
+   woken and queries it once per iteration by itself, as in phase 2, so that it goes
+   on in the iteration that finds the end. If the loop turns idle meanwhile, or the
+   window passes, the wait goes back to the poller.
 
 **Predictions.** How long a wait will take is learnt per stream *and* per place in the
 code that awaits it (:class:`~.history.WaitHistory`): the waits after a copy and the
@@ -67,22 +71,29 @@ from .waker import Batch, Waker
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["BUSY_TURNS", "CompletionEngine", "Waiter", "current_engine"]
+__all__ = ["CompletionEngine", "Waiter", "current_engine"]
 
 _perf = time.perf_counter
 
-BUSY_TURNS = 4
-"""Loop iterations a wait polls by yielding, at most, after its first, while the loop is
-busy and the wait is predicted to end soon (asyncio only)."""
-
-# Why: 64 tasks each launching a 1 ms kernel and awaiting it keep an asyncio loop busy
-# for about a millisecond per iteration, so the query after the first yield often comes
-# just before the kernel's end. Handing every such wait to the poller (a Waiter, its
-# planning, a pass, the resume) cost 28 us of loop CPU per await where a polling loop of
-# sleep(0) spent 18.6, and aiocuda served 35,600 awaits/s to polling's 54,000 (H200).
-# Finding them by yielding: 17.7 us and 56,200 awaits/s against polling's 16.9 and 59,100
-# in the same run, with 0.025 Waiters per await; await_latency's service_1ms_cpu_ratio
-# went from 1.21 / 1.22 to 1.01 / 1.00 (asyncio / uvloop).
+# Why a busy loop's waits query in their own tasks: 64 tasks each launching a 1 ms kernel
+# and awaiting it keep an asyncio loop busy for about a millisecond per iteration, so
+# the query after the first yield often comes just before the kernel's end. Handing
+# every such wait to the poller (a Waiter, its planning, a pass, the resume) cost 28 us
+# of loop CPU per await where a polling loop of sleep(0) spent 18.6, and aiocuda served
+# 35,600 awaits/s to polling's 54,000 (H200). Finding them by yielding: 17.7 us and
+# 56,200 awaits/s against polling's 16.9 and 59,100 in the same run, with 0.025 Waiters
+# per await; await_latency's service_1ms_cpu_ratio went from 1.21 / 1.22 to 1.01 / 1.00
+# (asyncio / uvloop).
+#
+# And why parked waits are woken into their tasks (phase 3): a wait the poller finds done
+# resumes its task one iteration later (asyncio runs a callback scheduled during an
+# iteration in the next one), after all the other work that iteration found -- on a busy
+# server up to a millisecond. Behind uvicorn at 1800 requests/s (the serve benchmark's
+# open loop, 1 ms kernels, H200, 2 rounds against the poller finding them), the p99 of a
+# request's time in its endpoint went from 2.25 to 1.50 ms on asyncio (polling's: 1.25-
+# 1.42), and the client's p99 from 3.66 to 2.44 ms; with 5 ms kernels 6.34 -> 6.22. On
+# uvloop no change beyond the noise (2.40 -> 2.37, 6.31 -> 6.54 ms). CPU per request
+# within the noise (-4% to +4%). (benchmarks/results/logs/own-turns-ab.txt)
 
 # Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
 # forgotten; places that await are few, unless code is generated at run time.
@@ -109,11 +120,13 @@ class Waiter:
         "adapter",
         "device",
         "done",
+        "error",
         "event",
         "head_since",
         "line",
         "next_check",
         "on_finish",
+        "own_turns",
         "pending_at",
         "place",
         "poll_from",
@@ -156,7 +169,11 @@ class Waiter:
         # Whether its doorbell is enqueued (the waker lists it either way, and its periodic
         # check queries those whose doorbell could not be enqueued).
         self.ringing = False
+        # Whether the poller wakes it shortly before its predicted end to poll in its own
+        # task (asyncio, a busy loop), rather than querying it in its passes.
+        self.own_turns = False
         self.done = False
+        self.error: BaseException | None = None  # it failed while its task polled by itself
         self.token: Any = None
 
     @property
@@ -263,32 +280,29 @@ class CompletionEngine:
                 return
             adapter.waiting += 1
             try:
+                turn = None
                 if adapter.bare_yield:
                     # One loop iteration for free: the cheapest reschedule asyncio has.
                     yield
                     if query(event):
                         return
+                    turned = _perf()
+                    turn = turned - started
                 if place is None:
                     place = _place(sys._getframe(1))
                     history = places.get(place) if places is not None else None
-                if adapter.bare_yield and history is not None:
-                    end, turned = started + history.expected, started
-                    for _ in range(BUSY_TURNS):
-                        now = _perf()
-                        turn, turned = now - turned, now
-                        if turn < IDLE_TURN or end > now + 2 * turn:
-                            break  # the loop has time to spare, or the end is not near
-                        yield
-                        if query(event):
-                            # (its history is left as it is: a wrong one sends the next
-                            # wait to the poller, which learns)
+                if turn is not None and history is not None:
+                    end = started + history.expected
+                    if turn >= IDLE_TURN and end <= turned + 2 * turn:
+                        # (its history is left as it is if it ends here: a wrong one sends
+                        # the next wait to the poller, which learns)
+                        turn = yield from self._own_turns(event, None, end, started + history.poll_window()[1], turned)
+                        if turn is None:
                             return
                 # Measured and predicted from the await's start, not from here: the
                 # iterations yielded above last from microseconds to a millisecond on a
                 # busy loop, and a history measured after them learnt the kernel's length
-                # less that delay -- each wait that yielded briefly was then parked past
-                # its end, and one that yielded long restarted the history (a wait
-                # "far shorter than expected") and set the next waits polling throughout.
+                # less that delay.
                 waiter = Waiter(event, stream, place, device, adapter, on_finish, started)
                 # Waits known to take microseconds are polled whatever is ahead of them:
                 # they skip the line's bookkeeping.
@@ -296,8 +310,19 @@ class CompletionEngine:
                 ahead = self._line(stream).join(waiter) if lined else 0
                 if ahead:
                     waiter.head_since = None
-                self._schedule(waiter, history, ahead)
-                yield from adapter.suspend(waiter)
+                self._schedule(waiter, history, ahead, turn)
+                while True:
+                    yield from adapter.suspend(waiter)
+                    if not waiter.done:  # woken to poll in its own task (see Waiter.own_turns)
+                        yield from self._polled_by_task(waiter)
+                    if waiter.done:
+                        if waiter.error is not None:
+                            raise waiter.error
+                        return
+            except BaseException:
+                if waiter is not None and not waiter.done:
+                    waiter.finish()  # cancelled (or failed) while polling in its own task: detach
+                raise
             finally:
                 adapter.waiting -= 1
         finally:
@@ -315,6 +340,53 @@ class CompletionEngine:
                 return True
             if _perf() > deadline:
                 return False
+
+    def _own_turns(
+        self, event: Any, waiter: Waiter | None, end: float, until: float, turned: float
+    ) -> Generator[None, None, float | None]:
+        """Query ``event`` once per loop iteration in the waiting task itself (asyncio's
+        bare ``yield``), while the loop is busy, the predicted ``end`` is at most two
+        turns away and ``until`` has not passed. Returns None once the event completed
+        (or ``waiter`` ended meanwhile), else the length of the last turn."""
+        query = self.query
+        while True:
+            yield
+            if waiter is not None and waiter.done:
+                return None
+            if query(event):
+                if waiter is not None:
+                    self._found(waiter, _perf())
+                return None
+            now = _perf()
+            if waiter is not None:
+                waiter.pending_at = now
+            turn, turned = now - turned, now
+            if turn < IDLE_TURN or end > now + 2 * turn or now > until:
+                return turn
+
+    def _polled_by_task(self, waiter: Waiter) -> Generator[None, None, None]:
+        """``waiter``'s task was woken shortly before the predicted end of its wait: poll
+        it there while the loop is busy, then (loop idle, overdue) hand it back to the
+        poller."""
+        try:
+            if self.query(waiter.event):
+                self._found(waiter, _perf())
+                return
+            waiter.pending_at = now = _perf()
+            # (its end counts as near from now on: it was woken for it)
+            turn = yield from self._own_turns(waiter.event, waiter, now, waiter.poll_until, now)
+        except CudaError as exc:
+            waiter.error = exc
+            waiter.finish()
+            return
+        if turn is not None:
+            waiter.own_turns = False
+            self._poller(waiter.adapter).poll(waiter, waiter.poll_until)
+
+    def _found(self, waiter: Waiter, now: float) -> None:
+        """``waiter``'s own task found its event completed at ``now``."""
+        self._learn_end(waiter, now, polled=True)
+        waiter.finish()
 
     # -- histories and lines -------------------------------------------------------------------
     def _history(self, waiter: Waiter) -> WaitHistory | None:
@@ -361,10 +433,20 @@ class CompletionEngine:
             poller = adapter.poller = Poller(self, adapter)
         return poller  # type: ignore[no-any-return]
 
-    def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int) -> None:
+    def _schedule(self, waiter: Waiter, history: WaitHistory | None, ahead: int, turn: float | None) -> None:
         """Plan a new wait (on its loop's thread). With ``ahead`` waits queued before it
         that will not all end within the poll window, it waits for its turn
-        (:meth:`_promote`)."""
+        (:meth:`_promote`). ``turn``: how long the loop's last iteration took, where the
+        wait's task can poll by itself (asyncio)."""
+        if turn is not None and turn >= IDLE_TURN and history is not None and not ahead:
+            # A busy loop: parked until its poll window, or two turns (and twice the
+            # prediction's error) before its predicted end if that is later, then woken
+            # to poll in its own task.
+            start, end = history.poll_window()
+            start = max(start, history.expected - 2 * (history.spread + turn))
+            waiter.own_turns = True
+            self._poller(waiter.adapter).park(waiter, waiter.started + start, waiter.started + end)
+            return
         if history is None or history.expected * (ahead + 1) < POLL_WINDOW:
             self._poller(waiter.adapter).poll(waiter, waiter.started + POLL_WINDOW)
         elif not ahead:
@@ -405,6 +487,11 @@ class CompletionEngine:
         the last query found it pending, and the middle is learnt; rung, about ``now``."""
         if waiter.done:
             return
+        self._learn_end(waiter, now, polled=polled)
+        waiter.adapter.resume(waiter, None)
+
+    def _learn_end(self, waiter: Waiter, now: float, *, polled: bool) -> None:
+        """Learn how long ``waiter``'s own part took, found done at ``now``."""
         since = waiter.head_since
         if since is not None:  # (else the waits before it just ended too: no measure)
             # Learning the find time itself would teach the history every lateness of the
@@ -413,7 +500,6 @@ class CompletionEngine:
             # open-loop windows (H200, 5 ms kernels): answers 0.77 ms later than polling.
             ended = (max(waiter.pending_at, since) + now) / 2 if polled else now
             self._learn(waiter.stream, waiter.place, self._history(waiter), ended - since)
-        waiter.adapter.resume(waiter, None)
 
     def _resume_all(self, batch: Batch) -> None:
         """The waker's finished waits of one loop (on that loop's thread)."""

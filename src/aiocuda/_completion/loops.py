@@ -29,6 +29,8 @@ class Suspended(Protocol):
 
     token: Any
     """The adapter's handle on the suspended task (a future, a trio task)."""
+    error: BaseException | None
+    """The error it failed with, for a task that polls it by itself (see ``wake``)."""
 
     @property
     def done(self) -> bool: ...
@@ -102,6 +104,11 @@ class LoopAdapter:
         if given. On the loop's thread."""
         raise NotImplementedError
 
+    def wake(self, waiter: Suspended) -> None:
+        """Wake ``waiter``'s task without finishing it: the task then polls the wait by
+        itself (adapters with ``bare_yield`` only). On the loop's thread."""
+        raise NotImplementedError
+
 
 class AsyncioAdapter(LoopAdapter):
     __slots__ = ("_timer", "loop")
@@ -156,9 +163,10 @@ class AsyncioAdapter(LoopAdapter):
         waiter.token = future
         try:
             yield from future
-        finally:
+        except BaseException:
             if not waiter.done:  # cancelled: detach
                 waiter.finish()
+            raise
 
     def resume(self, waiter: Suspended, error: BaseException | None) -> None:
         future = waiter.token
@@ -168,6 +176,13 @@ class AsyncioAdapter(LoopAdapter):
                 future.set_result(None)
             else:
                 future.set_exception(error)
+        elif error is not None:
+            waiter.error = error  # its task polls it by itself (``wake``): it raises this
+
+    def wake(self, waiter: Suspended) -> None:
+        future = waiter.token
+        if future is not None and not future.done():
+            future.set_result(None)
 
 
 class _OneTurn:

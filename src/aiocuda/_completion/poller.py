@@ -12,8 +12,10 @@ holds waits in two places:
   wake it), and the loop sleeps meanwhile.
 * **parked** waits are expected to end later. Each is queried again at its *next
   check*: every :data:`RECHECK` seconds (in case it ends early), and from its predicted
-  end on it is active. Passes run anyway while the loop turns; when no wait is active the
-  poller arms a timer for the next check and the loop may sleep.
+  end on it is active -- or, if it was parked to poll in its own task (asyncio, a busy
+  loop: ``Waiter.own_turns``), its task is woken then and queries it once per iteration
+  itself. Passes run anyway while the loop turns; when no wait is active the poller arms
+  a timer for the next check and the loop may sleep.
 
 A doorbell (a GPU-side wake-up through the waker thread, :mod:`.waker`) costs more CPU
 than querying a wait while the loop turns anyway, and wakes a task later than polling
@@ -46,6 +48,7 @@ __all__ = [
     "IDLE_PARK",
     "IDLE_TURN",
     "LEAD_MARGIN",
+    "OWN_TURNS",
     "PARKED",
     "QUEUED",
     "RECHECK",
@@ -85,6 +88,8 @@ ACTIVE = 1
 PARKED = 2
 ASLEEP = 3
 """Rung and not in the poller: only its doorbell (or the waker's periodic check) wakes it."""
+OWN_TURNS = 4
+"""Woken to poll in its own task (asyncio, a busy loop): not in the poller."""
 
 # Why IDLE_PARK: a service at half its saturation rate (uvicorn, 1 ms kernels, H100) has
 # a wait active almost all the time; querying it on every turn spun the loop, and the
@@ -197,8 +202,12 @@ class Poller:
             if _stale((when, 0, w)):
                 continue
             if now >= w.poll_from:
-                w.where = ACTIVE
-                self._active.append(w)
+                if w.own_turns:
+                    w.where = OWN_TURNS
+                    self.adapter.wake(w)
+                else:
+                    w.where = ACTIVE
+                    self._active.append(w)
                 continue
             try:
                 finished = query(w.event)
