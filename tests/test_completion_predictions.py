@@ -24,6 +24,7 @@ from aiocuda._completion.history import MAX_POLL_SHARE, POLL_WINDOW, WaitHistory
 from aiocuda._completion.loops import current_adapter
 from aiocuda._completion.poller import Poller
 from aiocuda.device import Device
+from aiocuda.errors import ContextPoisonedError
 from aiocuda.stream import Stream
 
 from ._control import ControlClock
@@ -396,6 +397,33 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
         await steps(stream, 0.0)
         assert len(woken) == 1 and not resumed, (woken, resumed)
         assert woken[0].done
+
+
+@pytest.mark.anyio
+async def test_a_context_poisoned_while_the_task_polls_by_itself_fails_the_wait(
+    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device fails while a woken task queries its wait by itself: the await raises
+    ContextPoisonedError, as a wait the poller queries does."""
+    if not current_adapter().bare_yield:
+        pytest.skip("trio has no bare yield: its waits are resumed by the poller")
+    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+    monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
+    adapter = current_adapter()
+    wake = type(adapter).wake
+
+    def waking(self: Any, w: Waiter) -> None:
+        wake(self, w)
+        asyncio.get_running_loop().call_later(0.002, sim_backend.poison, 0)
+
+    monkeypatch.setattr(type(adapter), "wake", waking)
+    with Stream(0) as stream:
+        await steps(stream, 0.0)  # the place's history
+        for history in histories(stream).values():
+            history.expected, history.spread = 0.02, 0.001
+        sim_backend.pause(stream.handle)
+        with anyio.fail_after(10), pytest.raises(ContextPoisonedError):
+            await steps(stream, 0.0)
 
 
 class _Resumed:

@@ -316,8 +316,9 @@ class CompletionEngine:
                     if not waiter.done:  # woken to poll in its own task (see Waiter.own_turns)
                         yield from self._polled_by_task(waiter)
                     if waiter.done:
-                        if waiter.error is not None:
-                            raise waiter.error
+                        error, waiter.error = waiter.error, None  # (no cycle through the traceback)
+                        if error is not None:
+                            raise error
                         return
             except BaseException:
                 if waiter is not None and not waiter.done:
