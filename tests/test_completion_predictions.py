@@ -437,6 +437,17 @@ class _Resumed:
         self.resumed.append(waiter)
 
 
+def test_an_error_the_waker_finds_for_a_wait_its_task_polls_is_kept_for_the_task(sim_backend: Any) -> None:
+    """The waker's periodic check fails a wait whose task polls it by itself (its future
+    already set by the wake): the error stays on the wait, for the task to raise."""
+    engine = current_engine()
+    waiter = Waiter(None, "a stream", "a place", Device(0), _Resumed(), None, 10.0)  # type: ignore[arg-type]
+    waiter.where = poller_module.OWN_TURNS
+    error = ContextPoisonedError("poisoned")
+    engine._resume_all([(waiter, error)])
+    assert waiter.done and waiter.error is error
+
+
 @pytest.mark.parametrize(("polled", "learnt"), [(True, 0.005), (False, 0.006)])
 def test_a_wait_found_late_learns_when_it_ended_not_when_it_was_found(
     sim_backend: Any, polled: bool, learnt: float

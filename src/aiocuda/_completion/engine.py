@@ -64,7 +64,7 @@ from .. import _driver
 from ..errors import CudaError
 from .history import POLL_WINDOW, PREDICTION_LEAD, SPIN_MAX, WaitHistory
 from .loops import LoopAdapter, current_adapter
-from .poller import ACTIVE, IDLE_TURN, QUEUED, Poller
+from .poller import ACTIVE, IDLE_TURN, OWN_TURNS, QUEUED, Poller
 from .signals import SignalStreams
 from .waker import Batch, Waker
 
@@ -509,6 +509,8 @@ class CompletionEngine:
             if error is None:
                 self.complete(waiter, now, polled=False)
             elif not waiter.done:
+                if waiter.where == OWN_TURNS:
+                    waiter.error = error  # its task polls by itself, its future set: it raises this
                 waiter.adapter.resume(waiter, error)
 
     def ring(self, waiter: Waiter) -> None:

@@ -29,8 +29,6 @@ class Suspended(Protocol):
 
     token: Any
     """The adapter's handle on the suspended task (a future, a trio task)."""
-    error: BaseException | None
-    """The error it failed with, for a task that polls it by itself (see ``wake``)."""
 
     @property
     def done(self) -> bool: ...
@@ -176,8 +174,6 @@ class AsyncioAdapter(LoopAdapter):
                 future.set_result(None)
             else:
                 future.set_exception(error)
-        elif error is not None:
-            waiter.error = error  # its task polls it by itself (``wake``): it raises this
 
     def wake(self, waiter: Suspended) -> None:
         future = waiter.token

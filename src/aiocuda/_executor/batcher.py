@@ -49,7 +49,7 @@ class _Request(Generic[T, R]):
     """One request's item, and how its task learns the outcome: a suspended wait of the
     loop adapter (:class:`~aiocuda._completion.loops.Suspended`)."""
 
-    __slots__ = ("adapter", "arrived", "done", "error", "item", "outcome", "token")
+    __slots__ = ("adapter", "arrived", "done", "item", "outcome", "token")
 
     def __init__(self, item: T, adapter: LoopAdapter) -> None:
         self.item = item
@@ -61,7 +61,6 @@ class _Request(Generic[T, R]):
         self.outcome: R | BaseException | None = None
         self.token: Any = None
         self.done = False
-        self.error: BaseException | None = None  # (unused: outcome carries errors)
 
     def finish(self) -> None:
         self.done = True
