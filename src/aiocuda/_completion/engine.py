@@ -94,6 +94,11 @@ _perf = time.perf_counter
 # 1.42), and the client's p99 from 3.66 to 2.44 ms; with 5 ms kernels 6.34 -> 6.22. On
 # uvloop no change beyond the noise (2.40 -> 2.37, 6.31 -> 6.54 ms). CPU per request
 # within the noise (-4% to +4%). (benchmarks/results/logs/own-turns-ab.txt)
+# Its price: await_latency's service load on asyncio with 5 ms kernels (64 tasks whose
+# waits come due together) served 3-7% fewer awaits per second than with the poller
+# finding them, in four paired runs on the H100; waking tasks at the window's start, only
+# on turns of 200 us or more, or at most 4 at a time did not win it back
+# (benchmarks/results/logs/service-own-turns-ab.txt).
 
 # Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
 # forgotten; places that await are few, unless code is generated at run time.
