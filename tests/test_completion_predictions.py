@@ -352,19 +352,24 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("short", [True, False])
 async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
-    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch, short: bool
 ) -> None:
     """On a busy loop, a wait predicted to end in 20 ms is parked, its task woken shortly
     before then, and the task finds the end itself: the poller never resumes it (that
-    would cost the task one more iteration of the busy loop). (The loop is made to count
+    would cost the task one more iteration of the busy loop) -- if it counts as short
+    (OWN_TURNS_LONGEST); a longer one is found by the poller. (The loop is made to count
     as busy: every turn, however short, is taken as one that ran other work -- real busy
     work would starve the simulator's threads of the GIL; and the held stream is let go
-    only once the task was woken, with the poll window open for as long as it takes, so
-    that a loaded machine cannot end the wait some other way.)"""
+    only once the task was woken, or after 30 ms for the long wait, with the poll window
+    open for as long as it takes, so that a loaded machine cannot end the wait some other
+    way.)"""
     if not current_adapter().bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
     monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+    if short:  # (a wait of the default OWN_TURNS_LONGEST is too short to time here)
+        monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
     monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
     adapter = current_adapter()
     woken: list[Waiter] = []
@@ -393,10 +398,14 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
         resumed.clear()
         sim_backend.pause(stream.handle)
         held[0] = True
-        asyncio.get_running_loop().call_later(1.0, let_go)  # (never woken: fail, don't hang)
+        release_after = 1.0 if short else 0.03  # (a short wait never woken: fail, don't hang)
+        asyncio.get_running_loop().call_later(release_after, let_go)
         await steps(stream, 0.0)
-        assert len(woken) == 1 and not resumed, (woken, resumed)
-        assert woken[0].done
+        if short:
+            assert len(woken) == 1 and not resumed, (woken, resumed)
+            assert woken[0].done
+        else:
+            assert not woken and len(resumed) == 1, (woken, resumed)
 
 
 @pytest.mark.anyio
@@ -408,6 +417,7 @@ async def test_a_context_poisoned_while_the_task_polls_by_itself_fails_the_wait(
     if not current_adapter().bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
     monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+    monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
     monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
     adapter = current_adapter()
     wake = type(adapter).wake

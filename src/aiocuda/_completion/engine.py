@@ -20,11 +20,12 @@ goes through these phases, cheapest first:
    private signal stream (:mod:`.signals`), a wait for the event followed by a host
    function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread --
    wakes the waker thread (:mod:`.waker`), which wakes the loop. A sleeping task costs
-   no CPU. On a busy asyncio loop a wait with a history is parked instead, until its
-   poll window (or two turns before its predicted end, if later); then its task is
-   woken and queries it once per iteration by itself, as in phase 2, so that it goes
-   on in the iteration that finds the end. If the loop turns idle meanwhile, or the
-   window passes, the wait goes back to the poller.
+   no CPU. On a busy asyncio loop a wait with a history that predicts at most
+   :data:`OWN_TURNS_LONGEST` is parked instead, until its poll window (or two turns
+   before its predicted end, if later); then its task is woken and queries it once per
+   iteration by itself, as in phase 2, so that it goes on in the iteration that finds
+   the end. If the loop turns idle meanwhile, or the window passes, the wait goes back
+   to the poller.
 
 **Predictions.** How long a wait will take is learnt per stream *and* per place in the
 code that awaits it (:class:`~.history.WaitHistory`): the waits after a copy and the
@@ -94,14 +95,21 @@ _perf = time.perf_counter
 # 1.42), and the client's p99 from 3.66 to 2.44 ms; with 5 ms kernels 6.34 -> 6.22. On
 # uvloop no change beyond the noise (2.40 -> 2.37, 6.31 -> 6.54 ms). CPU per request
 # within the noise (-4% to +4%). (benchmarks/results/logs/own-turns-ab.txt)
-# Its price: await_latency's service load on asyncio with 5 ms kernels (64 tasks whose
-# waits come due together) served 3-7% fewer awaits per second than with the poller
-# finding them, in four paired runs on the H100; waking tasks at the window's start, only
-# on turns of 200 us or more, or at most 4 at a time did not win it back
-# (benchmarks/results/logs/service-own-turns-ab.txt).
+# Why only short waits (OWN_TURNS_LONGEST): for all waits, await_latency's service load
+# on asyncio with 5 ms kernels (64 tasks whose waits come due together) served 3-7% fewer
+# awaits per second than with the poller finding them, in four paired runs on the H100;
+# waking tasks at the window's start, only on turns of 200 us or more, or at most 4 at a
+# time did not win it back. Limited to waits predicted at 2 ms or less: 1.022 of
+# polling's throughput at 5 ms, as before (1.018), where all waits had 0.932; at 1 ms
+# 0.950 as with all waits (0.945). For 5 ms kernels the serve benchmark's endpoint p99
+# had moved by no more than its noise. (benchmarks/results/logs/service-own-turns-ab.txt)
 
 # Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
 # forgotten; places that await are few, unless code is generated at run time.
+OWN_TURNS_LONGEST = 0.002
+"""Longest predicted wait (seconds) whose task a busy loop wakes to find its end by
+itself; longer ones are found by the poller (see phase 3)."""
+
 _MAX_STREAMS = 4096
 _MAX_PLACES = 64
 
@@ -444,10 +452,16 @@ class CompletionEngine:
         that will not all end within the poll window, it waits for its turn
         (:meth:`_promote`). ``turn``: how long the loop's last iteration took, where the
         wait's task can poll by itself (asyncio)."""
-        if turn is not None and turn >= IDLE_TURN and history is not None and not ahead:
-            # A busy loop: parked until its poll window, or two turns (and twice the
-            # prediction's error) before its predicted end if that is later, then woken
-            # to poll in its own task.
+        if (
+            turn is not None
+            and turn >= IDLE_TURN
+            and history is not None
+            and not ahead
+            and history.expected <= OWN_TURNS_LONGEST
+        ):
+            # A busy loop and a short wait: parked until its poll window, or two turns
+            # (and twice the prediction's error) before its predicted end if that is
+            # later, then woken to poll in its own task.
             start, end = history.poll_window()
             start = max(start, history.expected - 2 * (history.spread + turn))
             waiter.own_turns = True
