@@ -103,13 +103,12 @@ _perf = time.perf_counter
 # polling's throughput at 5 ms, as before (1.018), where all waits had 0.932; at 1 ms
 # 0.950 as with all waits (0.945). For 5 ms kernels the serve benchmark's endpoint p99
 # had moved by no more than its noise. (benchmarks/results/logs/service-own-turns-ab.txt)
-
-# Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
-# forgotten; places that await are few, unless code is generated at run time.
 OWN_TURNS_LONGEST = 0.002
 """Longest predicted wait (seconds) whose task a busy loop wakes to find its end by
 itself; longer ones are found by the poller (see phase 3)."""
 
+# Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
+# forgotten; places that await are few, unless code is generated at run time.
 _MAX_STREAMS = 4096
 _MAX_PLACES = 64
 
