@@ -62,3 +62,24 @@ def test_a_benchmark_runs_on_the_simulator(tmp_path: pathlib.Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert len(json.loads(out.read_text())["runs"]["aiocuda_us"]) == _common.RUNS
+
+
+def test_the_ab_script_exports_a_revision_and_runs_trees_in_turn(tmp_path: pathlib.Path) -> None:
+    """scripts/ab: a revision's package exported from git, then the service load on two
+    trees (the simulator: a smoke run), each tree's figures reported."""
+    script = [sys.executable, str(ROOT / "scripts" / "ab")]
+    exported = subprocess.run(
+        [*script, "export", "HEAD", "--into", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert (tmp_path / "HEAD" / "aiocuda" / "__init__.py").is_file()
+    small = ["--rounds", "1", "--loops", "asyncio", "--ws", "1", "--per-task", "2", "--inner", "1"]
+    done = subprocess.run(
+        [*script, "service", f"old={tmp_path / 'HEAD'}", "new=src", *small],
+        env={**os.environ, "AIOCUDA_BACKEND": "sim"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "asyncio 1ms old cpu_vs_poll" in done.stdout and "asyncio 1ms new throughput_vs_poll" in done.stdout
