@@ -361,15 +361,18 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
     would cost the task one more iteration of the busy loop) -- if it counts as short
     (OWN_TURNS_LONGEST); a longer one is found by the poller. (The loop is made to count
     as busy: every turn, however short, is taken as one that ran other work -- real busy
-    work would starve the simulator's threads of the GIL; and the held stream is let go
-    only once the task was woken, or after 30 ms for the long wait, with the poll window
-    open for as long as it takes, so that a loaded machine cannot end the wait some other
-    way.)"""
+    work would starve the simulator's threads of the GIL; the held stream is let go only
+    once the task was woken, or after 30 ms for the long wait, with the poll window open
+    for as long as it takes and no doorbell, so that a loaded machine cannot end the wait
+    some other way.)"""
     if not current_adapter().bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
     monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
     if short:  # (a wait of the default OWN_TURNS_LONGEST is too short to time here)
         monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
+    # No doorbell: one rung while the loop idled before the wake would resume the wait
+    # from the waker thread as the held stream is let go, racing the task's own query.
+    monkeypatch.setattr(poller_module, "RING_AFTER", 60.0)
     monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
     adapter = current_adapter()
     woken: list[Waiter] = []
