@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import anyio
@@ -351,6 +351,28 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
         assert await waiters_of_a_held_wait(s, busy=False) == 1
 
 
+def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter], None]) -> None:
+    """Every turn of the loop counts as busy, a poll window stays open for a minute, and
+    ``on_wake`` runs whenever the poller wakes a task to poll its own wait. (Real busy
+    work would starve the simulator's threads of the GIL.)"""
+    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+    monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
+    adapter = current_adapter()
+    wake = type(adapter).wake
+
+    def waking(self: Any, w: Waiter) -> None:
+        on_wake(w)
+        wake(self, w)
+
+    monkeypatch.setattr(type(adapter), "wake", waking)
+
+
+def _predict(stream: Stream, expected: float) -> None:
+    """Make the stream's histories predict ``expected`` seconds, within a millisecond."""
+    for history in histories(stream).values():
+        history.expected, history.spread = expected, 0.001
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("short", [True, False])
 async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
@@ -360,24 +382,20 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
     before then, and the task finds the end itself: the poller never resumes it (that
     would cost the task one more iteration of the busy loop) -- if it counts as short
     (OWN_TURNS_LONGEST); a longer one is found by the poller. (The loop is made to count
-    as busy: every turn, however short, is taken as one that ran other work -- real busy
-    work would starve the simulator's threads of the GIL; the held stream is let go only
-    once the task was woken, or after 30 ms for the long wait, with the poll window open
-    for as long as it takes and no doorbell, so that a loaded machine cannot end the wait
-    some other way.)"""
-    if not current_adapter().bare_yield:
+    as busy (:func:`_busy_loop_waking`); the held stream is let go only once the task was
+    woken, or after 30 ms for the long wait, with the poll window open for as long as it
+    takes and no doorbell, so that a loaded machine cannot end the wait some other way.)"""
+    adapter = current_adapter()
+    if not adapter.bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
-    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
     if short:  # (a wait of the default OWN_TURNS_LONGEST is too short to time here)
         monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
     # No doorbell: one rung while the loop idled before the wake would resume the wait
     # from the waker thread as the held stream is let go, racing the task's own query.
     monkeypatch.setattr(poller_module, "RING_AFTER", 60.0)
-    monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
-    adapter = current_adapter()
     woken: list[Waiter] = []
     resumed: list[Waiter] = []
-    wake, resume = type(adapter).wake, type(adapter).resume
+    resume = type(adapter).resume
 
     held = [False]
 
@@ -386,17 +404,15 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
             held[0] = False
             sim_backend.resume(stream.handle)
 
-    def waking(self: Any, w: Waiter) -> None:
+    def woke(w: Waiter) -> None:
         woken.append(w)
-        wake(self, w)
         asyncio.get_running_loop().call_later(0.002, let_go)
 
-    monkeypatch.setattr(type(adapter), "wake", waking)
+    _busy_loop_waking(monkeypatch, woke)
     monkeypatch.setattr(type(adapter), "resume", lambda self, w, e: (resumed.append(w), resume(self, w, e)))
     with Stream(0) as stream:
         await steps(stream, 0.0)  # the place's history
-        for history in histories(stream).values():
-            history.expected, history.spread = 0.02, 0.001
+        _predict(stream, 0.02)
         woken.clear()
         resumed.clear()
         sim_backend.pause(stream.handle)
@@ -419,21 +435,11 @@ async def test_a_context_poisoned_while_the_task_polls_by_itself_fails_the_wait(
     ContextPoisonedError, as a wait the poller queries does."""
     if not current_adapter().bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
-    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
     monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
-    monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
-    adapter = current_adapter()
-    wake = type(adapter).wake
-
-    def waking(self: Any, w: Waiter) -> None:
-        wake(self, w)
-        asyncio.get_running_loop().call_later(0.002, sim_backend.poison, 0)
-
-    monkeypatch.setattr(type(adapter), "wake", waking)
+    _busy_loop_waking(monkeypatch, lambda w: asyncio.get_running_loop().call_later(0.002, sim_backend.poison, 0))
     with Stream(0) as stream:
         await steps(stream, 0.0)  # the place's history
-        for history in histories(stream).values():
-            history.expected, history.spread = 0.02, 0.001
+        _predict(stream, 0.02)
         sim_backend.pause(stream.handle)
         with anyio.fail_after(10), pytest.raises(ContextPoisonedError):
             await steps(stream, 0.0)
