@@ -18,6 +18,13 @@ enqueue through them; they differ in how they allocate and how they wait:
 * ``/oracle``       -- record an event, sleep W on the loop's timer, then poll it: a wait
   told when its kernel ends, woken once (by a timer, a millisecond coarse: it gives up
   latency for CPU)
+* ``/unwaited``     -- a control, not a way to serve: the same enqueue on the next lane of
+  a ring leased for good at start-up, answered without waiting for the GPU (the reply is
+  the lane's buffer as it stands). It skips the wait and the lease, so polling's figures
+  over its own bound what any way of waiting could gain on polling. (A lane comes round
+  again a ring's length of requests later, when its last work has long run; a lease's
+  lane would be the one just given back, its work still running: see
+  ``results/logs/unwaited-control-probe.txt``.)
 * ``/torch_lanes``, ``/torch_poll``, ``/torch_to_thread`` -- a two-layer fp16 MLP
   (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
   ``interop.torch_stream``, awaited three ways.
@@ -40,6 +47,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import os
 import resource
 import threading
@@ -139,6 +147,8 @@ class Server:
         self.clock_hz = _clock_hz()
         self.kernel: Any = None
         self.lanes = Lanes(device=0, setup=self.setup)
+        self.ring_lanes = Lanes(device=0, setup=self.setup)  # /unwaited's, each leased for good
+        self.ring: Iterator[Lane] = iter(())
         self.executor = Executor([0], chunks_per_device=64)
         self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self.batch, max_batch=64, max_delay=0.0005)
         self.model: Any = None
@@ -156,6 +166,7 @@ class Server:
             "blocking": self.blocking,
             "poll": self.poll,
             "oracle": self.oracle,
+            "unwaited": self.unwaited,
             "torch_lanes": self.torch_lanes,
             "torch_poll": self.torch_poll,
             "torch_to_thread": self.torch_to_thread,
@@ -288,6 +299,13 @@ class Server:
             lane._settle()
             return self.reply(s.out)
 
+    async def unwaited(self, request: Request) -> Response:
+        body, cycles = await request.body(), self.cycles(request)
+        lane = next(self.ring)
+        s = self.enqueue(lane, body, cycles)
+        lane._settle()  # (its staging is reused a ring's length of requests later)
+        return self.reply(s.out)
+
     async def torch_lanes(self, request: Request) -> Response:
         body = await request.body()
         async with self.lanes.lease() as lane:
@@ -399,10 +417,14 @@ class Server:
             self.load_torch()
         ticker = asyncio.ensure_future(self.lag.run())
         with profiled(os.environ.get("SERVE_PROFILE")):
-            async with stalls_reported(), self.lanes, self.executor, self.batcher:
-                gc.collect()  # what start-up left behind, then
-                gc.freeze()  # the rest out of every later collection (docs/serving.md)
-                yield
+            async with stalls_reported(), self.lanes, self.ring_lanes, self.executor, self.batcher:
+                async with contextlib.AsyncExitStack() as leases:
+                    count = self.ring_lanes.statistics().lanes
+                    ring = [await leases.enter_async_context(self.ring_lanes.lease()) for _ in range(count)]
+                    self.ring = itertools.cycle(ring)
+                    gc.collect()  # what start-up left behind, then
+                    gc.freeze()  # the rest out of every later collection (docs/serving.md)
+                    yield
         ticker.cancel()
 
     def app(self) -> Starlette:

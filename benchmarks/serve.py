@@ -11,7 +11,10 @@ lane``), per-request memory (``/lanes_alloc``), README style (``/readme``, 2 awa
 synchronize and polling ``event.query()`` with ``sleep(0)``; and ``/oracle``, which
 sleeps exactly W on the loop's timer before it polls: a wait that is told when its kernel
 ends and is woken once, to show how far knowing that could take the ratios to polling
-(``oracle_*`` metrics).
+(``oracle_*`` metrics); and ``/unwaited``, a control that does the same enqueue without a
+lease and answers without waiting for the GPU at all: polling's throughput and CPU per
+request against its own bound what any way of waiting could gain on polling
+(``unwaited_*`` metrics).
 
 Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs closed-loop
 windows (64 connections, saturation) in turn -- interleaved, the order rotating from
@@ -20,8 +23,8 @@ reverse order (A B C C B A), so that the machine's drift weighs alike on all -- 
 open-loop windows there and back likewise, each of them whole (a tail latency needs many
 samples; requests due at half the polling endpoint's
 saturation rate of that round, each sent when due: the clients spin through the last
-2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes``, ``/poll`` and
-``/oracle``. Ratios are taken per round
+2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes``, ``/poll``,
+``/oracle`` and ``/unwaited``. Ratios are taken per round
 and reported as the median of the three, each target with its rounds' values. CPU per
 request is the server process's own CPU time (every thread) over the requests it served
 in the window (per thread too, in the baselines, and the part spent in the garbage
@@ -77,7 +80,7 @@ sys.path.insert(0, str(HERE))
 from _common import Result, parser  # noqa: E402
 from _serve_client import serve_commands  # noqa: E402
 
-WORK = ["lanes", "lanes_alloc", "readme", "submit", "to_thread", "blocking", "poll", "oracle"]
+WORK = ["lanes", "lanes_alloc", "readme", "submit", "to_thread", "blocking", "poll", "oracle", "unwaited"]
 TINY = ["lanes", "batch", "poll"]
 LAUNCH_BOUND_FLOATS = 256
 """Values per request of ``serve_batched_speedup``'s work: 1 KiB, so that a request's cost
@@ -85,7 +88,7 @@ is its launch and copies' overhead, not moving its data (the issue's "kernel who
 mostly launch overhead"); ``batched_speedup_64k`` reports the 64 KiB requests beside it,
 where concatenating and splitting the batch's data weighs as much as the launches saved."""
 TORCH = ["torch_lanes", "torch_poll", "torch_to_thread"]
-OPEN = ["lanes", "poll", "oracle"]  # (the rate: half of the second's saturation)
+OPEN = ["lanes", "poll", "oracle", "unwaited"]  # (the rate: half of the second's saturation)
 TORCH_OPEN = ["torch_lanes", "torch_poll"]
 FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
 FIRST_SECONDS = 0.5
@@ -319,12 +322,14 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
             result.metrics[f"readme_vs_lanes_{suffix}"] = round(statistics.median(ratios(f, "readme", "lanes")), 4)
             poll_over = [r["lat_p99_ms"] - w_ms for r in f["open_poll"]]
             result.metrics[f"poll_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(poll_over), 4)
-            for name, value in (
-                ("throughput_vs_poll", ratios(f, "oracle", "poll")),
-                ("cpu_per_request_vs_poll", ratios(f, "open_oracle", "open_poll", "cpu_ms_per_req")),
-                ("latency_p99_over_w_ms", [r["lat_p99_ms"] - w_ms for r in f["open_oracle"]]),
-            ):
-                result.metrics[f"oracle_{name}_{suffix}"] = round(statistics.median(value), 4)
+            oracle_over = [r["lat_p99_ms"] - w_ms for r in f["open_oracle"]]
+            result.metrics[f"oracle_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(oracle_over), 4)
+            for control in ("oracle", "unwaited"):
+                for name, value in (
+                    ("throughput_vs_poll", ratios(f, control, "poll")),
+                    ("cpu_per_request_vs_poll", ratios(f, f"open_{control}", "open_poll", "cpu_ms_per_req")),
+                ):
+                    result.metrics[f"{control}_{name}_{suffix}"] = round(statistics.median(value), 4)
         batched = data["inprocess_batched"]
         speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
         target(f"serve_batched_speedup_{loop}", speedups, 3.0, ">=")
