@@ -36,6 +36,18 @@ def histories(stream: Stream) -> dict[Hashable, WaitHistory]:
     return current_engine()._histories.get(stream.handle, {})
 
 
+def _predict(stream: Stream, expected: float, spread: float = 0.001) -> None:
+    """Make the stream's histories predict ``expected`` seconds, give or take ``spread``."""
+    for history in histories(stream).values():
+        history.expected, history.spread = expected, spread
+
+
+def _open_poll_window(patcher: pytest.MonkeyPatch) -> None:
+    """Every poll window opens a millisecond before the predicted end and stays open for
+    a minute: a stall of a loaded machine cannot make a wait overdue."""
+    patcher.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
+
+
 async def steps(stream: Stream, seconds: float, n: int = 1) -> None:
     """``n`` times: enqueue work of ``seconds`` and await it, always at one place (a
     place is the awaiting line and the line that called it)."""
@@ -282,8 +294,7 @@ async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_
     async def queries(stream: Stream, idle_park: float) -> int:
         """Queries in the first 30 ms of a held wait whose place predicts 40 ms."""
         monkeypatch.setattr(poller_module, "IDLE_PARK", idle_park)
-        for history in histories(stream).values():
-            history.expected, history.spread = 0.04, 0.001
+        _predict(stream, 0.04)
         sim_backend.pause(stream.handle)
         queried[0] = 0
         async with anyio.create_task_group() as tg:
@@ -335,13 +346,12 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
             await anyio.lowlevel.checkpoint()
 
     async def waiters_of_a_held_wait(stream: Stream, busy: bool) -> int:
-        for history in histories(stream).values():
-            history.expected, history.spread = 0.0005, 0.0001
+        _predict(stream, 0.0005, 0.0001)
         made.clear()
         sim_backend.pause(stream.handle)
         with monkeypatch.context() as patched:
             if busy:
-                patched.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
+                _open_poll_window(patched)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(steps, stream, 0.0)
                 if busy:
@@ -357,12 +367,12 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
         assert await waiters_of_a_held_wait(s, busy=False) == 1
 
 
-def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter], None]) -> None:
+def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter], object]) -> None:
     """Every turn of the loop counts as busy, a poll window stays open for a minute, and
     ``on_wake`` runs whenever the poller wakes a task to poll its own wait. (Real busy
     work would starve the simulator's threads of the GIL.)"""
     monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
-    monkeypatch.setattr(WaitHistory, "poll_window", lambda self: (self.expected - 0.001, 60.0))
+    _open_poll_window(monkeypatch)
     adapter = current_adapter()
     wake = type(adapter).wake
 
@@ -371,12 +381,6 @@ def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter
         wake(self, w)
 
     monkeypatch.setattr(type(adapter), "wake", waking)
-
-
-def _predict(stream: Stream, expected: float) -> None:
-    """Make the stream's histories predict ``expected`` seconds, within a millisecond."""
-    for history in histories(stream).values():
-        history.expected, history.spread = expected, 0.001
 
 
 @pytest.mark.anyio
