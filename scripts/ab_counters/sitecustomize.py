@@ -7,7 +7,10 @@ thread of the server rewrites every 0.1 s with the totals so far (JSON).
   no Python selector: these stay 0);
 * ``query``: the engine's event queries; ``passes``: poller passes; ``arms``: timer
   armings; ``wakes``: tasks woken to poll their own wait; ``rings``: doorbells;
-  ``waiters``: waits handed to the poller (a ``Waiter`` each).
+  ``waiters``: waits handed to the poller (a ``Waiter`` each);
+* ``overdue``: waits the poller found done after their poll window had passed;
+  ``past_prediction_s``: the seconds by which the poller found waits done after their
+  predicted end (negative: before it), summed.
 
 It wraps private functions of the engine: a probe for A/Bs, not an API.
 """
@@ -23,7 +26,20 @@ from collections.abc import Callable
 from typing import Any
 
 _COUNTS: dict[str, float] = dict.fromkeys(
-    ("select", "select_sleep", "blocked_s", "query", "passes", "arms", "wakes", "rings", "waiters"), 0
+    (
+        "select",
+        "select_sleep",
+        "blocked_s",
+        "query",
+        "passes",
+        "arms",
+        "wakes",
+        "rings",
+        "waiters",
+        "overdue",
+        "past_prediction_s",
+    ),
+    0,
 )
 
 
@@ -70,6 +86,16 @@ def _count_engine() -> None:
     _count_calls(engine.CompletionEngine, "ring", "rings")
     _count_calls(engine.Waiter, "__init__", "waiters")
     _count_calls(loops.AsyncioAdapter, "wake", "wakes")
+    complete = engine.CompletionEngine.complete
+
+    def completing(self: Any, waiter: Any, now: float, *, polled: bool = True) -> None:
+        history = self._history(waiter)
+        if not waiter.done and waiter.head_since is not None and history is not None:
+            _COUNTS["past_prediction_s"] += now - (waiter.head_since + history.expected)
+            _COUNTS["overdue"] += now > waiter.poll_until
+        complete(self, waiter, now, polled=polled)
+
+    engine.CompletionEngine.complete = completing  # type: ignore[method-assign]
     made = engine.CompletionEngine.__init__
 
     def init(self: Any, backend: Any) -> None:
