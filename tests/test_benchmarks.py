@@ -83,3 +83,20 @@ def test_the_ab_script_exports_a_revision_and_runs_trees_in_turn(tmp_path: pathl
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "asyncio 1ms old cpu_vs_poll" in done.stdout and "asyncio 1ms new throughput_vs_poll" in done.stdout
+
+
+@pytest.mark.parametrize("load", ["open", "closed"])
+def test_the_ab_scripts_model_runs_without_a_gpu(load: str) -> None:
+    """scripts/ab model: the modelled server, polling and the engine's waits in turn on a
+    tree, each way's lateness after its kernel's end and CPU per request reported."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", "--load", load, "--rounds", "1"]
+        + ["--loops", "asyncio", "--ws", "1", "--seconds", "0.1", "--rate", "300"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for way in ("lanes", "poll"):
+        assert f"asyncio 1ms one {way} late_p50_ms" in done.stdout, done.stdout
+        assert f"asyncio 1ms one {way} cpu_us_per_req" in done.stdout, done.stdout
