@@ -89,9 +89,9 @@ def test_the_ab_script_exports_a_revision_and_runs_trees_in_turn(tmp_path: pathl
 def test_the_ab_scripts_model_runs_without_a_gpu(load: str) -> None:
     """scripts/ab model: the modelled server, polling and the engine's waits in turn on a
     tree, each way's lateness after its kernel's end and CPU per request reported."""
+    small = ["--rounds", "1", "--loops", "asyncio", "--ws", "1", "--seconds", "0.1", "--rate", "300"]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", "--load", load, "--rounds", "1"]
-        + ["--loops", "asyncio", "--ws", "1", "--seconds", "0.1", "--rate", "300"],
+        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", "--load", load, *small],
         capture_output=True,
         text=True,
         timeout=300,
