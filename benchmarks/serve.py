@@ -320,10 +320,9 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
             over = [r["lat_p99_ms"] - w_ms for r in f["open_lanes"]]
             target(f"serve_latency_p99_over_w_ms_{suffix}", over, 2.0, "<=")
             result.metrics[f"readme_vs_lanes_{suffix}"] = round(statistics.median(ratios(f, "readme", "lanes")), 4)
-            poll_over = [r["lat_p99_ms"] - w_ms for r in f["open_poll"]]
-            result.metrics[f"poll_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(poll_over), 4)
-            oracle_over = [r["lat_p99_ms"] - w_ms for r in f["open_oracle"]]
-            result.metrics[f"oracle_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(oracle_over), 4)
+            for way in ("poll", "oracle"):
+                way_over = [r["lat_p99_ms"] - w_ms for r in f[f"open_{way}"]]
+                result.metrics[f"{way}_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(way_over), 4)
             for control in ("oracle", "unwaited"):
                 for name, value in (
                     ("throughput_vs_poll", ratios(f, control, "poll")),
