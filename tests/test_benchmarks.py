@@ -100,3 +100,17 @@ def test_the_ab_scripts_model_runs_without_a_gpu(load: str) -> None:
     for way in ("lanes", "poll"):
         assert f"asyncio 1ms one {way} late_p50_ms" in done.stdout, done.stdout
         assert f"asyncio 1ms one {way} cpu_us_per_req" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("bad", [["--rate", "0"], ["--seconds", "-1"], ["--ws", "0"]])
+def test_the_ab_script_refuses_a_load_that_is_not_positive(bad: list[str]) -> None:
+    """scripts/ab: a rate, window or kernel length of zero or less is a usage error, not a
+    division by zero in a child process."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", *bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "must be positive" in done.stderr
