@@ -279,9 +279,9 @@ async def test_an_idle_loop_sleeps_through_a_predicted_wait_instead_of_querying_
     that the control spins long enough on a loaded machine too."""
     engine = current_engine()
     monkeypatch.setattr(engine_module, "POLL_WINDOW", 0.06)
-    # (every loop counts as idle to the engine: a first turn that a loaded machine made
-    # long would otherwise send the control's wait to its own task instead of the poller)
-    monkeypatch.setattr(engine_module, "IDLE_TURN", float("inf"))
+    # (no wait's task finds its end by itself: the poller's way is what is measured)
+    monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.0)
+    monkeypatch.setattr(engine_module, "OWN_TURNS_FEW", 0)
     queried = [0]
     query = engine.query
 
@@ -367,11 +367,11 @@ async def test_a_busy_loop_finds_a_wait_about_to_end_by_yielding_not_through_the
         assert await waiters_of_a_held_wait(s, busy=False) == 1
 
 
-def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter], object]) -> None:
-    """Every turn of the loop counts as busy, a poll window stays open for a minute, and
-    ``on_wake`` runs whenever the poller wakes a task to poll its own wait. (Real busy
-    work would starve the simulator's threads of the GIL.)"""
-    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0)
+def _loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter], object], *, busy: bool = True) -> None:
+    """Every turn of the loop counts as ``busy`` (or as idle), a poll window stays open for
+    a minute, and ``on_wake`` runs whenever the poller wakes a task to poll its own wait.
+    (Real busy work would starve the simulator's threads of the GIL.)"""
+    monkeypatch.setattr(engine_module, "IDLE_TURN", 0.0 if busy else float("inf"))
     _open_poll_window(monkeypatch)
     adapter = current_adapter()
     wake = type(adapter).wake
@@ -384,22 +384,34 @@ def _busy_loop_waking(monkeypatch: pytest.MonkeyPatch, on_wake: Callable[[Waiter
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("short", [True, False])
-async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
-    sim_backend: Any, anyio_backend: object, monkeypatch: pytest.MonkeyPatch, short: bool
+@pytest.mark.parametrize(
+    ("longest", "few", "busy", "by_task"),
+    [(0.05, 16, True, True), (0.002, 16, True, True), (0.002, 16, False, True), (0.002, 0, True, False)],
+)
+async def test_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
+    sim_backend: Any,
+    anyio_backend: object,
+    monkeypatch: pytest.MonkeyPatch,
+    longest: float,
+    few: int,
+    busy: bool,
+    by_task: bool,
 ) -> None:
-    """On a busy loop, a wait predicted to end in 20 ms is parked, its task woken shortly
-    before then, and the task finds the end itself: the poller never resumes it (that
-    would cost the task one more iteration of the busy loop) -- if it counts as short
-    (OWN_TURNS_LONGEST); a longer one is found by the poller. (The loop is made to count
-    as busy (:func:`_busy_loop_waking`); the held stream is let go only once the task was
-    woken, or after 30 ms for the long wait, with the poll window open for as long as it
-    takes and no doorbell, so that a loaded machine cannot end the wait some other way.)"""
+    """A wait predicted to end in 20 ms is parked, its task woken shortly before then, and
+    the task finds the end itself: the poller never resumes it (that would cost the task
+    one more iteration of the loop, behind whatever was queued meanwhile) -- if it counts
+    as short (OWN_TURNS_LONGEST), or if few waits are pending (OWN_TURNS_FEW), on a busy
+    loop or an idle one; else the poller finds it. (Each turn of the loop is made to count
+    as busy or idle (:func:`_loop_waking`); the held
+    stream is let go only once the task was woken, or after 30 ms for a wait the poller
+    finds, with the poll window open for as long as it takes and no doorbell, so that a
+    loaded machine cannot end the wait some other way.)"""
     adapter = current_adapter()
     if not adapter.bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
-    if short:  # (a wait of the default OWN_TURNS_LONGEST is too short to time here)
-        monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
+    # (a wait of the default OWN_TURNS_LONGEST is too short to time here: 0.05 makes it short)
+    monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", longest)
+    monkeypatch.setattr(engine_module, "OWN_TURNS_FEW", few)
     # No doorbell: one rung while the loop idled before the wake would resume the wait
     # from the waker thread as the held stream is let go, racing the task's own query.
     monkeypatch.setattr(poller_module, "RING_AFTER", 60.0)
@@ -418,7 +430,7 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
         woken.append(w)
         asyncio.get_running_loop().call_later(0.002, let_go)
 
-    _busy_loop_waking(monkeypatch, woke)
+    _loop_waking(monkeypatch, woke, busy=busy)
     monkeypatch.setattr(type(adapter), "resume", lambda self, w, e: (resumed.append(w), resume(self, w, e)))
     with Stream(0) as stream:
         await steps(stream, 0.0)  # the place's history
@@ -427,10 +439,10 @@ async def test_on_a_busy_loop_a_parked_wait_is_woken_to_find_its_end_in_its_own_
         resumed.clear()
         sim_backend.pause(stream.handle)
         held[0] = True
-        release_after = 1.0 if short else 0.03  # (a short wait never woken: fail, don't hang)
+        release_after = 1.0 if by_task else 0.03  # (a wait never woken: fail, don't hang)
         asyncio.get_running_loop().call_later(release_after, let_go)
         await steps(stream, 0.0)
-        if short:
+        if by_task:
             assert len(woken) == 1 and not resumed, (woken, resumed)
             assert woken[0].done
         else:
@@ -446,7 +458,7 @@ async def test_a_context_poisoned_while_the_task_polls_by_itself_fails_the_wait(
     if not current_adapter().bare_yield:
         pytest.skip("trio has no bare yield: its waits are resumed by the poller")
     monkeypatch.setattr(engine_module, "OWN_TURNS_LONGEST", 0.05)
-    _busy_loop_waking(monkeypatch, lambda w: asyncio.get_running_loop().call_later(0.002, sim_backend.poison, 0))
+    _loop_waking(monkeypatch, lambda w: asyncio.get_running_loop().call_later(0.002, sim_backend.poison, 0))
     with Stream(0) as stream:
         await steps(stream, 0.0)  # the place's history
         _predict(stream, 0.02)

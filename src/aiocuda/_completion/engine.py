@@ -20,12 +20,13 @@ goes through these phases, cheapest first:
    private signal stream (:mod:`.signals`), a wait for the event followed by a host
    function that is libc's ``sem_post`` -- no Python and no GIL on the driver's thread --
    wakes the waker thread (:mod:`.waker`), which wakes the loop. A sleeping task costs
-   no CPU. On a busy asyncio loop a wait with a history that predicts at most
-   :data:`OWN_TURNS_LONGEST` is parked instead, until its poll window (or two turns
-   before its predicted end, if later); then its task is woken and queries it once per
-   iteration by itself, as in phase 2, so that it goes on in the iteration that finds
-   the end. If the loop turns idle meanwhile, or the window passes, the wait goes back
-   to the poller.
+   no CPU. On asyncio a wait with a history -- one predicted at most
+   :data:`OWN_TURNS_LONGEST`, or any while at most :data:`OWN_TURNS_FEW` waits are
+   pending on the loop -- is parked instead, until its poll window (or a turn and the
+   prediction's error before its predicted end, if later); then its task is woken and
+   queries it once per iteration by itself, as in phase 2, so that it goes on in the
+   iteration that finds the end (a wait the poller finds resumes its task an iteration
+   later). If the window passes, the wait goes back to the poller.
 
 **Predictions.** How long a wait will take is learnt per stream *and* per place in the
 code that awaits it (:class:`~.history.WaitHistory`): the waits after a copy and the
@@ -104,8 +105,24 @@ _perf = time.perf_counter
 # 0.950 as with all waits (0.945). For 5 ms kernels the serve benchmark's endpoint p99
 # had moved by no more than its noise. (benchmarks/results/logs/service-own-turns-ab.txt)
 OWN_TURNS_LONGEST = 0.002
-"""Longest predicted wait (seconds) whose task a busy loop wakes to find its end by
-itself; longer ones are found by the poller (see phase 3)."""
+"""Longest predicted wait (seconds) whose task finds its end by itself however many waits
+are pending; a longer one's does while few are (:data:`OWN_TURNS_FEW`), else the poller
+finds it (see phase 3)."""
+
+# Why the final approach in the task whatever its length and however busy the loop, while
+# few waits are pending: a wait the poller finds resumes its task one loop iteration later,
+# behind the work queued meanwhile. In the serve benchmark's open-loop windows (H200,
+# 1540 requests/s, 5 ms kernels) /lanes answered 0.35-0.45 ms after polling at the median
+# (benchmarks/results/logs/w5-open-ab.txt); own turns for long waits left the wait with
+# the poller once the loop turned idle (a short iteration), and found only 35-40% of
+# them. In scripts/ab model (kernels ending at known moments, the same load), a task
+# resumed after its 5 ms kernel's end 0.19 -> 0.07 ms on asyncio (polling 0.06) and
+# 0.14 -> 0.05 on uvloop (polling 0.01); at 1 ms 0.15 -> 0.03 and 0.11 -> 0.04; CPU per
+# request -3% to +7%. Saturated (64 tasks, more than OWN_TURNS_FEW pending), unchanged.
+# (Not yet confirmed on a GPU.)
+OWN_TURNS_FEW = 16
+"""While at most this many waits are pending on the loop, the task of any predicted wait
+finds its end by itself."""
 
 # Bounds on the engine's dicts: streams come and go, and wrapped foreign streams are never
 # forgotten; places that await are few, unless code is generated at run time.
@@ -355,12 +372,12 @@ class CompletionEngine:
                 return False
 
     def _own_turns(
-        self, event: Any, waiter: Waiter | None, end: float, until: float, turned: float
+        self, event: Any, waiter: Waiter | None, end: float, until: float, turned: float, *, while_busy: bool = True
     ) -> Generator[None, None, float | None]:
         """Query ``event`` once per loop iteration in the waiting task itself (asyncio's
-        bare ``yield``), while the loop is busy, the predicted ``end`` is at most two
-        turns away and ``until`` has not passed. Returns None once the event completed
-        (or ``waiter`` ended meanwhile), else the length of the last turn."""
+        bare ``yield``), while the predicted ``end`` is at most two turns away, ``until``
+        has not passed and (``while_busy``) the loop is busy. Returns None once the event
+        completed (or ``waiter`` ended meanwhile), else the length of the last turn."""
         query = self.query
         while True:
             yield
@@ -374,20 +391,20 @@ class CompletionEngine:
             if waiter is not None:
                 waiter.pending_at = now
             turn, turned = now - turned, now
-            if turn < IDLE_TURN or end > now + 2 * turn or now > until:
+            if (while_busy and turn < IDLE_TURN) or end > now + 2 * turn or now > until:
                 return turn
 
     def _polled_by_task(self, waiter: Waiter) -> Generator[None, None, None]:
         """``waiter``'s task was woken shortly before the predicted end of its wait: poll
-        it there while the loop is busy, then (loop idle, overdue) hand it back to the
-        poller."""
+        it there, busy loop or idle, until its poll window passes; then (overdue) hand it
+        back to the poller."""
         try:
             if self.query(waiter.event):
                 self._found(waiter, _perf())
                 return
             waiter.pending_at = now = _perf()
             # (its end counts as near from now on: it was woken for it)
-            turn = yield from self._own_turns(waiter.event, waiter, now, waiter.poll_until, now)
+            turn = yield from self._own_turns(waiter.event, waiter, now, waiter.poll_until, now, while_busy=False)
         except CudaError as exc:
             waiter.error = exc
             waiter.finish()
@@ -453,16 +470,14 @@ class CompletionEngine:
         wait's task can poll by itself (asyncio)."""
         if (
             turn is not None
-            and turn >= IDLE_TURN
             and history is not None
             and not ahead
-            and history.expected <= OWN_TURNS_LONGEST
+            and (history.expected <= OWN_TURNS_LONGEST or waiter.adapter.waiting <= OWN_TURNS_FEW)
         ):
-            # A busy loop and a short wait: parked until its poll window, or two turns
-            # (and twice the prediction's error) before its predicted end if that is
-            # later, then woken to poll in its own task.
+            # Parked until its poll window, or a turn (and the prediction's error) before
+            # its predicted end if that is later, then woken to poll in its own task.
             start, end = history.poll_window()
-            start = max(start, history.expected - 2 * (history.spread + turn))
+            start = max(start, history.expected - (history.spread + turn))
             waiter.own_turns = True
             self._poller(waiter.adapter).park(waiter, waiter.started + start, waiter.started + end)
             return
