@@ -118,8 +118,11 @@ finds it (see phase 3)."""
 # them. In scripts/ab model (kernels ending at known moments, the same load), a task
 # resumed after its 5 ms kernel's end 0.19 -> 0.07 ms on asyncio (polling 0.06) and
 # 0.14 -> 0.05 on uvloop (polling 0.01); at 1 ms 0.15 -> 0.03 and 0.11 -> 0.04; CPU per
-# request -3% to +7%. Saturated (64 tasks, more than OWN_TURNS_FEW pending), unchanged.
-# (Not yet confirmed on a GPU.)
+# request -3% to +7%. On the H200, paired (benchmarks/results/logs/final-approach-ab.txt):
+# the endpoint's median at W = 5 went from 0.37-0.47 to 0.07-0.17 ms over polling's, for
+# 14-23% more CPU per request (some 12-21 more queries, each a task step), still 9% under
+# polling's; at W = 1 within the noise. Saturated (64 tasks, more than OWN_TURNS_FEW
+# pending), unchanged.
 OWN_TURNS_FEW = 16
 """While at most this many waits are pending on the loop, the task of any predicted wait
 finds its end by itself."""
