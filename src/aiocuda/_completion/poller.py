@@ -12,9 +12,9 @@ holds waits in two places:
   wake it), and the loop sleeps meanwhile.
 * **parked** waits are expected to end later. Each is queried again at its *next
   check*: every :data:`RECHECK` seconds (in case it ends early), and from its predicted
-  end on it is active -- or, if it was parked to poll in its own task (asyncio, a busy
-  loop: ``Waiter.own_turns``), its task is woken then and queries it once per iteration
-  itself. Passes run anyway while the loop turns; when no wait is active the poller arms
+  end on it is active -- or, if it was parked to poll in its own task (asyncio:
+  ``Waiter.own_turns``), its task is woken then and queries it once per iteration
+  itself, until a turn with nothing else to run parks it again (:meth:`Poller.idle_wake`). Passes run anyway while the loop turns; when no wait is active the poller arms
   a timer for the next check and the loop may sleep.
 
 A doorbell (a GPU-side wake-up through the waker thread, :mod:`.waker`) costs more CPU
@@ -89,7 +89,7 @@ PARKED = 2
 ASLEEP = 3
 """Rung and not in the poller: only its doorbell (or the waker's periodic check) wakes it."""
 OWN_TURNS = 4
-"""Woken to poll in its own task (asyncio, a busy loop): not in the poller."""
+"""Woken to poll in its own task (asyncio): not in the poller."""
 
 # Why IDLE_PARK: a service at half its saturation rate (uvicorn, 1 ms kernels, H100) has
 # a wait active almost all the time; querying it on every turn spun the loop, and the
@@ -247,22 +247,30 @@ class Poller:
                 self._far.append(w)
                 self._push(w, now + RECHECK)
 
+    def idle_wake(self, waiter: Waiter, now: float) -> float | None:
+        """When an idle loop should query ``waiter`` again: the lead before its predicted
+        end, if that is at least IDLE_PARK after ``now``; else None (keep querying it)."""
+        head = waiter.head_since
+        history = self.engine._history(waiter) if head is not None else None
+        if head is None or history is None:
+            return None
+        late = self.adapter.timer_lateness()
+        lead = IDLE_LEAD if late is None else min(IDLE_LEAD, late + LEAD_MARGIN)
+        wake = head + history.expected - lead
+        return wake if wake - now >= IDLE_PARK else None
+
     def _park_far(self, now: float) -> None:
         """The loop turns only for this poller: park the active waits that would sleep
         at least IDLE_PARK until the lead before their predicted end, so that it may."""
-        history_of = self.engine._history
-        late = self.adapter.timer_lateness()
-        lead = IDLE_LEAD if late is None else min(IDLE_LEAD, late + LEAD_MARGIN)
         still: list[Waiter] = []
         for w in self._active:
-            head = w.head_since
-            history = history_of(w) if head is not None else None
-            if head is None or history is None or head + history.expected - lead - now < IDLE_PARK:
+            wake = self.idle_wake(w, now)
+            if wake is None:
                 still.append(w)  # no prediction, or its end is near: keep querying it
                 continue
-            w.poll_from = head + history.expected - lead
+            w.poll_from = wake
             w.where = PARKED
-            self._push(w, w.poll_from if w.ringing else min(w.poll_from, now + RECHECK))
+            self._push(w, wake if w.ringing else min(wake, now + RECHECK))
         self._active = still
 
     def _idle(self, now: float) -> None:
