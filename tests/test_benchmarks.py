@@ -85,13 +85,13 @@ def test_the_ab_script_exports_a_revision_and_runs_trees_in_turn(tmp_path: pathl
     assert "asyncio 1ms old cpu_vs_poll" in done.stdout and "asyncio 1ms new throughput_vs_poll" in done.stdout
 
 
-@pytest.mark.parametrize("load", ["open", "closed"])
-def test_the_ab_scripts_model_runs_without_a_gpu(load: str) -> None:
+@pytest.mark.parametrize(("load", "jitter"), [("open", "0"), ("closed", "0"), ("open", "0.3")])
+def test_the_ab_scripts_model_runs_without_a_gpu(load: str, jitter: str) -> None:
     """scripts/ab model: the modelled server, polling and the engine's waits in turn on a
     tree, each way's lateness after its kernel's end and CPU per request reported."""
     small = ["--rounds", "1", "--loops", "asyncio", "--ws", "1", "--seconds", "0.1", "--rate", "300"]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", "--load", load, *small],
+        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", "--load", load, "--jitter", jitter, *small],
         capture_output=True,
         text=True,
         timeout=300,
@@ -114,3 +114,18 @@ def test_the_ab_script_refuses_a_load_that_is_not_positive(bad: list[str]) -> No
     )
     assert done.returncode == 2, done.stderr
     assert "must be positive" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "bad", [["--jitter", "-0.1"], ["--ws", "1", "--jitter", "1"], ["--jitter", "5", "--ws", "1", "5"]]
+)
+def test_the_ab_script_refuses_a_jitter_as_long_as_a_kernel(bad: list[str]) -> None:
+    """scripts/ab model: a kernel's jitter must leave it a length above zero."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ab"), "model", "one=src", *bad],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "--jitter must be" in done.stderr
