@@ -14,8 +14,9 @@ holds waits in two places:
   check*: every :data:`RECHECK` seconds (in case it ends early), and from its predicted
   end on it is active -- or, if it was parked to poll in its own task (asyncio:
   ``Waiter.own_turns``), its task is woken then and queries it once per iteration
-  itself, until a turn with nothing else to run parks it again (:meth:`Poller.idle_wake`). Passes run anyway while the loop turns; when no wait is active the poller arms
-  a timer for the next check and the loop may sleep.
+  itself, until a turn with nothing else to run parks it again
+  (:meth:`Poller.idle_wake`). Passes run anyway while the loop turns; when no wait is
+  active the poller arms a timer for the next check and the loop may sleep.
 
 A doorbell (a GPU-side wake-up through the waker thread, :mod:`.waker`) costs more CPU
 than querying a wait while the loop turns anyway, and wakes a task later than polling
