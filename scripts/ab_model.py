@@ -37,6 +37,7 @@ from typing import Any
 from aiocuda._completion import poller as poller_module
 from aiocuda._completion.engine import CompletionEngine, Waiter, current_engine
 from aiocuda.device import Device
+from benchmarks.serve import percentile
 
 __all__ = ["measure"]
 
@@ -157,12 +158,11 @@ class _Model:
         cpu, wall = time.process_time(), _perf()
         served = await self.served(way, load, seconds, rate, length)
         wall, cpu = _perf() - wall, time.process_time() - cpu
-        ordered = sorted(self.late)
         return {
             "req_per_s": served / wall,
             "cpu_us_per_req": 1e6 * cpu / served,
-            "late_p50_ms": 1e3 * statistics.median(ordered),
-            "late_p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
+            "late_p50_ms": 1e3 * statistics.median(self.late),
+            "late_p99_ms": 1e3 * percentile(self.late, 0.99),
             "found_by_task": self.found_by_task / served,
         }
 
