@@ -78,16 +78,7 @@ def upload(
     """
     if strides is None and host.flags.c_contiguous:  # the common case: one DMA
         return _one_copy(host, dst, stream, keep, to_device=True)
-    if host.size == 0:
-        return True
-    owner = _pinned_owner(host)
-    if owner is None:
-        return False
-    device_side = Strided(dst, _device_strides(host, strides), stream.device)
-    if not _copy(device_side, Strided(int(host.ctypes.data), host.strides, None), host, stream):
-        return False
-    _keep(stream, keep, owner, host)
-    return True
+    return _strided_copy(host, dst, strides, stream, keep, to_device=True)
 
 
 def download(
@@ -109,16 +100,7 @@ def download(
     """
     if strides is None and host.flags.c_contiguous:  # the common case: one DMA
         return _one_copy(host, src, stream, keep, to_device=False)
-    if host.size == 0:
-        return True
-    owner = _pinned_owner(host)
-    if owner is None:
-        return False
-    device_side = Strided(src, _device_strides(host, strides), stream.device)
-    if not _copy(Strided(int(host.ctypes.data), host.strides, None), device_side, host, stream):
-        return False
-    _keep(stream, keep, owner, host)
-    return True
+    return _strided_copy(host, src, strides, stream, keep, to_device=False)
 
 
 def _one_copy(
@@ -145,6 +127,31 @@ def _one_copy(
         enqueue_upload(device_address, address, nbytes, stream)
     else:
         enqueue_download(address, device_address, nbytes, stream)
+    _keep(stream, keep, owner, host)
+    return True
+
+
+def _strided_copy(
+    host: npt.NDArray[Any],
+    device_address: int,
+    strides: tuple[int, ...] | None,
+    stream: Stream,
+    keep: list[Any] | None,
+    *,
+    to_device: bool,
+) -> bool:
+    """:func:`upload` (``to_device``) or :func:`download` of ``host`` in any layout,
+    the device side at ``device_address`` with byte ``strides`` (default C-contiguous)."""
+    if host.size == 0:
+        return True
+    owner = _pinned_owner(host)
+    if owner is None:
+        return False
+    device_side = Strided(device_address, _device_strides(host, strides), stream.device)
+    host_side = Strided(int(host.ctypes.data), host.strides, None)
+    dst, src = (device_side, host_side) if to_device else (host_side, device_side)
+    if not _copy(dst, src, host, stream):
+        return False
     _keep(stream, keep, owner, host)
     return True
 
