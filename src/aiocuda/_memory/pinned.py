@@ -85,11 +85,14 @@ def host_address(array: npt.NDArray[Any]) -> int:
     """The address of ``array``'s first element."""
     # Through the buffer protocol in 0.3 us, where ``array.ctypes.data`` takes 1.2 us
     # (it makes numpy's ctypes helper object); that protocol gives a writable,
-    # C-contiguous, non-empty array only.
-    try:
-        return _addressof(_from_buffer(array))
-    except (TypeError, ValueError):
-        return int(array.ctypes.data)
+    # C-contiguous, non-empty array only. A read-only array (a request body through
+    # np.frombuffer) is not tried: the refusal cost 1.5 us more than the helper.
+    if array.flags.writeable:
+        try:
+            return _addressof(_from_buffer(array))
+        except (TypeError, ValueError):
+            pass
+    return int(array.ctypes.data)
 
 
 def pinned_address(array: npt.NDArray[Any]) -> int:
