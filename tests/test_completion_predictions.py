@@ -470,7 +470,7 @@ async def test_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
 
     def woke(w: Waiter) -> None:
         woken.append(w)
-        if not busy and Poller.idle_wake(adapter.poller, w, time.perf_counter()) is not None:
+        if not busy and adapter.poller.idle_wake(w, time.perf_counter(), adapter.poller.idle_lead()) is not None:
             return  # the loop idles and the end is not near yet: parked again until it is
         asyncio.get_running_loop().call_later(0.002, let_go)
 

@@ -421,7 +421,8 @@ class CompletionEngine:
                 now = _perf()
                 if now > waiter.poll_until:
                     break
-                wake = poller.idle_wake(waiter, now)  # an idle turn: sleep, not spin, till near the end
+                # an idle turn: sleep, not spin, till near the end
+                wake = poller.idle_wake(waiter, now, poller.idle_lead())
                 if wake is not None:
                     poller.park(waiter, wake, waiter.poll_until)
                     return

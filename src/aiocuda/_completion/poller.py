@@ -248,24 +248,32 @@ class Poller:
                 self._far.append(w)
                 self._push(w, now + RECHECK)
 
-    def idle_wake(self, waiter: Waiter, now: float) -> float | None:
-        """When an idle loop should query ``waiter`` again: the lead before its predicted
-        end, if that is at least IDLE_PARK after ``now``; else None (keep querying it)."""
-        head = waiter.head_since
-        history = self.engine._history(waiter) if head is not None else None
-        if head is None or history is None:
-            return None
+    def idle_lead(self) -> float:
+        """How long before a predicted end an idle loop queries a wait again: how late
+        its timer wakes, plus LEAD_MARGIN, at most IDLE_LEAD (seconds)."""
         late = self.adapter.timer_lateness()
-        lead = IDLE_LEAD if late is None else min(IDLE_LEAD, late + LEAD_MARGIN)
+        return IDLE_LEAD if late is None else min(IDLE_LEAD, late + LEAD_MARGIN)
+
+    def idle_wake(self, waiter: Waiter, now: float, lead: float) -> float | None:
+        """When an idle loop should query ``waiter`` again: ``lead`` (:meth:`idle_lead`)
+        before its predicted end, if that is at least IDLE_PARK after ``now``; else None
+        (keep querying it)."""
+        head = waiter.head_since
+        if head is None:
+            return None
+        history = self.engine._history(waiter)
+        if history is None:
+            return None
         wake = head + history.expected - lead
         return wake if wake - now >= IDLE_PARK else None
 
     def _park_far(self, now: float) -> None:
         """The loop turns only for this poller: park the active waits that would sleep
         at least IDLE_PARK until the lead before their predicted end, so that it may."""
+        lead = self.idle_lead()
         still: list[Waiter] = []
         for w in self._active:
-            wake = self.idle_wake(w, now)
+            wake = self.idle_wake(w, now, lead)
             if wake is None:
                 still.append(w)  # no prediction, or its end is near: keep querying it
                 continue
