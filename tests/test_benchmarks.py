@@ -111,6 +111,7 @@ def test_the_ab_scripts_model_runs_without_a_gpu(load: str, jitter: str) -> None
         (["--jitter", "-0.1"], "--jitter must be"),
         (["--ws", "1", "--jitter", "1"], "--jitter must be"),
         (["--jitter", "5", "--ws", "1", "5"], "--jitter must be"),
+        (["--endpoints", "submit"], "--endpoints is an option of the serve mode"),
     ],
 )
 def test_the_ab_script_refuses_a_load_it_cannot_run(bad: list[str], says: str) -> None:
