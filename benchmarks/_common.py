@@ -154,9 +154,14 @@ class Result:
             self.runs[name] = [round(v, digits) for v in runs]
         return round(median, digits)
 
-    def write(self, out: pathlib.Path | None = None) -> pathlib.Path | None:
+    def write(self, out: pathlib.Path | None = None, *, merge: bool = False) -> pathlib.Path | None:
         """Print the summary and write the results file; into ``benchmarks/results/``
-        only from a full run on a real GPU (returns None where it wrote nothing)."""
+        only from a full run on a real GPU (returns None where it wrote nothing).
+
+        With ``merge``, the file's figures of an earlier run on the same device are kept
+        where this run has none of the same name (a benchmark run in parts, one call
+        each: the serve benchmark's loops), and ``parts`` lists each part's date and
+        settings."""
         from aiocuda import _driver
         from aiocuda.device import Device
 
@@ -179,6 +184,8 @@ class Result:
             "runs": self.runs,
             **self.extra,
         }
+        if merge:
+            doc = _merged(json.loads(path.read_text()), doc) if path.exists() else {**doc, "parts": [_part(doc)]}
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
         print(f"wrote {path}")
@@ -196,6 +203,30 @@ class Result:
                 print(f"        {k} = {v}", file=stream)
         for k, v in self.baselines.items():
             print(f"  base  {k} = {v}", file=stream)
+
+
+def _part(doc: dict[str, Any]) -> dict[str, Any]:
+    """What tells one part of a merged results file from another: its date and setup."""
+    return {"date": doc["date"], "setup": doc.get("setup")}
+
+
+def _merged(earlier: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc``'s figures over ``earlier``'s (:meth:`Result.write` with ``merge``)."""
+    if (earlier.get("bench"), earlier.get("device")) != (doc["bench"], doc["device"]):
+        raise ValueError(
+            f"cannot merge a {doc['bench']} run on {doc['device']} into the "
+            f"{earlier.get('bench')} results of {earlier.get('device')}: run every part on the same device"
+        )
+    named = {t["name"] for t in doc["targets"]}
+    parts = earlier.get("parts") or [_part(earlier)]
+    return {
+        **doc,
+        "metrics": earlier["metrics"] | doc["metrics"],
+        "baselines": earlier["baselines"] | doc["baselines"],
+        "targets": [t for t in earlier["targets"] if t["name"] not in named] + doc["targets"],
+        "runs": earlier.get("runs", {}) | doc["runs"],
+        "parts": [*parts, _part(doc)],
+    }
 
 
 _HEARTBEAT = 0.0005

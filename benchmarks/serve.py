@@ -16,8 +16,8 @@ lease and answers without waiting for the GPU at all: polling's throughput and C
 request against its own bound what any way of waiting could gain on polling
 (``unwaited_*`` metrics).
 
-Per loop and W (1 and 5 ms), in each of 3 rounds, every endpoint runs closed-loop
-windows (64 connections, saturation) in turn -- interleaved, the order rotating from
+Per loop and W (1 and 5 ms), in each of 3 rounds (``--rounds``), every endpoint runs
+closed-loop windows (64 connections, saturation) in turn -- interleaved, the order rotating from
 round to round, each endpoint's time split between a window in that order and one in the
 reverse order (A B C C B A), so that the machine's drift weighs alike on all -- then
 open-loop windows there and back likewise, each of them whole (a tail latency needs many
@@ -25,7 +25,7 @@ samples; requests due at half the polling endpoint's
 saturation rate of that round, each sent when due: the clients spin through the last
 2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes``, ``/poll``,
 ``/oracle`` and ``/unwaited``. Ratios are taken per round
-and reported as the median of the three, each target with its rounds' values. CPU per
+and reported as their median, each target with its rounds' values. CPU per
 request is the server process's own CPU time (every thread) over the requests it served
 in the window (per thread too, in the baselines, and the part spent in the garbage
 collector, and its minor page faults); loop lag is how late a 1 ms sleep on the server's loop wakes.
@@ -53,6 +53,8 @@ every loop iteration serves many requests and the lag is the iteration's length,
 whatever the first requests do).
 
     PYTHONPATH=src python3 benchmarks/serve.py            # GPU: writes results/serve.json
+    PYTHONPATH=src python3 benchmarks/serve.py --loops asyncio --rounds 5            # in two parts,
+    PYTHONPATH=src python3 benchmarks/serve.py --loops uvloop --rounds 5 --merge     # one call each
     AIOCUDA_BACKEND=sim PYTHONPATH=src python3 benchmarks/serve.py --quick   # smoke run
 
 Results are written only from a real GPU, and never with ``--quick``.
@@ -366,8 +368,17 @@ def cpu_plan() -> tuple[list[int], list[list[int]]]:
 def main() -> None:
     p = parser(__doc__.split("\n\n")[0])
     p.add_argument("--loops", nargs="+", default=["asyncio", "uvloop"], choices=["asyncio", "uvloop"])
+    p.add_argument("--rounds", type=int, default=3, help="rounds of every window (default 3; --quick: 1)")
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the results file's figures of other loops (from an earlier run on the same device)",
+    )
     args = p.parse_args()
-    args.rounds = 1 if args.quick else 3
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.quick:
+        args.rounds = 1
     args.seconds = 0.3 if args.quick else 1.5
     args.open_seconds = 0.5 if args.quick else 2.0
     from aiocuda import _driver
@@ -390,6 +401,7 @@ def main() -> None:
     result.extra["setup"] = {
         "connections": CONNECTIONS,
         "body_bytes": len(BODY),
+        "loops": args.loops,
         "rounds": args.rounds,
         "closed_window_s": args.seconds,
         "open_window_s": args.open_seconds,
@@ -398,7 +410,7 @@ def main() -> None:
         "torch": with_torch,
     }
     if on_gpu and not args.quick:
-        print(f"wrote {result.write(args.out)}")
+        print(f"wrote {result.write(args.out, merge=args.merge)}")
     else:
         result.print_summary(sys.stdout)
         print("(smoke run: results not written)")

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+import aiocuda.device
 from benchmarks import _common
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -48,6 +49,36 @@ def test_results_are_written_only_from_full_runs_on_a_gpu(
     assert smoke is not None
     doc = json.loads(smoke.read_text())
     assert doc["backend"] == "sim" and doc["targets"][0]["runs"] == [1.2, 0.9, 1.0]
+
+
+def test_a_run_in_parts_merges_into_one_results_file(
+    sim_backend: Any, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A benchmark run in parts (one loop per call): a merging write keeps the earlier
+    part's figures that the new part does not measure, replaces those it does, and
+    lists the parts; a part from another device is refused, the file untouched."""
+    path = tmp_path / "unit.json"
+    first = _common.Result("unit")
+    first.target("x_asyncio", [1.0, 1.2, 1.1], 1.0, ">=")
+    first.target("shared", [0.5], 1.0, ">=")
+    first.baseline("asyncio.cpu", [2.0, 3.0, 4.0])
+    first.extra["setup"] = {"loops": ["asyncio"]}
+    assert first.write(path, merge=True) == path
+    second = _common.Result("unit")
+    second.target("x_uvloop", [0.8, 0.9, 1.0], 1.0, ">=")
+    second.target("shared", [1.5], 1.0, ">=")
+    second.extra["setup"] = {"loops": ["uvloop"]}
+    second.write(path, merge=True)
+    doc = json.loads(path.read_text())
+    met = [(t["name"], t["met"]) for t in doc["targets"]]
+    assert met == [("x_asyncio", True), ("x_uvloop", False), ("shared", True)]
+    assert doc["baselines"] == {"asyncio.cpu": 3.0} and doc["runs"]["asyncio.cpu"] == [2.0, 3.0, 4.0]
+    assert [part["setup"]["loops"] for part in doc["parts"]] == [["asyncio"], ["uvloop"]]
+    written = path.read_text()
+    monkeypatch.setattr(aiocuda.device.Device, "name", property(lambda self: "another GPU"))
+    with pytest.raises(ValueError, match="same device"):
+        second.write(path, merge=True)
+    assert path.read_text() == written
 
 
 def test_a_benchmark_runs_on_the_simulator(tmp_path: pathlib.Path) -> None:
