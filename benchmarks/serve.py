@@ -17,21 +17,21 @@ request against its own bound what any way of waiting could gain on polling
 (``unwaited_*`` metrics).
 
 Per loop and W (1 and 5 ms), in each of 3 rounds (``--rounds``), every endpoint runs
-closed-loop windows (64 connections, saturation) in turn -- interleaved, the order rotating from
-round to round, each endpoint's time split between a window in that order and one in the
-reverse order (A B C C B A), so that the machine's drift weighs alike on all -- then
-open-loop windows there and back likewise, each of them whole (a tail latency needs many
-samples; requests due at half the polling endpoint's
-saturation rate of that round, each sent when due: the clients spin through the last
-2 ms before it, a loop's timers being a millisecond coarse) for ``/lanes``, ``/poll``,
-``/oracle`` and ``/unwaited``. Ratios are taken per round
-and reported as their median, each target with its rounds' values. CPU per
-request is the server process's own CPU time (every thread) over the requests it served
-in the window (per thread too, in the baselines, and the part spent in the garbage
-collector, and its minor page faults); loop lag is how late a 1 ms sleep on the server's loop wakes.
-The open-loop windows also report how long requests spent in their endpoint by the
-server's clock (``handled_p50_ms``, ``handled_p99_ms``): the part of the client's latency
-that the way of waiting can change, without HTTP, queueing for the loop and the client.
+closed-loop windows (64 connections, saturation) in turn -- interleaved, the order
+rotating from round to round, each endpoint's time split between a window in that order
+and one in the reverse order (A B C C B A), so that the machine's drift weighs alike on
+all -- then open-loop windows there and back likewise, each of them whole (a tail
+latency needs many samples; requests due at half the polling endpoint's saturation rate
+of that round, each sent when due: the clients spin through the last 2 ms before it, a
+loop's timers being a millisecond coarse) for ``/lanes``, ``/poll``, ``/oracle`` and
+``/unwaited``. Ratios are taken per round and reported as their median, each target with
+its rounds' values. CPU per request is the server process's own CPU time (every thread)
+over the requests it served in the window (per thread too, in the baselines, and the
+part spent in the garbage collector, and its minor page faults); loop lag is how late a
+1 ms sleep on the server's loop wakes. The open-loop windows also report how long
+requests spent in their endpoint by the server's clock (``handled_p50_ms``,
+``handled_p99_ms``): the part of the client's latency that the way of waiting can
+change, without HTTP, queueing for the loop and the client.
 
 Throughput is compared at saturation; CPU per request at the same offered rate (the
 open-loop windows). At saturation the server is CPU-bound, so its CPU per request is
