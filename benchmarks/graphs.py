@@ -184,7 +184,7 @@ def main() -> None:
         result.print_summary(sys.stdout)
         print("(a simulated or --quick run: no results file written)")
         return
-    print(f"wrote {result.write(args.out)}")
+    result.write(args.out)
 
 
 if __name__ == "__main__":

@@ -279,7 +279,7 @@ def main() -> None:
         print("simulated backend: a smoke run, nothing written")
         return
     out = args.out or (RESULTS / f"{result.bench}.json")
-    print(f"wrote {result.write(out)}")
+    result.write(out)
 
 
 if __name__ == "__main__":

@@ -410,7 +410,7 @@ def main() -> None:
         "torch": with_torch,
     }
     if on_gpu and not args.quick:
-        print(f"wrote {result.write(args.out, merge=args.merge)}")
+        result.write(args.out, merge=args.merge)
     else:
         result.print_summary(sys.stdout)
         print("(smoke run: results not written)")
