@@ -9,13 +9,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 import pytest
 
 import aiocuda.array as ga
 from aiocuda import _driver
+from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import staging as _staging
-from aiocuda.errors import ArgumentError, ResultCode
+from aiocuda._memory.copiers import Slot
+from aiocuda.errors import ArgumentError, OutOfMemoryError, ResultCode
 from aiocuda.host import is_pinned, pinned_empty
 from aiocuda.stream import Stream
 
@@ -386,3 +389,117 @@ def test_the_loop_threads_host_copies_hold_the_gil() -> None:
         dst = np.zeros_like(src)
         host_copy.memmove(int(dst.ctypes.data) + 1, int(src.ctypes.data), nbytes - 1)
         np.testing.assert_array_equal(dst[1:], src[:-1])
+
+
+@pytest.fixture
+def few_inline_slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
+    """Inline staging built afresh with two slots made on the calling thread; yields the
+    sizes of the copies that went to the copier threads instead."""
+    _staging.reset()
+    monkeypatch.setattr(_staging, "INLINE_SLOTS", 2)
+    staged: list[int] = []
+    through_copiers = _staging._staged
+
+    async def counted(
+        staging: Any, to_device: bool, stream: Stream, dst: int, src: int, nbytes: int, host: Any
+    ) -> None:
+        staged.append(nbytes)
+        await through_copiers(staging, to_device, stream, dst, src, nbytes, host)
+
+    monkeypatch.setattr(_staging, "_staged", counted)
+    yield staged
+    _staging.reset()
+
+
+async def _downloads_behind_held_streams(sim: Any, arrays: list[ga.DeviceArray], streams: list[Stream]) -> None:
+    """One pageable download per stream, each held in flight (its slot fenced) until all
+    have begun, then let go; checks what arrived."""
+    results: dict[int, np.ndarray] = {}
+    for s in streams:
+        sim.pause(s.handle)
+
+    async def download(i: int) -> None:
+        results[i] = await arrays[i].to_host(stream=streams[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(streams)):
+            tg.start_soon(download, i)
+            for _ in range(20):  # (no time involved: the download reaches its await)
+                await anyio.lowlevel.checkpoint()
+            _offloop.drain()  # the slots it asked the off-loop thread for are made
+        for s in streams:
+            sim.resume(s.handle)
+    for i, array in enumerate(arrays):
+        np.testing.assert_array_equal(results[i], np.full(array.shape, i, np.float32))
+
+
+async def test_the_inline_slots_grow_to_the_copies_in_flight(
+    sim_backend: Any, anyio_backend: object, few_inline_slots: list[int]
+) -> None:
+    """Small downloads behind busy streams each hold an inline slot until their stream
+    gets to them. The third finds none and goes to the copiers, and has two more slots
+    of its size class made off the loop; the sixth, four more. Six such downloads again
+    then all go inline."""
+    streams = [Stream(0) for _ in range(6)]
+    arrays = [ga.empty(16384, np.float32, stream=s) for s in streams]  # 64 KiB each
+    for i, (array, s) in enumerate(zip(arrays, streams, strict=True)):
+        await array.fill(i, stream=s)
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    assert few_inline_slots == [64 * 1024, 64 * 1024]
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    assert len(few_inline_slots) == 2
+    small = ga.empty(1024, np.float32, stream=streams[0])  # 4 KiB: a size class of its own
+    await small.fill(7, stream=streams[0])
+    np.testing.assert_array_equal(await small.to_host(stream=streams[0]), np.full(1024, 7, np.float32))
+    assert len(few_inline_slots) == 2
+    for s in streams:
+        s.close()
+
+
+async def test_the_inline_slots_stay_within_their_budget(
+    sim_backend: Any, anyio_backend: object, few_inline_slots: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With room for three 64 KiB slots, the third download in flight has one more made
+    (all the budget left) and goes to the copiers, the fourth takes that slot, and the
+    fifth, finding none, goes to the copiers too -- every time."""
+    monkeypatch.setattr(_staging, "INLINE_BYTES", 3 * 64 * 1024)
+    streams = [Stream(0) for _ in range(5)]
+    arrays = [ga.empty(16384, np.float32, stream=s) for s in streams]
+    for i, (array, s) in enumerate(zip(arrays, streams, strict=True)):
+        await array.fill(i, stream=s)
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    assert len(few_inline_slots) == 2
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    assert len(few_inline_slots) == 4
+    for s in streams:
+        s.close()
+
+
+async def test_inline_slots_that_cannot_be_made_leave_the_copies_to_the_copiers(
+    sim_backend: Any,
+    anyio_backend: object,
+    few_inline_slots: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Out of page-locked memory off the loop: a warning, no more growth, and the copies
+    that find no slot go through the copiers, their data intact."""
+    made: list[Any] = []
+
+    def slot(device: Any, size: int) -> Any:
+        if len(made) == 2:
+            raise OutOfMemoryError("no page-locked memory left", code=ResultCode.OUT_OF_MEMORY)
+        made.append(Slot(device, size))
+        return made[-1]
+
+    monkeypatch.setattr(_staging, "Slot", slot)
+    streams = [Stream(0) for _ in range(4)]
+    arrays = [ga.empty(16384, np.float32, stream=s) for s in streams]
+    for i, (array, s) in enumerate(zip(arrays, streams, strict=True)):
+        await array.fill(i, stream=s)
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    await _downloads_behind_held_streams(sim_backend, arrays, streams)
+    assert len(made) == 2 and len(few_inline_slots) == 4  # each time: two inline, two not
+    assert "no more inline staging slots" in caplog.text
+    for s in streams:
+        s.close()

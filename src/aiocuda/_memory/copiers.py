@@ -98,16 +98,25 @@ class Slot:
         """Whether a ring is enqueued for the current fence."""
         weakref.finalize(self, _destroy_slot_objects, self.events, self._signals)
 
-    def mark(self, device: Device, stream_handle: Any) -> None:
-        """Record that a DMA just enqueued on ``stream_handle`` (a stream of ``device``,
-        whose context is current) touches this slot."""
-        driver = device._driver
+    @property
+    def size(self) -> int:
+        """The slot's bytes (a size class of the pinned cache)."""
+        return self.owner.size
+
+    def fence_event(self, device: Device) -> Any:
+        """The slot's fence event on ``device`` (whose context is current), made on first use."""
         event = self.events.get(device)
         if event is None:
             # Blocking sync: a copier thread waiting for a DMA sleeps instead of spinning
             # on a core the other copiers' memmoves need.
-            event = self.events[device] = driver.event_create(False, True)
-        driver.event_record(event, stream_handle)
+            event = self.events[device] = device._driver.event_create(False, True)
+        return event
+
+    def mark(self, device: Device, stream_handle: Any) -> None:
+        """Record that a DMA just enqueued on ``stream_handle`` (a stream of ``device``,
+        whose context is current) touches this slot."""
+        event = self.fence_event(device)
+        device._driver.event_record(event, stream_handle)
         self.fence = (device, event, stream_handle)
         self.seq += 1
         self._armed = False

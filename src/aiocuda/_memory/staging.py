@@ -9,7 +9,11 @@ aiocuda stages pageable arrays itself, through pinned slots:
 * Up to :data:`INLINE_LIMIT` bytes go through one ready slot on the loop's thread (a
   host copy of well under a millisecond), which skips the hop to a thread. An awaited
   copy does its host side in slices of :data:`SLICE` bytes and lets the loop run its
-  other tasks between them, so that no single step of the loop is long.
+  other tasks between them, so that no single step of the loop is long. A slot has its
+  copy's size class (that of the pinned cache), and stays fenced until its DMA is done:
+  a download's until the work before it on the stream has run. So the pool grows, off
+  the loop, to as many slots as the copies in flight at once need, up to
+  :data:`INLINE_BYTES`.
 * Larger copies are cut into chunks for the copier threads (:mod:`aiocuda._memory.copiers`):
   each thread copies whole chunks through its own slots, the host copy of one chunk
   overlapping the DMA of the last. The event loop never blocks; the awaiting task waits
@@ -30,14 +34,16 @@ large copy onto such a stream can fill them all, and the others then wait. Pinne
 
 The knobs are module constants, read when the staging resources are built: change them,
 then call :func:`reset` (a sweep on a GPU does exactly that). Staging memory is pinned for
-good: at most ``COPY_THREADS * SLOTS_PER_THREAD * CHUNK + INLINE_SLOTS * INLINE_LIMIT``
-bytes, allocated as first needed, shared by every device, stream and event loop.
+good: at most ``COPY_THREADS * SLOTS_PER_THREAD * CHUNK + INLINE_BYTES`` bytes, allocated
+as first needed, shared by every device, stream and event loop.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections import deque
 from typing import Any
 
 import anyio.to_thread
@@ -46,14 +52,16 @@ import numpy.typing as npt
 from .. import _driver
 from .._completion.loops import current_adapter
 from ..device import Device
+from ..errors import CudaError
 from ..stream import Stream
 from . import copies as _copies
-from . import host_copy
+from . import host_copy, offloop, pinned_cache
 from .copiers import Copiers, Job, Slot
 
 __all__ = [
     "CHUNK",
     "COPY_THREADS",
+    "INLINE_BYTES",
     "INLINE_LIMIT",
     "INLINE_SLOTS",
     "MIN_CHUNK",
@@ -102,7 +110,19 @@ INLINE_LIMIT = 1 << 20
 """Pageable copies up to this size are staged on the calling thread, one slot each."""
 
 INLINE_SLOTS = 8
-"""Slots for inline copies; when none is ready, a small copy goes to the copiers."""
+"""Inline slots made on the calling thread when a copy needs one, besides the first of
+each size class; more are made on the off-loop thread (see :data:`INLINE_BYTES`)."""
+
+INLINE_BYTES = 16 << 20
+"""Page-locked bytes the inline slots may take together. A copy that finds no slot of its
+size class ready goes to the copiers, and has the off-loop thread make as many more
+slots of that class as there are (up to this budget) for the next ones."""
+
+# Why the pool grows: 64 tasks serving the README's way (await to_device, a 1 ms kernel,
+# await to_host; 64 KiB each, on 16 streams) on the simulator. Each download holds its
+# slot until the kernel before it has run, and eight slots of 1 MiB each sent 31% of the
+# copies through the copier threads (790 of 2560); grown, 64 KiB slots for the copies in
+# flight left 3 of them there.
 
 SLICE = 128 << 10
 """An awaited inline copy moves at most this many bytes between two turns of the loop."""
@@ -117,36 +137,88 @@ SLICE = 128 << 10
 _memmove = host_copy.memmove
 
 
-class _InlineSlots:
-    """Slots of ``size`` bytes for inline copies, up to ``limit`` of them."""
+_PROBES = 4
+"""Idle slots of a size class a copy asks whether their DMA is done, oldest first."""
 
-    def __init__(self, size: int, limit: int) -> None:
-        self.size = size
-        self._limit = limit
-        self._idle: list[Slot] = []
-        self._count = 0
+_log = logging.getLogger("aiocuda")
+
+
+class _InlineSlots:
+    """The slots of inline copies, by size class: the idle ones in the order they came
+    back (the oldest is the likeliest done), and how many of each class exist."""
+
+    def __init__(self, limit: int, budget: int, made_here: int) -> None:
+        self.limit = limit
+        """The largest copy that goes inline."""
+        self._budget = budget
+        self._made_here = made_here
+        self._idle: dict[int, deque[Slot]] = {}
+        self._made: dict[int, int] = {}
+        self._bytes = 0
+        self._growing: set[int] = set()
         self._lock = threading.Lock()
 
-    def try_acquire(self, device: Device) -> Slot | None:
-        """An idle slot whose last DMA finished, or a new one; None rather than wait."""
+    def try_acquire(self, device: Device, nbytes: int) -> Slot | None:
+        """A slot for a copy of ``nbytes`` whose last DMA has finished, or a new one: the
+        first of its size class, or one of the first ``made_here``. None rather than
+        wait: then the off-loop thread makes as many more of its class as there are."""
+        size = pinned_cache.size_class(nbytes)
         with self._lock:
-            for i, slot in enumerate(self._idle):
-                if slot.ready():
-                    return self._idle.pop(i)
-            if self._count >= self._limit:
+            idle = self._idle.get(size)
+            if idle:
+                for _ in range(min(_PROBES, len(idle))):
+                    if idle[0].ready():
+                        return idle.popleft()
+                    idle.rotate(-1)
+            made = self._made.get(size, 0)
+            here = made == 0 or self._made_here > 0
+            count = min(1 if here else made, (self._budget - self._bytes) // size)
+            if count < 1 or size in self._growing:
                 return None
-            self._count += 1
+            self._made[size] = made + count
+            self._bytes += count * size
+            if here:
+                self._made_here -= 1
+            else:
+                self._growing.add(size)
+        if not here:
+            offloop.submit(self._grow, device, size, count)
+            return None
         try:
             device.make_current()
-            return Slot(device, self.size)
+            return Slot(device, size)
         except BaseException:
-            with self._lock:
-                self._count -= 1
+            self._forget(size, 1)
             raise
 
     def release(self, slot: Slot) -> None:
         with self._lock:
-            self._idle.append(slot)
+            self._idle.setdefault(slot.size, deque()).append(slot)
+
+    def _grow(self, device: Device, size: int, count: int) -> None:
+        """On the off-loop thread: ``count`` more slots of ``size`` for ``device``'s copies."""
+        slots: list[Slot] = []
+        try:
+            device.make_current()
+            for _ in range(count):
+                slot = Slot(device, size)
+                slot.fence_event(device)  # (else made by its first copy, on that thread)
+                slots.append(slot)
+        except CudaError as exc:  # out of page-locked memory, say: grow no more
+            _log.warning("aiocuda: no more inline staging slots (%d bytes so far): %s", self._bytes, exc)
+            with self._lock:
+                self._budget = self._bytes - (count - len(slots)) * size
+        with self._lock:
+            self._growing.discard(size)
+            self._idle.setdefault(size, deque()).extend(slots)
+        self._forget(size, count - len(slots))
+
+    def _forget(self, size: int, count: int) -> None:
+        """``count`` slots of ``size`` reserved were never made."""
+        if count:
+            with self._lock:
+                self._made[size] -= count
+                self._bytes -= count * size
 
 
 class _Resources:
@@ -157,7 +229,7 @@ class _Resources:
         self.generation = _driver.backend_generation()
         self.pid = os.getpid()
         self.copiers = Copiers(COPY_THREADS, SLOTS_PER_THREAD, CHUNK, MIN_CHUNK)
-        self.inline = _InlineSlots(INLINE_LIMIT, INLINE_SLOTS)
+        self.inline = _InlineSlots(INLINE_LIMIT, INLINE_BYTES, INLINE_SLOTS)
 
     def current(self) -> bool:
         return self.generation == _driver.backend_generation() and self.pid == os.getpid()
@@ -249,10 +321,10 @@ def _inline_slot(nbytes: int, stream: Stream) -> Slot | None:
     if stream._capture is not None or nbytes > INLINE_LIMIT:
         return None
     inline = _staging().inline
-    if nbytes > inline.size:
+    if nbytes > inline.limit:
         return None
     device = stream.device
-    slot = inline.try_acquire(device)
+    slot = inline.try_acquire(device, nbytes)
     if slot is not None:
         try:
             device.make_current()
