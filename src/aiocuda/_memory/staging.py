@@ -118,11 +118,13 @@ INLINE_BYTES = 16 << 20
 size class ready goes to the copiers, and has the off-loop thread make as many more
 slots of that class as there are (up to this budget) for the next ones."""
 
-# Why the pool grows: 64 tasks serving the README's way (await to_device, a 1 ms kernel,
-# await to_host; 64 KiB each, on 16 streams) on the simulator. Each download holds its
-# slot until the kernel before it has run, and eight slots of 1 MiB each sent 31% of the
-# copies through the copier threads (790 of 2560); grown, 64 KiB slots for the copies in
-# flight left 3 of them there.
+# Why the pool grows: a download holds its slot until the work before it on the stream
+# has run, so eight slots of 1 MiB served eight requests in flight. The serve benchmark's
+# README-style endpoint (await to_device, a 1 ms kernel, await to_host; 64 KiB each, 64
+# connections, 33 lanes) sent the rest through the copier threads: 1300-1350 requests/s
+# at 0.92-0.96 ms of CPU each, where the same work through a lane took 0.20. With slots
+# of 64 KiB grown to the copies in flight: 3280-3430 requests/s at 0.31-0.32 ms (H200,
+# paired, 6 windows each, asyncio and uvloop; benchmarks/results/logs/readme-inline-slots-ab.txt).
 
 SLICE = 128 << 10
 """An awaited inline copy moves at most this many bytes between two turns of the loop."""
@@ -177,10 +179,10 @@ class _InlineSlots:
                 return None
             self._made[size] = made + count
             self._bytes += count * size
-            if here:
-                self._made_here -= 1
-            else:
+            if not here:
                 self._growing.add(size)
+            elif made:
+                self._made_here -= 1
         if not here:
             offloop.submit(self._grow, device, size, count)
             return None
