@@ -393,10 +393,11 @@ def test_the_loop_threads_host_copies_hold_the_gil() -> None:
 
 @pytest.fixture
 def few_inline_slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
-    """Inline staging built afresh with two slots made on the calling thread; yields the
-    sizes of the copies that went to the copier threads instead."""
+    """Inline staging built afresh with two slots of a size class made on the calling
+    thread (the first, and one more); yields the sizes of the copies that went to the
+    copier threads instead."""
     _staging.reset()
-    monkeypatch.setattr(_staging, "INLINE_SLOTS", 2)
+    monkeypatch.setattr(_staging, "INLINE_SLOTS", 1)
     staged: list[int] = []
     through_copiers = _staging._staged
 
