@@ -32,6 +32,7 @@ import numpy.typing as npt
 from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
 from .._memory import host_copy, library_streams
+from .._memory.pinned import host_address
 from .._util import invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
@@ -184,7 +185,7 @@ class Lane:
         nbytes = array.nbytes
         if not _copies.upload(out.ptr, array, self.stream, keep=self._keep):  # pageable: staged here
             staged = self._stage(nbytes)
-            _memmove(staged, int(array.ctypes.data), nbytes)
+            _memmove(staged, host_address(array), nbytes)
             _copies.enqueue_upload(out.ptr, staged, nbytes, self.stream)
         return out
 
@@ -227,7 +228,7 @@ class Lane:
         nbytes = out.nbytes
         staged = self._stage(nbytes)
         _copies.enqueue_download(staged, array.ptr, nbytes, self.stream)
-        self._copy_outs.append((int(out.ctypes.data), staged, nbytes))
+        self._copy_outs.append((host_address(out), staged, nbytes))
         self._keep.append(out)
         return out
 

@@ -57,6 +57,7 @@ from ..stream import Stream
 from . import copies as _copies
 from . import host_copy, offloop, pinned_cache
 from .copiers import Copiers, Job, Slot
+from .pinned import host_address
 
 __all__ = [
     "CHUNK",
@@ -285,7 +286,7 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         return
     try:
         # Cancelled between slices: nothing is enqueued, and the slot goes back unused.
-        await _host_copy(slot.ptr, int(host.ctypes.data), nbytes, finish_on_cancel=False)
+        await _host_copy(slot.ptr, host_address(host), nbytes, finish_on_cancel=False)
         stream.device.make_current()  # (a task that ran between the slices may have changed it)
         _enqueue_from(slot, dst, nbytes, stream)
     finally:
@@ -304,7 +305,7 @@ def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any]
     if slot is None:
         return False
     try:
-        _memmove(slot.ptr, int(host.ctypes.data), nbytes)
+        _memmove(slot.ptr, host_address(host), nbytes)
         _enqueue_from(slot, dst, nbytes, stream)
     finally:
         release(slot)
@@ -365,7 +366,7 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
     if slot is not None:
         try:
             await stream.record()
-            await _host_copy(int(host.ctypes.data), slot.ptr, nbytes, finish_on_cancel=True)
+            await _host_copy(host_address(host), slot.ptr, nbytes, finish_on_cancel=True)
         finally:
             release(slot)
         return
@@ -404,7 +405,7 @@ def download_inline(host: npt.NDArray[Any], src: int, stream: Stream) -> Slot | 
 def landed(slot: Slot, host: npt.NDArray[Any]) -> None:
     """Copy what :func:`download_inline` brought into ``slot`` to ``host``, once the DMA
     is done."""
-    _memmove(int(host.ctypes.data), slot.ptr, int(host.nbytes))
+    _memmove(host_address(host), slot.ptr, int(host.nbytes))
 
 
 async def _host_copy(dst: int, src: int, nbytes: int, *, finish_on_cancel: bool) -> None:
