@@ -361,7 +361,7 @@ async def _churn(stream: Stream, cycles: int, seed: int = 7) -> int:
 SWEEP_CHUNKS_MIB = (8, 16, 32, 64)
 SWEEP_MIN_CHUNKS_MIB = (2, 4, 8, 64)  # capped at the chunk: equal to it, chunks do not shrink
 SWEEP_THREADS = (4, 6, 8, 12)
-_KNOBS = ("CHUNK", "MIN_CHUNK", "COPY_THREADS", "SLOTS_PER_THREAD", "INLINE_LIMIT", "INLINE_SLOTS")
+_KNOBS = ("CHUNK", "MIN_CHUNK", "COPY_THREADS", "SLOTS_PER_THREAD", "INLINE_LIMIT", "INLINE_SLOTS", "INLINE_BYTES")
 
 
 def _set_knob(assignment: str) -> None:
