@@ -462,7 +462,7 @@ async def test_the_inline_slots_stay_within_their_budget(
 ) -> None:
     """With room for three 64 KiB slots, the third download in flight has one more made
     (all the budget left) and goes to the copiers, the fourth takes that slot, and the
-    fifth, finding none, goes to the copiers too -- every time."""
+    fifth, finding none, goes to the copiers too; from then on, two of five every time."""
     monkeypatch.setattr(_staging, "INLINE_BYTES", 3 * 64 * 1024)
     streams = [Stream(0) for _ in range(5)]
     arrays = [ga.empty(16384, np.float32, stream=s) for s in streams]

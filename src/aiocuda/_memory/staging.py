@@ -52,7 +52,6 @@ import numpy.typing as npt
 from .. import _driver
 from .._completion.loops import current_adapter
 from ..device import Device
-from ..errors import CudaError
 from ..stream import Stream
 from . import copies as _copies
 from . import host_copy, offloop, pinned_cache
@@ -207,7 +206,7 @@ class _InlineSlots:
                 slot = Slot(device, size)
                 slot.fence_event(device)  # (else made by its first copy, on that thread)
                 slots.append(slot)
-        except CudaError as exc:  # out of page-locked memory, say: grow no more
+        except Exception as exc:  # out of page-locked memory, say: grow no more
             _log.warning("aiocuda: no more inline staging slots (%d bytes so far): %s", self._bytes, exc)
             with self._lock:
                 self._budget = self._bytes - (count - len(slots)) * size
