@@ -8,12 +8,14 @@ in flight; no test depends on how long anything takes.
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiocuda import _driver
 from aiocuda._cli.demo import ScaleStage, scale_reference
@@ -21,7 +23,7 @@ from aiocuda._completion.engine import current_engine
 from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError
 from aiocuda.host import pinned_empty
-from aiocuda.lanes import Lane, Lanes
+from aiocuda.lanes import Lane, Lanes, Priority
 from aiocuda.memory import MemoryPool
 
 pytestmark = pytest.mark.anyio
@@ -360,3 +362,91 @@ async def test_high_priority_requests_overtake_normal_work_on_the_gpu(backend: A
                 await urgent
                 assert not normal.stream.query()  # the urgent kernel did not wait for the backlog
             await normal
+
+
+Fate = Literal["done", "abandoned", "cancelled"]
+"""What becomes of one request in :func:`test_any_mix_of_requests_loses_no_lane_and_no_memory`:
+it awaits its work, ends its lease without awaiting it, or is cancelled (in line for a
+lane, or awaiting its work, as the requests before it have it)."""
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@settings(max_examples=30)
+@given(
+    count=st.integers(1, 3),
+    requests=st.lists(
+        st.tuples(st.sampled_from(("normal", "high")), st.sampled_from(("done", "abandoned", "cancelled"))),
+        min_size=1,
+        max_size=10,
+    ),
+    cancel_together=st.booleans(),
+    close_early=st.booleans(),
+)
+def test_any_mix_of_requests_loses_no_lane_and_no_memory(
+    loop: str, count: int, requests: list[tuple[Priority, Fate]], cancel_together: bool, close_early: bool
+) -> None:
+    """Requests of both priorities, often more than there are lanes, all in
+    flight at once (the lanes' streams held), each meeting its fate; the cancellations
+    one by one or all at once (a lane given back then goes to a request cancelled before
+    it could take it), and the pool maybe told to shut down before the streams go on.
+    Whatever the mix: every request that finished has its own data back, every lane
+    comes back, the pool's memory returns to what it was, and the shutdown completes."""
+    sim = _driver.use_backend("sim", devices=1)
+    host = [np.full(256, i, np.float32) for i in range(len(requests))]
+
+    async def scenario() -> None:
+        lanes = Lanes(count=count, priorities=("normal", "high"))
+        await lanes.start()
+        baseline = used_bytes()
+        streams = [stream for lane in lanes.lanes for stream in lane.streams]
+        for stream in streams:
+            sim.pause(stream.handle)
+        results: dict[int, np.ndarray] = {}
+        scopes = [anyio.CancelScope() for _ in requests]
+
+        async def request(i: int, priority: Priority, fate: Fate) -> None:
+            with scopes[i]:
+                async with lanes.lease(priority=priority) as lane:
+                    x = lane.upload(host[i])
+                    lane.empty(1024)  # memory of the request's own, freed when the lease ends
+                    out = lane.download(x)
+                    if fate == "abandoned":
+                        return
+                    await lane
+                    results[i] = out
+
+        async with anyio.create_task_group() as tg:
+            for i, (priority, fate) in enumerate(requests):
+                tg.start_soon(request, i, priority, fate)
+                await checkpoints()
+            for i, (_, fate) in enumerate(requests):
+                if fate == "cancelled":
+                    scopes[i].cancel()
+                    if not cancel_together:
+                        await checkpoints()
+            await checkpoints()
+            if close_early:
+                tg.start_soon(lanes.aclose)
+                await checkpoints()
+            stats = lanes.statistics()
+            assert stats.leased <= count and stats.leased + stats.waiting <= len(requests)
+            for stream in streams:
+                sim.resume(stream.handle)
+        stats = lanes.statistics()
+        assert (stats.leased, stats.waiting) == (0, 0)
+        for i, (_, fate) in enumerate(requests):
+            if fate == "done":
+                np.testing.assert_array_equal(results[i], host[i])
+            else:
+                assert i not in results
+        for stream in streams:
+            await stream  # the frees the leases enqueued have run
+        assert used_bytes() == baseline
+        await lanes.aclose()
+        assert all(stream.closed for stream in streams)
+
+    async def guarded() -> None:
+        with anyio.fail_after(60):  # (a lost lane would hang the shutdown: fail instead)
+            await scenario()
+
+    anyio.run(guarded, backend=loop)
