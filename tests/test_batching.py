@@ -15,6 +15,8 @@ import anyio
 import anyio.lowlevel
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiocuda._cli.demo import ScaleStage, scale_reference
 from aiocuda.batching import Batcher
@@ -266,3 +268,66 @@ async def test_the_next_batch_gathers_while_one_runs(anyio_backend: Any) -> None
             run.gate.set()
     assert [len(b) for b in run.batches] == [2, 2, 2]  # (trio starts the tasks in any order)
     assert results == {i: i * 10 for i in range(6)}
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@settings(max_examples=40)
+@given(
+    items=st.lists(st.integers(-3, 20), min_size=1, max_size=16),
+    doomed=st.sets(st.integers(0, 15)),
+    max_batch=st.integers(1, 5),
+    concurrency=st.integers(1, 3),
+    zero_delay=st.booleans(),
+)
+def test_any_mix_of_requests_and_cancellations_keeps_every_promise(
+    loop: str, items: list[int], doomed: set[int], max_batch: int, concurrency: int, zero_delay: bool
+) -> None:
+    """Requests, some for items the batch function fails, are gathered while the batches
+    already taken are held running; then some requests are cancelled, the held batches
+    let go, and the batcher closed (which runs what is still queued). Whatever the mix:
+    no batch is larger than ``max_batch``, every request not cancelled gets its own result
+    or its own error, and a cancelled request's item runs only if its batch had been
+    taken before the cancellation -- and then once."""
+    cancelled = {i for i in doomed if i < len(items)}
+
+    async def scenario() -> None:
+        run = Recorder()
+        run.gate = anyio.Event()
+        outcomes: dict[int, Any] = {}
+        scopes = [anyio.CancelScope() for _ in items]
+        delay = 0 if zero_delay else NEVER
+        async with anyio.create_task_group() as tg:
+            async with Batcher(run, max_batch=max_batch, max_delay=delay, concurrency=concurrency) as batcher:
+
+                async def one(i: int) -> None:
+                    with scopes[i]:
+                        try:
+                            outcomes[i] = await batcher.submit(items[i])
+                        except ValueError as exc:
+                            outcomes[i] = exc
+
+                for i in range(len(items)):
+                    tg.start_soon(one, i)
+                    await checkpoints()
+                taken = [item for batch in run.batches for item in batch]  # (running: held at the gate)
+                for i in sorted(cancelled):
+                    scopes[i].cancel()
+                await checkpoints()
+                run.gate.set()
+        assert all(len(batch) <= max_batch for batch in run.batches)
+        for i, item in enumerate(items):
+            if i in cancelled:
+                assert i not in outcomes
+            elif item < 0:
+                assert isinstance(outcomes[i], ValueError) and f"bad item {item}" in str(outcomes[i])
+            else:
+                assert outcomes[i] == item * 10
+        ran = [item for batch in run.batches for item in batch]
+        for i in range(len(items)):
+            if i not in cancelled:
+                ran.remove(items[i])  # (raises if it never ran)
+        for item in ran:  # what is left: cancelled requests' items
+            taken.remove(item)  # (raises unless its batch was taken before the cancellation)
+        assert batcher.statistics().items == sum(len(batch) for batch in run.batches)
+
+    anyio.run(scenario, backend=loop)
