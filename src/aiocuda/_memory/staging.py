@@ -156,7 +156,7 @@ class _InlineSlots:
         self._made_here = made_here
         self._idle: dict[int, deque[Slot]] = {}
         self._made: dict[int, int] = {}
-        self._bytes = 0
+        """Slots made or being made, by size class."""
         self._growing: set[int] = set()
         self._lock = threading.Lock()
 
@@ -174,11 +174,10 @@ class _InlineSlots:
                     idle.rotate(-1)
             made = self._made.get(size, 0)
             here = made == 0 or self._made_here > 0
-            count = min(1 if here else made, (self._budget - self._bytes) // size)
+            count = min(1 if here else made, (self._budget - self._reserved()) // size)
             if count < 1 or size in self._growing:
                 return None
             self._made[size] = made + count
-            self._bytes += count * size
             if not here:
                 self._growing.add(size)
             elif made:
@@ -207,20 +206,22 @@ class _InlineSlots:
                 slot.fence_event(device)  # (else made by its first copy, on that thread)
                 slots.append(slot)
         except Exception as exc:  # out of page-locked memory, say: grow no more
-            _log.warning("aiocuda: no more inline staging slots (%d bytes so far): %s", self._bytes, exc)
+            self._forget(size, count - len(slots))
             with self._lock:
-                self._budget = self._bytes - (count - len(slots)) * size
+                self._budget = self._reserved()
+            _log.warning("aiocuda: no more inline staging slots (%d bytes made): %s", self._budget, exc)
         with self._lock:
             self._growing.discard(size)
             self._idle.setdefault(size, deque()).extend(slots)
-        self._forget(size, count - len(slots))
+
+    def _reserved(self) -> int:
+        """Bytes of the slots made or being made (under the lock)."""
+        return sum(size * count for size, count in self._made.items())
 
     def _forget(self, size: int, count: int) -> None:
         """``count`` slots of ``size`` reserved were never made."""
-        if count:
-            with self._lock:
-                self._made[size] -= count
-                self._bytes -= count * size
+        with self._lock:
+            self._made[size] -= count
 
 
 class _Resources:
