@@ -13,6 +13,7 @@ longer than any such guess.
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
 
@@ -97,6 +98,11 @@ class Gate:
             opened, outcome = self._opened, self._outcome
             backend.enqueue(stream.handle, lambda: outcome.append(opened.wait(timeout)), "gate")  # type: ignore[attr-defined]
             return
+        # Frees and unpins that earlier tests left to the off-loop thread would wait for the
+        # gate, holding this thread's event records (a loop's awaits) until it times out
+        # (benchmarks/results/logs/driver-stalls.txt): they go first.
+        gc.collect()
+        offloop.drain(timeout)
         self._flags = pinned_zeros(2, np.int32)  # [open, timed out]: the kernel reads and writes them
         cycles = int(timeout * stream.device.attribute("clock_rate") * 1e3)
         _kernel(stream, "gate").launch(1, 1, int(self._flags.ctypes.data), cycles, stream=stream)

@@ -27,8 +27,9 @@ closing a registration or dropping an array mid-copy is safe.
 
 # Measured on an H100: cuMemHostAlloc takes 1.7 ms for 1 MiB and 38 ms for 64 MiB;
 # cuMemFreeHost and cuMemHostUnregister return only once a kernel running on any
-# stream has finished, holding a driver lock that other threads' calls need meanwhile
-# (see aiocuda._memory.pinned_cache and aiocuda._memory.offloop).
+# stream has finished, holding a driver lock that other threads' event records need
+# meanwhile (see aiocuda._memory.pinned_cache and aiocuda._memory.offloop; H200 figures
+# in benchmarks/results/logs/driver-stalls.txt).
 
 from __future__ import annotations
 
@@ -103,9 +104,14 @@ class HostRegistration:
     ``with`` block, or when collected.
 
     The registration keeps the array alive; do not resize it while registered. The
-    driver unpins only once the device is idle, so the unpinning itself happens on a
-    background thread, never blocking the event loop; the array is kept alive until it
+    driver unpins only once the kernels running at the time have finished, so the
+    unpinning itself happens on a background thread; the array is kept alive until it
     is done, and registering the same memory again waits for it.
+
+    Pitfall: while an unpin waits, the driver also holds every other thread's event
+    records, and so an event loop's awaits: for a fraction of a millisecond under a
+    service's load of short kernels, for the rest of the kernel behind a long one. With
+    long kernels, keep registrations for the process's life or close them when idle.
     """
 
     __slots__ = ("__weakref__", "_finalizer", "array", "ptr", "size")

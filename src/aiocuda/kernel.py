@@ -197,8 +197,9 @@ class Kernel(metaclass=NoPublicConstructor):
         worker thread: ``await kernel.load(device)`` at a service's start-up.
 
         The first launch on a device does this otherwise, on the launching thread -- in a
-        coroutine, the event loop's -- where the driver may make it wait for work already
-        running on the device."""
+        coroutine, the event loop's -- where the driver makes it wait for kernels already
+        running on the device. On the worker thread the wait still holds other threads'
+        event records (a loop's awaits) meanwhile: load before long kernels run."""
         dev = _as_device(device)
         if (_driver.backend_generation(), dev.ordinal) not in self._functions:
             await anyio.to_thread.run_sync(self.function, dev)

@@ -9,12 +9,21 @@ daemon thread runs them in order, each call binding the context it needs.
 
 Pitfalls: the memory goes back to the OS a little later (after the GPU work running at
 the time); a process exiting with calls still queued leaves that memory to the OS,
-which reclaims it anyway. After ``fork`` the child starts its own thread when it first
+which reclaims it anyway. A free or an unpin waiting here still holds the event records
+of every other thread, a loop's awaits included: under a service's load of short kernels
+for a fraction of a millisecond, behind a long kernel for the rest of it. After ``fork`` the child starts its own thread when it first
 needs one (calls the parent had queued are not repeated).
 """
 
 # Measured on an H100: cuMemFreeHost and cuMemHostUnregister return only once a kernel
-# running on any stream has finished (100 ms for a 100 ms kernel).
+# running on any stream has finished (100 ms for a 100 ms kernel). On an H200 they, and
+# cuMemFree and cuModuleLoadData, also hold other threads' cuEventRecord meanwhile (not
+# their launches): 1.75 s behind a 2 s kernel; 0.2-0.3 ms under 5 ms kernels on 8 busy
+# streams (benchmarks/results/logs/driver-stalls.txt, scripts/driver-stalls). Waiting for
+# the device first (cuCtxSynchronize, which holds nothing) spares the long-kernel case
+# but not the loaded one: the free then meets freshly launched kernels, and held
+# records for 5 ms; it also invalidates any stream capture in progress. So calls run
+# here as they come.
 
 from __future__ import annotations
 
