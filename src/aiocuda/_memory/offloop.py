@@ -11,8 +11,9 @@ Pitfalls: the memory goes back to the OS a little later (after the GPU work runn
 the time); a process exiting with calls still queued leaves that memory to the OS,
 which reclaims it anyway. A free or an unpin waiting here still holds the event records
 of every other thread, a loop's awaits included: under a service's load of short kernels
-for a fraction of a millisecond, behind a long kernel for the rest of it. After ``fork`` the child starts its own thread when it first
-needs one (calls the parent had queued are not repeated).
+for a fraction of a millisecond, behind a long kernel for the rest of it. After ``fork``
+the child starts its own thread when it first needs one (calls the parent had queued are
+not repeated).
 """
 
 # Measured on an H100: cuMemFreeHost and cuMemHostUnregister return only once a kernel
