@@ -17,12 +17,14 @@ await device_array.to_host(out=out)       # one DMA, no staging
 
 Pitfalls: pinning costs milliseconds per call and takes the memory from the OS for as
 long as it stays pinned, so pin big, long-lived buffers, not per request. Freeing and
-unpinning wait, inside the driver, until the device is idle; so aiocuda keeps the blocks
+unpinning wait, inside the driver, for the kernels running at the time, and hold every
+thread's event records (an event loop's awaits) meanwhile; so aiocuda keeps the blocks
 of collected pinned arrays for reuse by later ones of the same size class
-(:func:`empty_cache` gives them back, :func:`cached_bytes` counts them), and unpins
-registered arrays on a background thread: dropping a pinned array never stalls an event
-loop. aiocuda's copies keep the pinned memory alive while their DMA is in flight, so
-closing a registration or dropping an array mid-copy is safe.
+(:func:`empty_cache` gives them back, on a background thread; :func:`cached_bytes`
+counts them; beyond its limit a block is freed on a background thread), and unpins
+registered arrays on a background thread. aiocuda's copies keep the pinned memory alive
+while their DMA is in flight, so closing a registration or dropping an array mid-copy
+is safe.
 """
 
 # Measured on an H100: cuMemHostAlloc takes 1.7 ms for 1 MiB and 38 ms for 64 MiB;
