@@ -20,9 +20,9 @@ long as it stays pinned, so pin big, long-lived buffers, not per request. Freein
 unpinning wait, inside the driver, for the kernels running at the time, and hold every
 thread's event records (an event loop's awaits) meanwhile; so aiocuda keeps the blocks
 of collected pinned arrays for reuse by later ones of the same size class
-(:func:`empty_cache` gives them back, on a background thread; :func:`cached_bytes`
-counts them; beyond its limit a block is freed on a background thread), and unpins
-registered arrays on a background thread. aiocuda's copies keep the pinned memory alive
+(:func:`cached_bytes` counts them, :func:`empty_cache` gives them back), and makes every
+free (of a block beyond the cache's limit, or given back) and every unpin of a
+registered array on a background thread. aiocuda's copies keep the pinned memory alive
 while their DMA is in flight, so closing a registration or dropping an array mid-copy
 is safe.
 """
