@@ -27,7 +27,8 @@ enqueue through them; they differ in how they allocate and how they wait:
   ``results/logs/unwaited-control-probe.txt``.)
 * ``/torch_lanes``, ``/torch_poll``, ``/torch_to_thread`` -- a two-layer fp16 MLP
   (``TORCH_WIDTH`` wide, ``TORCH_ROWS`` rows per request) on the lane's stream through
-  ``interop.torch_stream``, awaited three ways.
+  ``interop.torch_stream``, awaited three ways; ``/torch_unwaited``, the same model's
+  control as ``/unwaited`` is the kernel's.
 
 The GPU endpoints share one route (a dict picks the handler), so that routing costs
 them all the same. The lifespan freezes the start-up heap (``gc.freeze()``), as
@@ -170,6 +171,7 @@ class Server:
             "torch_lanes": self.torch_lanes,
             "torch_poll": self.torch_poll,
             "torch_to_thread": self.torch_to_thread,
+            "torch_unwaited": self.torch_unwaited,
         }
 
     # -- start-up ----------------------------------------------------------------------------
@@ -331,6 +333,16 @@ class Server:
             out = self.torch_enqueue(lane, body)
             await asyncio.to_thread(lane.stream.synchronize)
             lane._settle()
+        return self.reply(out)
+
+    async def torch_unwaited(self, request: Request) -> Response:
+        lane = next(self.ring)
+        out = self.torch_enqueue(lane, await request.body())
+        lane._settle()
+        # The upload's memory is the lease's to free, and this lease never ends: end it
+        # and begin it again (stream-ordered frees, no wait).
+        lane._end()
+        lane._begin("normal")
         return self.reply(out)
 
     async def dispatch(self, request: Request) -> Response:

@@ -47,7 +47,8 @@ requests: over HTTP the server's per-request parsing and serialising dominate bo
 a two-layer fp16 MLP (8192 wide, 4 rows) per request, through ``interop.torch_stream``
 on lanes warmed up in the lifespan, awaited with ``await lane`` against polling a torch
 event and ``to_thread`` (CPU per request again at a fixed rate: half of ``/torch_poll``'s
-saturation rate), plus the loop's worst gap during the very first torch requests after
+saturation rate), with ``/torch_unwaited`` as the model's control (``torch_unwaited_*``
+metrics: the ceiling of the torch targets), plus the loop's worst gap during the very first torch requests after
 start-up, sent at a light load over a few connections (``FIRST_RATE`` per second: at saturation
 every loop iteration serves many requests and the lag is the iteration's length,
 whatever the first requests do).
@@ -89,9 +90,9 @@ LAUNCH_BOUND_FLOATS = 256
 is its launch and copies' overhead, not moving its data (the issue's "kernel whose cost is
 mostly launch overhead"); ``batched_speedup_64k`` reports the 64 KiB requests beside it,
 where concatenating and splitting the batch's data weighs as much as the launches saved."""
-TORCH = ["torch_lanes", "torch_poll", "torch_to_thread"]
+TORCH = ["torch_lanes", "torch_poll", "torch_to_thread", "torch_unwaited"]
 OPEN = ["lanes", "poll", "oracle", "unwaited"]  # (the rate: half of the second's saturation)
-TORCH_OPEN = ["torch_lanes", "torch_poll"]
+TORCH_OPEN = ["torch_lanes", "torch_poll", "torch_unwaited"]
 FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
 FIRST_SECONDS = 0.5
 FIRST_CONNECTIONS = 4  # (connected before the window, as for every window: _serve_client.connect)
@@ -350,6 +351,11 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
             result.metrics[f"torch_throughput_vs_to_thread_{loop}"] = round(
                 statistics.median(ratios(t, "torch_lanes", "torch_to_thread")), 4
             )
+            for name, value in (
+                ("throughput_vs_poll", ratios(t, "torch_unwaited", "torch_poll")),
+                ("cpu_vs_poll", ratios(t, "open_torch_unwaited", "open_torch_poll", "cpu_ms_per_req")),
+            ):
+                result.metrics[f"torch_unwaited_{name}_{loop}"] = round(statistics.median(value), 4)
             gap = data["torch_first"]["lag_max_ms"]
             result.target(f"serve_torch_first_request_loop_gap_ms_{loop}", gap, 10.0, "<=")
 
