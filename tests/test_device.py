@@ -235,6 +235,29 @@ def test_fork_child_gets_a_clear_error(backend: _driver.Driver) -> None:
     assert "forked" in message and "spawn" in message, message
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_before_any_use_runs_gpu_work() -> None:
+    # A pre-forking server's master (gunicorn --preload) imports the app, and with it
+    # aiocuda, then forks its workers: each makes its own backend.
+    code = """
+import os, anyio, numpy as np, aiocuda
+pid = os.fork()
+if pid == 0:
+    async def request() -> None:
+        async with aiocuda.Lanes(count=1) as lanes, lanes.lease() as lane:
+            result = lane.download(lane.upload(np.arange(4, dtype=np.float32)))
+            await lane
+        assert (result == np.arange(4)).all(), result
+    anyio.run(request)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print("child exit", os.waitstatus_to_exitcode(status))
+"""
+    proc = run_python(code, AIOCUDA_BACKEND="sim")
+    assert proc.returncode == 0, proc.stderr
+    assert "child exit 0" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_info_command_lists_devices() -> None:
     proc = run_python(
         "import sys; from aiocuda.__main__ import main; sys.exit(main(['info']))",

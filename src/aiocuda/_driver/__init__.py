@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
-from ._fork import check_not_forked
+from ._fork import check_not_forked, mark_used
 from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
 from ._protocol import (
@@ -154,6 +154,7 @@ def use_backend(name: str, **options: Any) -> Driver:
     check_not_forked()
     if name not in BACKENDS:
         raise BackendError(f"unknown aiocuda backend {name!r}: choose one of {', '.join(BACKENDS)}")
+    mark_used()
     new, reason = _make(name, dict(options))
     old, _current = _current, new
     _requested, _fallback_reason = name, reason
