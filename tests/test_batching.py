@@ -9,6 +9,7 @@ long as a test needs. Nothing depends on how long anything takes.
 from __future__ import annotations
 
 import math
+import traceback
 from typing import Any
 
 import anyio
@@ -111,6 +112,27 @@ async def test_errors_reach_only_the_requests_concerned(anyio_backend: Any) -> N
     assert sorted(failed) == [1, 99] and sorted(fine) == [2, 3]
 
 
+async def test_a_failed_batch_shows_each_request_the_same_traceback(anyio_backend: Any) -> None:
+    # One exception fails the whole batch: each request raises it with the batch
+    # function's traceback, not one that grew with every request raised before it.
+    async def failing(items: list[int]) -> list[int]:
+        raise RuntimeError("the batch failed")
+
+    depths: list[int] = []
+    async with Batcher(failing, max_batch=16, max_delay=NEVER) as batcher:
+
+        async def one(i: int) -> None:
+            try:
+                await batcher.submit(i)
+            except RuntimeError as exc:
+                depths.append(len(traceback.extract_tb(exc.__traceback__)))
+
+        async with anyio.create_task_group() as tg:
+            for i in range(16):
+                tg.start_soon(one, i)
+    assert len(depths) == 16 and max(depths) == min(depths), depths
+
+
 async def test_cancelling_one_request_leaves_its_batch_running(anyio_backend: Any) -> None:
     run = Recorder()
     run.gate = anyio.Event()
@@ -187,6 +209,9 @@ async def test_shutdown_runs_what_is_queued_then_refuses(anyio_backend: Any) -> 
     assert sorted(results) == [0, 10, 20]
     with pytest.raises(ClosedError):
         await batcher.submit(5)
+    with pytest.raises(RuntimeError, match="not started") as caught:
+        await Batcher(run, max_batch=2, max_delay=0).submit(1)
+    assert not isinstance(caught.value, ClosedError)
 
 
 async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None:
@@ -194,6 +219,10 @@ async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None
         Batcher(Recorder(), max_batch=0, max_delay=0)
     with pytest.raises(ValueError):
         Batcher(Recorder(), max_batch=1, max_delay=math.inf)
+    with pytest.raises(TypeError, match="max_batch must be an int"):
+        Batcher(Recorder(), max_batch=2.5, max_delay=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_delay"):
+        Batcher(Recorder(), max_batch=2, max_delay="1ms")  # type: ignore[arg-type]
 
     async def short(items: list[int]) -> list[int]:
         return items[:-1]

@@ -21,6 +21,7 @@ from aiocuda import _driver
 from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
 from aiocuda.device import Device
+from aiocuda.errors import ClosedError
 from aiocuda.executor import ChunkContext, Executor
 from aiocuda.host import pinned_empty
 from aiocuda.lanes import default_count
@@ -447,8 +448,9 @@ async def test_output_destinations_are_used(backend: Any, anyio_backend: Any) ->
 
 async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, anyio_backend: Any) -> None:
     ex = Executor()
-    with pytest.raises(RuntimeError, match="not open"):
+    with pytest.raises(RuntimeError, match="not open") as never_opened:
         ex.map(ScaleStage(REPS), [])
+    assert not isinstance(never_opened.value, ClosedError)
     async with ex:
         with pytest.raises(ValueError, match="on_error"):
             ex.map(ScaleStage(REPS), [], on_error="ignore")  # type: ignore[arg-type]
@@ -456,6 +458,8 @@ async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, an
             ex.map(ScaleStage(REPS), [], placement="random")  # type: ignore[arg-type]
         assert await ex.run(ScaleStage(REPS), []) == []
         assert "in flight" in repr(ex)
+    with pytest.raises(ClosedError, match="closed"):  # (a web app's handler: 503, shutting down)
+        await ex.submit(ScaleStage(REPS), np.ones(4, np.float32))
 
 
 async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:

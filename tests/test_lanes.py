@@ -293,6 +293,156 @@ async def test_shutdown_lets_requests_in_flight_finish(sim_backend: Any, anyio_b
     assert lane.stream.closed
 
 
+async def test_a_lane_is_refused_outside_its_lease(sim_backend: Any, anyio_backend: Any) -> None:
+    # (An `await lane` one indent too far out, or a task keeping the lane: the lane is
+    # another request's soon, and would settle that one's downloads.)
+    async with Lanes(count=1) as lanes:
+        async with lanes.lease() as lane:
+            x = lane.upload(np.ones(4, np.float32))
+            await lane
+        for use in (lambda: lane.upload(np.ones(4, np.float32)), lambda: lane.empty(4), lambda: lane.download(x)):
+            with pytest.raises(RuntimeError, match="lane 0 is not leased"):
+                use()
+        with pytest.raises(RuntimeError, match="lane 0 is not leased"):
+            await lane
+        async with lanes.lease() as again:  # the next lease has it
+            assert again is lane
+            np.testing.assert_array_equal(await scaled_copy(again, np.full(4, 2, np.float32)), 2)
+
+
+async def scaled_copy(lane: Lane, host: np.ndarray) -> np.ndarray:
+    out = lane.download(lane.upload(host))
+    await lane
+    return out
+
+
+async def test_downloads_of_a_lease_that_awaited_its_stream_are_filled(sim_backend: Any, anyio_backend: Any) -> None:
+    # `await lane.stream` instead of `await lane`: the copies are done when the lease ends,
+    # which fills the downloads from the staging instead of dropping them.
+    async with Lanes(count=1) as lanes:
+        for i in range(10):
+            host = np.full(256, 1000.5 + i, np.float32)
+            async with lanes.lease() as lane:
+                out = lane.download(lane.upload(host))
+                await lane.stream
+            np.testing.assert_array_equal(out, host)
+
+
+async def test_closing_the_pool_at_once_leaves_leased_lanes_to_their_requests(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    from aiocuda.stream import Stream
+
+    lanes = Lanes(count=1)
+    await lanes.start()
+    host = np.arange(1000, dtype=np.float32)
+    refused: list[BaseException] = []
+
+    async def waiting() -> None:
+        try:
+            async with lanes.lease():
+                pass
+        except ClosedError as exc:
+            refused.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        async with lanes.lease() as lane:
+            tg.start_soon(waiting)
+            await checkpoints()
+            assert lanes.statistics().waiting == 1
+            x = lane.upload(host)
+            out = lane.download(x)  # through the lane's staging
+            lanes.close()  # (a forced shutdown from another task)
+            await checkpoints()
+            assert len(refused) == 1  # a request in line is refused, not handed a closed lane
+            await Stream()  # another stream's await releases what finished streams hold
+            pinned_empty(1 << 20, np.uint8)[:] = 0xFF  # someone else's page-locked memory
+            lane.upload(host, out=x)  # the lease goes on
+            await lane
+            assert not lane.stream.closed
+        assert lane.stream.closed  # closed as its lease ended
+    np.testing.assert_array_equal(out, host)
+    assert lanes.statistics().leased == 0
+
+
+async def test_every_aclose_returns_whatever_the_pool_is_doing(sim_backend: Any, anyio_backend: Any) -> None:
+    # Two at once (a lifespan's exit and a signal handler), one after a forced close(),
+    # and one while start() still runs setup.
+    lanes = Lanes(count=2)
+    await lanes.start()
+    finished: list[str] = []
+
+    async def aclose(name: str) -> None:
+        await lanes.aclose()
+        finished.append(name)
+
+    async with anyio.create_task_group() as tg:
+        async with lanes.lease():
+            tg.start_soon(aclose, "first")
+            tg.start_soon(aclose, "second")
+            await checkpoints()
+            assert finished == []
+            lanes.close()
+        await checkpoints()
+    assert sorted(finished) == ["first", "second"]
+
+    started = anyio.Event()
+
+    async def setup(lane: Lane) -> None:
+        started.set()
+        await checkpoints()
+
+    lanes = Lanes(count=2, setup=setup)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lanes.start)
+        await started.wait()
+        await lanes.aclose()
+    assert repr(lanes).startswith("<Lanes device=0 closed") and all(lane.stream.closed for lane in lanes.lanes)
+
+
+async def test_a_lease_serves_one_request_at_a_time(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=4) as lanes:
+        shared = lanes.lease()
+        errors: list[BaseException] = []
+
+        async def request() -> None:
+            try:
+                async with shared as lane:
+                    await scaled_copy(lane, np.ones(8, np.float32))
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(request)
+        assert len(errors) == 2 and "call lanes.lease() once per request" in str(errors[0])
+        assert lanes.statistics().leased == 0
+        async with shared as lane:  # one after the other is fine
+            await scaled_copy(lane, np.ones(8, np.float32))
+
+
+async def test_lanes_not_started_say_so(sim_backend: Any, anyio_backend: Any) -> None:
+    lanes = Lanes(count=1)
+    with pytest.raises(RuntimeError, match="not started") as caught:
+        async with lanes.lease():
+            pass
+    assert not isinstance(caught.value, ClosedError)  # (a handler maps that to 503 "shutting down")
+    with pytest.raises(TypeError, match="count must be an int"):
+        Lanes(count=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="staging"):
+        Lanes(staging="1M")  # type: ignore[arg-type]
+
+
+async def test_a_failure_handled_inside_the_lease_is_still_the_pools(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Lanes(count=2) as lanes:
+        async with lanes.lease() as lane:
+            lane.upload(np.ones(10, np.float32))
+            sim_backend.poison(0)
+            with pytest.raises(ContextPoisonedError):
+                await lane  # a handler turning it into a 500
+        assert lanes.failure is not None and lanes.statistics().failed
+
+
 async def test_a_lane_reused_many_times_creates_nothing_new(backend: Any, anyio_backend: Any) -> None:
     scale = ScaleStage(REPS)
     host = np.arange(2048, dtype=np.float32)

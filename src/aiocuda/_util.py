@@ -75,6 +75,18 @@ def invalid_value(message: str) -> ArgumentError:
     return ArgumentError(message, code=ResultCode.INVALID_VALUE, name="CUDA_ERROR_INVALID_VALUE")
 
 
+def at_least(value: object, least: int, what: str) -> int:
+    """``value`` as an int of at least ``least``: a ``TypeError`` if it is not an integer,
+    a ``ValueError`` below ``least``, each naming ``what``."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
+    if number < least:
+        raise ValueError(f"{what} must be >= {least}, got {number}")
+    return number
+
+
 def format_bytes(n: int) -> str:
     """``n`` bytes for people: ``"512 B"``, ``"1.5 KiB"``, ... up to TiB."""
     if n < 1024:

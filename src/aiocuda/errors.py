@@ -293,9 +293,11 @@ class GraphUpdateError(CudaError):
 
 
 class ClosedError(RuntimeError):
-    """Request lanes (:class:`aiocuda.lanes.Lanes`) or a batcher
-    (:class:`aiocuda.batching.Batcher`) are shutting down or closed, so a new request was
-    not started. Requests already started finish normally."""
+    """Request lanes (:class:`aiocuda.lanes.Lanes`), a batcher
+    (:class:`aiocuda.batching.Batcher`) or an executor (:class:`aiocuda.executor.Executor`)
+    are shutting down or closed, so a new request was not started. Requests already
+    started finish normally. (One that was never started raises a plain ``RuntimeError``
+    that says so.)"""
 
 
 class BlockingCallWarning(RuntimeWarning):

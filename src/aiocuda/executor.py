@@ -68,7 +68,7 @@ from ._executor.lanes import PRIORITIES, Lanes, Priority, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
-from .errors import CudaError
+from .errors import ClosedError, CudaError
 from .peer import enable_peer_access
 from .trace import Trace
 
@@ -135,6 +135,7 @@ class Executor:
         self._by_ordinal: dict[int, DeviceStreams] = {}
         self._admission = Admission()
         self._open = False
+        self._closed = False
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
         self._request_lanes: dict[int, Lanes] = {}
@@ -201,6 +202,7 @@ class Executor:
         self._device_streams = tuple(device_streams)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._open = True
+        self._closed = False
         if self._trace is not None:
             for per_device in device_streams:
                 self._trace.begin(per_device.h2d)
@@ -221,6 +223,7 @@ class Executor:
         """Close the streams (work already enqueued still completes). :attr:`device_streams`
         and :attr:`trace` stay readable."""
         self._open = False
+        self._closed = True
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 stream.close()
@@ -286,8 +289,7 @@ class Executor:
                 replays are page-locked arrays by default. Same results, ordering,
                 back-pressure and errors as without.
         """
-        if not self._open:
-            raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        self._check_open()
         limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._device_streams)
         if limit < 1:
             raise ValueError(f"in_flight must be >= 1, got {limit}")
@@ -348,8 +350,7 @@ class Executor:
         (and hands it the next free lane first): its kernels overtake those of normal
         requests and of the executor's pipelines on the GPU.
         """
-        if not self._open:
-            raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        self._check_open()
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
@@ -362,6 +363,12 @@ class Executor:
         finally:
             placed.completed += 1
             self._admission.release(placed, nbytes)
+
+    def _check_open(self) -> None:
+        if not self._open:
+            if self._closed:
+                raise ClosedError("the executor is closed")
+            raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
         return ChunkRunner(

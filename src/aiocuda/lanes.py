@@ -46,10 +46,14 @@ What it gives a service:
 PyTorch and CuPy work goes on a lane through :func:`aiocuda.interop.torch_stream` /
 :func:`aiocuda.interop.cupy_stream`. See ``docs/serving.md`` for whole applications.
 
-Pitfalls: a lane is for one task at a time -- do not hand it to other tasks beyond the
-lease. Await the *lane*, not ``lane.stream``: the lane's await also fills the host arrays
-of :meth:`Lane.download`. Work enqueued after the last await is not waited for by
-anyone: the lease does not wait for it, but the next lease of the lane does.
+Pitfalls: a lane is for its lease's block -- used after the lease ends (an ``await
+lane`` one indent too far out) it raises ``RuntimeError``; do not hand it to tasks that
+outlive the block, where the lane may already serve another request. Await the *lane*,
+not ``lane.stream``: the lane's await fills the host arrays of :meth:`Lane.download`
+(after ``await lane.stream`` they are filled only as the lease ends, too late for a
+block that reads them). Work enqueued after the last await is not waited for by anyone:
+the lease does not wait for it, but the next lease of the lane does. A ``lanes.lease()``
+serves one request at a time: call it per request.
 """
 
 from __future__ import annotations

@@ -17,12 +17,14 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
 
 from .._completion.loops import LoopAdapter, current_adapter
+from .._util import at_least
 from ..errors import ClosedError
 from .chunk_map import exit_task_group
 
@@ -49,7 +51,7 @@ class _Request(Generic[T, R]):
     """One request's item, and how its task learns the outcome: a suspended wait of the
     loop adapter (:class:`~aiocuda._completion.loops.Suspended`)."""
 
-    __slots__ = ("adapter", "arrived", "done", "item", "outcome", "token")
+    __slots__ = ("adapter", "arrived", "done", "item", "outcome", "token", "traceback")
 
     def __init__(self, item: T, adapter: LoopAdapter) -> None:
         self.item = item
@@ -59,6 +61,10 @@ class _Request(Generic[T, R]):
         # future's exception: a task cancelled just after its future was set would leave
         # that exception unretrieved.
         self.outcome: R | BaseException | None = None
+        self.traceback: TracebackType | None = None
+        """The outcome's traceback when it was given: one exception may fail a whole
+        batch, and each raise of it would otherwise lengthen the traceback the next one
+        shows (asyncio's futures keep theirs the same way)."""
         self.token: Any = None
         self.done = False
 
@@ -72,6 +78,8 @@ class _Request(Generic[T, R]):
     def resolve(self, outcome: R | BaseException) -> None:
         """Give the request its outcome and wake its task (nothing, if it was cancelled)."""
         self.outcome = outcome
+        if isinstance(outcome, BaseException):
+            self.traceback = outcome.__traceback__
         self.adapter.resume(self, None)
 
 
@@ -108,12 +116,12 @@ class Batcher(Generic[T, R]):
     """
 
     def __init__(self, run: BatchFn[T, R], *, max_batch: int, max_delay: float, concurrency: int = 2) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        max_batch = at_least(max_batch, 1, "max_batch")
+        concurrency = at_least(concurrency, 1, "concurrency")
+        if not isinstance(max_delay, (int, float)):
+            raise TypeError(f"max_delay must be a number of seconds, not {type(max_delay).__name__}")
         if not (max_delay >= 0 and math.isfinite(max_delay)):
             raise ValueError(f"max_delay must be a finite number of seconds >= 0, got {max_delay}")
-        if concurrency < 1:
-            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         self._run = run
         self.max_batch = max_batch
         self.max_delay = max_delay
@@ -162,6 +170,8 @@ class Batcher(Generic[T, R]):
         started, and otherwise leaves the batch running (the result is dropped).
         """
         if self._state != "open":
+            if self._state == "new":
+                raise RuntimeError("the batcher is not started: enter 'async with batcher:' first (in the lifespan)")
             raise ClosedError(f"the batcher is {self._state}")
         assert self._adapter is not None
         request: _Request[T, R] = _Request(item, self._adapter)
@@ -179,7 +189,7 @@ class Batcher(Generic[T, R]):
             raise
         outcome = request.outcome
         if isinstance(outcome, BaseException):
-            raise outcome
+            raise outcome.with_traceback(request.traceback)
         return outcome  # type: ignore[return-value]
 
     def _wake(self) -> None:

@@ -22,7 +22,7 @@ import inspect
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import anyio
 import anyio.to_thread
@@ -33,7 +33,7 @@ from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
 from .._memory import host_copy, library_streams
 from .._memory.pinned import host_address
-from .._util import invalid_value
+from .._util import at_least, invalid_value
 from ..array import DeviceArray, empty
 from ..device import Device, _as_device
 from ..errors import ClosedError, ContextPoisonedError, CudaError
@@ -85,9 +85,11 @@ class Lane:
         "_awaited",
         "_buffers",
         "_copy_outs",
+        "_failure",
         "_graphs",
         "_keep",
         "_kept_for_life",
+        "_leased",
         "_pool",
         "_staged",
         "_staging",
@@ -115,6 +117,11 @@ class Lane:
         self._awaited = False
         """Whether this lease awaited :attr:`stream` and staged nothing since: the stream
         is then idle as far as the lane's own memory goes (see Lanes._acquire)."""
+        self._leased = True
+        """Whether the lane may be used: during a lease, and while its pool starts it."""
+        self._failure: ContextPoisonedError | None = None
+        """The error an await of this lease met, if the device failed: for the pool's
+        :attr:`Lanes.failure` even when the request handles it."""
         self._buffers: list[DeviceBuffer] = []
         """Device memory of the current lease (:meth:`empty`), freed when it ends."""
         self._kept_for_life: list[DeviceBuffer] = []
@@ -148,6 +155,7 @@ class Lane:
         Work that cannot be captured (see :mod:`aiocuda.graph`) runs as it is from then
         on, with a warning logged once. Returns at once; ``await lane`` waits.
         """
+        self._check_leased()
         lane_graphs.replay(self, work, key)
 
     # -- memory --------------------------------------------------------------------------------
@@ -158,6 +166,7 @@ class Lane:
 
         Called from ``setup`` (at start-up), the array is the lane's own instead: it lives
         until the lanes close (keep it in ``lane.state``)."""
+        self._check_leased()
         array = empty(shape, dtype, stream=self.stream, pool=self._pool)
         self._buffers.append(array.buffer)
         return array
@@ -172,6 +181,7 @@ class Lane:
         :func:`aiocuda.to_device` instead). Pinned memory is copied directly and kept
         alive until the lane is awaited.
         """
+        self._check_leased()
         array = np.asarray(host)
         if array.dtype.hasobject:
             raise invalid_value(f"dtype {array.dtype} holds Python objects and cannot be copied to the device")
@@ -197,6 +207,7 @@ class Lane:
         Pinned ``out`` memory is written by the DMA directly; pageable memory goes
         through the lane's staging and is filled when the await completes.
         """
+        self._check_leased()
         if not isinstance(array, DeviceArray):
             raise TypeError(f"download takes a DeviceArray, not {type(array).__name__}")
         self._check_device_array(array, array.shape, array.dtype, "array")
@@ -231,6 +242,13 @@ class Lane:
         self._copy_outs.append((host_address(out), staged, nbytes))
         self._keep.append(out)
         return out
+
+    def _check_leased(self) -> None:
+        if not self._leased:
+            raise RuntimeError(
+                f"lane {self.index} is not leased to this request (its lease ended): use a lane, "
+                "await included, only inside its 'async with lanes.lease() as lane:' block"
+            )
 
     def _check_device_array(self, array: DeviceArray, shape: tuple[int, ...], dtype: Any, what: str) -> None:
         if not isinstance(array, DeviceArray):
@@ -269,7 +287,12 @@ class Lane:
     def __await__(self) -> Generator[Any, Any, None]:
         """Wait for everything enqueued on :attr:`stream` so far, then fill the host
         arrays of :meth:`download`. The one await a request needs."""
-        yield from self.stream.__await__()
+        self._check_leased()
+        try:
+            yield from self.stream.__await__()
+        except ContextPoisonedError as exc:
+            self._failure = exc
+            raise
         self._awaited = True
         self._settle()
 
@@ -285,6 +308,7 @@ class Lane:
     def _begin(self, priority: Priority) -> None:
         self.stream = self._streams[priority]
         self._awaited = False
+        self._leased = True
 
     def _end(self) -> None:
         """The lease is over: free its device memory stream-ordered, and keep host memory
@@ -298,6 +322,7 @@ class Lane:
         self._keep.clear()
         self._copy_outs.clear()
         self._staged = 0  # the next lease starts once the stream is idle (Lanes._acquire)
+        self._leased = False
 
     @property
     def streams(self) -> tuple[Stream, ...]:
@@ -335,24 +360,39 @@ class _Waiter:
 class _Lease:
     """``async with lanes.lease() as lane``: the lane, held for the block."""
 
-    __slots__ = ("_lane", "_lanes", "_priority")
+    __slots__ = ("_entered", "_lane", "_lanes", "_priority")
 
     def __init__(self, lanes: Lanes, priority: Priority) -> None:
         self._lanes = lanes
         self._priority = priority
         self._lane: Lane | None = None
+        self._entered = False
 
     async def __aenter__(self) -> Lane:
-        lane = await self._lanes._acquire(self._priority)
-        self._lane = lane
-        return lane
+        if self._entered:
+            raise RuntimeError("this lease is in use: call lanes.lease() once per request")
+        self._entered = True
+        try:
+            self._lane = await self._lanes._acquire(self._priority)
+        except BaseException:
+            self._entered = False
+            raise
+        return self._lane
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         lane, self._lane = self._lane, None
-        if lane is not None:
-            self._lanes._release(lane, exc)
+        self._entered = False
+        if lane is None:
+            return
+        if exc is None and lane._copy_outs:
+            # Downloads the block did not await the lane for (it awaited lane.stream, say):
+            # filled if their copies are done, rather than lost; never waited for.
+            with contextlib.suppress(CudaError):
+                if lane.stream.query():
+                    lane._settle()
+        self._lanes._release(lane, exc)
 
 
 class Lanes:
@@ -383,10 +423,8 @@ class Lanes:
         staging: int = 1 << 20,
         setup: Setup | None = None,
     ) -> None:
-        if count is not None and count < 1:
-            raise ValueError(f"count must be >= 1, got {count}")
-        if staging < 0:
-            raise ValueError(f"staging must be >= 0 bytes, got {staging}")
+        count = None if count is None else at_least(count, 1, "count")
+        staging = at_least(staging, 0, "staging (bytes)")
         unknown = [p for p in priorities if p not in PRIORITIES]
         if unknown or "normal" not in priorities:
             raise ValueError(f"priorities must include 'normal' and be among {PRIORITIES}, got {priorities!r}")
@@ -401,11 +439,18 @@ class Lanes:
         """Each lane's stream of its last lease: where earlier work may still be running."""
         self._waiters: dict[Priority, collections.deque[_Waiter]] = {p: collections.deque() for p in PRIORITIES}
         self._state: Literal["new", "starting", "open", "closing", "closed"] = "new"
+        self._out = 0
+        """Lanes taken from the free list and not yet given back (leased, or being handed over)."""
         self._all_back: anyio.Event | None = None
+        """Set when every lane is back (or the pool is closed): what :meth:`aclose` waits on."""
+        self._started: anyio.Event | None = None
+        self._closed: anyio.Event | None = None
+        """Set once :meth:`aclose` has closed the pool: other calls of it wait for it."""
         self._leases = 0
         self.failure: ContextPoisonedError | None = None
-        """The error that poisoned the device's context, once a lease has seen one; every
-        later lease then fails at once with a :class:`ContextPoisonedError`."""
+        """The error that poisoned the device's context, once a lease has seen one (its
+        ``await lane``, handled or not, or the error its block raised); every later lease
+        then fails at once with a :class:`ContextPoisonedError`."""
 
     @property
     def device(self) -> Device:
@@ -431,6 +476,7 @@ class Lanes:
         if self._state != "new":
             raise RuntimeError(f"Lanes.start() called twice (the pool is {self._state})")
         self._state = "starting"
+        self._started = anyio.Event()
         try:
             lanes = await anyio.to_thread.run_sync(self._build)
             self._lanes = lanes
@@ -451,12 +497,16 @@ class Lanes:
                         await lane
                     lane.stream = lane._streams["normal"]
                 self._last[lane.index] = lane.stream
+                lane._leased = False
         except BaseException:
-            self._state = "open"
+            self._free = list(self._lanes)
             self.close()
             raise
+        finally:
+            self._started.set()
         self._free = list(reversed(lanes))  # lane 0 is leased first
-        self._state = "open"
+        if self._state == "starting":  # (else aclose() was called meanwhile, and goes on now)
+            self._state = "open"
 
     def _build(self) -> tuple[Lane, ...]:
         device = self._device
@@ -483,35 +533,60 @@ class Lanes:
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
-        self._state = "closing"
         with anyio.CancelScope(shield=True):
-            while len(self._free) < len(self._lanes) or any(self._waiters.values()):
-                self._all_back = anyio.Event()
-                await self._all_back.wait()
-            for lane in self._lanes:
-                for stream in lane.streams:
-                    with contextlib.suppress(CudaError):
-                        await stream
-        self.close()
+            if self._closed is not None:  # another task is closing the pool: wait for it
+                await self._closed.wait()
+                return
+            self._closed = closed = anyio.Event()
+            try:
+                starting = self._state == "starting"
+                self._state = "closing"
+                if starting:  # let start() finish first (it leaves the pool closing)
+                    assert self._started is not None
+                    await self._started.wait()
+                while self._state == "closing" and (self._out or any(self._waiters.values())):
+                    self._all_back = anyio.Event()
+                    await self._all_back.wait()
+                for lane in self._lanes if self._state == "closing" else ():
+                    for stream in lane.streams:
+                        with contextlib.suppress(CudaError):
+                            await stream
+                self.close()
+            finally:
+                closed.set()
 
     def close(self) -> None:
-        """Close at once: streams are closed (work already enqueued still runs), staging
-        is released once that work is done, and new leases fail. Prefer :meth:`aclose`."""
+        """Close at once: new leases fail, and so do requests waiting for a lane
+        (:class:`~aiocuda.errors.ClosedError`); the streams of lanes not leased are closed
+        now (work already enqueued still runs) and their staging released once that work
+        is done; a lane still leased is closed likewise when its lease ends. Prefer
+        :meth:`aclose`."""
+        if self._state == "closed":
+            return
         self._state = "closed"
-        for lane in self._lanes:
-            lane_graphs.close(lane)  # first: its replays' needs are held by the lane's streams
-            with contextlib.suppress(CudaError):
-                for buffer in lane._kept_for_life:
-                    buffer.free()
-            lane._kept_for_life.clear()
-            for stream in lane.streams:
-                if not library_streams.adopted(stream):
-                    if lane._staging is not None:
-                        with contextlib.suppress(CudaError):
-                            stream.hold(lane._staging)
-                    stream.close()
-            lane._staging = None
+        for queue in self._waiters.values():
+            while queue:
+                queue.popleft().event.set()  # handed no lane: the request is refused
+        for lane in self._free:
+            self._close_lane(lane)
         self._free.clear()
+        if self._all_back is not None:
+            self._all_back.set()
+
+    @staticmethod
+    def _close_lane(lane: Lane) -> None:
+        lane_graphs.close(lane)  # first: its replays' needs are held by the lane's streams
+        with contextlib.suppress(CudaError):
+            for buffer in lane._kept_for_life:
+                buffer.free()
+        lane._kept_for_life.clear()
+        for stream in lane.streams:
+            if not library_streams.adopted(stream):
+                if lane._staging is not None:
+                    with contextlib.suppress(CudaError):
+                        stream.hold(lane._staging)
+                stream.close()
+        lane._staging = None
 
     # -- leases --------------------------------------------------------------------------------
     def lease(self, *, priority: Priority = "normal") -> contextlib.AbstractAsyncContextManager[Lane]:
@@ -524,7 +599,11 @@ class Lanes:
     async def _acquire(self, priority: Priority) -> Lane:
         if self._state != "open" or self.failure is not None:
             self._refuse()
-        lane = self._free.pop() if self._free else await self._wait_for_lane(priority)
+        if self._free:
+            lane = self._free.pop()
+            self._out += 1
+        else:
+            lane = await self._wait_for_lane(priority)
         try:
             last = self._last[lane.index]
             # The lane's memory may be reused once the last lease's work is done. A lease
@@ -541,7 +620,7 @@ class Lanes:
         self._last[lane.index] = lane.stream
         return lane
 
-    def _refuse(self) -> None:
+    def _refuse(self) -> NoReturn:
         failure = self.failure
         if failure is not None:
             raise ContextPoisonedError(
@@ -551,6 +630,11 @@ class Lanes:
                 name=failure.name,
                 description=failure.description,
                 call=failure.call,
+            )
+        if self._state in ("new", "starting"):
+            raise RuntimeError(
+                f"the request lanes of device {self._device.ordinal} are not started: "
+                "enter 'async with lanes:' (or await lanes.start()) first, in the app's lifespan"
             )
         raise ClosedError(f"the request lanes of device {self._device.ordinal} are {self._state}")
 
@@ -564,10 +648,12 @@ class Lanes:
             if waiter.lane is not None:  # handed a lane just as this was cancelled: pass it on
                 self._hand_over(waiter.lane)
             else:
-                queue.remove(waiter)
+                with contextlib.suppress(ValueError):  # (not there: close() woke it)
+                    queue.remove(waiter)
                 self._check_all_back()
             raise
-        assert waiter.lane is not None
+        if waiter.lane is None:  # woken by close()
+            self._refuse()
         if self.failure is not None:
             self._hand_over(waiter.lane)
             self._refuse()
@@ -576,12 +662,20 @@ class Lanes:
     def _release(self, lane: Lane, exc: BaseException | None) -> None:
         lane._end()
         self._leases += 1
-        if isinstance(exc, ContextPoisonedError) and self.failure is None:
-            self.failure = exc
+        failure = exc if isinstance(exc, ContextPoisonedError) else lane._failure
+        lane._failure = None
+        if failure is not None and self.failure is None:
+            self.failure = failure
         self._hand_over(lane)
 
     def _hand_over(self, lane: Lane) -> None:
-        """Give a lane back: to the most urgent waiting request, else to the free list."""
+        """Give a lane back: to the most urgent waiting request, else to the free list
+        (or, the pool being closed, close it)."""
+        if self._state == "closed":
+            self._out -= 1
+            self._close_lane(lane)
+            self._check_all_back()
+            return
         for priority in ("high", "normal"):
             queue = self._waiters[priority]
             if queue:
@@ -590,10 +684,11 @@ class Lanes:
                 waiter.event.set()
                 return
         self._free.append(lane)
+        self._out -= 1
         self._check_all_back()
 
     def _check_all_back(self) -> None:
-        if self._all_back is not None and len(self._free) == len(self._lanes) and not any(self._waiters.values()):
+        if self._all_back is not None and not self._out and not any(self._waiters.values()):
             self._all_back.set()
 
     # -- state ---------------------------------------------------------------------------------
@@ -602,7 +697,7 @@ class Lanes:
         count = len(self._lanes)
         return LanesStatistics(
             lanes=count,
-            leased=count - len(self._free) if self._state in ("open", "closing") else 0,
+            leased=self._out,
             waiting=sum(len(q) for q in self._waiters.values()),
             leases=self._leases,
             failed=self.failure is not None,
