@@ -26,7 +26,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import anyio.to_thread
 import numpy as np
-from fastapi import FastAPI, Header, Request, Response
+from fastapi import FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
 from aiocuda import Batcher, ClosedError, ContextPoisonedError, Kernel, Lanes, Program, register_sim_kernel
@@ -98,6 +98,8 @@ async def shutting_down(request: Request, exc: ClosedError) -> JSONResponse:
 
 
 def values(body: bytes) -> np.ndarray:
+    if len(body) % 4:
+        raise HTTPException(400, "the body must be float32 values")
     return np.frombuffer(body, np.float32)
 
 

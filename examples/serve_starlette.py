@@ -75,7 +75,10 @@ async def lifespan(app: Starlette) -> AsyncIterator[None]:
 
 async def affine(request: Request) -> Response:
     gpu: GPU = request.app.state.gpu
-    host = np.frombuffer(await request.body(), np.float32)
+    body = await request.body()
+    if len(body) % 4:
+        return JSONResponse({"error": "the body must be float32 values"}, status_code=400)
+    host = np.frombuffer(body, np.float32)
     n = host.size
     async with gpu.lanes.lease() as lane:  # waits while every lane is busy (back-pressure)
         x = lane.upload(host)  # enqueued; request-scoped device memory from the pool

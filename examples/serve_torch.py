@@ -38,7 +38,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
-from aiocuda import ClosedError, ContextPoisonedError, Lane, Lanes, interop
+from aiocuda import ClosedError, ContextPoisonedError, Lane, Lanes, current_backend, interop
 
 WIDTH = 1024
 
@@ -83,7 +83,7 @@ class Model:
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     served = Model()
-    served.load(on_gpu=_real_gpu())
+    served.load(on_gpu=not current_backend().simulated)
     async with served.lanes:  # every lane warmed up before the first request
         app.state.served = served
         gc.collect()
@@ -92,12 +92,6 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             yield
         finally:
             gc.unfreeze()  # for a process that goes on after the app (a test's)
-
-
-def _real_gpu() -> bool:
-    from aiocuda import Device
-
-    return bool(Device(0)._driver.name == "cuda")
 
 
 app = FastAPI(lifespan=lifespan)
@@ -116,7 +110,10 @@ async def shutting_down(request: Request, exc: ClosedError) -> JSONResponse:
 @app.post("/predict")
 async def predict(request: Request) -> Response:
     served: Model = request.app.state.served
-    host = np.frombuffer(await request.body(), np.float32).reshape(-1, WIDTH)
+    body = await request.body()
+    if len(body) % (4 * WIDTH):
+        return JSONResponse({"error": f"the body must be rows of {WIDTH} float32 values"}, status_code=400)
+    host = np.frombuffer(body, np.float32).reshape(-1, WIDTH)
     async with served.lanes.lease() as lane:
         result = served.forward(lane, host)
         await lane  # the one wait

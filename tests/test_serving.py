@@ -151,6 +151,8 @@ async def test_concurrent_requests_and_health(any_backend_app: Any, anyio_backen
             np.testing.assert_allclose(results[i], 2 * host + 1, rtol=1e-6)
         health = (await client.get("/health")).json()
         assert health["status"] == "ok" and health["leased"] == 0
+        torn = await client.post("/affine", content=b"\0" * 10)  # not float32 values
+        assert torn.status_code == 400 and "float32" in torn.text
 
 
 async def test_a_client_disconnecting_mid_request_leaks_nothing(
