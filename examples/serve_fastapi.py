@@ -12,7 +12,8 @@ Endpoints (bodies are raw float32 values; results too):
   lane goes back at once; its work finishes on the GPU and its memory is freed after).
 * ``POST /affine/batched`` -- the same, but gathered with concurrent requests into one
   launch of up to 64 requests (``aiocuda.Batcher``): for many small requests.
-* ``GET /health`` -- 200 while the GPU works, 503 once a kernel fault poisoned it.
+* ``GET /health`` -- 200 while the GPU works (with the backend: ``cuda``, or ``sim`` where
+  no GPU was found), 503 once a kernel fault poisoned it.
 
 See ``serve_starlette.py`` for the plainest form and ``docs/serving.md`` for the why.
 """
@@ -29,7 +30,16 @@ import numpy as np
 from fastapi import FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 
-from aiocuda import Batcher, ClosedError, ContextPoisonedError, Kernel, Lanes, Program, register_sim_kernel
+from aiocuda import (
+    Batcher,
+    ClosedError,
+    ContextPoisonedError,
+    Kernel,
+    Lanes,
+    Program,
+    current_backend,
+    register_sim_kernel,
+)
 
 SOURCE = r"""
 extern "C" __global__ void affine(const float* x, float* y, int n, float a, float b) {
@@ -138,7 +148,7 @@ async def health(request: Request) -> Any:
     if gpu.lanes.failure is not None:
         return JSONResponse({"status": "failed", "error": str(gpu.lanes.failure)}, status_code=503)
     stats = gpu.lanes.statistics()
-    return {"status": "ok", "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting}
+    return {"status": "ok", "backend": current_backend().name, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting}
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from aiocuda import ClosedError, ContextPoisonedError, Kernel, Lanes, Program, register_sim_kernel
+from aiocuda import ClosedError, ContextPoisonedError, Kernel, Lanes, Program, current_backend, register_sim_kernel
 
 SOURCE = r"""
 extern "C" __global__ void affine(const float* x, float* y, int n, float a, float b) {
@@ -95,7 +95,7 @@ async def health(request: Request) -> JSONResponse:
     stats = gpu.lanes.statistics()
     if gpu.lanes.failure is not None:
         return JSONResponse({"status": "failed", "error": str(gpu.lanes.failure)}, status_code=503)
-    return JSONResponse({"status": "ok", "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting})
+    return JSONResponse({"status": "ok", "backend": current_backend().name, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting})
 
 
 async def gpu_failed(request: Request, exc: Any) -> JSONResponse:

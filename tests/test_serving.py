@@ -29,6 +29,7 @@ pytest.importorskip("fastapi")
 import httpx
 import uvicorn
 
+from aiocuda import current_backend
 from aiocuda.device import Device
 from aiocuda.lanes import Lanes
 from aiocuda.memory import MemoryPool
@@ -151,6 +152,7 @@ async def test_concurrent_requests_and_health(any_backend_app: Any, anyio_backen
             np.testing.assert_allclose(results[i], 2 * host + 1, rtol=1e-6)
         health = (await client.get("/health")).json()
         assert health["status"] == "ok" and health["leased"] == 0
+        assert health["backend"] == current_backend().name  # (sim: say so, not "ok" alone)
         torn = await client.post("/affine", content=b"\0" * 10)  # not float32 values
         assert torn.status_code == 400 and "float32" in torn.text
 

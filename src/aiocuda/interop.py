@@ -7,8 +7,11 @@ await comes after::
 
     with aiocuda.interop.torch_stream(lane.stream):     # or cupy_stream(...)
         y = model(x)                                    # enqueued on lane.stream
-        out = lane.download(aiocuda.interop.as_device_array(y))
+        out = lane.download(aiocuda.interop.as_device_array(y, stream=lane.stream))
     await lane                                          # the loop runs meanwhile
+
+(``stream=`` says where aiocuda uses the array next: the lane's stream, where ``y`` was
+made, so no ordering between streams is needed.)
 
 A stream given to a library is kept alive, with the library's stream object over it,
 until the process exits: the library keeps state keyed by its handle (PyTorch's cuBLAS
