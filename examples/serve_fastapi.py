@@ -148,7 +148,8 @@ async def health(request: Request) -> Any:
     if gpu.lanes.failure is not None:
         return JSONResponse({"status": "failed", "error": str(gpu.lanes.failure)}, status_code=503)
     stats = gpu.lanes.statistics()
-    return {"status": "ok", "backend": current_backend().name, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting}
+    backend = current_backend().name
+    return {"status": "ok", "backend": backend, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting}
 
 
 if __name__ == "__main__":

@@ -95,7 +95,10 @@ async def health(request: Request) -> JSONResponse:
     stats = gpu.lanes.statistics()
     if gpu.lanes.failure is not None:
         return JSONResponse({"status": "failed", "error": str(gpu.lanes.failure)}, status_code=503)
-    return JSONResponse({"status": "ok", "backend": current_backend().name, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting})
+    backend = current_backend().name
+    return JSONResponse(
+        {"status": "ok", "backend": backend, "lanes": stats.lanes, "leased": stats.leased, "waiting": stats.waiting}
+    )
 
 
 async def gpu_failed(request: Request, exc: Any) -> JSONResponse:
