@@ -400,6 +400,27 @@ async def test_every_aclose_returns_whatever_the_pool_is_doing(sim_backend: Any,
     assert repr(lanes).startswith("<Lanes device=0 closed") and all(lane.stream.closed for lane in lanes.lanes)
 
 
+async def test_a_cancelled_aclose_closes_at_once_and_frees_nothing_under_the_gpu(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    # A server's second Ctrl+C: stop waiting for the GPU, leave it its memory.
+    lanes = Lanes(count=2)
+    await lanes.start()
+    host = np.arange(1000, dtype=np.float32)
+    async with lanes.lease() as lane:
+        out = lane.download(lane.upload(host))
+        sim_backend.pause(lane.stream.handle)
+        with anyio.CancelScope() as scope:
+            scope.cancel()
+            await lanes.aclose()
+        assert repr(lanes).startswith("<Lanes device=0 closed")
+        sim_backend.resume(lane.stream.handle)
+        await lane
+    np.testing.assert_array_equal(out, host)
+    assert all(stream.closed for lane in lanes.lanes for stream in lane.streams)
+    await lanes.aclose()  # (and again: nothing to do)
+
+
 async def test_a_lease_serves_one_request_at_a_time(sim_backend: Any, anyio_backend: Any) -> None:
     async with Lanes(count=4) as lanes:
         shared = lanes.lease()

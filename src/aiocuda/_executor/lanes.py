@@ -505,8 +505,10 @@ class Lanes:
         finally:
             self._started.set()
         self._free = list(reversed(lanes))  # lane 0 is leased first
-        if self._state == "starting":  # (else aclose() was called meanwhile, and goes on now)
+        if self._state == "starting":
             self._state = "open"
+        elif self._state == "closed":  # closed at once meanwhile (else aclose() goes on now)
+            self.close()
 
     def _build(self) -> tuple[Lane, ...]:
         device = self._device
@@ -529,31 +531,35 @@ class Lanes:
         """Shut down gracefully: new leases fail with :class:`~aiocuda.errors.ClosedError`;
         requests holding or already waiting for a lane finish; then every lane's stream is
         awaited and closed (except streams PyTorch or CuPy were given: they live until the
-        process exits) and the staging memory is released. Shielded from cancellation."""
+        process exits) and the staging memory is released. Called again meanwhile, it
+        waits for the first call.
+
+        Cancelled (a server's second Ctrl+C), it closes the pool at once instead, as
+        :meth:`close` does: nothing is freed under work still running on the GPU.
+        """
         if self._state in ("closed", "new"):
             self._state = "closed"
             return
-        with anyio.CancelScope(shield=True):
-            if self._closed is not None:  # another task is closing the pool: wait for it
-                await self._closed.wait()
-                return
-            self._closed = closed = anyio.Event()
-            try:
-                starting = self._state == "starting"
-                self._state = "closing"
-                if starting:  # let start() finish first (it leaves the pool closing)
-                    assert self._started is not None
-                    await self._started.wait()
-                while self._state == "closing" and (self._out or any(self._waiters.values())):
-                    self._all_back = anyio.Event()
-                    await self._all_back.wait()
-                for lane in self._lanes if self._state == "closing" else ():
-                    for stream in lane.streams:
-                        with contextlib.suppress(CudaError):
-                            await stream
-                self.close()
-            finally:
-                closed.set()
+        if self._closed is not None:  # another task is closing the pool: wait for it
+            await self._closed.wait()
+            return
+        self._closed = closed = anyio.Event()
+        try:
+            starting = self._state == "starting"
+            self._state = "closing"
+            if starting:  # let start() finish first (it leaves the pool closing)
+                assert self._started is not None
+                await self._started.wait()
+            while self._state == "closing" and (self._out or any(self._waiters.values())):
+                self._all_back = anyio.Event()
+                await self._all_back.wait()
+            for lane in self._lanes if self._state == "closing" else ():
+                for stream in lane.streams:
+                    with contextlib.suppress(CudaError):
+                        await stream
+        finally:
+            self.close()
+            closed.set()
 
     def close(self) -> None:
         """Close at once: new leases fail, and so do requests waiting for a lane
@@ -561,8 +567,6 @@ class Lanes:
         now (work already enqueued still runs) and their staging released once that work
         is done; a lane still leased is closed likewise when its lease ends. Prefer
         :meth:`aclose`."""
-        if self._state == "closed":
-            return
         self._state = "closed"
         for queue in self._waiters.values():
             while queue:
