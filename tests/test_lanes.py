@@ -7,7 +7,9 @@ in flight; no test depends on how long anything takes.
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import sys
 from typing import Any, Literal
 
 import anyio
@@ -419,6 +421,42 @@ async def test_a_cancelled_aclose_closes_at_once_and_frees_nothing_under_the_gpu
     np.testing.assert_array_equal(out, host)
     assert all(stream.closed for lane in lanes.lanes for stream in lane.streams)
     await lanes.aclose()  # (and again: nothing to do)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="asyncio tasks tell their cancelling state from 3.11")
+async def test_an_asyncio_task_unwinding_from_its_cancellation_does_not_wait_in_aclose(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    # uvicorn's forced exit cancels the lifespan task once; its exit then calls aclose()
+    # in a finally, where asyncio would let a wait for the GPU run to the end.
+    if anyio_backend[0] != "asyncio":
+        pytest.skip("asyncio's one-shot cancellation")
+    lanes = Lanes(count=1)
+    await lanes.start()
+    holding, release = asyncio.Event(), asyncio.Event()
+
+    async def request() -> None:
+        async with lanes.lease() as lane:
+            lane.upload(np.ones(8, np.float32))
+            holding.set()
+            await release.wait()
+            await lane
+
+    async def lifespan() -> None:
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await lanes.aclose()
+
+    requester, life = asyncio.ensure_future(request()), asyncio.ensure_future(lifespan())
+    await holding.wait()
+    life.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await life  # returns although the request still holds its lane
+    assert repr(lanes).startswith("<Lanes device=0 closed")
+    release.set()
+    await requester
+    assert all(lane.stream.closed for lane in lanes.lanes)
 
 
 async def test_a_lease_serves_one_request_at_a_time(sim_backend: Any, anyio_backend: Any) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol
 from ..errors import BlockingCallWarning
 from .timer import LoopTimer
 
-__all__ = ["LoopAdapter", "Suspended", "current_adapter", "warn_if_on_loop"]
+__all__ = ["LoopAdapter", "Suspended", "being_cancelled", "current_adapter", "warn_if_on_loop"]
 
 
 class Suspended(Protocol):
@@ -290,3 +290,13 @@ def warn_if_on_loop(call: str) -> None:
             BlockingCallWarning,
             stacklevel=3,
         )
+
+
+def being_cancelled() -> bool:
+    """Whether the calling asyncio task was cancelled and is unwinding (its clean-up code
+    running). asyncio delivers a task's cancellation once, so awaits in that clean-up are
+    not cancelled again (uvicorn's forced exit cancels the lifespan so); trio and anyio
+    cancel scopes cancel every such await by themselves."""
+    task = asyncio.current_task() if asyncio._get_running_loop() is not None else None
+    cancelling = getattr(task, "cancelling", None)  # (Python 3.11 and newer)
+    return cancelling is not None and cancelling() > 0

@@ -30,6 +30,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .._completion.event_pool import EventPool
+from .._completion.loops import being_cancelled
 from .._memory import copies as _copies
 from .._memory import host_copy, library_streams
 from .._memory.pinned import host_address
@@ -534,11 +535,15 @@ class Lanes:
         process exits) and the staging memory is released. Called again meanwhile, it
         waits for the first call.
 
-        Cancelled (a server's second Ctrl+C), it closes the pool at once instead, as
-        :meth:`close` does: nothing is freed under work still running on the GPU.
+        Cancelled, or called by an asyncio task unwinding from its cancellation (a
+        lifespan's exit on uvicorn's second Ctrl+C), it closes the pool at once instead,
+        as :meth:`close` does: nothing is freed under work still running on the GPU.
         """
         if self._state in ("closed", "new"):
             self._state = "closed"
+            return
+        if being_cancelled():  # a task unwinding from its cancellation: no waiting
+            self.close()
             return
         if self._closed is not None:  # another task is closing the pool: wait for it
             await self._closed.wait()
