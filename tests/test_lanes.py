@@ -27,10 +27,15 @@ from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError
 from aiocuda.host import pinned_empty
 from aiocuda.lanes import Lane, Lanes, Priority
 from aiocuda.memory import MemoryPool
+from aiocuda.stream import Stream
 
 pytestmark = pytest.mark.anyio
 
 REPS = 20
+
+
+def is_closed(lanes: Lanes) -> bool:
+    return repr(lanes).startswith(f"<Lanes device={lanes.device.ordinal} closed")
 
 
 def used_bytes() -> int:
@@ -333,8 +338,6 @@ async def test_downloads_of_a_lease_that_awaited_its_stream_are_filled(sim_backe
 async def test_closing_the_pool_at_once_leaves_leased_lanes_to_their_requests(
     sim_backend: Any, anyio_backend: Any
 ) -> None:
-    from aiocuda.stream import Stream
-
     lanes = Lanes(count=1)
     await lanes.start()
     host = np.arange(1000, dtype=np.float32)
@@ -399,7 +402,7 @@ async def test_every_aclose_returns_whatever_the_pool_is_doing(sim_backend: Any,
         tg.start_soon(lanes.start)
         await started.wait()
         await lanes.aclose()
-    assert repr(lanes).startswith("<Lanes device=0 closed") and all(lane.stream.closed for lane in lanes.lanes)
+    assert is_closed(lanes) and all(lane.stream.closed for lane in lanes.lanes)
 
 
 async def test_a_cancelled_aclose_closes_at_once_and_frees_nothing_under_the_gpu(
@@ -415,7 +418,7 @@ async def test_a_cancelled_aclose_closes_at_once_and_frees_nothing_under_the_gpu
         with anyio.CancelScope() as scope:
             scope.cancel()
             await lanes.aclose()
-        assert repr(lanes).startswith("<Lanes device=0 closed")
+        assert is_closed(lanes)
         sim_backend.resume(lane.stream.handle)
         await lane
     np.testing.assert_array_equal(out, host)
@@ -453,7 +456,7 @@ async def test_an_asyncio_task_unwinding_from_its_cancellation_does_not_wait_in_
     life.cancel()
     with pytest.raises(asyncio.CancelledError):
         await life  # returns although the request still holds its lane
-    assert repr(lanes).startswith("<Lanes device=0 closed")
+    assert is_closed(lanes)
     release.set()
     await requester
     assert all(lane.stream.closed for lane in lanes.lanes)
