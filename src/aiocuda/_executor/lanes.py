@@ -12,6 +12,11 @@ See :mod:`aiocuda.lanes` for the user's view. Invariants the code keeps:
 * Whatever enqueued work still reads or writes when a lease ends without its await is
   handed to the stream's ``hold`` (host arrays) or freed stream-ordered (device arrays),
   never released early.
+* A lane takes work only while it is leased (or while its pool starts it): a stale
+  reference cannot reach the next lease's memory.
+* A leased lane belongs to its request until the lease ends, whatever the pool does:
+  :meth:`Lanes.close` closes the lanes on the free list and each leased one as its
+  lease ends (``_hand_over``), so no stream or staging block is released under a request.
 """
 
 from __future__ import annotations
