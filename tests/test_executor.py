@@ -8,6 +8,7 @@ speed (``benchmarks/pipeline.py`` measures that).
 from __future__ import annotations
 
 import gc
+import traceback
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from aiocuda import _driver
 from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda.array import DeviceArray
 from aiocuda.device import Device
-from aiocuda.errors import ClosedError
+from aiocuda.errors import ClosedError, ContextPoisonedError
 from aiocuda.executor import ChunkContext, Executor
 from aiocuda.host import pinned_empty
 from aiocuda.lanes import default_count
@@ -460,6 +461,83 @@ async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, an
         assert "in flight" in repr(ex)
     with pytest.raises(ClosedError, match="closed"):  # (a web app's handler: 503, shutting down)
         await ex.submit(ScaleStage(REPS), np.ones(4, np.float32))
+
+
+async def test_an_executor_or_a_map_is_entered_once(sim_backend: Any, anyio_backend: Any) -> None:
+    with pytest.raises(ValueError, match="devices must differ"):
+        await Executor([0, 0]).__aenter__()
+    async with Executor([0]) as ex:
+        with pytest.raises(RuntimeError, match="open already"):
+            await ex.__aenter__()
+        with pytest.raises(TypeError, match="graph must be True or False"):
+            ex.map(ScaleStage(REPS), [], graph="yes")  # type: ignore[arg-type]
+        pipeline = ex.map(ScaleStage(REPS), chunks(2))
+        async with pipeline as results:
+            assert len([r async for r in results]) == 2
+        with pytest.raises(RuntimeError, match="a map runs once"):
+            async with pipeline:
+                pass
+
+
+async def test_one_task_reads_a_maps_results(slow_sim: Any, anyio_backend: Any) -> None:
+    errors: list[BaseException] = []
+    async with Executor([0]) as ex:
+        d2h = ex.device_streams[0].d2h
+        slow_sim.pause(d2h.handle)  # no chunk can finish: both readers wait
+        try:
+            async with ex.map(ScaleStage(REPS), chunks(4), ordered=False) as results:
+
+                async def reader() -> None:
+                    try:
+                        await results.__anext__()
+                    except RuntimeError as exc:
+                        errors.append(exc)
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(reader)
+                    while results._arrival is None:
+                        await anyio.lowlevel.checkpoint()
+                    tg.start_soon(reader)
+                    while not errors:
+                        await anyio.lowlevel.checkpoint()
+                    tg.cancel_scope.cancel()
+        finally:
+            slow_sim.resume(d2h.handle)
+    assert len(errors) == 1 and "one task iterates a map" in str(errors[0])
+
+
+async def test_an_input_error_comes_after_the_results_before_it(sim_backend: Any, anyio_backend: Any) -> None:
+    async def inputs() -> Any:
+        for array in chunks(3):
+            yield array
+        raise KeyError("bad input")
+
+    async with Executor([0]) as ex, ex.map(ScaleStage(REPS), inputs(), on_error="continue") as results:
+        got = [(await results.__anext__()).index for _ in range(3)]
+        with pytest.raises(KeyError, match="bad input"):
+            await results.__anext__()
+        with pytest.raises(StopAsyncIteration):  # the end, not a wait for more
+            await results.__anext__()
+    assert got == [0, 1, 2]
+
+
+async def test_a_device_failing_mid_map_fails_its_chunks_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:
+    async with Executor([0]) as ex:
+        async with ex.map(ScaleStage(REPS), chunks(20), on_error="continue") as results:
+            seen = []
+            async for r in results:
+                seen.append(r)
+                if r.index == 3:
+                    sim_backend.poison(0)
+        assert len(seen) == 20 and not seen[0].error and isinstance(seen[-1].error, ContextPoisonedError)
+        assert ex.device_streams[0].chunks == 0 and ex.device_streams[0].reserved == 0  # admission given back
+        depths = set()
+        for _ in range(3):  # raised again and again, with the chunk's own traceback
+            with pytest.raises(ContextPoisonedError) as caught:
+                seen[-1].value  # noqa: B018
+            depths.add(len(traceback.extract_tb(caught.value.__traceback__)))
+        assert len(depths) == 1
+        ex.close()
 
 
 async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:

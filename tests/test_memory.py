@@ -11,10 +11,13 @@ import anyio
 import numpy as np
 import pytest
 
+import aiocuda
 from aiocuda import _driver, memory
+from aiocuda._memory import copies
 from aiocuda._memory import offloop as _offloop
 from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, OutOfMemoryError
+from aiocuda.host import pinned_empty
 from aiocuda.memory import DEFAULT_RELEASE_THRESHOLD, MemoryPool, PoolStatistics
 from aiocuda.stream import Stream, current_stream
 
@@ -239,6 +242,25 @@ async def test_buffer_outliving_its_closed_stream_is_still_freed(
     gc.collect()
     await observed(current_stream(0))
     assert pool.statistics().used_bytes == 0
+
+
+async def test_a_buffer_freed_after_its_stream_closed_waits_for_that_streams_work(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    # (An executor closed while a map still ran: the chunks' frees came after their
+    # streams closed, and went ahead of downloads queued there.)
+    s = Stream(0)
+    x = await aiocuda.to_device(np.arange(1000, dtype=np.float32), stream=s)
+    out = pinned_empty(1000, np.float32)
+    sim_backend.set_latency("memcpy_dtoh_async", 0.05)  # type: ignore[attr-defined]
+    copies.download(out, x.ptr, s)  # still running when the buffer is freed
+    x.buffer._used_on(s)
+    s.close()
+    del x  # freed on the device's stream: after s's download, not during it
+    gc.collect()
+    await s
+    await current_stream(0)
+    np.testing.assert_array_equal(out, np.arange(1000, dtype=np.float32))
 
 
 async def test_injected_out_of_memory_is_retried_once(sim_backend: _driver.Driver, anyio_backend: object) -> None:

@@ -217,6 +217,29 @@ async def test_a_closed_stream_can_still_be_waited_for(backend: _driver.Driver, 
         assert (await x.to_host(stream=other) == np.arange(8)).all()
 
 
+async def test_a_closed_stream_holds_objects_until_its_work_is_done(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    # (How memory owned elsewhere -- managed arrays, a PyTorch tensor's -- is given back
+    # after its last stream closed: held until that stream's work is done, not at once.)
+    class Kept:
+        pass
+
+    s = Stream(0)
+    slow_op(s, 0.05)
+    s.close()
+    kept = Kept()
+    alive = weakref.ref(kept)
+    s.hold(kept)
+    del kept
+    gc.collect()
+    assert alive() is not None
+    await s
+    await current_stream(0)  # (holds are dropped lazily, on the holder's next await)
+    gc.collect()
+    assert alive() is None
+
+
 def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
     with Stream(0) as s:
         for event in (Event(0).record(s), s.record()):

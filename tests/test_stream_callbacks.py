@@ -105,6 +105,18 @@ async def test_results_and_errors_reach_the_awaiting_task(backend: _driver.Drive
         await failing
     assert isinstance(failing.exception(), KeyError)
     assert await after == "still runs"
+
+    class Stop(BaseException):  # (or asyncio.CancelledError from a cancelled future's result())
+        pass
+
+    def stops() -> None:
+        raise Stop
+
+    stopping = stream.call_when_done(stops)
+    after = stream.call_when_done(lambda: "runs too")
+    with pytest.raises(Stop):
+        await stopping
+    assert await after == "runs too"
     with pytest.raises(TypeError, match="callable"):
         stream.call_when_done(42)  # type: ignore[arg-type]
 

@@ -66,6 +66,11 @@ async def test_a_paused_stream_keeps_its_awaits_pending(sim: aiocuda.testing.Sim
                 assert not finished.is_set() and not stream.query()
             await finished.wait()
         assert (await x.to_host(stream=stream) == 1).all()
+        with sim.paused(stream):  # closed while paused: its queued work still runs after
+            kernel.launch(2, 64, x, 100, stream=stream)
+            stream.close()
+        await stream
+        assert (await x.to_host() == 2).all()
 
 
 def test_latency_makes_operations_take_time(sim: aiocuda.testing.Simulator) -> None:

@@ -11,7 +11,11 @@ graph (:mod:`aiocuda.graph`), until it is recorded (:meth:`DeviceArray.to_host` 
 needs a page-locked ``out``, which each replay fills). Cancelling the awaiting task abandons the
 wait only: the GPU finishes the copy, the memory it touches stays alive until then
 (device memory is freed stream-ordered, host arrays are held by the stream), and the data
-is never torn. Work on one array from different streams is ordered automatically: the
+is never torn. One exception: a copy of more than 1 MiB of pageable (not page-locked)
+host memory goes through copier threads, and a cancelled await of it returns only once
+their share is done, which waits for the stream's earlier work; use page-locked arrays
+(:func:`~aiocuda.host.pinned_empty`) where large copies must cancel at once. Work on one
+array from different streams is ordered automatically: the
 new stream waits for the array's previous stream on the GPU.
 
 ```python

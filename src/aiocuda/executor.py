@@ -146,6 +146,8 @@ class Executor:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
+        if self._open or self._request_lanes:
+            raise RuntimeError("this Executor is open already: enter it once, and share it")
         self._open_devices()
         try:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
@@ -178,8 +180,6 @@ class Executor:
                 self.close()
 
     def _open_devices(self) -> None:
-        if self._open:
-            return
         chosen = (
             devices()
             if self._requested is None
@@ -187,6 +187,8 @@ class Executor:
         )
         if not chosen:
             raise ValueError("an Executor needs at least one device")
+        if len({device.ordinal for device in chosen}) < len(chosen):
+            raise ValueError(f"an Executor's devices must differ, got {[device.ordinal for device in chosen]}")
         device_streams = []
         for device in chosen:
             free, _ = device.memory_info()
@@ -290,6 +292,8 @@ class Executor:
                 back-pressure and errors as without.
         """
         self._check_open()
+        if not isinstance(graph, bool):
+            raise TypeError(f"graph must be True or False, not {type(graph).__name__}")
         limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._device_streams)
         if limit < 1:
             raise ValueError(f"in_flight must be >= 1, got {limit}")

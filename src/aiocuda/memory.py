@@ -383,9 +383,11 @@ class MemoryPool(metaclass=NoPublicConstructor):
                 return
             stream = freeing_on
         if stream.closed:
-            # The device's default stream frees it: close streams only after awaiting
-            # their work on buffers that outlive them.
-            stream = current_stream(self.device)
+            # The device's current stream frees it, after the closed stream's last work
+            # (its end event): work enqueued there before it closed may still use it.
+            closed, stream = stream, current_stream(self.device)
+            if closed._tail is not None:
+                stream.wait(closed)
         for event in waits or ():
             stream.wait(event)
         (err,) = self._free_call(ptr, stream.handle)

@@ -354,10 +354,16 @@ class Stream:
 
         Costs one pooled event record. References are dropped lazily, on later holds,
         awaits and synchronizes of this stream. While the stream is being captured, the
-        objects are kept with the graph instead, for all of its replays.
+        objects are kept with the graph instead, for all of its replays. On a closed
+        stream, they are kept until the work enqueued before it closed completes.
         """
         if self._capture is not None:
             self._capture.hold(objs)
+            return
+        if self._closed:  # kept by the device's stream, made to wait for this one's end
+            keeper = current_stream(self.device)
+            keeper.wait(self)
+            keeper.hold(*objs)
             return
         if self._holds:
             _release_finished(self._driver, self._pool, self._holds)

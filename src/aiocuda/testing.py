@@ -166,8 +166,8 @@ class Simulator(metaclass=NoPublicConstructor):
         self._sim.pause(stream.handle)
 
     def resume(self, stream: Stream) -> None:
-        """Let a paused stream run its queued work."""
-        self._sim.resume(stream.handle)
+        """Let a paused stream run its queued work (closed since, too)."""
+        self._sim.resume(stream._handle)  # (a closed stream's queued work still runs)
 
     @contextlib.contextmanager
     def paused(self, stream: Stream) -> Iterator[Stream]:

@@ -97,7 +97,7 @@ class StreamCallback:
         self._state = "called"
         try:
             self._result = self._fn(*self._args)
-        except Exception as exc:
+        except BaseException as exc:  # (any: it must not stop the task serving the stream's queue)
             self._error = exc
         finally:
             self._fn = self._args = None  # type: ignore[assignment]

@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -66,6 +67,13 @@ class ChunkResult:
     """The downloaded result (None when the chunk failed)."""
     error: Exception | None
     """Why the chunk failed (None when it succeeded)."""
+    _traceback: TracebackType | None = field(init=False, repr=False, compare=False, default=None)
+    """The error's traceback as the chunk failed: each :attr:`value` raises it with this
+    one, not with what earlier raises added."""
+
+    def __post_init__(self) -> None:
+        if self.error is not None:
+            object.__setattr__(self, "_traceback", self.error.__traceback__)
 
     @property
     def ok(self) -> bool:
@@ -75,7 +83,7 @@ class ChunkResult:
     def value(self) -> npt.NDArray[Any]:
         """The result; raises the chunk's error if it failed."""
         if self.error is not None:
-            raise self.error
+            raise self.error.with_traceback(self._traceback)
         assert self.output is not None
         return self.output
 
@@ -243,9 +251,11 @@ class ChunkContext(metaclass=NoPublicConstructor):
         """The chunk failed or was cancelled, its GPU work maybe still running: free its
         arrays stream-ordered, keep its host memory until its copies are done, give its
         trace spans' events back. Nothing left to do after :meth:`_complete`."""
-        self._end_compute()
+        with contextlib.suppress(CudaError):  # (a poisoned context records nothing more)
+            self._end_compute()
         for array, _ in self._arrays:
-            array.buffer.free()
+            with contextlib.suppress(CudaError):  # a poisoned context: the memory goes with it
+                array.buffer.free()
         self._arrays.clear()
         slot = self._slot
         if slot is not None:

@@ -36,12 +36,13 @@ OnError = Literal["raise", "continue"]
 
 
 class _InputFailed:
-    """Sent by the feeder when iterating the inputs raised."""
+    """Sent by the feeder when iterating the inputs raised, after ``count`` inputs."""
 
-    __slots__ = ("error",)
+    __slots__ = ("count", "error")
 
-    def __init__(self, error: BaseException) -> None:
+    def __init__(self, error: BaseException, count: int) -> None:
         self.error = error
+        self.count = count
 
 
 _Item = ChunkResult | _InputFailed | None
@@ -85,6 +86,8 @@ class ChunkMap:
         self._ready: dict[int, ChunkResult] = {}
         self._next = 0
         self._total: int | None = None
+        self._input_error: BaseException | None = None
+        """What iterating the inputs raised: raised once the results before it are delivered."""
         self.delivered = 0
         self.admitted = 0
         self.peak_in_flight = 0
@@ -100,6 +103,8 @@ class ChunkMap:
     async def _open(self, in_flight: int) -> anyio.abc.TaskGroup:
         """Enter the task group, with ``in_flight`` slots; the feeder starts once the
         caller has set up what :meth:`_start_chunk` needs (:meth:`_feed_soon`)."""
+        if self._task_group is not None:
+            raise RuntimeError("a map runs once: call map() again for another run")
         # What was sent, in order, and the consumer's wake-up while it waits for more: an
         # unbounded memory object stream, without its ~2.5 us per item of bookkeeping.
         self._arrived: collections.deque[_Item] = collections.deque()
@@ -141,16 +146,26 @@ class ChunkMap:
             if result is not None:
                 return self._deliver(result)
             if self._total is not None and self.delivered == self._total:
+                error, self._input_error = self._input_error, None
+                if error is not None:
+                    raise error
                 raise StopAsyncIteration
             if self._closed:
                 raise anyio.ClosedResourceError
             if not arrived:  # (results already sent are taken without a trip through the loop)
+                if self._arrival is not None:
+                    raise RuntimeError("another task is reading these results: one task iterates a map")
                 self._arrival = arrival = anyio.Event()
-                await arrival.wait()
+                try:
+                    await arrival.wait()
+                finally:
+                    if self._arrival is arrival:  # (cancelled: no longer waiting)
+                        self._arrival = None
                 continue
             item = arrived.popleft()
-            if isinstance(item, _InputFailed):
-                raise item.error
+            if isinstance(item, _InputFailed):  # after the results of the inputs before it
+                self._total, self._input_error = item.count, item.error
+                continue
             if item is not None:
                 # The next one (none was ready): delivered as it would be from _ready.
                 if not self._ordered or item.index == self._next:
@@ -194,7 +209,7 @@ class ChunkMap:
                 await self._start_chunk(index, array)
                 index += 1
         except Exception as exc:
-            self._send_result(_InputFailed(exc))
+            self._send_result(_InputFailed(exc, index))
             return
         self._total = index
         self._send_result(None)  # wake a consumer waiting for a result that will not come

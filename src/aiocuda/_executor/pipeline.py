@@ -29,6 +29,7 @@ import anyio
 import numpy.typing as npt
 
 from .._util import NoPublicConstructor
+from ..errors import ClosedError
 from .chunk import ChunkResult, ChunkRunner
 from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
@@ -111,6 +112,8 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
 
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
+        if self._device_streams[0].h2d.closed:
+            raise ClosedError("the executor closed while this map ran")
         admission, nbytes = self._admission, reserve(array)
         placed, self._cursor = admission.try_admit(self._placement, self._device_streams, nbytes, self._cursor)
         if placed is None:  # no device has room: wait for one (the executor's back-pressure)
