@@ -211,6 +211,18 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
         await freed.to_host()
 
 
+async def test_a_device_and_a_stream_of_another_device_are_refused(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    other = Stream(1)
+    for make in (lambda: ga.empty(4, device=0, stream=other), lambda: ga.empty_pitched((2, 3), device=0, stream=other)):
+        with pytest.raises(ArgumentError, match="device 0 and a stream of device 1"):
+            make()
+    with pytest.raises(ArgumentError, match="device 0 and a stream of device 1"):
+        await ga.to_device(np.zeros(4, np.float32), device=0, stream=other)
+    assert ga.empty(4, device=1, stream=other).device.ordinal == 1  # the same device: fine
+
+
 async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Driver, anyio_backend: object) -> None:
     pool = MemoryPool.for_device(0)
     host = rng.integers(0, 256, 3 << 20, dtype=np.uint8)

@@ -431,6 +431,18 @@ def _leave(buffer: Any, stream: Stream) -> None:
         buffer.stream.wait(stream)
 
 
+def _device_of(device: Device | int | None, stream: Stream | None) -> Device:
+    """The device of a new array: ``stream``'s, which ``device``, if given too, must be."""
+    if stream is None:
+        return _as_device(device)
+    if device is not None and _as_device(device) is not stream.device:
+        raise invalid_value(
+            f"device {_as_device(device).ordinal} and a stream of device {stream.device.ordinal} "
+            "were both given: pass one, or a stream of that device"
+        )
+    return stream.device
+
+
 def empty(
     shape: int | _Shape,
     dtype: npt.DTypeLike = np.float32,
@@ -457,7 +469,7 @@ def empty(
         strides = c_strides(dims, itemsize)
         nbytes = math.prod(dims) * itemsize
     if pool is None:
-        on = stream.device if stream is not None else _as_device(device)
+        on = _device_of(device, stream)
         # MemoryPool.for_device. Through the module: Python 3.12 calls a method of a
         # name bound by an import without its method-call shortcut (a bound method each
         # time).
@@ -506,7 +518,7 @@ def empty_pitched(
     for n in reversed(dims[1:-1]):
         strides.append(strides[-1] * max(n, 1))
     if pool is None:
-        pool = _pool_for(stream.device if stream is not None else _as_device(device))
+        pool = _pool_for(_device_of(device, stream))
     buf = pool.allocate(math.prod(dims[:-1]) * pitch if dims[-1] else 0, stream)
     return _over_new_buffer(dims, dt, tuple(reversed(strides)), buf)
 
@@ -559,6 +571,8 @@ async def to_device(
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
     s = stream if stream is not None else current_stream(_as_device(device))
+    if device is not None and stream is not None:
+        _device_of(device, stream)
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 
