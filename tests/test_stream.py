@@ -197,6 +197,16 @@ def test_a_closed_stream_takes_no_work_and_says_what_to_do(backend: _driver.Driv
     assert "closed" in repr(s)
 
 
+def test_streams_take_streams_and_int_priorities(backend: _driver.Driver) -> None:
+    with pytest.raises(TypeError, match="use_stream takes a Stream, not int"):
+        with use_stream(3):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(TypeError, match="priority is an int, not float"):
+        Stream(0, priority=1.5)  # type: ignore[arg-type]
+    with Stream(0, priority=np.int64(0)) as s:  # type: ignore[arg-type]
+        assert s.priority == 0
+
+
 async def test_a_closed_stream_can_still_be_waited_for(backend: _driver.Driver, anyio_backend: object) -> None:
     """Closing never cancels work already enqueued, and what waits for that work keeps
     working: an await, a query, another stream's wait, and an array whose last work ran

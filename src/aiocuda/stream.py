@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import gc
+import operator
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
@@ -159,6 +160,10 @@ class Stream:
     )
 
     def __init__(self, device: Device | int | None = None, *, non_blocking: bool = True, priority: int = 0):
+        try:
+            priority = operator.index(priority)
+        except TypeError:
+            raise TypeError(f"a stream's priority is an int, not {type(priority).__name__}") from None
         dev = _as_device(device)
         dev.make_current()
         self._setup(dev, dev._driver.stream_create(non_blocking, priority), owned=True, owner=None)
@@ -448,6 +453,8 @@ def current_stream(device: Device | int | None = None) -> Stream:
 @contextlib.contextmanager
 def use_stream(stream: Stream) -> Iterator[Stream]:
     """Make ``stream`` the current stream of this task (and tasks it spawns) inside the block."""
+    if not isinstance(stream, Stream):
+        raise TypeError(f"use_stream takes a Stream, not {type(stream).__name__} (Stream.wrap adopts a handle)")
     token = _current.set(stream)
     try:
         yield stream
