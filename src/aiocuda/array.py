@@ -570,9 +570,8 @@ async def to_device(
     _check_dtype(host.dtype)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
-    s = stream if stream is not None else current_stream(_as_device(device))
-    if device is not None and stream is not None:
-        _device_of(device, stream)
+    on = _device_of(device, stream)
+    s = stream if stream is not None else current_stream(on)
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 

@@ -146,7 +146,7 @@ class Executor:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
-        if self._open or self._request_lanes:
+        if self._open:
             raise RuntimeError("this Executor is open already: enter it once, and share it")
         self._open_devices()
         try:
