@@ -540,6 +540,45 @@ async def test_a_device_failing_mid_map_fails_its_chunks_in_go_on_mode(sim_backe
         ex.close()
 
 
+async def test_a_failed_device_is_passed_over_and_the_others_serve_on(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """Two devices, one poisoned: after the chunk that finds it, every submit and every
+    chunk of a map runs on the other device (least_loaded would otherwise favour the failed
+    device, whose chunks fail at once), and leaving does not raise what was reported."""
+    x = np.arange(8, dtype=np.float32)
+    async with Executor([0, 1]) as ex:
+        sim_backend.poison(0)
+        outcomes = []
+        for _ in range(6):
+            try:
+                outcomes.append(float((await ex.submit(ScaleStage(1), x))[1]))
+            except ContextPoisonedError:
+                outcomes.append(None)
+        assert outcomes.count(None) == 1
+        assert list(ex.failures) == [0] and "FAILED" in repr(ex)
+        got = await ex.run(ScaleStage(REPS), chunks(6))
+        assert len(got) == 6
+        assert ex.device_streams[0].completed == 1  # the chunk that found the failure
+
+
+async def test_once_every_device_failed_chunks_fail_at_once(sim_backend: Any, anyio_backend: Any) -> None:
+    x = np.arange(8, dtype=np.float32)
+    async with Executor([0]) as ex:
+        sim_backend.poison(0)
+        with pytest.raises(ContextPoisonedError):  # the chunk that finds it
+            await ex.submit(ScaleStage(1), x)
+        with pytest.raises(ContextPoisonedError, match="failed earlier"):  # at once: admission
+            await ex.submit(ScaleStage(1), x)
+        assert ex.device_streams[0].completed == 1
+        async with ex.map(ScaleStage(1), chunks(5), on_error="continue") as results:
+            got = [r async for r in results]
+        assert [r.index for r in got] == list(range(5))
+        assert all(isinstance(r.error, ContextPoisonedError) and r.device == 0 for r in got)
+        with pytest.raises(ContextPoisonedError, match="failed earlier"):
+            await ex.run(ScaleStage(1), chunks(5))
+
+
 async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:
     from aiocuda.errors import CudaError, ResultCode
 

@@ -202,11 +202,10 @@ async def test_replays_that_fault_fail_their_chunks(sim_backend: Any, anyio_back
         if stage_calls > 1:  # captured: every replay faults
             poison_op(ctx.stream)
 
-    got = []
-    with pytest.raises(ContextPoisonedError):  # raised leaving the executor: its device failed
-        async with Executor([0]) as ex:
-            async with ex.map(stage, pinned_chunks(8), graph=True, on_error="continue", in_flight=1) as results:
-                got = [r async for r in results]
+    async with Executor([0]) as ex:  # leaving it does not raise again what the chunks reported
+        async with ex.map(stage, pinned_chunks(8), graph=True, on_error="continue", in_flight=1) as results:
+            got = [r async for r in results]
+        assert list(ex.failures) == [0]
     assert len(got) == 8 and got[0].ok  # the eager warm-up
     assert all(isinstance(r.error, ContextPoisonedError) for r in got[1:])
 

@@ -68,7 +68,7 @@ from ._executor.lanes import PRIORITIES, Lanes, Priority, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
 from .device import Device, devices
-from .errors import ClosedError, CudaError
+from .errors import ClosedError, ContextPoisonedError, CudaError
 from .peer import enable_peer_access
 from .trace import Trace
 
@@ -210,14 +210,17 @@ class Executor:
                 self._trace.begin(per_device.h2d)
 
     async def synchronize(self) -> None:
-        """Wait until every stream of the executor is idle."""
+        """Wait until every stream of the executor is idle (on the devices that have not
+        failed: see :attr:`failures`)."""
         if not self._open:
             return
         for per_device in self._device_streams:
+            if per_device.failure is not None:  # (its streams can only raise it again)
+                continue
             for stream in per_device.streams:
                 await stream
-        for lanes in self._request_lanes.values():
-            for lane in lanes.lanes:
+            lanes = self._request_lanes.get(per_device.device.ordinal)
+            for lane in lanes.lanes if lanes is not None else ():
                 for stream in lane.streams:
                     await stream
 
@@ -361,11 +364,16 @@ class Executor:
         nbytes = reserve(array)
         placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
+        error: BaseException | None = None
         try:
             async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
                 return await self._runner(stage, output, name).run(index, array, placed, lane)
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             placed.completed += 1
+            placed.saw(error)
             self._admission.release(placed, nbytes)
 
     def _check_open(self) -> None:
@@ -403,6 +411,14 @@ class Executor:
         return self._device_streams
 
     @property
+    def failures(self) -> dict[int, ContextPoisonedError]:
+        """The devices whose context a chunk found poisoned, by ordinal, with the error:
+        chunks are no longer placed on them, and once every device has failed,
+        :meth:`submit` and :meth:`map` raise :class:`~aiocuda.errors.ContextPoisonedError`
+        at once. (A failed device stays so until the process restarts.)"""
+        return {d.device.ordinal: d.failure for d in self._device_streams if d.failure is not None}
+
+    @property
     def trace(self) -> Trace | None:
         """The trace, when created with ``trace=True``."""
         return self._trace
@@ -419,6 +435,7 @@ class Executor:
         if not self._open:
             return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
         state = ", ".join(
-            f"{per_device.device.ordinal}: {per_device.chunks} in flight" for per_device in self._device_streams
+            f"{per_device.device.ordinal}: {'FAILED' if per_device.failure else f'{per_device.chunks} in flight'}"
+            for per_device in self._device_streams
         )
         return f"<Executor {state}>"

@@ -62,7 +62,8 @@ class ChunkResult:
     index: int
     """Position of the chunk's input in ``inputs``."""
     device: int
-    """Ordinal of the device the chunk was placed on."""
+    """Ordinal of the device the chunk was placed on (the executor's first device when
+    every device had failed before it could be placed)."""
     output: npt.NDArray[Any] | None
     """The downloaded result (None when the chunk failed)."""
     error: Exception | None

@@ -7,6 +7,7 @@ per request.)
 from __future__ import annotations
 
 from ..device import Device
+from ..errors import ClosedError, ContextPoisonedError, CudaError
 from ..memory import MemoryPool
 from ..stream import Stream
 from .lanes import Priority, stream_priority
@@ -34,6 +35,7 @@ class DeviceStreams:
         "compute",
         "d2h",
         "device",
+        "failure",
         "graph_lanes",
         "h2d",
         "max_chunks",
@@ -63,6 +65,22 @@ class DeviceStreams:
         """Device bytes reserved for those chunks."""
         self.completed = 0
         """Chunks finished here (successfully or not)."""
+        self.failure: ContextPoisonedError | None = None
+        """The error that poisoned the device's context, once a chunk here met it:
+        placement passes the device over from then on."""
+
+    def saw(self, error: BaseException | None) -> None:
+        """A chunk here ended with ``error``: if it tells of a poisoned context and this
+        device's own context is poisoned (the error may come from another device, through
+        :meth:`~.chunk.ChunkContext.move`), remember it as :attr:`failure`."""
+        if self.failure is not None or not isinstance(error, ContextPoisonedError):
+            return
+        try:
+            self.h2d.query()  # non-blocking; a poisoned context answers with its sticky error
+        except ContextPoisonedError:
+            self.failure = error
+        except (CudaError, ClosedError):  # (closed with its executor: nothing is placed here anymore)
+            pass
 
     def next_compute(self) -> tuple[int, Stream]:
         """``(track, stream)``: the compute stream for the next chunk, in turn."""
@@ -77,5 +95,5 @@ class DeviceStreams:
     def __repr__(self) -> str:
         return (
             f"<DeviceStreams device={self.device.ordinal} chunks={self.chunks}/{self.max_chunks} "
-            f"reserved={self.reserved} completed={self.completed}>"
+            f"reserved={self.reserved} completed={self.completed}{' FAILED' if self.failure else ''}>"
         )

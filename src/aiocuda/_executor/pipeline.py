@@ -29,7 +29,7 @@ import anyio
 import numpy.typing as npt
 
 from .._util import NoPublicConstructor
-from ..errors import ClosedError
+from ..errors import ClosedError, ContextPoisonedError
 from .chunk import ChunkResult, ChunkRunner
 from .chunk_map import ChunkMap, OnError
 from .device_streams import DeviceStreams
@@ -117,7 +117,14 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         admission, nbytes = self._admission, reserve(array)
         placed, self._cursor = admission.try_admit(self._placement, self._device_streams, nbytes, self._cursor)
         if placed is None:  # no device has room: wait for one (the executor's back-pressure)
-            placed, self._cursor = await admission.admit(self._placement, self._device_streams, nbytes, self._cursor)
+            try:
+                placed, self._cursor = await admission.admit(
+                    self._placement, self._device_streams, nbytes, self._cursor
+                )
+            except ContextPoisonedError as exc:  # every device has failed: so does the chunk
+                self._admitted()
+                self._send_result(ChunkResult(index, self._device_streams[0].device.ordinal, None, exc))
+                return
         self._admitted()
         graphs = self._graphs
         if graphs is None:
@@ -174,6 +181,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         """A chunk is over: give its admission back and deliver its result (none when it
         has neither: it was cancelled)."""
         device_streams.completed += 1
+        device_streams.saw(error)
         self._admission.release(device_streams, reserve(host))
         if output is not None or error is not None:
             self._send_result(ChunkResult(index, device_streams.device.ordinal, output, error))

@@ -1,6 +1,8 @@
 """Placing chunks on devices: round-robin or least-loaded, never beyond a device's budget.
 
-A device accepts a chunk while it has fewer than its ``max_chunks`` in flight and the
+A device whose context a chunk found poisoned accepts no more chunks; when every device
+has failed, :meth:`Admission.admit` raises :class:`~aiocuda.errors.ContextPoisonedError`.
+Otherwise a device accepts a chunk while it has fewer than its ``max_chunks`` in flight and the
 bytes reserved for its chunks stay within its memory budget (an idle device accepts any
 chunk, so one oversized chunk still runs -- and fails with OutOfMemoryError if it truly
 does not fit). When no device accepts, :meth:`Admission.admit` waits until a chunk
@@ -13,6 +15,8 @@ from collections.abc import Sequence
 from typing import Literal, Protocol, TypeVar
 
 import anyio
+
+from ..errors import ContextPoisonedError
 
 __all__ = ["Admission", "Loaded", "PlacementName", "choose"]
 
@@ -27,12 +31,16 @@ class Loaded(Protocol):
     max_chunks: int
     budget: int
 
+    @property
+    def failure(self) -> ContextPoisonedError | None:
+        """Why the device cannot run anything more (None while it can)."""
+
 
 L = TypeVar("L", bound=Loaded)
 
 
 def _fits(candidate: Loaded, nbytes: int) -> bool:
-    if candidate.chunks >= candidate.max_chunks:
+    if candidate.chunks >= candidate.max_chunks or candidate.failure is not None:
         return False
     return candidate.chunks == 0 or candidate.reserved + nbytes <= candidate.budget
 
@@ -84,11 +92,13 @@ class Admission:
 
     async def admit(self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
         """Wait until a device accepts ``nbytes``; reserve it there. Returns the device
-        and the next cursor."""
+        and the next cursor. Raises :class:`~aiocuda.errors.ContextPoisonedError` when
+        every device has failed."""
         while True:
             candidate, cursor = self.try_admit(policy, candidates, nbytes, cursor)
             if candidate is not None:
                 return candidate, cursor
+            _refuse_if_all_failed(candidates)
             if self._changed is None:
                 self._changed = anyio.Event()
             await self._changed.wait()
@@ -100,3 +110,19 @@ class Admission:
         changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()
+
+
+def _refuse_if_all_failed(candidates: Sequence[Loaded]) -> None:
+    failures = [candidate.failure for candidate in candidates]
+    if not failures or any(failure is None for failure in failures):
+        return
+    first = failures[0]
+    assert first is not None
+    which = "the executor's device" if len(failures) == 1 else f"all {len(failures)} of the executor's devices"
+    raise ContextPoisonedError(
+        f"{which} failed earlier and cannot run anything more (restart the process): {first}",
+        code=first.code,
+        name=first.name,
+        description=first.description,
+        call=first.call,
+    ) from first

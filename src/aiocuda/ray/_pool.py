@@ -37,6 +37,9 @@ class ActorSlot(metaclass=NoPublicConstructor):
 
     __slots__ = ("actor", "budget", "chunks", "completed", "index", "lost", "max_chunks", "reserved")
 
+    failure = None
+    """(Placement passes a lost actor over through its ``max_chunks``: see ``lost``.)"""
+
     def __init__(self, actor: Any, index: int, max_chunks: int) -> None:
         self.actor = actor
         self.index = index
