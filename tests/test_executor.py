@@ -579,6 +579,50 @@ async def test_once_every_device_failed_chunks_fail_at_once(sim_backend: Any, an
             await ex.run(ScaleStage(1), chunks(5))
 
 
+FAILED_DEVICE_SCRIPT = """
+import anyio
+import numpy as np
+from aiocuda.errors import ContextPoisonedError
+from aiocuda.executor import Executor
+from _workload import _kernel, poison_op
+
+def fault(ctx, x):
+    poison_op(ctx.stream)
+
+async def main():
+    async with Executor([0]) as ex:
+        for stream in ex.device_streams[0].compute:
+            _kernel(stream, "poison")  # (loaded before the fault)
+        try:
+            await ex.submit(fault, np.zeros(4, np.float32))
+        except ContextPoisonedError as exc:
+            print("CHUNK FAILED", exc.name)
+        with anyio.fail_after(5):
+            try:
+                await ex.submit(fault, np.zeros(4, np.float32))
+            except ContextPoisonedError as exc:
+                print("REFUSED", "failed earlier" in str(exc), list(ex.failures))
+    print("LEFT")
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_device_that_failed_refuses_later_chunks(backend: str) -> None:
+    """In a process of its own (a poisoned context is not recovered), on the GPU too: the
+    chunk that meets the fault fails with it, the next submit fails at once, and leaving
+    the executor does not raise it again."""
+    from .conftest import real_gpu_count
+    from .test_completion import run_script
+
+    if backend == "cuda" and real_gpu_count() == 0:
+        pytest.skip("no real GPU")
+    proc = run_script(FAILED_DEVICE_SCRIPT, backend)
+    out = proc.stdout + proc.stderr
+    assert "CHUNK FAILED" in out and "REFUSED True [0]" in out and "LEFT" in out, out
+
+
 async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:
     from aiocuda.errors import CudaError, ResultCode
 
