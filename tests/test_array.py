@@ -134,6 +134,9 @@ async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_back
         dev[4]
     with pytest.raises(TypeError):
         dev[[0, 1]]
+    for mask in (True, False, (0, True)):  # numpy's masks, not the ints 1 and 0
+        with pytest.raises(TypeError, match="basic indexing only, not bool"):
+            dev[mask]
     with pytest.raises(ArgumentError):
         dev[:, ::2].reshape(-1)
     with pytest.raises(ArgumentError):

@@ -12,7 +12,7 @@ import pytest
 from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
-from aiocuda.errors import ArgumentError
+from aiocuda.errors import ArgumentError, OutOfMemoryError
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
 
 pytestmark = pytest.mark.anyio
@@ -98,6 +98,11 @@ def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver
         pinned_empty(2**62, np.float32)
     with pytest.raises(ArgumentError, match="objects"):
         pinned_empty(4, object)
+
+
+def test_more_than_the_host_can_lock_is_an_out_of_memory_error(sim_backend: _driver.Driver) -> None:
+    with pytest.raises(OutOfMemoryError, match="cuMemHostAlloc"):  # (was numpy's MemoryError)
+        pinned_empty(2**61, np.uint8)
 
 
 def test_a_pinned_array_collected_while_its_thread_holds_the_cache_lock(frees: list[int]) -> None:

@@ -107,6 +107,15 @@ async def test_cai_export_is_refused_while_the_arrays_stream_is_captured(
         assert array.__cuda_array_interface__["stream"] is None  # after the capture: as before
 
 
+@pytest.mark.parametrize("stream", [0, -2, 1.0, True, "1"])
+async def test_dlpack_refuses_a_stream_the_protocol_does_not_define(
+    backend: _driver.Driver, anyio_backend: object, stream: object
+) -> None:
+    dev = await ga.to_device(np.arange(4, dtype=np.float32))
+    with pytest.raises(ValueError, match="stream="):
+        dev.__dlpack__(stream=stream)  # type: ignore[arg-type]
+
+
 async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_backend: object) -> None:
     host = np.arange(24, dtype=np.int16).reshape(4, 6)
     dev = await ga.to_device(host)

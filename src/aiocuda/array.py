@@ -215,6 +215,8 @@ class DeviceArray:
                 strides.append(stride * step)
                 continue
             try:
+                if isinstance(k, bool):  # (an int to Python, a mask to numpy: refused as np.bool_ is)
+                    raise TypeError
                 i = operator.index(k)
             except TypeError:
                 raise TypeError(f"DeviceArray supports basic indexing only, not {type(k).__name__}") from None

@@ -235,6 +235,13 @@ _CAPSULE_DESTRUCTOR = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
 
 
 def _order_consumer(array: DeviceArray, stream: int | None) -> None:
+    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream == 0 or stream < -1):
+        # (the DLPack protocol for CUDA: None or 1 the legacy default stream, 2 the
+        # per-thread one, a larger int a stream handle, -1 no ordering; 0 is ambiguous)
+        raise ValueError(
+            f"__dlpack__(stream=) takes None, -1, 1, 2 or a CUDA stream handle, got {stream!r} "
+            "(0 is not allowed: it could mean the legacy or the per-thread default stream)"
+        )
     if stream == -1:
         return
     producer = array.stream

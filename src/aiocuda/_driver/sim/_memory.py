@@ -468,7 +468,12 @@ class SimMemory:
         self._api("mem_host_alloc")
         if size <= 0:
             raise _invalid("cuMemHostAlloc", f"size must be > 0, got {size}")
-        array = _aligned_bytes(size)
+        try:
+            array = _aligned_bytes(size)
+        except MemoryError:  # (what the driver answers when the host cannot lock that much)
+            raise error_for_code(
+                ResultCode.OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory", "cuMemHostAlloc"
+            ) from None
         state = self._mem()
         with state.lock:
             state.insert(_Block(array.ctypes.data, size, array, "host", -1, None))
