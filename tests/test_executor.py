@@ -540,9 +540,7 @@ async def test_a_device_failing_mid_map_fails_its_chunks_in_go_on_mode(sim_backe
         ex.close()
 
 
-async def test_a_failed_device_is_passed_over_and_the_others_serve_on(
-    sim_backend: Any, anyio_backend: Any
-) -> None:
+async def test_a_failed_device_is_passed_over_and_the_others_serve_on(sim_backend: Any, anyio_backend: Any) -> None:
     """Two devices, one poisoned: after the chunk that finds it, every submit and every
     chunk of a map runs on the other device (least_loaded would otherwise favour the failed
     device, whose chunks fail at once), and leaving does not raise what was reported."""
