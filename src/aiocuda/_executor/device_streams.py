@@ -7,10 +7,10 @@ per request.)
 from __future__ import annotations
 
 from ..device import Device
-from ..errors import ClosedError, ContextPoisonedError, CudaError
+from ..errors import ContextPoisonedError
 from ..memory import MemoryPool
 from ..stream import Stream
-from .lanes import Priority, stream_priority
+from .lanes import Priority, failed_here, stream_priority
 
 __all__ = ["DeviceStreams"]
 
@@ -73,14 +73,8 @@ class DeviceStreams:
         """A chunk here ended with ``error``: if it tells of a poisoned context and this
         device's own context is poisoned (the error may come from another device, through
         :meth:`~.chunk.ChunkContext.move`), remember it as :attr:`failure`."""
-        if self.failure is not None or not isinstance(error, ContextPoisonedError):
-            return
-        try:
-            self.h2d.query()  # non-blocking; a poisoned context answers with its sticky error
-        except ContextPoisonedError:
-            self.failure = error
-        except (CudaError, ClosedError):  # (closed with its executor: nothing is placed here anymore)
-            pass
+        if self.failure is None:
+            self.failure = failed_here(error, self.h2d)
 
     def next_compute(self) -> tuple[int, Stream]:
         """``(track, stream)``: the compute stream for the next chunk, in turn."""
