@@ -48,7 +48,17 @@ from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
 from . import lane_graphs
 
-__all__ = ["PRIORITIES", "Lane", "Lanes", "LanesStatistics", "Priority", "Setup", "default_count", "failed_here", "stream_priority"]
+__all__ = [
+    "PRIORITIES",
+    "Lane",
+    "Lanes",
+    "LanesStatistics",
+    "Priority",
+    "Setup",
+    "default_count",
+    "failed_here",
+    "stream_priority",
+]
 
 Priority = Literal["normal", "high"]
 PRIORITIES: tuple[Priority, ...] = ("normal", "high")
