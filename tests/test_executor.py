@@ -723,6 +723,49 @@ async def test_submit_runs_on_at_most_the_default_lanes_of_a_device(slow_sim: An
         np.testing.assert_allclose(found[i], scale_reference(host, REPS), rtol=1e-5)
 
 
+async def test_leaving_cancelled_closes_at_once(sim_backend: Any, anyio_backend: Any) -> None:
+    """Work that does not end (a paused stream) does not hold a cancelled exit: the
+    executor closes its streams at once (the work runs on when the stream resumes), in an
+    anyio scope and in an asyncio task unwinding from its cancellation."""
+    ex = Executor([0])
+    with anyio.move_on_after(0.05) as scope:
+        async with ex:
+            h2d = ex.device_streams[0].h2d
+            handle = h2d.handle
+            sim_backend.pause(handle)
+            await ex.submit(ScaleStage(1), np.ones(8, np.float32))
+            h2d.record()  # (pending behind the pause)
+            await anyio.sleep_forever()
+    assert scope.cancelled_caught and h2d.closed
+    sim_backend.resume(handle)
+    await h2d
+
+    if anyio_backend != "asyncio":
+        return
+    import asyncio
+
+    started = anyio.Event()
+
+    async def unwinding() -> None:
+        async with Executor([0]) as inner:
+            h2d = inner.device_streams[0].h2d
+            held.append((h2d, h2d.handle))
+            sim_backend.pause(h2d.handle)
+            h2d.record()
+            started.set()
+            await anyio.sleep_forever()
+
+    held: list[Any] = []
+    task = asyncio.ensure_future(unwinding())
+    await started.wait()
+    task.cancel()
+    with anyio.fail_after(5), pytest.raises(asyncio.CancelledError):
+        await task
+    h2d, handle = held[0]
+    assert h2d.closed
+    sim_backend.resume(handle)
+
+
 async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend: Any) -> None:
     baseline = used_bytes()
     async with Executor([0]) as ex:

@@ -57,9 +57,9 @@ import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any
 
-import anyio
 import numpy.typing as npt
 
+from ._completion.loops import being_cancelled
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.chunk_map import OnError, as_input
 from ._executor.device_streams import DeviceStreams
@@ -103,8 +103,10 @@ class Executor:
     Use as ``async with Executor(...) as ex``. Entering enables peer access between every
     pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
     by a copy), so that :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
-    block waits (shielded from cancellation) for the GPU work the executor enqueued, then
-    closes its streams.
+    block waits for the GPU work the executor enqueued (on devices that have not failed),
+    then closes its streams. Left cancelled, or by an asyncio task unwinding from its
+    cancellation, it closes them at once: enqueued work still runs, and nothing is freed
+    under it.
     """
 
     def __init__(
@@ -170,14 +172,14 @@ class Executor:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        with anyio.CancelScope(shield=True):
-            try:
+        try:
+            if not being_cancelled():  # (a task unwinding from its cancellation: no waiting)
                 await self.synchronize()
-            except CudaError:
-                if exc[0] is None:
-                    raise
-            finally:
-                self.close()
+        except CudaError:
+            if exc[0] is None:
+                raise
+        finally:
+            self.close()
 
     def _open_devices(self) -> None:
         chosen = (
