@@ -425,6 +425,63 @@ def test_real_fault_inside_a_replay_fails_its_await(lib: str) -> None:
     assert "OTHER FAILED" in proc.stdout, proc.stdout + proc.stderr
 
 
+async def test_a_graph_closed_after_its_launch_stream_keeps_what_the_replay_uses(
+    module: Module, anyio_backend: object
+) -> None:
+    """A replay on a per-request stream, the stream closed and the graph closed before the
+    replay ran: the page-locked arrays it copies from and to stay alive until it has (they
+    went back to the pinned cache, to be handed to other arrays while the replay still
+    wrote into them)."""
+    add_one = module.kernel("add_one")
+    s = Stream(0)
+    backend = s.device._driver
+    host_in, host_out = _pinned(5.0), _pinned(0.0)
+    async with s.capture() as graph:
+        x = empty(N, np.float32, stream=s)
+        await x.copy_from(host_in, stream=s)
+        add_one.launch(GRID, BLOCK, x, N, stream=s)
+        await x.to_host(out=host_out, stream=s)
+    request = Stream(0)
+    handle = request.handle
+    if backend.name == "sim":
+        backend.pause(handle)  # type: ignore[attr-defined]
+    else:
+        slow_op(request, 0.5)
+    graph.launch(request)
+    request.close()
+    watched = [weakref.ref(host_in), weakref.ref(host_out)]
+    graph.close()
+    del graph, host_in, host_out
+    gc.collect()
+    assert all(ref() is not None for ref in watched)  # the pending replay uses them
+    if backend.name == "sim":
+        backend.resume(handle)  # type: ignore[attr-defined]
+    await request
+    np.testing.assert_array_equal(watched[1](), 6.0)  # type: ignore[misc]
+    s.close()
+
+
+async def test_a_graph_forgets_the_finished_streams_it_was_launched_on(
+    module: Module, anyio_backend: object
+) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        kept = []
+        for _ in range(20):  # a stream per request, closed as the request ends
+            with Stream(0) as request:
+                await graph.launch(request)
+            kept.append(weakref.ref(request))
+        del request
+        gc.collect()
+        assert sum(ref() is not None for ref in kept) <= 2
+        graph.close()
+        await s
+        np.testing.assert_array_equal(await x.to_host(stream=s), 20.0)
+
+
 async def test_a_cancelled_await_leaves_the_replay_and_its_memory(module: Module, anyio_backend: object) -> None:
     add_one = module.kernel("add_one")
     backend = Stream(0).device._driver

@@ -158,9 +158,25 @@ def _retire(replays: _Replays, launched: dict[int, Stream]) -> None:
 
 def _hand_over(launched: dict[int, Stream], objs: tuple[Any, ...]) -> None:
     for stream in launched.values():
-        if not stream.closed:
-            with contextlib.suppress(CudaError):  # a poisoned context: nothing will run
-                stream.hold(*objs)
+        # (a closed stream's holds wait for the work enqueued before it closed)
+        with contextlib.suppress(CudaError):  # a poisoned context: nothing will run
+            stream.hold(*objs)
+
+
+def _forget_finished(launched: dict[int, Stream]) -> None:
+    """Drop the closed streams whose work has all finished: no replay on them needs
+    anything more (a graph replayed on a stream per request would keep them all)."""
+    finished = []
+    for key, stream in launched.items():
+        if stream.closed:
+            try:
+                done = stream.query()
+            except CudaError:  # a poisoned context: nothing more runs there
+                done = True
+            if done:
+                finished.append(key)
+    for key in finished:
+        del launched[key]
 
 
 class _Launch:
@@ -295,6 +311,7 @@ class Graph(metaclass=NoPublicConstructor):
             self.device.make_current()  # a thread that never bound the context: bind it and retry
             self._driver.graph_launch(replays.graph_exec, s.handle)
         if id(s) not in self._launched:
+            _forget_finished(self._launched)
             self._launched[id(s)] = s
 
     def _ready(self) -> _Replays:
