@@ -461,9 +461,7 @@ async def test_a_graph_closed_after_its_launch_stream_keeps_what_the_replay_uses
     s.close()
 
 
-async def test_a_graph_forgets_the_finished_streams_it_was_launched_on(
-    module: Module, anyio_backend: object
-) -> None:
+async def test_a_graph_forgets_the_finished_streams_it_was_launched_on(module: Module, anyio_backend: object) -> None:
     add_one = module.kernel("add_one")
     with Stream(0) as s:
         x = await _device(0.0, s)

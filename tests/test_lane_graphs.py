@@ -111,6 +111,53 @@ async def test_work_that_cannot_be_captured_runs_as_it_is(
     assert sum("could not be captured" in record.message for record in caplog.records) == 1
 
 
+async def test_a_lanes_pageable_copies_in_replayed_work_run_as_they_are(
+    backend: _driver.Driver, anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lane's copy of pageable memory inside the work is not captured (a replay would
+    repeat the device half of it, not the host half: every request got the first one's
+    data): the work runs as it is, with the usual warning, and each request gets its own."""
+    scale = ScaleStage(REPS)
+
+    def copies_inside(lane: Lane) -> None:
+        lane.upload(lane.state.host, out=lane.state.x)
+        scale.kernel.launch((N + 255) // 256, 256, lane.state.x, N, REPS, stream=lane.stream)
+        lane.download(lane.state.x, out=lane.state.out)
+
+    def own_host_arrays(lane: Lane) -> SimpleNamespace:
+        return SimpleNamespace(x=lane.empty(N, np.float32), host=np.zeros(N, np.float32), out=np.zeros(N, np.float32))
+
+    caplog.set_level(logging.WARNING, logger="aiocuda")
+    async with Lanes(count=1, setup=own_host_arrays) as lanes:
+        for i in range(4):
+            async with lanes.lease() as lane:
+                lane.state.host[:] = i
+                lane.replay(copies_inside)
+                await lane
+                np.testing.assert_allclose(lane.state.out, scale_reference(lane.state.host, REPS), rtol=1e-4)
+    assert sum("pageable host memory cannot be captured" in record.message for record in caplog.records) == 1
+
+
+async def test_a_work_function_made_per_request_is_not_kept_forever(
+    backend: _driver.Driver, anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    from aiocuda._executor.lane_graphs import MAX_WORKS
+
+    scale = ScaleStage(1)
+    caplog.set_level(logging.WARNING, logger="aiocuda")
+    async with Lanes(count=1, setup=setup) as lanes:
+        for _ in range(MAX_WORKS + 10):
+            async with lanes.lease() as lane:
+
+                def per_request(lane: Lane) -> None:  # a new function every time
+                    scale.kernel.launch((N + 255) // 256, 256, lane.state.x, N, 1, stream=lane.stream)
+
+                lane.replay(per_request)
+                await lane
+        assert len(lanes.lanes[0]._graphs) == MAX_WORKS
+    assert sum("never replayed" in record.message for record in caplog.records) == 1
+
+
 async def test_coroutine_functions_are_refused(backend: _driver.Driver, anyio_backend: Any) -> None:
     async def work(lane: Lane) -> None:
         pass

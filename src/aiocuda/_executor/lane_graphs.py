@@ -21,7 +21,7 @@ from ..graph import Graph
 if TYPE_CHECKING:
     from .lanes import Lane
 
-__all__ = ["Work", "close", "replay"]
+__all__ = ["MAX_WORKS", "Work", "close", "replay"]
 
 _log = logging.getLogger("aiocuda")
 
@@ -30,6 +30,10 @@ Work = Callable[["Lane"], Any]
 
 _WARMED = "warmed"
 _EAGER = "eager"
+
+MAX_WORKS = 64
+"""``(work, key)`` pairs a lane keeps graphs for; beyond, the oldest is dropped (and its
+graph closed), with a warning: a function made per request is never the same twice."""
 
 
 def replay(lane: Lane, work: Work, key: Hashable) -> None:
@@ -42,7 +46,9 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
         return
     if found is None or found == _EAGER:
         _run(lane, work)
-        graphs.setdefault(slot, _WARMED)
+        if found is None:
+            _make_room(lane, graphs)
+            graphs[slot] = _WARMED
         return
     try:
         with lane.stream.capture() as graph:
@@ -54,6 +60,24 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
         return
     graphs[slot] = graph
     graph.launch(lane.stream)
+
+
+def _make_room(lane: Lane, graphs: dict[Any, Any]) -> None:
+    if len(graphs) < MAX_WORKS:
+        return
+    oldest = next(iter(graphs))
+    dropped = graphs.pop(oldest)
+    if isinstance(dropped, Graph):
+        dropped.close()
+    if not lane._warned_works:
+        lane._warned_works = True
+        _log.warning(
+            "aiocuda: lane %d was given more than %d different (work, key) pairs to replay, and drops the "
+            "oldest: pass one long-lived function per kind of work (a function made per request, such as "
+            "a closure, is a new one every time and is never replayed); vary the data through lane.state",
+            lane.index,
+            MAX_WORKS,
+        )
 
 
 def _run(lane: Lane, work: Work) -> None:

@@ -127,6 +127,7 @@ class Lane:
         "_staging_ptr",
         "_staging_size",
         "_streams",
+        "_warned_works",
         "device",
         "index",
         "state",
@@ -163,6 +164,7 @@ class Lane:
         """Downloads through staging to finish once awaited: (host address, staging address, bytes)."""
         self._graphs: dict[Any, Any] = {}
         """What :meth:`replay` knows of each ``(work, key)``: warmed up, its graph, or eager."""
+        self._warned_works = False
 
     # -- graphs --------------------------------------------------------------------------------
     def replay(self, work: Callable[[Lane], object], *, key: Hashable = None) -> None:
@@ -175,8 +177,10 @@ class Lane:
         captures it and launches the graph, later ones only launch the graph. So
         ``work`` must enqueue the same work every time, on ``lane.stream``, on the lane's
         own memory (arrays kept in ``lane.state``): a replay repeats the pointers and
-        scalars of the capture. Give variants (a batch size, ...) their own ``key``.
-        Copies in and out stay around it::
+        scalars of the capture. Give variants (a batch size, ...) their own ``key``, and
+        pass one long-lived function (a closure made per request is a new ``work`` every
+        time: never replayed; a lane keeps at most ``MAX_WORKS`` = 64 of them). Copies in
+        and out stay around it (a lane's copy of pageable memory cannot be captured)::
 
             lane.upload(host, out=lane.state.x)      # request data into the lane's array
             lane.replay(model_step)                   # the kernels, one launch
@@ -304,6 +308,13 @@ class Lane:
         """A page-locked region of ``nbytes`` for a copy of this lease: from the lane's
         staging block while it lasts, else a block from the pinned cache kept until the
         lane is awaited."""
+        capture = self.stream._capture
+        if capture is not None:  # (the host half of the copy would not be replayed)
+            raise capture.refuse(
+                "a lane's copy of pageable host memory",
+                "it goes through the lane's staging on the host when enqueued, which a replay does not "
+                "repeat: copy from and to page-locked arrays (aiocuda.pinned_empty) in replayed work",
+            )
         self._awaited = False
         start = self._staged
         end = start + nbytes
