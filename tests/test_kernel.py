@@ -435,6 +435,30 @@ def test_arrays_must_have_the_pointee_type(module: Module) -> None:
         s.synchronize()
 
 
+def test_strided_views_and_memory_of_another_device_are_refused(module: Module) -> None:
+    """A kernel gets an array's first address only: a strided view would be read as if
+    contiguous, and memory of another device was not kept alive for the kernel (freed and
+    reused under it)."""
+    from aiocuda.device import devices
+
+    saxpy = module.kernel("saxpy")  # float a, const float* x, float* y, int n
+    with Stream(0) as s:
+        x, y = empty(16, np.float32, stream=s), empty(8, np.float32, stream=s)
+        go = saxpy.bind(1, 32, stream=s)
+        for launch in (go, saxpy[1, 32, s], lambda *a: saxpy.launch(1, 32, *a, stream=s)):
+            with pytest.raises(LaunchError, match=r"argument 1 .*strided view"):
+                launch(2.0, x[::2], y, 8)
+            launch(2.0, x[8:], y, 8)  # a contiguous slice is what it looks like
+        if len(devices()) > 1:
+            with Stream(1) as other:
+                far = empty(8, np.float32, stream=other)
+                for wrong in (far, far.buffer):
+                    with pytest.raises(LaunchError, match="on device 1, the kernel runs on device 0"):
+                        go(2.0, wrong, y, 8)
+                other.synchronize()
+        s.synchronize()
+
+
 def test_missing_kernel_is_a_clear_error(module: Module) -> None:
     with pytest.raises(ArgumentError, match="nope"):
         module.kernel("nope").function(0)

@@ -19,7 +19,9 @@ the kernel's signature before anything reaches the driver; a wrong count or type
 truncation: ``1.5`` for an ``int`` fails, ``2**40`` for an ``int`` fails). Pointers:
 ``DeviceArray``, ``DeviceBuffer``, objects with ``__cuda_array_interface__``, ``int``
 addresses, ``None``; an array must have the declared element type (a ``float64`` array
-for a ``float*`` fails), except for ``void*`` and byte pointers, which take any.
+for a ``float*`` fails), except for ``void*`` and byte pointers, which take any, must be
+C-contiguous (a kernel gets its first element's address only: a strided view fails), and
+must be on the kernel's device unless it is managed memory (:mod:`aiocuda.managed`).
 
 Cost: :meth:`Kernel.bind` builds, once, a function specialised for the signature and
 the launch configuration (see :mod:`aiocuda._kernels.packing`), so calling it costs one

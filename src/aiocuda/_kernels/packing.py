@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import CaptureError, LaunchError
+from ..managed import ManagedArray, ManagedPool
 from .signature import Param, Signature, struct_format
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "StructSlot", "build_launcher", "diagnose", "to_pointer"]
@@ -133,14 +134,14 @@ class ParamBuffer:
     def pack(self, args: tuple[Any, ...], stream: Any) -> None:
         """Pack ``args`` (any accepted form) the slow, general way; raises LaunchError."""
         if len(args) != len(self.signature):
-            raise diagnose(self.signature, args, "")
+            raise diagnose(self.signature, args, "", stream)
         try:
             self.pack_into(self._storage, 0, *_convert(self.signature, args, stream))
             structs = (a for p, a in zip(self.signature, args, strict=True) if p.by_value_struct)
             for slot, value in zip(self.slots, structs, strict=True):
                 slot.write(value)
         except (struct.error, OverflowError, TypeError, ValueError):
-            raise diagnose(self.signature, args, "") from None
+            raise diagnose(self.signature, args, "", stream) from None
 
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
@@ -168,7 +169,11 @@ def to_pointer(arg: Any, stream: Any, pointee: np.dtype | None = None) -> int:
 
 def _buffer_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     if stream is not None:
-        arg._used_on(stream)
+        if arg.device is not stream.device:
+            if not isinstance(getattr(arg, "pool", None), ManagedPool):
+                raise _wrong_device(arg.device, stream.device)
+        else:
+            arg._used_on(stream)
     return arg.ptr  # type: ignore[no-any-return]
 
 
@@ -176,9 +181,29 @@ def _array_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     if pointee is not None and arg.dtype is not pointee and arg.dtype != pointee:
         raise _wrong_elements(arg.dtype, pointee)
     buffer = arg.buffer
-    if stream is not None and getattr(buffer, "device", None) is stream.device:
-        buffer._used_on(stream)
+    if stream is not None:
+        device = getattr(buffer, "device", None)
+        if device is stream.device:
+            buffer._used_on(stream)
+        elif device is not None and not isinstance(arg, ManagedArray):
+            raise _wrong_device(device, stream.device)
+    strides = arg.strides
+    if not (len(strides) == 1 and strides[0] == arg.dtype.itemsize) and not arg.is_c_contiguous:
+        raise TypeError(
+            f"it is a strided view (strides {strides}), and a kernel gets only the address of its first "
+            "element: copy it into a C-contiguous array first (aiocuda.copy_array), or pass its .ptr if "
+            "the kernel walks the strides itself"
+        )
     return arg.ptr  # type: ignore[no-any-return]
+
+
+def _wrong_device(device: Any, launched_on: Any) -> TypeError:
+    # (nothing would keep its memory from being freed and reused under the kernel, and
+    # the kernel's device may not reach it: managed memory is what every device reaches)
+    return TypeError(
+        f"it is on device {device.ordinal}, the kernel runs on device {launched_on.ordinal}: copy it "
+        "there first (aiocuda.copy_array, ChunkContext.move), or use managed memory (aiocuda.managed)"
+    )
 
 
 def _cai_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
@@ -233,8 +258,9 @@ _converters: dict[type, Callable[[Any, Any, np.dtype | None], int]] = {}
 # cost about 40 ns per launch, a lock (acquire, release, try/finally) about 180 ns.
 
 
-def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> LaunchError:
-    """The LaunchError that says which argument does not fit ``signature`` and why."""
+def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str, stream: Any = None) -> LaunchError:
+    """The LaunchError that says which argument does not fit ``signature`` (launched on
+    ``stream``) and why."""
     where = f"kernel {kernel!r}" if kernel else "the kernel"
     declared = ", ".join(p.describe() for p in signature) or "no arguments"
     if len(args) != len(signature):
@@ -247,7 +273,7 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str) -> Launch
             if param.by_value_struct:
                 StructSlot(param.dtype).write(arg)
                 continue
-            value = to_pointer(arg, None, param.pointee) if param.code == "Q" and type(arg) is not int else arg
+            value = to_pointer(arg, stream, param.pointee) if param.code == "Q" and type(arg) is not int else arg
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
@@ -305,7 +331,7 @@ def launch(*args):
         raise
     except Exception:
         give(item)
-        raise diagnose(signature, args, kernel) from None
+        raise diagnose(signature, args, kernel, stream) from None
     err = fn(*item[1])[0]
     give(item)
     if err:
