@@ -459,6 +459,24 @@ def test_strided_views_and_memory_of_another_device_are_refused(module: Module) 
         s.synchronize()
 
 
+def test_scalars_take_numbers_not_arrays_or_truthy_objects(module: Module) -> None:
+    """A bool parameter took any object (its truthiness), a size_t one an array (its
+    address): both are refused, naming the argument."""
+    axpy = module.kernel("axpy<float>")  # float a, const float* x, float* y, size_t n
+    flag = module.kernel("fill", signature="int*, bool, int")
+    with Stream(0) as s:
+        x, y = empty(8, np.float32, stream=s), empty(8, np.int32, stream=s)
+        for wrong in (x, None, -1):
+            with pytest.raises(LaunchError, match=r"argument 3 \(uint64 n\)"):
+                axpy.launch(1, 8, 2.0, x, x, wrong, stream=s)
+        for wrong in ("no", 0.5, x, 2):
+            with pytest.raises(LaunchError, match=r"argument 1 \(bool\).*True, False, 0 or 1"):
+                flag.launch(1, 8, y, wrong, 8, stream=s)
+        for right in (True, np.bool_(False), 1):
+            flag.launch(1, 8, y, right, 8, stream=s)
+        s.synchronize()
+
+
 def test_missing_kernel_is_a_clear_error(module: Module) -> None:
     with pytest.raises(ArgumentError, match="nope"):
         module.kernel("nope").function(0)

@@ -128,6 +128,28 @@ def test_signatures_from_source() -> None:
     assert "t" not in found
 
 
+def test_signatures_that_would_mislead_are_read_as_c_does_or_not_at_all() -> None:
+    source = r"""
+    #ifdef USE_DOUBLE
+    extern "C" __global__ void axpy(double a, const double* x, double* y, int n) {}
+    #else
+    extern "C" __global__ void axpy(float a, const float* x, float* y, int n) {}
+    #endif
+    typedef unsigned int uint;
+    extern "C" __global__ void iota(uint* out, uint n) {}
+    extern "C" __global__ void rows(float** table, int n) {}
+    template <typename T, typename I = int> __global__ void gather(const T* src, const I* idx, T* dst, I n) {}
+    """
+    found = source_signatures(source, ["gather<float, long>"])
+    assert found["axpy"] is None  # which one compiles depends on the defines: ask for a declaration
+    iota = found["iota"]
+    assert iota is not None and [p.dtype.name for p in iota] == ["uint32", "uint32"]  # C's uint, not numpy's
+    rows = found["rows"]
+    assert rows is not None and rows[0].pointer and rows[0].pointee is None  # a table of pointers: any array
+    gather = found["gather<float, long>"]
+    assert gather is not None and [p.dtype.name for p in gather] == ["float32", "int64", "float32", "int64"]
+
+
 def test_declared_signatures() -> None:
     assert parse_signature([np.float32, "ptr", "int64"]) == parse_signature("float, void*, long long")
     with pytest.raises(TypeError, match="not a supported"):
@@ -141,6 +163,10 @@ def test_ptx_signatures() -> None:
     assert ptx_signatures(ptx) == {"k": None}
     sig = ptx_signatures(".entry j(.param .s32 a, .param .f64 b)")["j"]
     assert sig is not None and [p.dtype.name for p in sig] == ["int32", "float64"]
+    llvm = ".entry s(.param .u64 .ptr .global .align 4 s_param_0, .param .f32 s_param_1)"  # (NVVM's pointers)
+    sig = ptx_signatures(llvm)["s"]
+    assert sig is not None and [(p.dtype.name, p.takes_address) for p in sig] == [("uint64", True), ("float32", False)]
+    assert ptx_signatures(".entry u(.param .u64 .weird u_param_0)") == {"u": None}  # never a shorter signature
 
 
 # -- the simulated compiler ------------------------------------------------------------------------

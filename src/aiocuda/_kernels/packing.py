@@ -146,7 +146,11 @@ class ParamBuffer:
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
     return [
-        to_pointer(a, stream, p.pointee) if p.code == "Q" and type(a) is not int else a
+        to_pointer(a, stream, p.pointee)
+        if p.takes_address and type(a) is not int
+        else as_bool(a)
+        if p.code == "?"
+        else a
         for p, a in zip(signature, args, strict=True)
         if not p.by_value_struct
     ]
@@ -213,6 +217,13 @@ def _cai_pointer(arg: Any, stream: Any, pointee: np.dtype | None) -> int:
     return int(interface["data"][0])
 
 
+def as_bool(value: Any) -> bool:
+    """``value`` for a ``bool`` parameter: a bool, numpy's, or the int 0 or 1."""
+    if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
+        return bool(value)
+    raise TypeError("a bool parameter takes True, False, 0 or 1")
+
+
 def _wrong_elements(given: np.dtype, pointee: np.dtype) -> TypeError:
     return TypeError(f"its elements are {given}, the kernel reads {pointee} (convert it, or view() its bytes)")
 
@@ -273,7 +284,11 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str, stream: A
             if param.by_value_struct:
                 StructSlot(param.dtype).write(arg)
                 continue
-            value = to_pointer(arg, stream, param.pointee) if param.code == "Q" and type(arg) is not int else arg
+            value = arg
+            if param.takes_address and type(arg) is not int:
+                value = to_pointer(arg, stream, param.pointee)
+            elif param.code == "?":
+                value = as_bool(arg)
             struct.pack("@" + param.code, value)
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
@@ -301,7 +316,9 @@ def build_launcher(
     pointees = {f"p{i}": p.pointee for i, p in enumerate(signature) if p.pointee is not None}
 
     def value(i: int, param: Param) -> str:
-        if param.code != "Q":
+        if param.code == "?":
+            return f"(a{i} if a{i} is True or a{i} is False else as_bool(a{i}))"
+        if not param.takes_address:
             return f"a{i}"
         pointee = f", p{i}" if param.pointee is not None else ""
         return f"(a{i} if type(a{i}) is int else to_pointer(a{i}, stream{pointee}))"
@@ -351,6 +368,7 @@ def launch(*args):
         "grow": grow,
         "pack_into": first.pack_into,
         "to_pointer": to_pointer,
+        "as_bool": as_bool,
         "stream": stream,
         "diagnose": diagnose,
         "CaptureError": CaptureError,

@@ -88,6 +88,10 @@ _SCALARS: dict[str, str] = {
     "ssize_t": "int64",
     "intptr_t": "int64",
     "uintptr_t": "uint64",
+    "uint": "uint32",  # (sys/types.h's: C's meaning, not numpy's)
+    "ushort": "uint16",
+    "uchar": "uint8",
+    "ulong": "uint64",
 }
 """C/C++ type spellings (LP64, as on every Linux CUDA host) -> numpy dtype names."""
 
@@ -248,6 +252,14 @@ class Param:
     dtype: np.dtype
     pointer: bool = False
     name: str = ""
+    address: bool = False
+    """A 64-bit integer that may hold an address (PTX's ``.u64``, which does not tell a
+    pointer from an integer): it takes what a pointer takes, too."""
+
+    @property
+    def takes_address(self) -> bool:
+        """Whether device arrays and buffers are taken (as their addresses)."""
+        return self.pointer or self.address
 
     @property
     def by_value_struct(self) -> bool:
@@ -285,11 +297,13 @@ def _scalar_dtype(spelling: str) -> np.dtype | None:
         return vector_dtype(spelling)
     name = _SCALARS.get(spelling)
     if name is None:
+        # numpy's own names ("float32", "int64") read as themselves; not its other
+        # spellings, which say something else in C ("uint" is 64-bit to numpy, "I" a code)
         try:
             dtype = np.dtype(spelling)
         except TypeError:
             return None
-        return dtype if dtype.name in _STRUCT_CODES else None
+        return dtype if dtype.name == spelling and dtype.name in _STRUCT_CODES else None
     return np.dtype(name)
 
 
@@ -298,7 +312,8 @@ def _parse_c_param(text: str, types: dict[str, str] | None = None) -> Param | No
     text = " ".join(_QUALIFIERS.sub(" ", text).replace("&", " & ").split())
     if not text or "&" in text or "[" in text or "(" in text:
         return None
-    pointer = "*" in text
+    stars = text.count("*")
+    pointer = stars > 0
     words = text.replace("*", " ").split()
     name = ""
     if len(words) > 1 and words[-1] not in _SCALARS and (_scalar_dtype(" ".join(words)) is None):
@@ -306,8 +321,8 @@ def _parse_c_param(text: str, types: dict[str, str] | None = None) -> Param | No
     base = " ".join(words)
     if types is not None and base in types:
         base = types[base]
-    if pointer:
-        dtype = _scalar_dtype(base) if base != "void" else np.dtype("uint8")
+    if pointer:  # (to a pointer, void or an unknown type: any array; see Param.pointee)
+        dtype = _scalar_dtype(base) if base != "void" and stars == 1 else None
         return Param(dtype if dtype is not None else np.dtype("uint8"), pointer=True, name=name)
     dtype = _scalar_dtype(base)
     return None if dtype is None else Param(dtype, name=name)
@@ -389,10 +404,16 @@ def source_signatures(source: str, name_expressions: Sequence[str] = ()) -> dict
     for match in _KERNEL.finditer(strip_comments(source)):
         name, params = match["name"], match["params"]
         if match["template"]:
-            tnames = [p.split()[-1] for p in _split_params(match["tparams"]) if p.split()]
+            # (a parameter's name, not its default: "typename I = int")
+            tnames = [p.partition("=")[0].split()[-1] for p in _split_params(match["tparams"]) if p.split()]
             templates[name] = (tnames, params)
-        else:
-            found[name] = _parse_params(params, {})
+            continue
+        signature = _parse_params(params, {})
+        if name in found and found[name] != signature:
+            # defined twice with other parameters (#ifdef variants): which one the compile
+            # keeps depends on its defines, which this reading does not know
+            signature = None
+        found[name] = signature
     for expression in name_expressions:
         base, _, rest = expression.partition("<")
         base = base.strip()
@@ -415,7 +436,11 @@ def _parse_params(params: str, types: dict[str, str]) -> Signature | None:
 
 
 _PTX_ENTRY = re.compile(r"\.entry\s+(?P<name>[\w$]+)\s*\((?P<params>[^)]*)\)", re.DOTALL)
-_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+\d+\s+)?\.(?P<type>[a-z]\d+)\s+(?P<name>[\w$]+)(?P<array>\[\d+\])?")
+_PTX_PARAM = re.compile(
+    r"\.param\s+(?:\.align\s+\d+\s+)?\.(?P<type>[a-z]\d+)\s+"
+    r"(?:\.ptr\s+(?:\.(?:global|const|shared|local)\s+)?(?:\.align\s+\d+\s+)?)?"  # (LLVM's pointer attributes)
+    r"(?P<name>[\w$]+)(?P<array>\[\d+\])?"
+)
 _PTX_TYPES = {
     "u8": "uint8", "s8": "int8", "b8": "uint8",
     "u16": "uint16", "s16": "int16", "b16": "uint16", "f16": "float16",
@@ -434,12 +459,14 @@ def ptx_signatures(ptx: str) -> dict[str, Signature | None]:
     out: dict[str, Signature | None] = {}
     for entry in _PTX_ENTRY.finditer(ptx):
         params: list[Param] = []
+        declared = [d.strip() for d in entry["params"].split(",") if d.strip()]
         ok = True
-        for param in _PTX_PARAM.finditer(entry["params"]):
-            dtype = _PTX_TYPES.get(param["type"])
-            if dtype is None or param["array"]:
+        for text in declared:  # (one that does not parse spoils the signature, not shortens it)
+            param = _PTX_PARAM.fullmatch(text)
+            dtype = None if param is None else _PTX_TYPES.get(param["type"])
+            if param is None or dtype is None or param["array"]:
                 ok = False
                 break
-            params.append(Param(np.dtype(dtype), name=param["name"]))
+            params.append(Param(np.dtype(dtype), name=param["name"], address=np.dtype(dtype).itemsize == 8))
         out[entry["name"]] = tuple(params) if ok else None
     return out
