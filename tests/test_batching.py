@@ -223,6 +223,11 @@ async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None
         Batcher(Recorder(), max_batch=2.5, max_delay=0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="max_delay"):
         Batcher(Recorder(), max_batch=2, max_delay="1ms")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_delay"):
+        Batcher(Recorder(), max_batch=2, max_delay=True)
+    with pytest.raises(TypeError, match="max_batch"):
+        Batcher(Recorder(), max_batch=True, max_delay=0)
+    assert Batcher(Recorder(), max_batch=2, max_delay=np.float32(0.5)).max_delay == 0.5
 
     async def short(items: list[int]) -> list[int]:
         return items[:-1]
@@ -230,6 +235,69 @@ async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None
     async with Batcher(short, max_batch=1, max_delay=0) as batcher:
         with pytest.raises(ValueError, match="returned 0 results for 1 items"):
             await batcher.submit(1)
+
+    async def as_a_set(items: list[int]) -> Any:  # the right length, no order: requests would swap results
+        return {10 * i for i in items}
+
+    async with Batcher(as_a_set, max_batch=1, max_delay=0) as batcher:
+        with pytest.raises(TypeError, match="sequence of results in item order"):
+            await batcher.submit(1)
+
+
+async def test_each_request_of_a_failed_batch_raises_its_own_exception(anyio_backend: Any) -> None:
+    """Raised in every request, one exception object carried each request's context (the
+    error its handler was handling) into the other requests' tracebacks."""
+
+    async def failing(items: list[str]) -> list[str]:
+        raise RuntimeError("the batch failed")
+
+    contexts: dict[str, BaseException | None] = {}
+    raised: list[BaseException] = []
+    async with Batcher(failing, max_batch=2, max_delay=NEVER) as batcher:
+
+        async def one(user: str) -> None:
+            try:
+                raise KeyError(f"session of {user}")
+            except KeyError:
+                try:
+                    await batcher.submit(user)
+                except RuntimeError as exc:
+                    raised.append(exc)
+                    await checkpoints(5)  # the other request raises meanwhile
+                    contexts[user] = exc.__context__
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "alice")
+            tg.start_soon(one, "bob")
+    assert raised[0] is not raised[1] and all(str(e) == "the batch failed" for e in raised)
+    assert {user: str(context) for user, context in contexts.items()} == {
+        "alice": "'session of alice'",
+        "bob": "'session of bob'",
+    }
+
+
+async def test_a_cancelled_error_of_the_batch_functions_own_fails_only_its_batch(anyio_backend: Any) -> None:
+    """A batch function that awaits something cancelled elsewhere raises the loop's
+    cancellation without being cancelled: its batch fails, the batcher serves on (it
+    tore down the batcher and cancelled its host)."""
+    if anyio_backend != "asyncio":
+        pytest.skip("a cancellation exception raised outside a cancelled scope is asyncio's")
+    import asyncio
+
+    async def run(items: list[int]) -> list[int]:
+        if 0 in items:
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()
+            await future
+        return items
+
+    reached_the_end = False
+    async with Batcher(run, max_batch=1, max_delay=0) as batcher:
+        with pytest.raises(RuntimeError, match="without being cancelled"):
+            await batcher.submit(0)
+        assert await batcher.submit(1) == 1
+        reached_the_end = True
+    assert reached_the_end
 
 
 async def test_a_batched_gpu_stage_on_lanes(backend: Any, anyio_backend: Any) -> None:

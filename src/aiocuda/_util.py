@@ -79,6 +79,8 @@ def at_least(value: object, least: int, what: str) -> int:
     """``value`` as an int of at least ``least``: a ``TypeError`` if it is not an integer,
     a ``ValueError`` below ``least``, each naming ``what``."""
     try:
+        if isinstance(value, bool):  # (an int to Python, a mistake here)
+            raise TypeError
         number = operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None

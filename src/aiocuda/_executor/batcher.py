@@ -12,8 +12,11 @@ being cancelled above all -- reaches a worker.
 from __future__ import annotations
 
 import collections
+import collections.abc
 import contextlib
+import copy
 import math
+import numbers
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -22,6 +25,7 @@ from typing import Any, Generic, Literal, TypeVar
 
 import anyio
 import anyio.abc
+import numpy as np
 
 from .._completion.loops import LoopAdapter, current_adapter
 from .._util import at_least
@@ -118,8 +122,10 @@ class Batcher(Generic[T, R]):
     def __init__(self, run: BatchFn[T, R], *, max_batch: int, max_delay: float, concurrency: int = 2) -> None:
         max_batch = at_least(max_batch, 1, "max_batch")
         concurrency = at_least(concurrency, 1, "concurrency")
-        if not isinstance(max_delay, (int, float)):
-            raise TypeError(f"max_delay must be a number of seconds, not {type(max_delay).__name__}")
+        delay: object = max_delay  # (float to the type checker, anything from a caller)
+        if isinstance(delay, bool) or not isinstance(delay, numbers.Real):
+            raise TypeError(f"max_delay must be a number of seconds, not {type(delay).__name__}")
+        max_delay = float(delay)
         if not (max_delay >= 0 and math.isfinite(max_delay)):
             raise ValueError(f"max_delay must be a finite number of seconds >= 0, got {max_delay}")
         self._run = run
@@ -237,13 +243,20 @@ class Batcher(Generic[T, R]):
         try:
             try:
                 results = await self._run([request.item for request in batch])
-                if len(results) != len(batch):
-                    raise ValueError(f"the batch function returned {len(results)} results for {len(batch)} items")
+                _check_results(results, len(batch))
             except Exception as exc:
-                for request in batch:
-                    request.resolve(exc)
+                for request, error in zip(batch, _each_its_own(exc, len(batch)), strict=True):
+                    request.resolve(error)
                 return
-            except BaseException:
+            except BaseException as exc:
+                if isinstance(exc, anyio.get_cancelled_exc_class()) and anyio.current_effective_deadline() > -math.inf:
+                    # the batch function's own (it awaited something cancelled elsewhere):
+                    # a failure of this batch, not the end of the worker and the batcher
+                    error = RuntimeError(f"the batch function raised {type(exc).__name__} without being cancelled")
+                    error.__cause__ = exc
+                    for request, each in zip(batch, _each_its_own(error, len(batch)), strict=True):
+                        request.resolve(each)
+                    return
                 for request in batch:
                     request.resolve(ClosedError("the batcher was cancelled while this request's batch ran"))
                 raise
@@ -266,3 +279,34 @@ class Batcher(Generic[T, R]):
             f"<Batcher {self._state} max_batch={self.max_batch} max_delay={self.max_delay} "
             f"[{s.queued} queued, {s.running} running, {s.batches} done]>"
         )
+
+
+def _check_results(results: object, items: int) -> None:
+    if isinstance(results, (str, bytes, collections.abc.Set, collections.abc.Mapping)) or not isinstance(
+        results, (collections.abc.Sequence, np.ndarray)
+    ):
+        raise TypeError(
+            f"the batch function must return a sequence of results in item order (a list, tuple or "
+            f"array), not {type(results).__name__}"
+        )
+    if len(results) != items:
+        raise ValueError(f"the batch function returned {len(results)} results for {items} items")
+
+
+def _each_its_own(exc: BaseException, count: int) -> list[BaseException]:
+    """``exc`` for a batch's first request and a copy of it for each other one: one object
+    raised in several tasks would carry each task's context (``__context__``: the error
+    its handler was handling) into the others' tracebacks."""
+    out = [exc]
+    for _ in range(count - 1):
+        try:
+            twin = copy.copy(exc)
+        except Exception:  # (an exception type that cannot be rebuilt from its args)
+            twin = exc
+        if type(twin) is not type(exc):
+            twin = exc
+        elif twin is not exc:
+            twin.__cause__, twin.__suppress_context__ = exc.__cause__, exc.__suppress_context__
+            twin.__context__, twin.__traceback__ = exc.__context__, exc.__traceback__
+        out.append(twin)
+    return out
