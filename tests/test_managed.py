@@ -4,6 +4,7 @@ managed pools, and the refusal to oversubscribe a device."""
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,39 @@ async def test_advice_and_attachment(backend: _driver.Driver, anyio_backend: obj
         array.prefetch("gpu")  # type: ignore[arg-type]
     with pytest.raises(ArgumentError):
         array.prefetch(99)
+    await array.prefetch(np.int64(0), stream=stream)  # a numpy ordinal is an ordinal
+    with pytest.raises(TypeError, match="unset"):
+        array.advise("read_mostly", unset="yes")  # type: ignore[arg-type]
+
+
+async def test_a_host_view_keeps_its_memory_after_an_explicit_free(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The view's memory was freed by the driver under it (a crash on the next write)."""
+    stream = aiocuda.Stream(0)
+    array = await managed.zeros(1024, np.int32, stream=stream)
+    await stream
+    view = array.host_view()
+    allocation = weakref.ref(array.buffer.owner)  # what frees the memory when it goes
+    array.buffer.free()
+    await stream
+    for _ in range(3):
+        gc.collect()
+    assert allocation() is not None
+    view[:] = 7  # still the allocation's, kept by the view
+    assert int(view.sum()) == 7 * 1024
+    del view, array
+    await stream  # (the stream lets go of what it held for its work lazily: on awaits)
+    gc.collect()
+    assert allocation() is None
+
+
+async def test_managed_arguments_that_contradict_each_other(backend: _driver.Driver, anyio_backend: object) -> None:
+    with pytest.raises(TypeError, match="ManagedPool"):  # its memory would not be managed
+        managed.empty(4, pool=aiocuda.MemoryPool.for_device(0))  # type: ignore[arg-type]
+    if len(aiocuda.devices()) > 1:
+        with pytest.raises(ArgumentError, match="device 1 and a stream of device 0"):
+            managed.empty(4, device=1, stream=aiocuda.Stream(0))
 
 
 async def test_oversubscription_is_refused_unless_asked_for(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -146,3 +180,5 @@ async def test_managed_pool(backend: _driver.Driver, anyio_backend: object, doub
         array.attach(stream)
     with pytest.raises(ArgumentError, match="oversubscribe"):
         managed.empty(4, pool=pool, oversubscribe=True)
+    with pytest.raises(ArgumentError, match="attach applies"):
+        managed.empty(4, pool=pool, attach="host")

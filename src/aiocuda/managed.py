@@ -40,7 +40,7 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray
+from .array import DeviceArray, _device_of
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
@@ -98,6 +98,8 @@ class ManagedArray(DeviceArray):
         orders nothing."""
         if advice not in ("read_mostly", "preferred_location", "accessed_by"):
             raise invalid_value(f"unknown advice {advice!r}: one of read_mostly, preferred_location, accessed_by")
+        if not isinstance(unset, bool):
+            raise TypeError(f"unset must be a bool, not {type(unset).__name__}")
         if advice == "read_mostly":
             if location is not None:
                 raise invalid_value("read_mostly applies to every device: give no location")
@@ -131,9 +133,14 @@ class ManagedArray(DeviceArray):
         """The array's memory as a numpy array, without copying: host code reads and
         writes the managed memory itself. Await the work on the array (its stream, or a
         prefetch to ``"host"``) before reading what the GPU wrote, and do not write it
-        while GPU work uses it. The view keeps the memory alive."""
+        while GPU work uses it. The view keeps the memory alive (for an array from a
+        :class:`ManagedPool`, until its buffer is freed explicitly)."""
         start, nbytes = self._span()
-        window = np.asarray(_HostWindow(start, nbytes, self.buffer))
+        buffer = self.buffer
+        # (the allocation itself, not the buffer: an explicit free() lets go of it, and the
+        # driver freed the memory under the view)
+        keep = buffer.owner if isinstance(buffer, OwnedBuffer) else buffer
+        window = np.asarray(_HostWindow(start, nbytes, keep))
         lo = start - self.ptr
         view: npt.NDArray[Any] = np.ndarray(self.shape, self.dtype, buffer=window, offset=-lo, strides=self.strides)
         return view
@@ -170,8 +177,8 @@ def _ordinal(location: Location) -> int | None:
         return None
     if isinstance(location, Device):
         return location.ordinal
-    if isinstance(location, int) and not isinstance(location, bool):
-        return _as_device(location).ordinal
+    if isinstance(location, (int, np.integer)) and not isinstance(location, bool):
+        return _as_device(int(location)).ordinal
     raise invalid_value(f"a location is a Device, a device ordinal or 'host', not {location!r}")
 
 
@@ -250,12 +257,18 @@ def empty(
         raise invalid_value(f"dtype {dt} holds Python objects and cannot live in managed memory")
     nbytes = math.prod(dims) * dt.itemsize
     if pool is not None:
+        if not isinstance(pool, ManagedPool):  # (its memory is the device's alone: no host view, no attach)
+            raise TypeError(f"pool must be a ManagedPool (aiocuda.managed.ManagedPool.create()), not {pool!r}")
+        if device is not None and _as_device(device) is not pool.device:
+            raise invalid_value(f"device {_as_device(device).ordinal} and a pool of device {pool.device.ordinal}")
+        if attach != "global":
+            raise invalid_value("attach applies to managed memory allocated without a pool")
         if oversubscribe and not pool.oversubscribe:
             raise invalid_value("the pool refuses to oversubscribe: create it with oversubscribe=True")
         return ManagedArray(dims, dt, buffer=pool.allocate(nbytes, stream))
     if attach not in ("global", "host"):
         raise invalid_value(f"attach must be 'global' or 'host', not {attach!r}")
-    dev = stream.device if stream is not None else _as_device(device)
+    dev = _device_of(device, stream)
     size = max(nbytes, 1)  # the driver allocates nothing for 0 bytes
     _budget.reserve(dev, size, oversubscribe=oversubscribe)
     try:
