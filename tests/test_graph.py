@@ -225,6 +225,86 @@ async def test_whole_graph_update_from_another_capture(module: Module, anyio_bac
         np.testing.assert_array_equal(await y2.to_host(stream=s), 18.0)
 
 
+async def test_an_update_from_an_updated_graph_takes_its_updates_too(module: Module, anyio_backend: object) -> None:
+    """The other graph's own updates (a rebind) were reported by ``nodes`` but not
+    replayed: the replays used what it had captured."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x, y, y2 = await _device(0.0, s), await _device(0.0, s), await _device(0.0, s)
+        graphs = []
+        for target in (x, y):
+            async with s.capture() as graph:
+                add_one.launch(GRID, BLOCK, target, N, stream=s)
+            graphs.append(graph)
+        graph, other = graphs
+        other.rebind({y: y2})
+        graph.update(other)
+        assert graph.nodes[0].arguments is not None and graph.nodes[0].arguments[0] == y2.ptr
+        other.close()
+        await graph.launch(s)
+        for array, expected in ((x, 0.0), (y, 0.0), (y2, 1.0)):
+            np.testing.assert_array_equal(await array.to_host(stream=s), expected)
+
+
+async def test_a_side_stream_closed_inside_the_capture_block_is_joined(module: Module, anyio_backend: object) -> None:
+    """``with Stream() as side:`` inside the block: its work is joined back as it closes
+    (the capture failed, closing it destroyed its record of the end); closing the
+    capturing stream itself is refused."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x, y = await _device(0.0, s), await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            with Stream(0) as side:
+                side.wait(s)
+                add_one.launch(GRID, BLOCK, y, N, stream=side)
+            with pytest.raises(CaptureError, match="close it after its capture block"):
+                s.close()
+        assert side.closed
+        await side  # its work before the capture (none), as any closed stream
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 1.0)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
+async def test_a_cancellation_as_the_capture_block_ends_leaves_a_usable_graph(
+    module: Module, anyio_backend: object
+) -> None:
+    """Cancelled as ``async with`` ends (the instantiation's checkpoint), the graph stayed
+    captured and could never be launched."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        with anyio.CancelScope() as scope:
+            async with s.capture() as graph:
+                add_one.launch(GRID, BLOCK, x, N, stream=s)
+                scope.cancel()
+            await anyio.sleep(1)  # (not reached: the cancellation comes after the block)
+        assert scope.cancelled_caught
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
+async def test_other_tasks_allocate_while_an_async_capture_block_awaits(module: Module, anyio_backend: object) -> None:
+    """The loop's other tasks share the capturing thread: their page-locked allocations
+    failed, and broke the capture, in the default mode of a plain ``with``."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        got: list[np.ndarray] = []
+
+        async def elsewhere() -> None:
+            got.append(pinned_empty(16, np.float32))
+
+        async with anyio.create_task_group() as tg, s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            tg.start_soon(elsewhere)
+            while not got:
+                await anyio.sleep(0)
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
 # -- what cannot be captured -------------------------------------------------------------------------
 async def test_operations_that_cannot_be_captured_raise_at_the_call(module: Module, anyio_backend: object) -> None:
     add_one = module.kernel("add_one")

@@ -49,9 +49,11 @@ but not from another capture (their allocations have other addresses).
 Pitfalls: a capture records the values of the moment: a replay does not re-run the
 Python code that enqueued the work (a scalar computed from the data, a branch). Capture
 on a stream of your own: work other tasks enqueue on it meanwhile is captured too (an
-``async with`` block that awaits lets them run). Launch each kernel once before
-capturing it (the driver refuses to load a module during a capture). Kernel nodes of
-other libraries' kernels are replayed but cannot be read or rebound.
+``async with`` block that awaits lets them run; its default mode is ``"relaxed"``, so
+that what they do elsewhere is not refused, see :meth:`aiocuda.Stream.capture`). Launch
+each kernel once before capturing it (the driver refuses to load a module during a
+capture). Kernel nodes of other libraries' kernels are replayed but cannot be read or
+rebound.
 """
 
 from __future__ import annotations
@@ -204,6 +206,7 @@ class Graph(metaclass=NoPublicConstructor):
     __slots__ = (
         "__weakref__",
         "_capture",
+        "_changed",
         "_driver",
         "_finalizer",
         "_infos",
@@ -229,6 +232,8 @@ class Graph(metaclass=NoPublicConstructor):
         self._launched: dict[int, Stream] = {}
         """Streams replays were launched on, by ``id``: where the replays' needs are held at the end."""
         self._setters: dict[int, Callable[[int, int], None]] = {}
+        self._changed: set[int] = set()
+        """Nodes updated since the capture (what :meth:`update` carries over to another graph)."""
         self._state = "capturing"
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
@@ -349,6 +354,7 @@ class Graph(metaclass=NoPublicConstructor):
         info = self._infos[index]
         self._driver.graph_exec_kernel_node_set_params(replays.graph_exec, info, info.func, current.config, params)
         self._nodes[index] = dataclasses.replace(current, arguments=tuple(params.values))
+        self._changed.add(index)
         self._bind(index, given)
 
     def set_copy(self, node: GraphNode | int, *, dst: Any = None, src: Any = None) -> None:
@@ -368,6 +374,7 @@ class Graph(metaclass=NoPublicConstructor):
         self.device.make_current()
         setter(dst, src)
         self._nodes[index] = dataclasses.replace(current, dst=dst, src=src)
+        self._changed.add(index)
 
     def _copy_setter(self, index: int) -> Callable[[int, int], None]:
         """``set(dst, src)`` of memcpy node ``index``, made once: the hot path for a caller
@@ -448,13 +455,23 @@ class Graph(metaclass=NoPublicConstructor):
         if other.device is not self.device:
             raise GraphUpdateError("the other graph was captured on another device", name="AIOCUDA_GRAPH_UPDATE")
         self.device.make_current()
-        self._driver.graph_exec_update(replays.graph_exec, theirs.graph)
+        self._driver.graph_exec_update(replays.graph_exec, theirs.graph)  # (its captured parameters)
+        for index in sorted(other._changed):  # and what was updated in it since
+            node = other._nodes[index]
+            if node.kind == "kernel":
+                assert node.kernel is not None and node.config is not None and node.arguments is not None
+                info = self._infos[index]
+                params = node.kernel._pack(node.arguments)
+                self._driver.graph_exec_kernel_node_set_params(replays.graph_exec, info, info.func, node.config, params)
+            else:
+                self._copy_setter(index)(node.dst, node.src)
         retired = (tuple(replays.holds), tuple(replays.externals.values()), tuple(replays.bound.values()))
         _hand_over(self._launched, retired)
         replays.holds = list(theirs.holds)
         replays.externals = dict(theirs.externals)
-        replays.bound = {}
+        replays.bound = dict(theirs.bound)
         self._nodes = [dataclasses.replace(node, index=i) for i, node in enumerate(other._nodes)]
+        self._changed = set(other._changed)
 
     def _node(self, node: GraphNode | int, kind: str) -> tuple[int, GraphNode]:
         index = node.index if isinstance(node, GraphNode) else int(node)
@@ -521,20 +538,23 @@ class GraphCapture(metaclass=NoPublicConstructor):
     __slots__ = ("_graph", "_mode", "_stream")
     _factories = "Stream.capture()"
 
-    def __init__(self, stream: Stream, mode: CaptureMode) -> None:
-        if mode not in CAPTURE_MODES:
+    def __init__(self, stream: Stream, mode: CaptureMode | None) -> None:
+        if mode is not None and mode not in CAPTURE_MODES:
             raise invalid_value(f"unknown capture mode {mode!r}: expected one of {', '.join(CAPTURE_MODES)}")
         self._stream = stream
         self._mode = mode
         self._graph: Graph | None = None
 
     def __enter__(self) -> Graph:
+        return self._begin(self._mode or "thread_local")
+
+    def _begin(self, mode: CaptureMode) -> Graph:
         if self._graph is not None:
             raise CaptureError("a capture can be entered once", name="AIOCUDA_NOT_CAPTURABLE")
         # The device's pool is configured on first use (a pool attribute), which the driver
         # refuses while a stream captures: first use happens here, before the capture.
         MemoryPool.for_device(self._stream.device)
-        capture = Capture(self._stream, self._mode)
+        capture = Capture(self._stream, mode)
         capture.begin()
         self._graph = Graph._create(self._stream, capture)
         return self._graph
@@ -549,7 +569,7 @@ class GraphCapture(metaclass=NoPublicConstructor):
             graph._instantiate()
 
     async def __aenter__(self) -> Graph:
-        return self.__enter__()
+        return self._begin(self._mode or "relaxed")  # (see Stream.capture)
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -558,7 +578,10 @@ class GraphCapture(metaclass=NoPublicConstructor):
         assert graph is not None
         graph._finish(failed=exc_type is not None)  # on this thread: a capture ends where it began
         if exc_type is None:
-            await anyio.to_thread.run_sync(graph._instantiate)
+            # (shielded: a cancellation landing here left a captured graph that could never
+            # be launched; it takes effect at the next checkpoint instead)
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(graph._instantiate)
 
 
 def _buffer_of(obj: Any) -> DeviceBuffer | None:

@@ -377,14 +377,17 @@ class Stream:
         self._holds.append((event, objs))
 
     # -- graphs ----------------------------------------------------------------------------------
-    def capture(self, mode: CaptureMode = "thread_local") -> GraphCapture:
+    def capture(self, mode: CaptureMode | None = None) -> GraphCapture:
         """Record the work enqueued on this stream into an :class:`~aiocuda.graph.Graph`
         instead of running it: ``with stream.capture() as graph:`` or ``async with``
         (which instantiates the graph off the event loop). See :mod:`aiocuda.graph`.
 
         ``mode`` says which threads may not make calls that could disturb the capture
         (allocating or freeing page-locked memory, loading modules): the capturing thread
-        (``"thread_local"``), every thread (``"global"``) or none (``"relaxed"``).
+        (``"thread_local"``, the default of ``with``), every thread (``"global"``) or none
+        (``"relaxed"``, the default of ``async with``: every task of the loop shares the
+        capturing thread, and a block that awaits lets them run, whose page-locked
+        allocations and module loads would fail in the other modes).
         """
         from .graph import GraphCapture  # the graph layer builds on this one
 
@@ -400,13 +403,25 @@ class Stream:
         :meth:`close`) and waited for by other streams.
         """
         if not self._closed:
-            if self._capture is None:
-                try:
-                    self._tail = self.record()
-                except CudaError:
-                    self._tail = None  # a poisoned context: waiting on it can only fail anyway
+            capture = self._capture
+            if capture is not None:
+                if capture.origin is self:
+                    raise capture.refuse("closing the stream being captured", "close it after its capture block")
+                capture.leave(self)  # (a stream joined to the capture is destroyed once it ends)
+                self._closed = True
+                return
+            try:
+                self._tail = self.record()
+            except CudaError:
+                self._tail = None  # a poisoned context: waiting on it can only fail anyway
             self._closed = True
             self._finalizer()
+
+    def _close_after_capture(self) -> None:
+        """Finish a :meth:`close` made while the stream took part in a capture (which has
+        ended): the end of its work is recorded and the stream destroyed."""
+        self._closed = False
+        self.close()
 
     @property
     def closed(self) -> bool:

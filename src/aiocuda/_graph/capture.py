@@ -51,6 +51,7 @@ class Capture:
         "_before",
         "_deferred",
         "_last_use",
+        "_left",
         "active",
         "device",
         "driver",
@@ -81,6 +82,8 @@ class Capture:
         self._last_use: dict[int, tuple[DeviceBuffer, Stream]] = {}
         """Each buffer's last stream of the capture, by ``id`` (what the next captured use
         on another stream waits for)."""
+        self._left: list[Stream] = []
+        """Joined streams closed during the capture: closed for good once it ends."""
         self.active = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -120,6 +123,8 @@ class Capture:
             self.active = False
             for stream in self.streams:
                 stream._capture = None
+            for stream in self._left:
+                stream._close_after_capture()
             for buffer in self._allocated.values():
                 buffer._forget()  # its memory is the graph's (or went with a failed capture)
             self._allocated.clear()
@@ -143,7 +148,14 @@ class Capture:
             if not buffer.freed:
                 buffer.free()  # on the stream of its last use (see freeing())
         for stream in self.streams[1:]:
-            self.origin.wait(stream)
+            if stream not in self._left:  # (those were joined as they closed)
+                self.origin.wait(stream)
+
+    def leave(self, stream: Stream) -> None:
+        """``stream``, joined, is being closed: join its captured work into the origin now
+        (it takes no more); it is closed for good, and destroyed, when the capture ends."""
+        self.origin.wait(stream)
+        self._left.append(stream)
 
     # -- hooks of streams, events and memory -----------------------------------------------------
     def refuse(self, what: str, why: str = "") -> CaptureError:
