@@ -292,15 +292,16 @@ async def test_other_tasks_allocate_while_an_async_capture_block_awaits(module: 
     with Stream(0) as s:
         x = await _device(0.0, s)
         got: list[np.ndarray] = []
+        done = anyio.Event()
 
         async def elsewhere() -> None:
             got.append(pinned_empty(16, np.float32))
+            done.set()
 
         async with anyio.create_task_group() as tg, s.capture() as graph:
             add_one.launch(GRID, BLOCK, x, N, stream=s)
             tg.start_soon(elsewhere)
-            while not got:
-                await anyio.sleep(0)
+            await done.wait()
         await graph.launch(s)
         np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
 
