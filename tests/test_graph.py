@@ -306,6 +306,47 @@ async def test_other_tasks_allocate_while_an_async_capture_block_awaits(module: 
         np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
 
 
+async def test_a_launchs_awaitable_waits_for_its_replay_only(module: Module, anyio_backend: object) -> None:
+    """Awaiting a launch waited for whatever the stream held by the time of the await."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as gate:
+        backend = s.device._driver
+        if backend.name != "sim":
+            pytest.skip("a stream held back at will is the simulator's")
+        x = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        done = graph.launch(s)
+        backend.pause(gate.handle)  # type: ignore[attr-defined]
+        s.wait(gate.record())  # work on s after the replay waits for the paused stream
+        with anyio.fail_after(10):
+            await done
+        backend.resume(gate.handle)  # type: ignore[attr-defined]
+        await s
+
+
+def test_bad_graph_arguments_raise_typed_errors(module: Module) -> None:
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x = empty(N, np.float32, stream=s)
+        with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            with pytest.raises(CaptureError, match="after its capture block"):
+                graph.close()
+        for wrong in ("x", 0):
+            with pytest.raises(TypeError, match="launched on a Stream"):
+                graph.launch(wrong)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="from another Graph"):
+            graph.update(None)  # type: ignore[arg-type]
+        for node in (0.7, "0", True):
+            with pytest.raises(TypeError, match="GraphNode or its index"):
+                graph.set_kernel_args(node, x, N)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="pairs"):
+            graph.rebind([x])  # type: ignore[list-item]
+        graph.close()
+        s.synchronize()
+
+
 # -- what cannot be captured -------------------------------------------------------------------------
 async def test_operations_that_cannot_be_captured_raise_at_the_call(module: Module, anyio_backend: object) -> None:
     add_one = module.kernel("add_one")

@@ -61,7 +61,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import weakref
-from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -181,19 +181,6 @@ def _forget_finished(launched: dict[int, Stream]) -> None:
         del launched[key]
 
 
-class _Launch:
-    """What :meth:`Graph.launch` returns: awaiting it waits for the replay (and the work
-    enqueued on its stream before it)."""
-
-    __slots__ = ("_stream",)
-
-    def __init__(self, stream: Stream) -> None:
-        self._stream = stream
-
-    def __await__(self) -> Generator[Any, Any, None]:
-        return self._stream.__await__()
-
-
 class Graph(metaclass=NoPublicConstructor):
     """Work captured from a stream (see the module docstring): instantiated once,
     launched many times, updated with new pointers and scalars in between.
@@ -287,10 +274,13 @@ class Graph(metaclass=NoPublicConstructor):
     def launch(self, stream: Stream | None = None) -> Awaitable[None]:
         """Enqueue one replay on ``stream`` (default: the stream the graph was captured
         from; any stream of the graph's device), after the work already on it; return an
-        awaitable for it. Replays of this graph run one after another."""
+        awaitable for it (an :class:`~aiocuda.event.Event` recorded after the replay: work
+        enqueued later is not waited for). Replays of this graph run one after another."""
         s = self.stream if stream is None else stream
+        if not isinstance(s, Stream):
+            raise TypeError(f"a graph is launched on a Stream, not {type(s).__name__}")
         self._enqueue(s)
-        return _Launch(s)
+        return s.record()
 
     def _enqueue(self, s: Stream) -> None:
         """:meth:`launch` without the awaitable (the executor's graph mode awaits an event)."""
@@ -402,6 +392,8 @@ class Graph(metaclass=NoPublicConstructor):
         """
         self._ready()
         pairs = list(mapping.items() if isinstance(mapping, Mapping) else mapping)
+        if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
+            raise TypeError("rebind takes {old: new} or (old, new) pairs")
         moves = [_move(old, new) for old, new in pairs]
 
         def moved(address: int) -> int | None:
@@ -447,6 +439,8 @@ class Graph(metaclass=NoPublicConstructor):
         may be closed afterwards. :class:`~aiocuda.errors.GraphUpdateError` when it does
         not fit (nothing changes then)."""
         replays = self._ready()
+        if not isinstance(other, Graph):
+            raise TypeError(f"a graph is updated from another Graph, not {type(other).__name__}")
         if other is self:
             return
         theirs = other._replays
@@ -474,7 +468,12 @@ class Graph(metaclass=NoPublicConstructor):
         self._changed = set(other._changed)
 
     def _node(self, node: GraphNode | int, kind: str) -> tuple[int, GraphNode]:
-        index = node.index if isinstance(node, GraphNode) else int(node)
+        if isinstance(node, GraphNode):
+            index = node.index
+        elif isinstance(node, bool) or not isinstance(node, (int, np.integer)):
+            raise TypeError(f"a node is a GraphNode or its index, not {type(node).__name__}")
+        else:
+            index = int(node)
         if not 0 <= index < len(self._nodes):
             raise GraphUpdateError(
                 f"the graph has no node {index} (it has {len(self._nodes)})", name="AIOCUDA_GRAPH_UPDATE"
@@ -513,7 +512,11 @@ class Graph(metaclass=NoPublicConstructor):
     def close(self) -> None:
         """Release the graph: its driver objects are destroyed (off the event loop) once the
         replays already enqueued have finished. Idempotent."""
-        if self._state in ("closed", "capturing"):
+        if self._state == "capturing":
+            raise CaptureError(
+                "a graph is closed after its capture block, not inside it", name="AIOCUDA_NOT_CAPTURABLE"
+            )
+        if self._state == "closed":
             return
         self._state = "closed"
         self._replays = None

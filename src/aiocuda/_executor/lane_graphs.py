@@ -42,7 +42,7 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
     slot = (work, key)
     found = graphs.get(slot)
     if isinstance(found, Graph):
-        found.launch(lane.stream)
+        found._enqueue(lane.stream)  # (the lane's await waits: no event for the launch)
         return
     if found is None or found == _EAGER:
         _run(lane, work)
@@ -59,7 +59,7 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
         _run(lane, work)
         return
     graphs[slot] = graph
-    graph.launch(lane.stream)
+    graph._enqueue(lane.stream)
 
 
 def _make_room(lane: Lane, graphs: dict[Any, Any]) -> None:
