@@ -22,6 +22,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, ipc
+from aiocuda._memory import offloop
 from aiocuda.errors import ArgumentError, ExporterLostError
 
 from . import _ipc_child
@@ -238,3 +239,25 @@ async def test_interprocess_events(backend: _driver.Driver, anyio_backend: objec
         ipc.share_event(aiocuda.Event(0))
     with pytest.raises(ArgumentError, match="timing"):
         aiocuda.Event(0, interprocess=True, timing=True)
+
+
+async def test_a_shared_allocation_outlives_the_producers_free(
+    pool_sharing: None, backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The producer freeing its shared buffer leaves the memory to the export: the next
+    allocation does not get the block; the free happens once the export is settled."""
+    pool = ipc.pool(0)
+    stream = aiocuda.Stream(0)
+    before = pool.statistics().live_buffers
+    array = await aiocuda.to_device(np.arange(1024, dtype=np.int32), stream=stream, pool=pool)
+    address = array.ptr
+    shared = ipc.share_array(array)
+    array.buffer.free()
+    with pytest.raises(ArgumentError, match="freed"):
+        array.ptr  # noqa: B018 - unusable here at once
+    other = aiocuda.empty(1024, np.int32, stream=stream, pool=pool)
+    assert other.ptr != address  # the shared block is still allocated
+    other.buffer.free()
+    shared.revoke()  # settled: the free is carried out now
+    assert await anyio.to_thread.run_sync(offloop.drain, WAIT)
+    assert pool.statistics().live_buffers == before

@@ -647,7 +647,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
     # swallows errors (recording the last in _last_finaliser_error) and does nothing once the
     # interpreter is exiting.
 
-    __slots__ = ("_pool", "_ptr", "_stream", "_waits", "size")
+    __slots__ = ("_pins", "_pool", "_ptr", "_stream", "_waits", "size")
     _factories = "MemoryPool.allocate() or aiocuda.empty()"
 
     _ptr: Any  # what the backend's allocation returned: an int or int()-convertible
@@ -655,6 +655,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
     _stream: Stream | None
     _waits: list[Any] | None
     size: int
+    _pins: _Pins  # set by the first _pin() only: the allocation hot path does not fill it
 
     @property
     def ptr(self) -> int:
@@ -717,7 +718,9 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
     def free(self, stream: Stream | None = None) -> None:
         """Free now (stream-ordered): on ``stream`` if given -- which must be ordered after
-        every use -- else on the last-use stream. Idempotent."""
+        every use -- else on the last-use stream. Idempotent. A buffer shared with other
+        processes (:func:`aiocuda.ipc.share_array`) is unusable here at once, but its
+        memory is freed only once the sharing is settled (see :mod:`aiocuda.ipc`)."""
         last = self._stream
         if last is None:
             return
@@ -757,7 +760,50 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
                 pool._fail(err, "cuMemFreeAsync")
             except CudaError:
                 pass  # e.g. no context bound on this (finaliser's) thread: the general path binds it
+        if pool.exportable and self._defer_free(last):
+            return
         pool._free_on(ptr, last, self._waits)
+
+    def _pin(self) -> None:
+        """Keep the memory allocated, whatever :meth:`free` is called, until as many
+        :meth:`_unpin` calls (an export to other processes, which may use the memory
+        until the export is settled). A free meanwhile makes the buffer unusable here
+        at once and is carried out by the last unpin."""
+        if self._stream is None:
+            raise invalid_value("use of a freed DeviceBuffer")
+        # A pinned buffer must reach _defer_free: no waits (None) takes free()'s
+        # inlined path, which does not look at pins; an empty list waits for nothing.
+        if self._waits is None:
+            self._waits = []
+        with _pins_lock:
+            pins = getattr(self, "_pins", None)
+            if pins is None:
+                pins = self._pins = _Pins()
+            pins.count += 1
+
+    def _unpin(self) -> None:
+        """Undo one :meth:`_pin`; the last one frees the buffer if a free was asked for
+        meanwhile (on the stream it was asked on)."""
+        pins = self._pins
+        with _pins_lock:
+            pins.count -= 1
+            if pins.count:
+                return
+            last, pins.freed_on = pins.freed_on, None
+        if last is not None:
+            self._pool._free_on(self._ptr, last, self._waits)
+
+    def _defer_free(self, last: Stream) -> bool:
+        """(free() of an IPC pool's buffer.) Whether the buffer is pinned: then its free
+        on ``last`` is left to the last :meth:`_unpin`."""
+        pins = getattr(self, "_pins", None)  # unset on a buffer never pinned
+        if pins is None:
+            return False
+        with _pins_lock:
+            if pins.count == 0:
+                return False
+            pins.freed_on = last
+        return True
 
     def _free_idle(self, stream: Stream) -> None:
         """Free on ``stream`` without ordering it after the buffer's uses: only for a
@@ -812,6 +858,22 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
 
 
 _new_buffer = object.__new__
+
+
+class _Pins:
+    """The pins of one :class:`DeviceBuffer` (see ``DeviceBuffer._pin``): how many, and
+    the stream of a free asked for while pinned."""
+
+    __slots__ = ("count", "freed_on")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.freed_on: Stream | None = None
+
+
+_pins_lock = threading.Lock()
+"""Orders pins, unpins and deferred frees, which come from any thread (an export settles
+on the sharing service's thread, a buffer is freed on a loop's or a finaliser's)."""
 
 
 class _Captures(threading.local):

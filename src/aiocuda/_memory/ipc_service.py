@@ -64,7 +64,8 @@ class Export:
 
     token: bytes
     buffer: Any
-    """The :class:`~aiocuda.memory.DeviceBuffer`: kept, so the memory stays allocated."""
+    """The :class:`~aiocuda.memory.DeviceBuffer`: kept and pinned, so the memory stays
+    allocated even if the producer frees the buffer meanwhile."""
     event: Any
     """The interprocess :class:`~aiocuda.event.Event` marking the end of the producer's work."""
     pool_key: bytes
@@ -250,6 +251,7 @@ class Service:
             if fd >= 0:
                 os.close(fd)  # another thread exported the pool meanwhile
         self._listen()
+        buffer._pin()
         export = Export(secrets.token_bytes(TOKEN_BYTES), buffer, event, key, imports)
         with self._lock:
             self._exports[export.token] = export
@@ -284,10 +286,11 @@ class Service:
 
     def _settle(self, export: Export) -> None:
         """(Lock held.) Unpin an export nobody holds or will import any more; its buffer
-        and event are let go on the off-loop thread, where the device's context is bound."""
+        is unpinned (freed, if the producer freed it meanwhile) and let go with the event
+        on the off-loop thread, where the device's context is bound."""
         if export.imports_left <= 0 and export.held <= 0 and self._exports.pop(export.token, None) is not None:
-            kept, export.buffer, export.event = (export.buffer, export.event), None, None
-            _offloop.dispose(kept[0].device, _no_op, keep=kept)
+            buffer, event, export.buffer, export.event = export.buffer, export.event, None, None
+            _offloop.dispose(buffer.device, buffer._unpin, keep=event)
 
     def _listen(self) -> None:
         with self._lock:
@@ -447,10 +450,6 @@ class Service:
                 peer.sock.send(reply)
             else:
                 socket.send_fds(peer.sock, [reply], [fd])
-
-
-def _no_op() -> None:
-    pass
 
 
 _service = PerProcess(Service)
