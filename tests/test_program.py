@@ -15,7 +15,7 @@ import pytest
 from aiocuda import _driver, program
 from aiocuda._kernels import nvrtc
 from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
-from aiocuda._kernels.signature import parse_signature, ptx_signatures, source_signatures
+from aiocuda._kernels.signature import cpp_linkage_kernels, parse_signature, ptx_signatures, source_signatures
 from aiocuda.errors import ArgumentError, CompileError
 from aiocuda.program import Program, ProgramOptions
 
@@ -148,6 +148,32 @@ def test_signatures_that_would_mislead_are_read_as_c_does_or_not_at_all() -> Non
     assert rows is not None and rows[0].pointer and rows[0].pointee is None  # a table of pointers: any array
     gather = found["gather<float, long>"]
     assert gather is not None and [p.dtype.name for p in gather] == ["float32", "int64", "float32", "int64"]
+
+
+def test_cpp_linkage_kernels_are_told_apart() -> None:
+    source = r"""
+    __global__ void mangled(float* x) {}
+    extern "C" __global__ void plain(float* x) {}
+    extern "C" {
+    __global__ void in_block(float* x) { if (x) { x[0] = 1; } }
+    }
+    extern "C" __global__ void declared_first(int n);
+    __global__ void declared_first(int n) {}
+    template <typename T> __global__ void templated(T* x) {}
+    """
+    assert cpp_linkage_kernels(source) == {"mangled"}
+
+
+def test_a_kernel_without_c_linkage_is_refused_by_name_on_every_backend(backend: _driver.Driver) -> None:
+    """Its symbol is mangled: on a GPU the driver did not find it, while the simulator ran
+    it by its plain name (tests passed, the code failed on the hardware)."""
+    source = 'extern "C" __global__ void plain(float* x) {}\n__global__ void scale(float* x, int n) {}'
+    module = Program(source, cache=False).compile()
+    with pytest.raises(ArgumentError, match='C\\+\\+ linkage.*extern "C".*name_expressions'):
+        module.kernel("scale")
+    module.kernel("plain")
+    named = Program(source, name_expressions=["scale"], cache=False).compile()
+    assert named.kernel("scale").signature is not None  # reached through its name expression
 
 
 def test_declared_signatures() -> None:

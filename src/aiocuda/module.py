@@ -32,7 +32,7 @@ import os
 import pathlib
 import threading
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,10 +97,14 @@ class Module:
         variables: ``__device__``/``__constant__`` variable name -> ``(dtype, shape)``,
             the default view :meth:`get_global` gives (a dtype of None means bytes).
             PTX images and :class:`~aiocuda.Program` supply their own.
+        cpp_kernels: kernels of the source with C++ linkage and no name expression:
+            their symbols are mangled, and :meth:`kernel` refuses them with an error that
+            says so (:class:`~aiocuda.Program` supplies these).
     """
 
     __slots__ = (
         "__weakref__",
+        "_cpp_kernels",
         "_finalizer",
         "_handles",
         "_jit_logs",
@@ -127,6 +131,7 @@ class Module:
         log: str = "",
         jit_options: JitOptions | None = None,
         variables: Mapping[str, Variable] | None = None,
+        cpp_kernels: Iterable[str] = (),
     ) -> None:
         image = bytes(image)
         if not image:
@@ -141,6 +146,7 @@ class Module:
         known.update({k: None if v is None else parse_signature(v) for k, v in (signatures or {}).items()})
         self.signatures: dict[str, Signature | None] = known
         self.lowered_names = dict(lowered_names or {})
+        self._cpp_kernels = frozenset(cpp_kernels) - self.lowered_names.keys()
         self.name = name
         self.log = log
         if jit_options is not None and not isinstance(jit_options, JitOptions):
@@ -185,6 +191,11 @@ class Module:
         for the same name and signature while it is alive."""
         from .kernel import Kernel
 
+        if name in self._cpp_kernels:  # (the driver would say "not found", on a GPU only)
+            raise invalid_value(
+                f"kernel {name!r} has C++ linkage, so its symbol in the module is mangled: declare it "
+                f'extern "C", or compile it with Program(..., name_expressions=[{name!r}])'
+            )
         key = (name, None if signature is None else parse_signature(signature))
         found = self._kernels.get(key)
         if found is None:

@@ -37,7 +37,7 @@ from . import _driver
 from ._kernels import compile_cache as _compile_cache
 from ._kernels import nvrtc
 from ._kernels.compile_cache import CachedImage, CompileCache, cached_compile
-from ._kernels.signature import source_signatures
+from ._kernels.signature import cpp_linkage_kernels, source_signatures
 from ._kernels.symbols import sim_variables, source_variables
 from .device import Device, _as_device
 from .errors import CompileError
@@ -145,10 +145,13 @@ class Program:
         dev = _as_device(device)
         signatures = source_signatures(self.source, self.name_expressions)
         variables = source_variables(self.source)
+        mangled = cpp_linkage_kernels(self.source) - set(self.name_expressions)
         if dev._driver.name == "sim":
             image = self._sim_image(signatures, variables)
             self._compile_where_nvrtc_is(dev)
-            return Module(image, kind="sim", signatures=signatures, name=self.name, variables=variables)
+            return Module(
+                image, kind="sim", signatures=signatures, name=self.name, variables=variables, cpp_kernels=mangled
+            )
         entry = self._compile_real(dev)
         return Module(
             entry.image,
@@ -158,6 +161,7 @@ class Program:
             name=self.name,
             log=entry.log,
             variables=variables,
+            cpp_kernels=mangled,
         )
 
     def _sim_image(self, signatures: Mapping[str, Any], variables: Any) -> bytes:

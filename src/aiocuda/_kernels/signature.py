@@ -428,6 +428,33 @@ def source_signatures(source: str, name_expressions: Sequence[str] = ()) -> dict
     return found
 
 
+_EXTERN_C_BLOCK = re.compile(r'extern\s+"C"\s*\{')
+
+
+def cpp_linkage_kernels(source: str) -> set[str]:
+    """The plain (not template) kernels of CUDA C++ ``source`` with C++ linkage: neither
+    declared ``extern "C"`` nor inside an ``extern "C" { }`` block. Their symbols are
+    mangled, so only a name expression (``Program(name_expressions=[...])``) finds them
+    in the compiled module."""
+    text = strip_comments(source)
+    blocks = []
+    for opening in _EXTERN_C_BLOCK.finditer(text):
+        depth = 0
+        for at in range(opening.end() - 1, len(text)):
+            depth += (text[at] == "{") - (text[at] == "}")
+            if depth == 0:
+                blocks.append((opening.start(), at))
+                break
+    c_linkage: set[str] = set()
+    plain: set[str] = set()
+    for match in _KERNEL.finditer(text):
+        if match["template"]:
+            continue
+        inside = any(start <= match.start() <= end for start, end in blocks)
+        (c_linkage if match["extern"] or inside else plain).add(match["name"])
+    return plain - c_linkage  # (a declaration with extern "C" gives its later definition C linkage)
+
+
 def _parse_params(params: str, types: dict[str, str]) -> Signature | None:
     parsed = [_parse_c_param(p, types) for p in _split_params(params)]
     if any(p is None for p in parsed):
