@@ -169,7 +169,7 @@ def test_a_kernel_without_c_linkage_is_refused_by_name_on_every_backend(backend:
     it by its plain name (tests passed, the code failed on the hardware)."""
     source = 'extern "C" __global__ void plain(float* x) {}\n__global__ void scale(float* x, int n) {}'
     module = Program(source, cache=False).compile()
-    with pytest.raises(ArgumentError, match='C\\+\\+ linkage.*extern "C".*name_expressions'):
+    with pytest.raises(ArgumentError, match=r'C\+\+ linkage.*extern "C".*name_expressions'):
         module.kernel("scale")
     module.kernel("plain")
     named = Program(source, name_expressions=["scale"], cache=False).compile()
