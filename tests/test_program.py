@@ -16,7 +16,7 @@ from aiocuda import _driver, program
 from aiocuda._kernels import nvrtc
 from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
 from aiocuda._kernels.signature import cpp_linkage_kernels, parse_signature, ptx_signatures, source_signatures
-from aiocuda.errors import ArgumentError, CompileError
+from aiocuda.errors import ArgumentError, CompileError, LaunchError
 from aiocuda.program import Program, ProgramOptions
 
 KEY_ARGS: dict[str, Any] = {
@@ -193,6 +193,19 @@ def test_ptx_signatures() -> None:
     sig = ptx_signatures(llvm)["s"]
     assert sig is not None and [(p.dtype.name, p.takes_address) for p in sig] == [("uint64", True), ("float32", False)]
     assert ptx_signatures(".entry u(.param .u64 .weird u_param_0)") == {"u": None}  # never a shorter signature
+
+
+def test_ptx_integers_of_unknown_sign_take_negative_values() -> None:
+    """NVRTC writes an ``int`` parameter as ``.u32``: -1 was refused as out of range."""
+    from aiocuda._kernels.packing import ParamBuffer
+
+    sig = ptx_signatures(".entry k(.param .u32 k_param_0, .param .s32 k_param_1, .param .u64 k_param_2)")["k"]
+    assert sig is not None and [p.either_sign for p in sig] == [True, False, False]
+    params = ParamBuffer(sig)
+    params.pack((-1, -1, 5), None)
+    assert params.values == (0xFFFFFFFF, -1, 5)
+    with pytest.raises(LaunchError, match="argument 0"):
+        params.pack((-(2**31) - 1, 0, 0), None)  # beyond 32 bits either way
 
 
 # -- the simulated compiler ------------------------------------------------------------------------

@@ -145,15 +145,26 @@ class ParamBuffer:
 
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
-    return [
-        to_pointer(a, stream, p.pointee)
-        if p.takes_address and type(a) is not int
-        else as_bool(a)
-        if p.code == "?"
-        else a
-        for p, a in zip(signature, args, strict=True)
-        if not p.by_value_struct
-    ]
+    return [_scalar(p, a, stream) for p, a in zip(signature, args, strict=True) if not p.by_value_struct]
+
+
+def _scalar(param: Param, arg: Any, stream: Any) -> Any:
+    """What ``struct`` packs for ``arg`` (not a by-value struct), the slow general way."""
+    if param.takes_address and type(arg) is not int:
+        return to_pointer(arg, stream, param.pointee)
+    if param.code == "?":
+        return as_bool(arg)
+    if param.either_sign:
+        return two_s_complement(arg, 8 * param.dtype.itemsize)
+    return arg
+
+
+def two_s_complement(value: Any, bits: int) -> Any:
+    """A negative integer of ``bits`` as the unsigned one of the same bits; anything else
+    as it is (and out of range, as struct then says)."""
+    if isinstance(value, (int, np.integer)) and -(1 << (bits - 1)) <= value < 0:
+        return value + (1 << bits)
+    return value
 
 
 def to_pointer(arg: Any, stream: Any, pointee: np.dtype | None = None) -> int:
@@ -284,12 +295,7 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str, stream: A
             if param.by_value_struct:
                 StructSlot(param.dtype).write(arg)
                 continue
-            value = arg
-            if param.takes_address and type(arg) is not int:
-                value = to_pointer(arg, stream, param.pointee)
-            elif param.code == "?":
-                value = as_bool(arg)
-            struct.pack("@" + param.code, value)
+            struct.pack("@" + param.code, _scalar(param, arg, stream))
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             return LaunchError(
                 f"{where}: argument {index} ({param.describe()}) "
@@ -318,6 +324,8 @@ def build_launcher(
     def value(i: int, param: Param) -> str:
         if param.code == "?":
             return f"(a{i} if a{i} is True or a{i} is False else as_bool(a{i}))"
+        if param.either_sign:
+            return f"two_s_complement(a{i}, {8 * param.dtype.itemsize})"
         if not param.takes_address:
             return f"a{i}"
         pointee = f", p{i}" if param.pointee is not None else ""
@@ -369,6 +377,7 @@ def launch(*args):
         "pack_into": first.pack_into,
         "to_pointer": to_pointer,
         "as_bool": as_bool,
+        "two_s_complement": two_s_complement,
         "stream": stream,
         "diagnose": diagnose,
         "CaptureError": CaptureError,

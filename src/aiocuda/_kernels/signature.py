@@ -255,6 +255,10 @@ class Param:
     address: bool = False
     """A 64-bit integer that may hold an address (PTX's ``.u64``, which does not tell a
     pointer from an integer): it takes what a pointer takes, too."""
+    either_sign: bool = False
+    """An unsigned integer that may be a signed one (PTX's ``.u32``, ``.b32``, ``.u16``,
+    ...: NVRTC writes an ``int`` so): it takes negative values too, as their two's
+    complement."""
 
     @property
     def takes_address(self) -> bool:
@@ -494,6 +498,14 @@ def ptx_signatures(ptx: str) -> dict[str, Signature | None]:
             if param is None or dtype is None or param["array"]:
                 ok = False
                 break
-            params.append(Param(np.dtype(dtype), name=param["name"], address=np.dtype(dtype).itemsize == 8))
+            element = np.dtype(dtype)
+            params.append(
+                Param(
+                    element,
+                    name=param["name"],
+                    address=element.itemsize == 8,
+                    either_sign=element.kind == "u" and element.itemsize < 8 and param["type"][0] in "ub",
+                )
+            )
         out[entry["name"]] = tuple(params) if ok else None
     return out
