@@ -9,6 +9,7 @@ the consumer reads, so a read not ordered after the producer's event would see z
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing
 import pickle
@@ -22,7 +23,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, ipc
-from aiocuda._memory import offloop
+from aiocuda._memory import ipc_service, offloop
 from aiocuda.errors import ArgumentError, ExporterLostError
 
 from . import _ipc_child
@@ -81,6 +82,24 @@ def pool_sharing(backend: _driver.Driver) -> None:
 @pytest.fixture
 def child_backend(backend: _driver.Driver) -> Iterator[str]:
     yield backend.name
+
+
+@pytest.fixture(scope="module")
+def other_process() -> ipc_service.Service:
+    """A second sharing service in this process, standing for another process: what it
+    exports is imported through its socket, as from another process (the simulator
+    imports a pool into the process that exported it too), and a test stalls it, as a
+    stopped process, by holding its lock."""
+    return ipc_service.Service()
+
+
+def _shared_by(sharing: ipc_service.Service, array: aiocuda.DeviceArray, imports: int) -> ipc.SharedArray:
+    """``array`` shared by ``sharing`` instead of this process's service."""
+    local = ipc.share_array(array)
+    event = ipc.open_event(local.ready)  # (in the sharing process: the event itself)
+    local.revoke()
+    export = sharing.export(array.buffer, event, imports)
+    return dataclasses.replace(local, exporter=sharing.address, token=export.token)
 
 
 IOTA = r"""
@@ -261,3 +280,27 @@ async def test_a_shared_allocation_outlives_the_producers_free(
     shared.revoke()  # settled: the free is carried out now
     assert await anyio.to_thread.run_sync(offloop.drain, WAIT)
     assert pool.statistics().live_buffers == before
+
+
+async def test_an_exporter_that_does_not_answer_fails_one_request(
+    sim_backend: _driver.Driver,
+    anyio_backend: object,
+    other_process: ipc_service.Service,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An exporter that does not answer in time (stopped, stalled) fails that request
+    with TimeoutError and is not taken for gone: what was opened from it stays usable,
+    its late grant is released, and later requests are answered."""
+    stream = aiocuda.Stream(0)
+    array = await aiocuda.to_device(np.arange(1024, dtype=np.int32), stream=stream, pool=ipc.pool(0))
+    shared = _shared_by(other_process, array, imports=3)
+    export = other_process._exports[shared.token]
+    first = await ipc.open_array(shared, stream=stream)
+    monkeypatch.setattr(ipc_service, "REPLY_TIMEOUT", 0.01)
+    with other_process._lock, pytest.raises(TimeoutError):  # it cannot answer meanwhile
+        await ipc.open_array(shared, stream=stream)
+    monkeypatch.setattr(ipc_service, "REPLY_TIMEOUT", WAIT)
+    assert await _eventually(lambda: (export.imports_left, export.held) == (1, 1))  # granted late, released
+    np.testing.assert_array_equal(await first.to_host(stream=stream), np.arange(1024))
+    second = await ipc.open_array(shared, stream=stream)
+    np.testing.assert_array_equal(await second.to_host(stream=stream), np.arange(1024))

@@ -36,7 +36,6 @@ through shared memory, so all of this works without a GPU too.
 
 from __future__ import annotations
 
-import os
 import secrets
 import threading
 import weakref
@@ -198,7 +197,10 @@ async def open_array(shared: SharedArray, *, stream: Stream | None = None) -> De
     the array) to wait on the host. The first array from a process costs a connection
     and the pool's import; each open is one request to the producer, made off the
     event loop's thread. Raises :class:`~aiocuda.errors.ExporterLostError` when the
-    producer has ended or every import it shared the array for was made.
+    producer has ended or every import it shared the array for was made, and
+    :class:`TimeoutError` when it does not answer within
+    ``aiocuda._memory.ipc_service.REPLY_TIMEOUT`` (30) seconds: stopped or stalled, it
+    may answer later (arrays already opened from it stay usable).
     """
     device = _device_of(shared.device, shared.backend)
     s = stream if stream is not None else current_stream(device)
@@ -225,15 +227,12 @@ def _import(shared: SharedArray, device: Device, stream: Stream) -> tuple[OwnedB
     import the pool (first time) and the pointer, open the producer's event."""
     sharing = service()
     connection = sharing.connection(shared.exporter)
-    pool_key, fd = connection.request(shared.token)
+    pool_key = connection.request(shared.token)
     try:
-        use = sharing.open_import(connection, pool_key, fd, shared.pointer, shared.token, device)
+        use = sharing.open_import(connection, pool_key, shared.pointer, shared.token, device)
     except BaseException:
         connection.release(shared.token)
         raise
-    finally:
-        if fd is not None:
-            os.close(fd)
     buffer = OwnedBuffer(use.imported.ptr, shared.size, device, stream, use)
     use.imported.buffers.add(buffer)
     if connection.lost is not None:

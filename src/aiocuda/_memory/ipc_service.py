@@ -22,8 +22,12 @@ per send, and an end of file when the other process goes):
   since the driver requires the importer's free to complete before the exporter's.
 
 Requests block the calling thread for one round trip (the caller runs them in a worker
-thread, never on an event loop's thread). Messages are fixed byte layouts, never
-pickles: any local process may connect, but only a token's holder gets anything.
+thread, never on an event loop's thread), at most :data:`REPLY_TIMEOUT` seconds: an
+exporter that does not answer in time fails that request, not its connection (answers
+come in the order of the requests; a grant to a request given up is released when it
+comes). Only the service thread closes the sockets it watches. Messages are fixed byte
+layouts, never pickles: any local process may connect, but only a token's holder gets
+anything.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ if TYPE_CHECKING:
 __all__ = ["REPLY_TIMEOUT", "Connection", "Export", "Import", "Service", "Use", "service"]
 
 REPLY_TIMEOUT = 30.0
-"""Seconds an import waits for the exporting process to answer before it counts as lost."""
+"""Seconds an import waits for the exporting process to answer before it fails with a
+:class:`TimeoutError` (the exporter is not known to be gone: its connection stays)."""
 
 TOKEN_BYTES = 32
 POOL_KEY_BYTES = 16
@@ -86,12 +91,14 @@ class _Peer:
 class _Reply:
     """An importer's request waiting for the exporter's answer."""
 
-    __slots__ = ("data", "done", "fds")
+    __slots__ = ("abandoned", "data", "done", "token")
 
-    def __init__(self) -> None:
+    def __init__(self, token: bytes) -> None:
+        self.token = token
         self.done = threading.Event()
         self.data = b""
-        self.fds: list[int] = []
+        self.abandoned = False
+        """Its requester stopped waiting: a grant that comes is released at once."""
 
 
 class Connection:
@@ -109,14 +116,21 @@ class Connection:
             ) from None
         self.lock = threading.Lock()
         self.waiting: collections.deque[_Reply] = collections.deque()
+        """Requests in the order they were sent, which is the order of the answers."""
         self.lost: ExporterLostError | None = None
         self.pools: dict[bytes, Any] = {}
         """Pools of the exporter imported into this process, by the exporter's key."""
+        self.pool_fds: dict[bytes, int] = {}
+        """Descriptors of the exporter's pools received and not imported yet, by key:
+        kept here, not by the request whose answer carried one, as that request may be
+        given up, or another request for the same pool may get to the import first."""
         self.imports: weakref.WeakSet[Import] = weakref.WeakSet()
 
-    def request(self, token: bytes) -> tuple[bytes, int | None]:
-        """Acquire the export ``token`` names: ``(pool key, pool fd or None)``."""
-        reply = _Reply()
+    def request(self, token: bytes) -> bytes:
+        """Acquire the export ``token`` names: the key of its pool (see :attr:`pool_fds`).
+        A :class:`TimeoutError` after :data:`REPLY_TIMEOUT` seconds without an answer
+        (the grant that may still come is released)."""
+        reply = _Reply(token)
         with self.lock:
             if self.lost is not None:
                 raise self.lost
@@ -126,16 +140,23 @@ class Connection:
             except OSError as exc:
                 self.waiting.remove(reply)
                 raise ExporterLostError(f"the exporting process went away ({exc})", name="AIOCUDA_IPC_LOST") from None
-        if not reply.done.wait(REPLY_TIMEOUT):
-            self.fail(ExporterLostError("the exporting process did not answer", name="AIOCUDA_IPC_LOST"))
-        if self.lost is not None and not reply.data:
+        reply.done.wait(REPLY_TIMEOUT)
+        with self.lock:
+            if not reply.done.is_set():
+                # Stopped or stalled, not known to be gone: this request fails, the
+                # connection and what was imported through it stay.
+                reply.abandoned = True
+                raise TimeoutError(
+                    f"the process that shared this memory did not answer within {REPLY_TIMEOUT:g} s "
+                    "(stopped or stalled); nothing was imported"
+                )
+        if not reply.data:
+            assert self.lost is not None
             raise self.lost
         if reply.data[:1] != _GRANTED:
-            for fd in reply.fds:
-                os.close(fd)
             reason = reply.data[1:].decode(errors="replace")
             raise ExporterLostError(f"the exporting process refused the import: {reason}", name="AIOCUDA_IPC_REFUSED")
-        return reply.data[1 : 1 + POOL_KEY_BYTES], (reply.fds[0] if reply.fds else None)
+        return reply.data[1 : 1 + POOL_KEY_BYTES]
 
     def release(self, token: bytes) -> None:
         """Release one import of ``token`` (nothing if the exporter is gone)."""
@@ -146,17 +167,24 @@ class Connection:
 
     def answer(self, data: bytes, fds: list[int]) -> None:
         """The service thread received the exporter's next answer."""
+        granted = data[:1] == _GRANTED
         with self.lock:
+            key = data[1 : 1 + POOL_KEY_BYTES]
+            if granted and fds and key not in self.pool_fds:  # the first grant of a pool carries it
+                self.pool_fds[key] = fds.pop(0)
             reply = self.waiting.popleft() if self.waiting else None
-        if reply is None:
-            for fd in fds:
-                os.close(fd)
-            return
-        reply.data, reply.fds = data, fds
-        reply.done.set()
+            if reply is not None and not reply.abandoned:
+                reply.data = data
+                reply.done.set()
+                reply = None
+        for fd in fds:
+            os.close(fd)
+        if reply is not None and granted:
+            self.release(reply.token)
 
     def fail(self, error: ExporterLostError) -> None:
-        """The exporter is gone: fail waiting requests, mark every import lost."""
+        """(The service thread, which has stopped watching the socket.) The exporter is
+        gone: fail waiting requests, mark every import lost, close the socket."""
         with self.lock:
             if self.lost is not None:
                 return
@@ -316,12 +344,10 @@ class Service:
         self._call_soon(lambda: self._selector.register(connection.sock, selectors.EVENT_READ, connection))
         return connection
 
-    def open_import(
-        self, connection: Connection, pool_key: bytes, fd: int | None, pointer: bytes, token: bytes, device: Device
-    ) -> Use:
-        """A use of the allocation ``pointer`` names, importing the pool (from ``fd``,
-        which stays the caller's) and the pointer the first time; ``token`` is the
-        export the exporter granted, released when the use ends."""
+    def open_import(self, connection: Connection, pool_key: bytes, pointer: bytes, token: bytes, device: Device) -> Use:
+        """A use of the allocation ``pointer`` names, importing the pool (from the
+        descriptor the connection received) and the pointer the first time; ``token``
+        is the export the exporter granted, released when the use ends."""
         driver = device._driver
         key = (connection.address, pointer)
         with self._import_lock:
@@ -329,6 +355,7 @@ class Service:
             if imported is None:
                 handle = connection.pools.get(pool_key)
                 if handle is None:
+                    fd = connection.pool_fds.get(pool_key)
                     if fd is None:
                         raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
                     device.make_current()
@@ -336,6 +363,9 @@ class Service:
                     if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
                         driver.mempool_set_access(handle, device.ordinal)
                     connection.pools[pool_key] = handle
+                    with connection.lock:
+                        del connection.pool_fds[pool_key]
+                    os.close(fd)
                 device.make_current()
                 ptr = driver.mempool_import_pointer(handle, pointer)
                 imported = self._imports[key] = Import(key, connection, device, ptr)
@@ -408,6 +438,10 @@ class Service:
         with self._lock:
             if self._connections.get(connection.address) is connection:
                 del self._connections[connection.address]
+        with self._import_lock:  # (no import is using one now)
+            fds, connection.pool_fds = list(connection.pool_fds.values()), {}
+        for fd in fds:
+            os.close(fd)
 
     def _from_importer(self, peer: _Peer) -> None:
         try:
