@@ -290,17 +290,66 @@ async def test_an_exporter_that_does_not_answer_fails_one_request(
 ) -> None:
     """An exporter that does not answer in time (stopped, stalled) fails that request
     with TimeoutError and is not taken for gone: what was opened from it stays usable,
-    its late grant is released, and later requests are answered."""
+    its late grant is undone, and later requests are answered."""
     stream = aiocuda.Stream(0)
     array = await aiocuda.to_device(np.arange(1024, dtype=np.int32), stream=stream, pool=ipc.pool(0))
-    shared = _shared_by(other_process, array, imports=3)
-    export = other_process._exports[shared.token]
+    shared = _shared_by(other_process, array, imports=2)
     first = await ipc.open_array(shared, stream=stream)
     monkeypatch.setattr(ipc_service, "REPLY_TIMEOUT", 0.01)
     with other_process._lock, pytest.raises(TimeoutError):  # it cannot answer meanwhile
         await ipc.open_array(shared, stream=stream)
     monkeypatch.setattr(ipc_service, "REPLY_TIMEOUT", WAIT)
-    assert await _eventually(lambda: (export.imports_left, export.held) == (1, 1))  # granted late, released
+    assert await _eventually(_answered(other_process))
     np.testing.assert_array_equal(await first.to_host(stream=stream), np.arange(1024))
-    second = await ipc.open_array(shared, stream=stream)
+    second = await ipc.open_array(shared, stream=stream)  # the import the late grant gave back
     np.testing.assert_array_equal(await second.to_host(stream=stream), np.arange(1024))
+    with pytest.raises(ExporterLostError, match="every import"):
+        await ipc.open_array(shared, stream=stream)
+
+
+def _answered(sharing: ipc_service.Service) -> Callable[[], bool]:
+    """Whether every request to ``sharing`` was answered (and a late grant undone: the
+    undo is sent, under the connection's lock, as its request leaves ``waiting``)."""
+    connection = ipc_service.service().connection(sharing.address)
+
+    def answered() -> bool:
+        with connection.lock:
+            return not connection.waiting
+
+    return answered
+
+
+@pytest.mark.parametrize("retry_at_once", [False, True], ids=["retry-later", "retry-at-once"])
+async def test_a_cancelled_open_gives_up_at_once(
+    sim_backend: _driver.Driver, anyio_backend: object, other_process: ipc_service.Service, retry_at_once: bool
+) -> None:
+    """Cancelling an open that waits for the exporter's answer ends it at once (not after
+    REPLY_TIMEOUT); the grant that comes later is undone, or goes to an open of the same
+    array made before it came, which takes the cancelled one's place."""
+    stream = aiocuda.Stream(0)
+    array = await aiocuda.to_device(np.arange(1024, dtype=np.int32), stream=stream, pool=ipc.pool(0))
+    shared = _shared_by(other_process, array, imports=1)
+    connection = ipc_service.service().connection(other_process.address)
+    scope = anyio.CancelScope()
+    opened: list[aiocuda.DeviceArray] = []
+
+    async def cancel_once_sent() -> None:
+        assert await _eventually(lambda: bool(connection.waiting))
+        scope.cancel()
+
+    async def open_again() -> None:
+        opened.append(await ipc.open_array(shared, stream=stream))
+
+    async with anyio.create_task_group() as tasks:
+        with other_process._lock:  # it cannot answer meanwhile
+            tasks.start_soon(cancel_once_sent)
+            with scope:
+                await ipc.open_array(shared, stream=stream)
+            assert scope.cancelled_caught and connection.waiting[0].abandoned
+            if retry_at_once:  # before the answer: it takes the cancelled request's place
+                tasks.start_soon(open_again)
+                assert await _eventually(lambda: not connection.waiting[0].abandoned)
+    if not retry_at_once:
+        assert await _eventually(_answered(other_process))  # granted and undone
+        await open_again()
+    np.testing.assert_array_equal(await opened[0].to_host(stream=stream), np.arange(1024))  # the one import

@@ -46,7 +46,7 @@ import numpy as np
 
 from . import _driver
 from ._memory.buffers import OwnedBuffer
-from ._memory.ipc_service import service
+from ._memory.ipc_service import Request, service
 from ._util import invalid_value
 from .array import DeviceArray
 from .device import Device, _as_device, devices
@@ -196,7 +196,8 @@ async def open_array(shared: SharedArray, *, stream: Stream | None = None) -> De
     the producer's work before anything enqueued on it later; await it (or any copy of
     the array) to wait on the host. The first array from a process costs a connection
     and the pool's import; each open is one request to the producer, made off the
-    event loop's thread. Raises :class:`~aiocuda.errors.ExporterLostError` when the
+    event loop's thread. Cancelling the open takes effect at once; the import the
+    producer may grant later is given back. Raises :class:`~aiocuda.errors.ExporterLostError` when the
     producer has ended or every import it shared the array for was made, and
     :class:`TimeoutError` when it does not answer within
     ``aiocuda._memory.ipc_service.REPLY_TIMEOUT`` (30) seconds: stopped or stalled, it
@@ -215,19 +216,26 @@ async def open_array(shared: SharedArray, *, stream: Stream | None = None) -> De
             )
         buffer, _ = taken
     else:
-        buffer, ready = await anyio.to_thread.run_sync(_import, shared, device, s)
+        request = Request(shared.token)
+        try:
+            buffer, ready = await anyio.to_thread.run_sync(_import, shared, device, s, request, abandon_on_cancel=True)
+        except BaseException:  # cancelled: the thread stops waiting (nothing, had it failed)
+            request.give_up()
+            raise
         s.wait(ready)
     array = DeviceArray(shared.shape, np.dtype(shared.dtype), shared.strides, buffer=buffer, offset=shared.offset)
     array._stream_for(s)
     return array
 
 
-def _import(shared: SharedArray, device: Device, stream: Stream) -> tuple[OwnedBuffer, Event]:
-    """The blocking part of :func:`open_array` (a worker thread): acquire the export,
-    import the pool (first time) and the pointer, open the producer's event."""
+def _import(shared: SharedArray, device: Device, stream: Stream, request: Request) -> tuple[OwnedBuffer, Event]:
+    """The blocking part of :func:`open_array` (a worker thread, abandoned if the caller
+    is cancelled: ``request`` is given up then, and an import made all the same goes
+    with its buffer, which nobody keeps): acquire the export, import the pool (first
+    time) and the pointer, open the producer's event."""
     sharing = service()
     connection = sharing.connection(shared.exporter)
-    pool_key = connection.request(shared.token)
+    pool_key = connection.request(request)
     try:
         use = sharing.open_import(connection, pool_key, shared.pointer, shared.token, device)
     except BaseException:

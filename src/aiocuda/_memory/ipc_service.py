@@ -11,8 +11,10 @@ per send, and an end of file when the other process goes):
   been imported the number of times it was shared for and every import was released.
   An importer asks for an export by its token (``A``); the answer names the pool and,
   the first time this connection sees that pool, carries the pool's POSIX file
-  descriptor (``SCM_RIGHTS``). ``R`` releases one import. A connection that ends
-  releases everything it held: a process that dies lets go of its imports.
+  descriptor (``SCM_RIGHTS``). ``R`` releases one import; ``U`` undoes one (a grant
+  that came after its requester gave up: the export may be imported once more). A
+  connection that ends releases everything it held: a process that dies lets go of its
+  imports.
 * **Importing.** One connection per exporting process, kept open: it carries the
   requests, and its end of file says that the exporter is gone. Then every buffer
   imported from it is marked lost, so using it raises
@@ -24,7 +26,7 @@ per send, and an end of file when the other process goes):
 Requests block the calling thread for one round trip (the caller runs them in a worker
 thread, never on an event loop's thread), at most :data:`REPLY_TIMEOUT` seconds: an
 exporter that does not answer in time fails that request, not its connection (answers
-come in the order of the requests; a grant to a request given up is released when it
+come in the order of the requests; a grant to a request given up is undone when it
 comes). Only the service thread closes the sockets it watches. Messages are fixed byte
 layouts, never pickles: any local process may connect, but only a token's holder gets
 anything.
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
     from ..device import Device
     from ..memory import MemoryPool
 
-__all__ = ["REPLY_TIMEOUT", "Connection", "Export", "Import", "Service", "Use", "service"]
+__all__ = ["REPLY_TIMEOUT", "Connection", "Export", "GivenUp", "Import", "Request", "Service", "Use", "service"]
 
 REPLY_TIMEOUT = 30.0
 """Seconds an import waits for the exporting process to answer before it fails with a
@@ -60,7 +62,7 @@ REPLY_TIMEOUT = 30.0
 
 TOKEN_BYTES = 32
 POOL_KEY_BYTES = 16
-_ACQUIRE, _RELEASE, _GRANTED, _REFUSED = b"A", b"R", b"K", b"N"
+_ACQUIRE, _RELEASE, _UNDO, _GRANTED, _REFUSED = b"A", b"R", b"U", b"K", b"N"
 
 
 @dataclass
@@ -77,6 +79,8 @@ class Export:
     imports_left: int
     held: int = 0
     """Imports acquired and not yet released."""
+    revoked: bool = False
+    """No more imports, whatever is undone."""
 
 
 @dataclass
@@ -88,17 +92,38 @@ class _Peer:
     held: collections.Counter[bytes] = field(default_factory=collections.Counter)
 
 
-class _Reply:
-    """An importer's request waiting for the exporter's answer."""
+class GivenUp(Exception):
+    """A :class:`Request` was given up (raised in the thread that made it, whose caller
+    has gone)."""
 
-    __slots__ = ("abandoned", "data", "done", "token")
+
+class Request:
+    """An importer's request for the export ``token`` names, waiting for the
+    exporter's answer (:meth:`Connection.request`)."""
+
+    __slots__ = ("abandoned", "connection", "data", "done", "given_up", "token")
 
     def __init__(self, token: bytes) -> None:
         self.token = token
         self.done = threading.Event()
         self.data = b""
+        self.connection: Connection | None = None
+        """Where it is made (set first, under that connection's lock)."""
+        self.given_up = False
         self.abandoned = False
-        """Its requester stopped waiting: a grant that comes is released at once."""
+        """(The connection's lock guards it.) Nobody waits for the answer any more: a
+        grant that comes is undone at once, or goes to a new request for the same export."""
+
+    def give_up(self) -> None:
+        """Stop waiting for the answer (from any thread: a cancelled ``open_array``):
+        the request raises :class:`GivenUp`, and a grant is undone when it comes. Once
+        this returns, a new request for the export takes this one's place."""
+        self.given_up = True
+        connection = self.connection
+        if connection is not None:  # else Connection.request sees given_up before sending
+            with connection.lock:
+                self.abandoned = not self.data
+        self.done.set()
 
 
 class Connection:
@@ -115,7 +140,7 @@ class Connection:
                 f"the process that shared this memory cannot be reached ({exc}): it has ended", name="AIOCUDA_IPC_LOST"
             ) from None
         self.lock = threading.Lock()
-        self.waiting: collections.deque[_Reply] = collections.deque()
+        self.waiting: collections.deque[Request] = collections.deque()
         """Requests in the order they were sent, which is the order of the answers."""
         self.lost: ExporterLostError | None = None
         self.pools: dict[bytes, Any] = {}
@@ -126,44 +151,66 @@ class Connection:
         given up, or another request for the same pool may get to the import first."""
         self.imports: weakref.WeakSet[Import] = weakref.WeakSet()
 
-    def request(self, token: bytes) -> bytes:
-        """Acquire the export ``token`` names: the key of its pool (see :attr:`pool_fds`).
-        A :class:`TimeoutError` after :data:`REPLY_TIMEOUT` seconds without an answer
-        (the grant that may still come is released)."""
-        reply = _Reply(token)
+    def request(self, request: Request) -> bytes:
+        """Acquire the export ``request`` names: the key of its pool (see
+        :attr:`pool_fds`). A :class:`TimeoutError` after :data:`REPLY_TIMEOUT` seconds
+        without an answer, :class:`GivenUp` once given up (a grant that comes later is
+        undone). A request for an export whose last request was given up and not
+        answered yet takes that one's place instead of asking again: the exporter may
+        have only that import left, granted to the first request."""
         with self.lock:
             if self.lost is not None:
                 raise self.lost
-            self.waiting.append(reply)
-            try:
-                self.sock.send(_ACQUIRE + token)
-            except OSError as exc:
-                self.waiting.remove(reply)
-                raise ExporterLostError(f"the exporting process went away ({exc})", name="AIOCUDA_IPC_LOST") from None
-        reply.done.wait(REPLY_TIMEOUT)
+            request.connection = self
+            if request.given_up:
+                raise GivenUp
+            for place, waiting in enumerate(self.waiting):
+                if waiting.abandoned and waiting.token == request.token:
+                    self.waiting[place] = request
+                    break
+            else:
+                self.waiting.append(request)
+                try:
+                    self.sock.send(_ACQUIRE + request.token)
+                except OSError as exc:
+                    self.waiting.remove(request)
+                    raise ExporterLostError(
+                        f"the exporting process went away ({exc})", name="AIOCUDA_IPC_LOST"
+                    ) from None
+        request.done.wait(REPLY_TIMEOUT)
         with self.lock:
-            if not reply.done.is_set():
-                # Stopped or stalled, not known to be gone: this request fails, the
-                # connection and what was imported through it stay.
-                reply.abandoned = True
+            if not request.data and self.lost is None:
+                # Given up, or stopped or stalled (not known to be gone): this request
+                # fails; the connection and what was imported through it stay.
+                request.abandoned = True
+                if request.given_up:
+                    raise GivenUp
                 raise TimeoutError(
                     f"the process that shared this memory did not answer within {REPLY_TIMEOUT:g} s "
                     "(stopped or stalled); nothing was imported"
                 )
-        if not reply.data:
+        if not request.data:
             assert self.lost is not None
             raise self.lost
-        if reply.data[:1] != _GRANTED:
-            reason = reply.data[1:].decode(errors="replace")
+        if request.data[:1] != _GRANTED:
+            reason = request.data[1:].decode(errors="replace")
             raise ExporterLostError(f"the exporting process refused the import: {reason}", name="AIOCUDA_IPC_REFUSED")
-        return reply.data[1 : 1 + POOL_KEY_BYTES]
+        if request.given_up:  # granted as it was given up: nobody will use the import
+            self.release(request.token, undo=True)
+            raise GivenUp
+        return request.data[1 : 1 + POOL_KEY_BYTES]
 
-    def release(self, token: bytes) -> None:
-        """Release one import of ``token`` (nothing if the exporter is gone)."""
+    def release(self, token: bytes, *, undo: bool = False) -> None:
+        """Release one import of ``token``; with ``undo``, one never used, which the
+        exporter counts as not made (nothing if the exporter is gone)."""
         with self.lock:
-            if self.lost is None:
-                with contextlib.suppress(OSError):
-                    self.sock.send(_RELEASE + token)
+            self._release(token, undo)
+
+    def _release(self, token: bytes, undo: bool) -> None:
+        """(Lock held.)"""
+        if self.lost is None:
+            with contextlib.suppress(OSError):
+                self.sock.send((_UNDO if undo else _RELEASE) + token)
 
     def answer(self, data: bytes, fds: list[int]) -> None:
         """The service thread received the exporter's next answer."""
@@ -172,15 +219,16 @@ class Connection:
             key = data[1 : 1 + POOL_KEY_BYTES]
             if granted and fds and key not in self.pool_fds:  # the first grant of a pool carries it
                 self.pool_fds[key] = fds.pop(0)
-            reply = self.waiting.popleft() if self.waiting else None
-            if reply is not None and not reply.abandoned:
-                reply.data = data
-                reply.done.set()
-                reply = None
+            request = self.waiting.popleft() if self.waiting else None
+            if request is not None and not request.abandoned:
+                request.data = data
+                request.done.set()
+            elif request is not None and granted:
+                # Undone before the lock goes: nothing sent after the request left
+                # ``waiting`` overtakes the undo.
+                self._release(request.token, undo=True)
         for fd in fds:
             os.close(fd)
-        if reply is not None and granted:
-            self.release(reply.token)
 
     def fail(self, error: ExporterLostError) -> None:
         """(The service thread, which has stopped watching the socket.) The exporter is
@@ -190,8 +238,8 @@ class Connection:
                 return
             self.lost = error
             waiting, self.waiting = self.waiting, collections.deque()
-        for reply in waiting:
-            reply.done.set()
+        for request in waiting:
+            request.done.set()
         for imported in list(self.imports):
             imported.lose(error)
         with contextlib.suppress(OSError):
@@ -310,6 +358,7 @@ class Service:
             export = self._exports.get(token)
             if export is not None:
                 export.imports_left = 0
+                export.revoked = True
                 self._settle(export)
 
     def _settle(self, export: Export) -> None:
@@ -459,13 +508,15 @@ class Service:
                         self._settle(export)
             return
         op, token = data[:1], data[1 : 1 + TOKEN_BYTES]
-        if op == _RELEASE:
+        if op in (_RELEASE, _UNDO):
             with self._lock:
                 export = self._exports.get(token)
                 if peer.held[token] > 0:
                     peer.held[token] -= 1
                     if export is not None:
                         export.held -= 1
+                        if op == _UNDO and not export.revoked:
+                            export.imports_left += 1
                         self._settle(export)
             return
         with self._lock:
