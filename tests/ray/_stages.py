@@ -95,3 +95,9 @@ class DieOnMarked:
 def device_view(executor: Executor) -> tuple[str, int, str]:
     """(backend, devices the executor uses, CUDA_VISIBLE_DEVICES) in the actor."""
     return _driver.driver().name, len(executor.devices), os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+def record_setup(path: str) -> None:
+    """A pool's ``setup`` (with ``functools.partial``): appends the actor's pid to ``path``."""
+    with pathlib.Path(path).open("a") as f:
+        f.write(f"{os.getpid()}\n")

@@ -92,6 +92,7 @@ class GpuActor:
         self._executor_options = executor
         self._upload = upload
         self._executor: Executor | None = None
+        self._opening: asyncio.Future[None] | None = None
         self._pins = _transfer.StorePins()
         self._stages: dict[str, Any] = {}
         self._instances: collections.OrderedDict[Hashable, Any] = collections.OrderedDict()
@@ -102,23 +103,30 @@ class GpuActor:
         self._cancelled = 0
 
     async def open(self) -> ActorStatistics:
-        """Select the backend, run the setup function, open the executor."""
-        if self._executor is None:
-            gpu_ids = ray.get_gpu_ids()
-            if not gpu_ids:
-                raise RuntimeError("a GPU actor needs num_gpus > 0: Ray assigned it no GPU")
-            name = self._backend or os.environ.get("AIOCUDA_BACKEND", "auto").strip().lower() or "auto"
-            # Options reach only the simulator: one simulated device per assigned GPU.
-            backend = _driver.use_backend(name, devices=len(gpu_ids))
-            if self._setup is not None:
-                done = self._setup()
-                if inspect.isawaitable(done):
-                    await done
-            chosen = assigned_devices(gpu_ids, backend.device_count())
-            executor = Executor(chosen, **self._executor_options)
-            await executor.__aenter__()
-            self._executor = executor
+        """Select the backend, run the setup function, open the executor: once, however
+        many calls come (Ray runs an async actor's calls at once: those that come while
+        it opens await the same opening, and share its error)."""
+        if self._opening is None:
+            self._opening = asyncio.ensure_future(self._open())
+        # Shielded: a caller cancelled by Ray leaves the opening to the others.
+        await asyncio.shield(self._opening)
         return self._statistics()
+
+    async def _open(self) -> None:
+        gpu_ids = ray.get_gpu_ids()
+        if not gpu_ids:
+            raise RuntimeError("a GPU actor needs num_gpus > 0: Ray assigned it no GPU")
+        name = self._backend or os.environ.get("AIOCUDA_BACKEND", "auto").strip().lower() or "auto"
+        # Options reach only the simulator: one simulated device per assigned GPU.
+        backend = _driver.use_backend(name, devices=len(gpu_ids))
+        if self._setup is not None:
+            done = self._setup()
+            if inspect.isawaitable(done):
+                await done
+        chosen = assigned_devices(gpu_ids, backend.device_count())
+        executor = Executor(chosen, **self._executor_options)
+        await executor.__aenter__()
+        self._executor = executor
 
     async def close(self) -> None:
         """Wait for the executor's GPU work, close it, unpin the store's pages."""

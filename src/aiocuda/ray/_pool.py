@@ -123,6 +123,10 @@ class ActorPool:
         self._actor_args = (backend, setup, dict(executor or {}), upload or _transfer.UPLOAD)
         self._options = _actor_options(num_gpus, num_cpus, dict(options or {}))
         self._slots: tuple[ActorSlot, ...] = ()
+        self._opening: list[Any] | None = None
+        """The actors' ``open`` calls, made once and awaited by every :meth:`wait_ready`."""
+        self._waiting = 0
+        """Callers of :meth:`wait_ready` awaiting the opening now."""
         self._ready = False
         self.admission = Admission()
         """Placement's reservations on the actors, shared by every map over the pool."""
@@ -138,15 +142,24 @@ class ActorPool:
             )
 
     async def wait_ready(self) -> list[ActorStatistics]:
-        """Start the actors if needed and wait until each has opened its executor;
-        raises the first actor's error (say, no usable device) after ending them all."""
+        """Start the actors if needed and wait until each has opened its executor; raises
+        the first actor's error (say, no usable device) after ending them all. Calls made
+        at once (maps started together over a new pool) wait for the same opening; so do
+        later ones, which return each actor's statistics as it opened."""
         self.start()
+        if self._opening is None:
+            self._opening = [slot.actor.open.remote() for slot in self._slots]
+        self._waiting += 1
         try:
-            opened = [slot.actor.open.remote() for slot in self._slots]
-            stats = [await _refs.value(ref) for ref in opened]
-        except BaseException:
-            self.kill()
+            stats = [await _refs.value(ref) for ref in self._opening]
+        except BaseException as exc:
+            # An error ends the actors; so does cancelling the last caller still waiting
+            # (no one is left to close them). Another caller goes on waiting.
+            if isinstance(exc, Exception) or self._waiting == 1:
+                self.kill()
             raise
+        finally:
+            self._waiting -= 1
         self._ready = True
         return stats
 

@@ -1,0 +1,78 @@
+"""ActorPool's lifetime on a local Ray cluster (simulated backend): opening once, whoever
+asks and however many ask at once.
+
+No test relies on timing: actors are held where a test needs them by events or paused
+streams, and the tests wait for states.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import pathlib
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+import ray
+
+import aiocuda.ray as aray
+from aiocuda.ray._actor import GpuActor
+
+from . import _stages
+from .conftest import new_pool
+
+pytestmark = pytest.mark.anyio
+
+
+def chunks(n: int, size: int = 4096) -> list[np.ndarray]:
+    return [np.full(size, i, np.float32) for i in range(n)]
+
+
+# The actor's loop is asyncio (Ray's async actor), whatever the driver's.
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_actor_opened_by_calls_at_once_opens_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray runs an async actor's calls at once: a second ``open`` while the first is in
+    its setup waits for it (it selected the backend again, shutting the first's driver
+    down under it)."""
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [0])  # in the actor, Ray's answer
+    release = asyncio.Event()
+    setups = 0
+
+    async def setup() -> None:
+        nonlocal setups
+        setups += 1
+        await release.wait()
+
+    actor = GpuActor("sim", setup, {}, "staging")
+    opens = [asyncio.ensure_future(actor.open()) for _ in range(2)]
+    await anyio.wait_all_tasks_blocked()  # both calls made, the first in its setup
+    release.set()
+    first, second = await asyncio.gather(*opens)
+    try:
+        assert setups == 1
+        assert len(first.devices) == 1
+        assert second.devices == first.devices
+    finally:
+        await actor.close()
+
+
+async def test_maps_started_together_share_the_opening(ray_cluster: Any, tmp_path: pathlib.Path) -> None:
+    calls = tmp_path / "setups"
+    pool = new_pool(2, setup=functools.partial(_stages.record_setup, str(calls)))
+    got: list[list[int]] = []
+
+    async def one_map() -> None:
+        async with aray.map(_stages.identity, chunks(6), actors=pool) as results:
+            got.append([r.index async for r in results])
+
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one_map)
+            tg.start_soon(one_map)
+        assert got == [list(range(6))] * 2
+        pids = calls.read_text().split()
+        assert len(pids) == len(set(pids)) == 2  # one setup per actor
+    finally:
+        await pool.aclose()
