@@ -7,6 +7,8 @@ through two queues: ``inbox`` from the test, ``outbox`` to it. Failures are repo
 
 from __future__ import annotations
 
+import os
+import signal
 import traceback
 from typing import Any
 
@@ -88,5 +90,58 @@ def reopen(backend: str, inbox: Any, outbox: Any) -> None:
             array = await ipc.open_array(shared, stream=stream)
             outbox.put(("read", int((await array.to_host(stream=stream))[0])))
             del array
+
+    _report(outbox, main)
+
+
+def _fork_helper() -> int:
+    """Fork a process that does nothing with aiocuda until it is killed (as a helper
+    started by fork, or multiprocessing's fork start method, does): its pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            while True:
+                signal.pause()
+        finally:
+            os._exit(0)
+    return pid
+
+
+def produce_and_fork(backend: str, inbox: Any, outbox: Any) -> None:
+    """Share an array of 0..n-1; when told, fork a helper (its pid to the test) and end."""
+    _use(backend)
+
+    async def main() -> None:
+        import aiocuda
+        from aiocuda import ipc
+
+        stream = aiocuda.Stream(0)
+        array = await aiocuda.to_device(np.arange(4096, dtype=np.int32), stream=stream, pool=ipc.pool(0))
+        outbox.put(("shared", ipc.share_array(array)))
+        await anyio.to_thread.run_sync(inbox.get)
+        outbox.put(("forked", _fork_helper()))
+
+    _report(outbox, main)
+
+
+def consume_and_fork(backend: str, inbox: Any, outbox: Any) -> None:
+    """Open the array the test shares (for two imports), fork a helper, open it again
+    (the fork left this process's sharing alone), report the helper's pid, and wait to
+    be killed."""
+    _use(backend)
+
+    async def main() -> None:
+        import aiocuda
+        from aiocuda import ipc
+
+        shared = await anyio.to_thread.run_sync(inbox.get)
+        stream = aiocuda.Stream(0)
+        first = await ipc.open_array(shared, stream=stream)
+        helper = _fork_helper()
+        second = await ipc.open_array(shared, stream=stream)
+        await first.to_host(stream=stream)
+        await second.to_host(stream=stream)
+        outbox.put(("forked", helper))
+        await anyio.to_thread.run_sync(inbox.get)
 
     _report(outbox, main)

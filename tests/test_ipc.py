@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing
+import os
 import pickle
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -195,6 +197,36 @@ async def test_memory_outlives_neither_side(
         consumer.process.kill()  # ended without releasing: its connection's end does
         assert await _eventually(lambda: pool.statistics().used_bytes == before)
     finally:
+        consumer.end()
+
+
+async def test_a_forked_helper_hides_no_ending(
+    pool_sharing: None, backend: _driver.Driver, child_backend: str, anyio_backend: object
+) -> None:
+    """A helper forked by a sharing process keeps none of its connections: an importer
+    still sees its exporter end, an exporter still gets back what a dead importer held,
+    while the helper lives on; the process that forked goes on sharing."""
+    helpers: list[int] = []
+    producer = Child(_ipc_child.produce_and_fork, child_backend)
+    consumer = Child(_ipc_child.consume_and_fork, child_backend)
+    try:
+        stream = aiocuda.Stream(0)
+        array = await ipc.open_array(await producer.expect("shared"), stream=stream)
+        producer.inbox.put("fork")
+        helpers.append(await producer.expect("forked"))  # then it ends (a join would wait for the helper)
+        assert await _eventually(lambda: array.buffer.freed)
+        with pytest.raises(ExporterLostError, match="ended"):
+            await array.to_host(stream=stream)
+        pool = ipc.pool(0)
+        before = pool.statistics().live_buffers
+        consumer.inbox.put(ipc.share_array(await aiocuda.zeros(1 << 16, np.float32, pool=pool), imports=2))
+        helpers.append(await consumer.expect("forked"))
+        consumer.process.kill()
+        assert await _eventually(lambda: pool.statistics().live_buffers == before)
+    finally:
+        for pid in helpers:
+            os.kill(pid, signal.SIGKILL)
+        producer.end()
         consumer.end()
 
 

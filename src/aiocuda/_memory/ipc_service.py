@@ -1,8 +1,10 @@
 """The process's side of sharing device memory with other processes.
 
 Both directions go through one daemon thread per process (started at first use, and
-again in a forked child), serving Unix sockets of type ``SOCK_SEQPACKET`` (one message
-per send, and an end of file when the other process goes):
+again in a forked child, which first closes its copy of the parent's sockets: else the
+other processes would not see the parent's end), serving Unix sockets of type
+``SOCK_SEQPACKET`` (one message per send, and an end of file when the other process
+goes):
 
 * **Exporting.** A listening socket in the abstract namespace (no file to clean up),
   named in every descriptor this process hands out. Each export -- an allocation of an
@@ -305,6 +307,34 @@ class Service:
         self._import_lock = threading.RLock()  # (reentrant for the same reason)
         self._thread = threading.Thread(target=self._serve, name="aiocuda-ipc", daemon=True)
         self._thread.start()
+        _services.add(self)
+
+    def _close_in_child(self) -> None:
+        """(In a child forked from this service's process.) Close this copy of the
+        parent's sockets and descriptors: kept open, they would hide the parent's end
+        from the processes it shares with -- an importer would never learn that its
+        exporter ended, an exporter never get back what a dead importer held -- and a
+        finaliser here could speak for the parent. Closed only: a shutdown, or a change
+        of the selector (the parent's epoll instance), would reach the parent."""
+        # The locks may have been held by threads that do not exist here.
+        self._lock = threading.RLock()
+        self._import_lock = threading.RLock()
+        connections = list(self._connections.values())
+        sockets: list[object] = [key.fileobj for key in self._selector.get_map().values()]
+        sockets += [self._wake_write, self._listener, *(connection.sock for connection in connections)]
+        fds = list(self._pool_fds.values())
+        self._pool_fds = {}
+        for connection in connections:
+            connection.lock = threading.Lock()
+            fds += connection.pool_fds.values()
+            connection.pool_fds = {}
+        for sock in sockets:
+            if isinstance(sock, socket.socket):
+                sock.close()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._selector.close()
 
     # -- exporting ----------------------------------------------------------------------------
     def export(self, buffer: Any, event: Any, imports: int) -> Export:
@@ -536,6 +566,19 @@ class Service:
             else:
                 socket.send_fds(peer.sock, [reply], [fd])
 
+
+_services: weakref.WeakSet[Service] = weakref.WeakSet()
+"""Every service of this process (tests make more than one)."""
+
+
+def _after_fork_in_child() -> None:
+    for sharing in list(_services):
+        if sharing.pid != os.getpid():
+            _services.discard(sharing)
+            sharing._close_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _service = PerProcess(Service)
 
