@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 if os.environ.get("AIOCUDA_REQUIRE_RAY"):  # CI: a missing Ray is a failure, not a skip
@@ -59,6 +60,23 @@ def new_pool(actors: int, **options: Any) -> Any:
     options.setdefault("backend", "sim")
     options.setdefault("num_cpus", 0)
     return aiocuda_ray.ActorPool(actors, **options)
+
+
+def chunks(n: int, size: int = 4096, marked: tuple[int, ...] = ()) -> list[np.ndarray]:
+    """``n`` float32 chunks, chunk ``i`` filled with ``i``; marked ones start with -1."""
+    out = [np.full(size, i, np.float32) for i in range(n)]
+    for i in marked:
+        out[i][0] = -1
+    return out
+
+
+async def until(condition: Callable[[], Awaitable[bool]]) -> None:
+    """Wait until ``condition()`` holds; the test's timeout bounds the wait. (A poll:
+    the state is in other processes, with nothing to notify this one.)"""
+    while True:
+        if await condition():
+            return
+        await anyio.sleep(0.02)
 
 
 def _shared_pool(actors: int) -> Iterator[Any]:

@@ -8,7 +8,7 @@ chunks completed) read from the actors.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Iterator
 from typing import Any
 
 import anyio
@@ -20,26 +20,9 @@ import aiocuda.ray as aray
 from aiocuda._cli.demo import ScaleStage, scale_reference
 
 from . import _stages
-from .conftest import new_pool
+from .conftest import chunks, new_pool, until
 
 pytestmark = pytest.mark.anyio
-
-
-def chunks(n: int, size: int = 4096, marked: tuple[int, ...] = ()) -> list[np.ndarray]:
-    """``n`` float32 chunks, chunk ``i`` filled with ``i``; marked ones start with -1."""
-    out = [np.full(size, i, np.float32) for i in range(n)]
-    for i in marked:
-        out[i][0] = -1
-    return out
-
-
-async def until(condition: Callable[[], Awaitable[bool]]) -> None:
-    """Wait until ``condition()`` holds; the test's timeout bounds the wait. (A poll:
-    the state is in other processes, with nothing to notify this one.)"""
-    while True:
-        if await condition():
-            return
-        await anyio.sleep(0.02)
 
 
 async def completed(pool: Any) -> list[int]:

@@ -21,13 +21,9 @@ import aiocuda.ray as aray
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
-from .conftest import new_pool
+from .conftest import chunks, new_pool, until
 
 pytestmark = pytest.mark.anyio
-
-
-def chunks(n: int, size: int = 4096) -> list[np.ndarray]:
-    return [np.full(size, i, np.float32) for i in range(n)]
 
 
 # The actor's loop is asyncio (Ray's async actor), whatever the driver's.
@@ -76,3 +72,18 @@ async def test_maps_started_together_share_the_opening(ray_cluster: Any, tmp_pat
         assert len(pids) == len(set(pids)) == 2  # one setup per actor
     finally:
         await pool.aclose()
+
+
+async def test_a_map_over_a_pool_whose_actors_are_all_gone_fails_at_once(ray_cluster: Any) -> None:
+    async with new_pool(1) as pool:
+        ray.kill(pool.slots[0].actor)
+        await until(lambda: _lost(pool, 0))
+        assert not pool.ready
+        with pytest.raises(aray.ActorLostError, match="all 1 Ray actors of the pool are gone"):
+            async with aray.map(_stages.identity, chunks(2), actors=pool) as results:
+                [r async for r in results]
+
+
+async def _lost(pool: Any, index: int) -> bool:
+    """Whether the pool knows that actor ``index`` is gone (asking it learns that)."""
+    return (await pool.statistics())[index] is None

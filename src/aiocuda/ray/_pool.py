@@ -160,6 +160,7 @@ class ActorPool:
             raise
         finally:
             self._waiting -= 1
+        self._check_live()
         self._ready = True
         return stats
 
@@ -214,7 +215,8 @@ class ActorPool:
 
     @property
     def ready(self) -> bool:
-        """Whether every actor opened (and the pool was not closed since)."""
+        """Whether every actor opened, and since then the pool was not closed nor lost
+        its last actor."""
         return self._ready
 
     async def statistics(self) -> list[ActorStatistics | None]:
@@ -240,12 +242,20 @@ class ActorPool:
 
     def _lose(self, slot: ActorSlot, error: BaseException) -> None:
         """Record that ``slot``'s actor is gone: placement skips it from now on, unless
-        no actor is left (then chunks are still placed, and fail at once)."""
+        no actor is left (then chunks are still placed, and fail at once, and the pool is
+        no longer :attr:`ready`)."""
         if slot.lost is None:
             slot.lost = error
         live = self.live
         for each in self._slots:
             each.max_chunks = self._chunks_per_actor if (each.alive or not live) else 0
+        if not live:
+            self._ready = False
+
+    def _check_live(self) -> None:
+        """Raise :class:`ActorLostError` if no actor of the pool is left."""
+        if not self.live:
+            raise ActorLostError(f"all {len(self._slots)} Ray actors of the pool are gone") from self._slots[0].lost
 
     def __repr__(self) -> str:
         if not self._slots:
