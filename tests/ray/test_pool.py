@@ -13,7 +13,6 @@ import pathlib
 from typing import Any
 
 import anyio
-import numpy as np
 import pytest
 import ray
 
