@@ -15,8 +15,10 @@ from typing import Any
 import anyio
 import pytest
 import ray
+import ray.exceptions
 
 import aiocuda.ray as aray
+from aiocuda.ray import _refs
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
@@ -86,3 +88,32 @@ async def test_a_map_over_a_pool_whose_actors_are_all_gone_fails_at_once(ray_clu
 async def _lost(pool: Any, index: int) -> bool:
     """Whether the pool knows that actor ``index`` is gone (asking it learns that)."""
     return (await pool.statistics())[index] is None
+
+
+async def test_an_actor_gone_between_maps_leaves_the_next_to_the_others(ray_cluster: Any) -> None:
+    """Killed outside the pool (as a crash would), so the pool learns it as the next map
+    starts: that map runs on the other actor, and once that one is gone too, the map
+    after it raises ActorLostError."""
+    async with new_pool(2) as pool:
+        first, second = pool.slots
+        ray.kill(first.actor)
+        await until(lambda: _gone(first.actor))
+        async with aray.map(_stages.identity, chunks(6), actors=pool) as results:
+            got = [(r.index, r.device) async for r in results]
+        assert got == [(i, 1) for i in range(6)]
+        assert pool.live == [second] and pool.ready
+        ray.kill(second.actor)
+        await until(lambda: _gone(second.actor))
+        with pytest.raises(aray.ActorLostError, match="all 2 Ray actors of the pool are gone"):
+            async with aray.map(_stages.identity, chunks(2), actors=pool) as results:
+                [r async for r in results]
+        assert not pool.ready
+
+
+async def _gone(actor: Any) -> bool:
+    """Whether ``actor`` is gone, asked through its handle (its pool does not learn it)."""
+    try:
+        await _refs.result(actor.statistics.remote())
+    except ray.exceptions.RayActorError:
+        return True
+    return False

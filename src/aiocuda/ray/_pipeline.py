@@ -113,9 +113,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         if self._owns_pool or not self._pool.ready:
             await self._pool.wait_ready()
         try:
-            prepared = [slot.actor.prepare.remote(self._key, self._stage, self._stage_args) for slot in self._pool.live]
-            for ref in prepared:
-                await _refs.value(ref)
+            await self._prepare()
         except BaseException:
             await self._close_pool()
             raise
@@ -137,6 +135,25 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
             for slot in self._pool.live:
                 slot.actor.forget.remote(self._key)
             await self._close_pool()
+
+    async def _prepare(self) -> None:
+        """Prepare the stage on every live actor. One found gone is lost to the pool and
+        the map runs on the others; when none is left, raises :class:`ActorLostError`.
+        Another error (the stage class raised, say) is raised once every actor has
+        answered (each answer read: Ray reports an error never read as unhandled)."""
+        live = self._pool.live
+        calls = [slot.actor.prepare.remote(self._key, self._stage, self._stage_args) for slot in live]
+        error: Exception | None = None
+        for slot, call in zip(live, calls, strict=True):
+            try:
+                await _refs.value(call)
+            except ray.exceptions.RayActorError as exc:
+                self._pool._lose(slot, exc)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+        self._pool._check_live()
 
     async def _close_pool(self) -> None:
         if self._owns_pool:
