@@ -26,6 +26,8 @@ else:
     ray = pytest.importorskip("ray")
     aiocuda_ray = pytest.importorskip("aiocuda.ray")
 
+from . import _stages
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPUS = 16
 
@@ -77,6 +79,11 @@ async def until(condition: Callable[[], Awaitable[bool]]) -> None:
         if await condition():
             return
         await anyio.sleep(0.02)
+
+
+async def reached(pool: Any, chunks: int) -> bool:
+    """Whether ``chunks`` chunks (across the pool's actors) reached their pausing stage."""
+    return sum(await pool.call(_stages.reached)) >= chunks
 
 
 def _shared_pool(actors: int) -> Iterator[Any]:

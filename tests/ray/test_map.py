@@ -20,7 +20,7 @@ import aiocuda.ray as aray
 from aiocuda._cli.demo import ScaleStage, scale_reference
 
 from . import _stages
-from .conftest import chunks, new_pool, until
+from .conftest import chunks, new_pool, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -71,15 +71,10 @@ async def test_results_come_in_input_order_whatever_finishes_first(pool2: Any) -
         async with anyio.create_task_group() as tg:
             tg.start_soon(consume)
             await until(lambda: _grew(pool2, before, actor=1, by=4))
-            await until(lambda: _reached(pool2, before_reached + 1))
+            await until(lambda: reached(pool2, before_reached + 1))
             assert got == []
             assert sum(await pool2.call(_stages.resume_paused)) >= 1
     assert got == list(range(8))
-
-
-async def _reached(pool: Any, chunks: int) -> bool:
-    """Whether ``chunks`` chunks (across the pool's actors) reached their pausing stage."""
-    return sum(await pool.call(_stages.reached)) >= chunks
 
 
 async def _grew(pool: Any, before: list[int], actor: int, by: int) -> bool:
@@ -94,7 +89,7 @@ async def test_as_completed_yields_the_paused_chunk_after_the_others(pool2: Any)
         async for r in results:
             got.append((r.index, r.device))
             if len(got) == 1:
-                await until(lambda: _reached(pool2, before_reached + 1))  # chunk 0 reached its stage
+                await until(lambda: reached(pool2, before_reached + 1))  # chunk 0 reached its stage
                 assert sum(await pool2.call(_stages.resume_paused)) >= 1
     assert sorted(i for i, _ in got) == list(range(8))
     assert got[0][0] != 0
@@ -112,7 +107,7 @@ async def test_back_pressure_bounds_chunks_per_actor_and_inputs_read(ray_cluster
     async with new_pool(2, chunks_per_actor=2) as pool:
         async with aray.map(_stages.pause_all, inputs(), actors=pool) as results:
             await until(lambda: _equal(in_flight(pool), [2, 2]))
-            await until(lambda: _reached(pool, 4))  # every chunk reached its stage
+            await until(lambda: reached(pool, 4))  # every chunk reached its stage
             assert results.admitted == 4
             assert [slot.chunks for slot in pool.slots] == [2, 2]
             assert read <= 5  # the fifth input waits for an actor with room
@@ -226,7 +221,7 @@ async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster
         with anyio.CancelScope() as scope:
             async with aray.map(_stages.pause_all, chunks(20, size=1 << 16), actors=pool) as results:
                 await until(lambda: _equal(in_flight(pool), [3, 3]))
-                await until(lambda: _reached(pool, 6))  # every chunk reached its stage
+                await until(lambda: reached(pool, 6))  # every chunk reached its stage
                 await until(lambda: _all_positive(_used(pool)))  # the chunks hold device memory
                 scope.cancel()
                 async for _ in results:

@@ -22,7 +22,7 @@ from aiocuda.ray import _refs
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
-from .conftest import chunks, new_pool, until
+from .conftest import chunks, new_pool, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -117,3 +117,28 @@ async def _gone(actor: Any) -> bool:
     except ray.exceptions.RayActorError:
         return True
     return False
+
+
+async def test_cancelling_a_map_ends_its_own_pool_whatever_the_gpu_does(ray_cluster: Any) -> None:
+    """A chunk whose GPU work never finishes (its stream paused) does not hold the
+    caller's cancellation (a timeout): the map's own pool ends its actor at once."""
+    with anyio.CancelScope() as scope:
+        async with aray.map(_stages.pause_all, chunks(2), actors=1, backend="sim", num_cpus=0) as results:
+            pool = results.pool
+            await until(lambda: reached(pool, 1))
+            scope.cancel()
+            [r async for r in results]
+    assert scope.cancelled_caught
+    assert not pool.live
+    assert await _gone(pool.slots[0].actor)
+
+
+async def test_closing_a_pool_ends_it_after_the_grace_period(ray_cluster: Any) -> None:
+    pool = new_pool(1)
+    await pool.wait_ready()
+    async with aray.map(_stages.pause_all, chunks(2), actors=pool) as results:
+        await until(lambda: reached(pool, 1))
+    assert results.delivered == 0
+    await pool.aclose(grace=0)  # the paused chunk's work would keep its actor's close waiting
+    assert not pool.live
+    assert await _gone(pool.slots[0].actor)

@@ -16,9 +16,12 @@ from .._util import NoPublicConstructor
 from . import _refs, _transfer
 from ._actor import ActorStatistics, GpuActor
 
-__all__ = ["ActorLostError", "ActorPool", "ActorSlot"]
+__all__ = ["CLOSE_GRACE", "ActorLostError", "ActorPool", "ActorSlot"]
 
 _RemoteGpuActor = ray.remote(GpuActor)
+
+CLOSE_GRACE = 30.0
+"""Seconds :meth:`ActorPool.aclose` gives the actors to finish their GPU work, by default."""
 
 _UNLIMITED = 1 << 62
 """An actor's byte budget for placement: its own executor enforces device memory."""
@@ -90,7 +93,8 @@ class ActorPool:
             ``runtime_env``, ...).
 
     Use as ``async with ActorPool(...) as pool`` (which waits until every actor has
-    opened its executor, and on leaving waits for their GPU work, then ends them), or
+    opened its executor, and on leaving waits for their GPU work, 30 s at most: see
+    :meth:`aclose`, then ends them), or
     :meth:`start` / :meth:`wait_ready` / :meth:`aclose` for a pool that outlives one
     block. A pool can serve many :func:`~aiocuda.ray.map` calls, one after the other or
     at once (they share ``chunks_per_actor``); its actors keep their compiled kernels
@@ -171,16 +175,20 @@ class ActorPool:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def aclose(self) -> None:
-        """Let each live actor finish its GPU work and close its executor, then end
-        them (shielded from cancellation)."""
-        with anyio.CancelScope(shield=True):
-            closing = [(slot, slot.actor.close.remote()) for slot in self.live]
-            for slot, ref in closing:
-                try:
-                    await _refs.result(ref)
-                except ray.exceptions.RayError as exc:
-                    slot.lost = slot.lost or exc
+    async def aclose(self, grace: float = CLOSE_GRACE) -> None:
+        """Let each live actor finish its GPU work and close its executor, for ``grace``
+        seconds at most, then end every actor (:meth:`kill`). Cancelling the caller ends
+        them at once: a kernel that never finishes holds neither the pool nor a map's
+        timeout."""
+        closing = [(slot, slot.actor.close.remote()) for slot in self.live]
+        try:
+            with anyio.move_on_after(grace):
+                for slot, ref in closing:
+                    try:
+                        await _refs.result(ref)
+                    except ray.exceptions.RayError as exc:
+                        slot.lost = slot.lost or exc
+        finally:
             self.kill()
 
     def kill(self) -> None:
