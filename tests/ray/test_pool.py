@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import pathlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -142,3 +143,35 @@ async def test_closing_a_pool_ends_it_after_the_grace_period(ray_cluster: Any) -
     await pool.aclose(grace=0)  # the paused chunk's work would keep its actor's close waiting
     assert not pool.live
     assert await _gone(pool.slots[0].actor)
+
+
+async def test_ray_shut_down_under_a_map_fails_its_chunks_clearly(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ray.shutdown()`` leaves the refs in flight pending forever, and any Ray call
+    after it would start a new local Ray. Simulated on the shared cluster by Ray saying
+    it is not initialised: then any Ray call that would start Ray raises (it is
+    connected already), so none may come."""
+    pool = new_pool(1)
+    await pool.wait_ready()
+    shut_down = anyio.Event()
+    big = chunks(2, size=1 << 16)  # past INLINE_LIMIT: each put into the store on a put thread
+
+    async def inputs() -> AsyncIterator[Any]:
+        yield big[0]
+        await shut_down.wait()
+        yield big[1]  # its put comes after the shutdown
+
+    try:
+        async with aray.map(_stages.pause_all, inputs(), actors=pool, on_error="continue") as results:
+            await until(lambda: reached(pool, 1))
+            monkeypatch.setattr(ray, "is_initialized", lambda: False)
+            shut_down.set()
+            got = [r async for r in results]
+        assert [type(r.error) for r in got] == [ray.exceptions.RaySystemError] * 2
+        assert all("Ray is not running" in str(r.error) for r in got)
+        await pool.aclose()  # nothing to close or end: the actors went with Ray
+        assert not pool.live
+    finally:
+        monkeypatch.undo()
+        pool.kill()

@@ -132,8 +132,9 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
             if self._putter is not None:  # a put already running ends in its thread, its ref dropped
                 self._putter.shutdown(wait=False, cancel_futures=True)
             self._puts.clear()
-            for slot in self._pool.live:
-                slot.actor.forget.remote(self._key)
+            if ray.is_initialized():  # (else the actors went with Ray, and a call would start a new one)
+                for slot in self._pool.live:
+                    slot.actor.forget.remote(self._key)
             await self._close_pool()
 
     async def _prepare(self) -> None:
@@ -141,6 +142,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         the map runs on the others; when none is left, raises :class:`ActorLostError`.
         Another error (the stage class raised, say) is raised once every actor has
         answered (each answer read: Ray reports an error never read as unhandled)."""
+        _refs.check_running()
         live = self._pool.live
         calls = [slot.actor.prepare.remote(self._key, self._stage, self._stage_args) for slot in live]
         error: Exception | None = None
@@ -163,7 +165,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
     def _input_read(self, index: int, array: npt.NDArray[Any]) -> None:
         if array.nbytes > INLINE_LIMIT:
             assert self._putter is not None
-            self._puts[index] = self._putter.submit(ray.put, array)
+            self._puts[index] = self._putter.submit(_put, array)
 
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
@@ -213,6 +215,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         ``slot``'s actor."""
         if slot.lost is not None:
             raise ActorLostError(_lost_message(slot, self._pool)) from slot.lost
+        _refs.check_running()
         call = slot.actor.run.remote(self._key, arg)
         try:
             value: npt.NDArray[Any] = await _refs.result(call)
@@ -227,6 +230,12 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
     def _release(self, slot: ActorSlot, nbytes: int) -> None:
         slot.completed += 1
         self._pool.admission.release(slot, nbytes)
+
+
+def _put(array: npt.NDArray[Any]) -> Any:
+    """``array`` put into the object store (on a put thread), unless Ray does not run."""
+    _refs.check_running()
+    return ray.put(array)
 
 
 def _lost_message(slot: ActorSlot, pool: ActorPool) -> str:

@@ -180,7 +180,8 @@ class ActorPool:
         seconds at most, then end every actor (:meth:`kill`). Cancelling the caller ends
         them at once: a kernel that never finishes holds neither the pool nor a map's
         timeout."""
-        closing = [(slot, slot.actor.close.remote()) for slot in self.live]
+        # With Ray down, its actors went with it (and a call would start a new Ray).
+        closing = [(slot, slot.actor.close.remote()) for slot in self.live] if ray.is_initialized() else []
         try:
             with anyio.move_on_after(grace):
                 for slot, ref in closing:
@@ -193,11 +194,13 @@ class ActorPool:
 
     def kill(self) -> None:
         """End every actor now (``ray.kill``), whatever it is doing."""
+        running = ray.is_initialized()  # (if not, the actors went with Ray)
         for slot in self._slots:
-            try:
-                ray.kill(slot.actor)
-            except Exception:  # already gone
-                pass
+            if running:
+                try:
+                    ray.kill(slot.actor)
+                except Exception:  # already gone
+                    pass
             slot.lost = slot.lost or ActorLostError(f"actor {slot.index} was ended by the pool")
         self._ready = False
 
@@ -229,6 +232,7 @@ class ActorPool:
 
     async def statistics(self) -> list[ActorStatistics | None]:
         """Each actor's counters (None for one that is gone), in creation order."""
+        _refs.check_running()
         refs = [slot.actor.statistics.remote() if slot.alive else None for slot in self._slots]
         out: list[ActorStatistics | None] = []
         for slot, ref in zip(self._slots, refs, strict=True):
@@ -245,6 +249,7 @@ class ActorPool:
     async def call(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """Run ``fn(executor, *args)`` on every live actor (a module-level function,
         sync or async) and return the results in actor order."""
+        _refs.check_running()
         refs = [slot.actor.call.remote(fn, *args) for slot in self.live]
         return [await _refs.value(ref) for ref in refs]
 

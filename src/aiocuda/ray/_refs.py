@@ -5,6 +5,11 @@ future (completed on one of Ray's threads; any such future: :func:`completed`) w
 task through the loop's thread-safe call (:mod:`aiocuda._completion.loops`): Ray's thread
 never blocks on the loop, so a loop thread that is itself inside a Ray call cannot
 deadlock with it.
+
+``ray.shutdown()`` (from another task, a signal handler) leaves the futures of refs in
+flight pending forever, and any Ray call after it starts a new local Ray (Ray's
+auto-init): a wait checks every :data:`RUNNING_CHECK` seconds that Ray still runs, and
+:func:`check_running` stops what would call Ray.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ import ray.exceptions
 
 from .._completion.loops import current_adapter
 
-__all__ = ["cancel", "completed", "result", "unwrap", "value"]
+__all__ = ["RUNNING_CHECK", "cancel", "check_running", "completed", "result", "unwrap", "value"]
+
+RUNNING_CHECK = 0.5
+"""Seconds between checks that Ray still runs, while a ref is awaited."""
 
 
 async def result(ref: Any) -> Any:
@@ -31,14 +39,25 @@ async def result(ref: Any) -> Any:
 
 async def completed(future: concurrent.futures.Future[Any]) -> Any:
     """The result of ``future`` (completed on another thread: Ray's, or one of the map's
-    put threads) once it has one; raises what it raised. Cancelling the awaiting task
-    leaves the future alone."""
+    put threads) once it has one; raises what it raised, or ``RaySystemError`` once Ray
+    no longer runs. Cancelling the awaiting task leaves the future alone."""
     if not future.done():
         adapter = current_adapter()
         done = anyio.Event()
         future.add_done_callback(lambda _: adapter.call_soon_threadsafe(done.set))
-        await done.wait()
+        while not done.is_set():
+            with anyio.move_on_after(RUNNING_CHECK):
+                await done.wait()
+            if not done.is_set():
+                check_running()
     return future.result()
+
+
+def check_running() -> None:
+    """Raise ``RaySystemError`` if Ray does not run (``ray.shutdown()`` was called): a
+    Ray call would start a new local Ray, and nothing awaited will come."""
+    if not ray.is_initialized():
+        raise ray.exceptions.RaySystemError("Ray is not running (ray.shutdown() was called): its actors are gone")
 
 
 async def value(ref: Any) -> Any:
@@ -52,7 +71,9 @@ async def value(ref: Any) -> Any:
 
 def cancel(ref: Any) -> None:
     """Ask Ray to cancel the task behind ``ref`` (an async actor's task gets
-    ``CancelledError``; a queued one never starts). Never raises."""
+    ``CancelledError``; a queued one never starts), unless Ray does not run. Never raises."""
+    if not ray.is_initialized():  # the task went with Ray
+        return
     try:
         ray.cancel(ref)
     except Exception:  # finished, already cancelled, or its actor is gone: nothing to stop
