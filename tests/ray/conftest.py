@@ -26,6 +26,8 @@ else:
     ray = pytest.importorskip("ray")
     aiocuda_ray = pytest.importorskip("aiocuda.ray")
 
+from aiocuda.ray import _refs
+
 from . import _stages
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -84,6 +86,15 @@ async def until(condition: Callable[[], Awaitable[bool]]) -> None:
 async def reached(pool: Any, chunks: int) -> bool:
     """Whether ``chunks`` chunks (across the pool's actors) reached their pausing stage."""
     return sum(await pool.call(_stages.reached)) >= chunks
+
+
+async def gone(actor: Any) -> bool:
+    """Whether ``actor`` is gone, asked through its handle (its pool does not learn it)."""
+    try:
+        await _refs.result(actor.statistics.remote())
+    except ray.exceptions.RayActorError:
+        return True
+    return False
 
 
 def _shared_pool(actors: int) -> Iterator[Any]:

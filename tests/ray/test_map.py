@@ -18,9 +18,10 @@ import ray
 
 import aiocuda.ray as aray
 from aiocuda._cli.demo import ScaleStage, scale_reference
+from aiocuda.ray import _refs
 
 from . import _stages
-from .conftest import chunks, new_pool, reached, until
+from .conftest import chunks, gone, new_pool, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -214,6 +215,24 @@ async def test_chunks_fail_clearly_when_no_actor_is_left(ray_cluster: Any, tmp_p
     lost = [r.index for r in got if isinstance(r.error, aray.ActorLostError)]
     assert 2 in lost and lost == sorted(lost) and lost[-1] == 5
     assert all(r.ok for r in got if r.index not in lost)
+
+
+async def test_a_retry_passes_over_actors_that_died_at_the_same_time(ray_cluster: Any) -> None:
+    """Actors 0 and 1 die together (as when a node is lost) while chunk 0 runs on actor
+    0. Its retry goes to actor 1, next in turn and not yet known to be gone: found gone
+    (it answers no call), it uses up no retry, and the chunk runs on actor 2."""
+    async with new_pool(3) as pool:
+        first, second, third = pool.slots
+        async with aray.map(_stages.pause_all, chunks(1), actors=pool, retries=1) as results:
+            await until(lambda: reached(pool, 1))  # chunk 0, paused on actor 0
+            await _refs.value(third.actor.call.remote(_stages.stop_pausing))  # actor 2 will run it
+            ray.kill(second.actor)
+            await until(lambda: gone(second.actor))
+            ray.kill(first.actor)
+            got = [(r.index, r.device) async for r in results]
+        assert got == [(0, 2)]
+        assert results.retried == 1
+        assert pool.live == [third]
 
 
 async def test_cancelling_stops_the_actors_work_and_frees_its_memory(ray_cluster: Any) -> None:

@@ -19,11 +19,10 @@ import ray
 import ray.exceptions
 
 import aiocuda.ray as aray
-from aiocuda.ray import _refs
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
-from .conftest import chunks, new_pool, reached, until
+from .conftest import chunks, gone, new_pool, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -98,26 +97,17 @@ async def test_an_actor_gone_between_maps_leaves_the_next_to_the_others(ray_clus
     async with new_pool(2) as pool:
         first, second = pool.slots
         ray.kill(first.actor)
-        await until(lambda: _gone(first.actor))
+        await until(lambda: gone(first.actor))
         async with aray.map(_stages.identity, chunks(6), actors=pool) as results:
             got = [(r.index, r.device) async for r in results]
         assert got == [(i, 1) for i in range(6)]
         assert pool.live == [second] and pool.ready
         ray.kill(second.actor)
-        await until(lambda: _gone(second.actor))
+        await until(lambda: gone(second.actor))
         with pytest.raises(aray.ActorLostError, match="all 2 Ray actors of the pool are gone"):
             async with aray.map(_stages.identity, chunks(2), actors=pool) as results:
                 [r async for r in results]
         assert not pool.ready
-
-
-async def _gone(actor: Any) -> bool:
-    """Whether ``actor`` is gone, asked through its handle (its pool does not learn it)."""
-    try:
-        await _refs.result(actor.statistics.remote())
-    except ray.exceptions.RayActorError:
-        return True
-    return False
 
 
 async def test_cancelling_a_map_ends_its_own_pool_whatever_the_gpu_does(ray_cluster: Any) -> None:
@@ -131,7 +121,7 @@ async def test_cancelling_a_map_ends_its_own_pool_whatever_the_gpu_does(ray_clus
             [r async for r in results]
     assert scope.cancelled_caught
     assert not pool.live
-    assert await _gone(pool.slots[0].actor)
+    assert await gone(pool.slots[0].actor)
 
 
 async def test_closing_a_pool_ends_it_after_the_grace_period(ray_cluster: Any) -> None:
@@ -142,7 +132,7 @@ async def test_closing_a_pool_ends_it_after_the_grace_period(ray_cluster: Any) -
     assert results.delivered == 0
     await pool.aclose(grace=0)  # the paused chunk's work would keep its actor's close waiting
     assert not pool.live
-    assert await _gone(pool.slots[0].actor)
+    assert await gone(pool.slots[0].actor)
 
 
 async def test_ray_shut_down_under_a_map_fails_its_chunks_clearly(

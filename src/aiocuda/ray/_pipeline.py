@@ -179,6 +179,23 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
         )
         return slot
 
+    async def _admit_again(self, array: npt.NDArray[Any]) -> ActorSlot:
+        """An actor for a chunk placed again after its actor died: one that answers a
+        call first, so that actors that died with it (a node lost) but are not yet known
+        to be gone do not use up its retries. With no live actor left, any (the chunk
+        then fails at once)."""
+        nbytes = int(array.nbytes)
+        while True:
+            slot = await self._admit(array)
+            keep = False
+            try:
+                keep = slot.lost is not None or await self._pool._answers(slot)
+            finally:
+                if not keep:  # gone (or this task cancelled, or Ray down): its place given back
+                    self._pool.admission.release(slot, nbytes)
+            if keep:
+                return slot
+
     async def _chunk(
         self, index: int, host: npt.NDArray[Any], put: concurrent.futures.Future[Any] | None, slot: ActorSlot
     ) -> None:
@@ -202,7 +219,7 @@ class RayPipeline(ChunkMap, metaclass=NoPublicConstructor):
                     self.retried += 1
                     self._release(slot, nbytes)
                     reserved_on = None
-                    slot = reserved_on = await self._admit(host)
+                    slot = reserved_on = await self._admit_again(host)
             except Exception as exc:
                 result = ChunkResult(index, slot.index, None, _refs.unwrap(exc))
         finally:

@@ -253,6 +253,16 @@ class ActorPool:
         refs = [slot.actor.call.remote(fn, *args) for slot in self.live]
         return [await _refs.value(ref) for ref in refs]
 
+    async def _answers(self, slot: ActorSlot) -> bool:
+        """Whether ``slot``'s actor answers a call; one that does not is lost to the pool."""
+        _refs.check_running()
+        try:
+            await _refs.result(slot.actor.statistics.remote())
+        except ray.exceptions.RayActorError as exc:
+            self._lose(slot, exc)
+            return False
+        return True
+
     def _lose(self, slot: ActorSlot, error: BaseException) -> None:
         """Record that ``slot``'s actor is gone: placement skips it from now on, unless
         no actor is left (then chunks are still placed, and fail at once, and the pool is
