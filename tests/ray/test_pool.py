@@ -19,10 +19,11 @@ import ray
 import ray.exceptions
 
 import aiocuda.ray as aray
+from aiocuda.ray import _pool
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
-from .conftest import chunks, gone, new_pool, reached, until
+from .conftest import GPUS, chunks, gone, new_pool, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -165,3 +166,21 @@ async def test_ray_shut_down_under_a_map_fails_its_chunks_clearly(
     finally:
         monkeypatch.undo()
         pool.kill()
+
+
+def test_a_pool_the_cluster_has_not_the_gpus_for_is_refused(ray_cluster: Any) -> None:
+    """Ray would wait for the GPUs forever (the simulator has as many as ray.init declares)."""
+    pool = new_pool(2, num_gpus=GPUS)
+    with pytest.raises(RuntimeError, match=r"needs GPUs: 32, and the Ray cluster has 16.*ray\.init\(num_gpus=N\)"):
+        pool.start()
+    assert pool.slots == ()
+
+
+def test_a_pool_an_autoscaler_may_find_the_gpus_for_is_warned_of(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_pool, "_autoscaled_gpus", lambda: 4.0 * GPUS)
+    with pytest.warns(RuntimeWarning, match="waits for its autoscaler"):
+        _pool._check_gpus(2, GPUS)
+    with pytest.raises(RuntimeError, match=r"at most 64 with its autoscaler"):
+        _pool._check_gpus(8, GPUS)

@@ -3,7 +3,9 @@ the per-actor load that placement reads."""
 
 from __future__ import annotations
 
+import math
 import os
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -137,8 +139,14 @@ class ActorPool:
 
     # -- lifetime -----------------------------------------------------------------------------
     def start(self) -> None:
-        """Create the actors (Ray starts their processes in the background)."""
+        """Create the actors (Ray starts their processes in the background). Raises
+        ``RuntimeError`` when the Ray cluster has fewer GPUs than the actors take
+        together, which Ray would wait for forever; where its autoscaler may add them,
+        warns instead."""
         if not self._slots:
+            if not ray.is_initialized():
+                ray.init()  # as Ray's first call would (its auto-init), so that its GPUs can be counted
+            _check_gpus(self._count, self._options["num_gpus"])
             remote = _RemoteGpuActor.options(**self._options)
             self._slots = tuple(
                 ActorSlot._create(remote.remote(*self._actor_args), i, self._chunks_per_actor)
@@ -298,3 +306,37 @@ def _actor_options(num_gpus: float, num_cpus: float, options: dict[str, Any]) ->
         runtime_env["env_vars"] = {**forwarded, **dict(runtime_env.get("env_vars") or {})}
         chosen["runtime_env"] = runtime_env
     return chosen
+
+
+def _check_gpus(actors: int, num_gpus: float) -> None:
+    """Raise if the Ray cluster cannot give ``actors`` actors ``num_gpus`` GPUs each (Ray
+    waits for resources without end); warn if only its autoscaler can."""
+    needed = actors * num_gpus
+    present = ray.cluster_resources().get("GPU", 0)
+    if needed <= present:
+        return
+    most = _autoscaled_gpus()
+    need = f"ActorPool({actors}, num_gpus={num_gpus:g}) needs GPUs: {needed:g}, and the Ray cluster has {present:g}"
+    if most >= needed:
+        warnings.warn(f"{need}: the pool waits for its autoscaler to add them", RuntimeWarning, stacklevel=3)
+        return
+    most_text = f" (at most {most:g} with its autoscaler)" if most > present else ""
+    raise RuntimeError(
+        f"{need}{most_text}: Ray would wait for them forever. Ask for fewer, or, on the simulated"
+        " backend (no GPU), declare GPUs to Ray: ray.init(num_gpus=N)"
+    )
+
+
+def _autoscaled_gpus() -> float:
+    """The most GPUs the Ray cluster's autoscaler may reach: 0 for a cluster that does not
+    autoscale (or whose autoscaler publishes no configuration, as Ray's first one did),
+    infinity where Ray cannot say."""
+    # Ray's autoscaler (v2) publishes its node groups; Ray Train and Ray Data read them
+    # so, through this private call.
+    try:
+        from ray._private.state import state
+
+        most = state.get_max_resources_from_cluster_config()
+    except Exception:  # changed or gone in this Ray: no way to tell, so no error
+        return math.inf
+    return 0.0 if most is None else float(most.get("GPU", 0))
