@@ -224,6 +224,17 @@ async def test_a_device_and_a_stream_of_another_device_are_refused(
     with pytest.raises(ArgumentError, match="device 0 and a stream of device 1"):
         await ga.to_device(np.zeros(4, np.float32), device=0, stream=other)
     assert ga.empty(4, device=1, stream=other).device.ordinal == 1  # the same device: fine
+    # An array's copies and fills on a stream of another device: its free was not
+    # ordered after them (a late fill landed in the next array given the memory).
+    x = ga.empty(4, np.float32, device=0)
+    for use in (
+        lambda: x.fill(7.0, stream=other),
+        lambda: x.copy_from(np.ones(4, np.float32), stream=other),
+        lambda: x.to_host(stream=other),
+    ):
+        with pytest.raises(ArgumentError, match="a stream of device 1 for an array of device 0"):
+            await use()
+    await ga.copy(ga.empty(4, np.float32, device=1), x, stream=other)  # between devices: ordered both ways
 
 
 async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Driver, anyio_backend: object) -> None:

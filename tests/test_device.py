@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import aiocuda
@@ -60,6 +61,10 @@ def test_out_of_range_ordinal_is_a_typed_error(backend: _driver.Driver) -> None:
     assert str(device_count() + 5) in str(info.value)
     with pytest.raises(TypeError):
         Device("0")  # type: ignore[arg-type]
+    assert Device(np.int64(0)) is Device(0)  # numpy's integers are ordinals
+    for wrong in (0.0, False, ""):  # (falsy, and read as device 0)
+        with pytest.raises(TypeError, match="must be an int"):
+            aiocuda.Stream(wrong)  # type: ignore[arg-type]
 
 
 def test_unknown_attribute_is_a_typed_error(backend: _driver.Driver) -> None:
@@ -70,6 +75,7 @@ def test_unknown_attribute_is_a_typed_error(backend: _driver.Driver) -> None:
 def test_peer_access_between_simulated_devices(sim_backend: _driver.Driver) -> None:
     a, b = Device(0), Device(1)
     assert a.can_access_peer(b) and not a.can_access_peer(a)
+    assert a.can_access_peer(1) and a.peer_attributes(1).access_supported  # an ordinal will do
     a.enable_peer_access(b)
     a.enable_peer_access(b)  # idempotent
     with pytest.raises(ArgumentError):

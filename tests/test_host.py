@@ -100,6 +100,17 @@ def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver
         pinned_empty(4, object)
 
 
+def test_views_of_pinned_memory_are_pinned_whatever_their_strides(backend: _driver.Driver) -> None:
+    block = pinned_empty((4, 6), np.float32)
+    for view in (block, block[::2], block.T, block[::-1], block[:, ::-1], block[1:3, 2:]):
+        assert is_pinned(view), view.strides
+    assert not is_pinned(np.zeros(4))
+    with pytest.raises(TypeError, match="numpy array"):
+        is_pinned([1, 2])  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="no bytes"):
+        pinned_empty(3, np.dtype("V0"))
+
+
 def test_more_than_the_host_can_lock_is_an_out_of_memory_error(sim_backend: _driver.Driver) -> None:
     with pytest.raises(OutOfMemoryError, match="cuMemHostAlloc"):  # (was numpy's MemoryError)
         pinned_empty(2**61, np.uint8)

@@ -253,9 +253,16 @@ class DeviceArray:
         return type(self)(self.shape, dt, self.strides, buffer=self.buffer, offset=self.offset)
 
     # -- stream bookkeeping ---------------------------------------------------------------------
-    def _stream_for(self, stream: Stream | None) -> Stream:
-        """The stream to enqueue on, ordered after the array's previous work."""
+    def _stream_for(self, stream: Stream | None, *, any_device: bool = False) -> Stream:
+        """The stream to enqueue on, ordered after the array's previous work: of the
+        array's device unless ``any_device`` (a stream of another device would leave the
+        memory's free unordered after the work: :func:`copy` orders both ways itself)."""
         chosen = stream if stream is not None else current_stream(self.device)
+        if chosen.device is not self.device and not any_device:
+            raise invalid_value(
+                f"a stream of device {chosen.device.ordinal} for an array of device {self.device.ordinal}: "
+                "pass a stream of the array's device (aiocuda.copy_array copies between devices)"
+            )
         _enter(self.buffer, chosen)
         return chosen
 

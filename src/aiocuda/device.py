@@ -17,6 +17,7 @@ device as it found it.
 
 from __future__ import annotations
 
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -105,8 +106,12 @@ class Device:
     _primary: Context | None
 
     def __new__(cls, ordinal: int = 0) -> Device:
-        if isinstance(ordinal, bool) or not isinstance(ordinal, int):
-            raise TypeError(f"a device ordinal must be an int, not {type(ordinal).__name__}")
+        try:
+            if isinstance(ordinal, bool):
+                raise TypeError
+            ordinal = operator.index(ordinal)  # (numpy's integers too)
+        except TypeError:
+            raise TypeError(f"a device ordinal must be an int, not {type(ordinal).__name__}") from None
         backend = _driver.driver()
         key = (_driver.backend_generation(), ordinal)
         found = _registry.get(key)
@@ -291,16 +296,17 @@ class Device:
         return self._driver.mem_get_info()
 
     # -- peers -------------------------------------------------------------------------------
-    def can_access_peer(self, other: Device) -> bool:
+    def can_access_peer(self, other: Device | int) -> bool:
         """Whether this device can read and write ``other``'s memory directly."""
-        return self._driver.device_can_access_peer(self._handle, other._handle)
+        return self._driver.device_can_access_peer(self._handle, _as_device(other)._handle)
 
-    def peer_attributes(self, other: Device) -> PeerAttributes:
+    def peer_attributes(self, other: Device | int) -> PeerAttributes:
         """What the link to ``other`` supports: access, native atomics, CUDA array
         access and its performance rank. ArgumentError for the device itself."""
+        peer = _as_device(other)
 
         def get(name: str) -> int:
-            return self._driver.device_p2p_attribute(self._handle, other._handle, name)
+            return self._driver.device_p2p_attribute(self._handle, peer._handle, name)
 
         return PeerAttributes(
             access_supported=bool(get("access_supported")),
@@ -309,12 +315,13 @@ class Device:
             performance_rank=get("performance_rank"),
         )
 
-    def enable_peer_access(self, other: Device) -> None:
+    def enable_peer_access(self, other: Device | int) -> None:
         """Let this device access ``other``'s memory (idempotent).
 
         Raises :class:`ArgumentError` (``CUDA_ERROR_PEER_ACCESS_UNSUPPORTED``) where
         ``cuDeviceCanAccessPeer`` says no.
         """
+        other = _as_device(other)
         if not self.can_access_peer(other):
             raise error_for_code(
                 ResultCode.PEER_ACCESS_UNSUPPORTED,
@@ -340,7 +347,7 @@ def _as_device(device: Device | int | None = None) -> Device:
     """``device`` itself, or the Device of an ordinal (``None`` means device 0)."""
     if isinstance(device, Device):
         return device
-    ordinal = device or 0
+    ordinal = 0 if device is None else device  # (not `or`: 0.0, False, "" are not device 0)
     if type(ordinal) is int:
         # A device made before is read from the registry, without Device()'s call and
         # checks (0.3 us on the development machine).

@@ -81,6 +81,8 @@ def pinned_empty(
     dt = np.dtype(dtype)
     if dt.hasobject:
         raise invalid_value(f"dtype {dt} holds Python objects and cannot live in pinned memory")
+    if dt.itemsize == 0:
+        raise invalid_value(f"dtype {dt} has elements of no bytes: give it a size (e.g. 'V8')")
     nbytes = math.prod(dims) * dt.itemsize
     if nbytes >= 1 << 64:
         raise invalid_value(
@@ -177,6 +179,8 @@ def register_host(array: npt.NDArray[Any], device: Device | int | None = None) -
 def is_pinned(array: npt.NDArray[Any]) -> bool:
     """Whether aiocuda knows ``array``'s memory to be page-locked (allocated by
     :func:`pinned_empty` or registered with :func:`register_host`)."""
+    if not isinstance(array, np.ndarray):
+        raise TypeError(f"is_pinned takes a numpy array, not {type(array).__name__}")
     return pinned_address(array) != 0
 
 

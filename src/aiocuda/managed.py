@@ -84,7 +84,7 @@ class ManagedArray(DeviceArray):
         ``await array.prefetch(0)`` waits for it, while work enqueued after it on the
         same stream is ordered after it without waiting."""
         target = _ordinal(location)
-        s = self._stream_for(stream)
+        s = self._stream_for(stream, any_device=True)
         start, nbytes = self._span()
         if nbytes:
             s.device.make_current()
@@ -125,7 +125,7 @@ class ManagedArray(DeviceArray):
         buffer = self.buffer
         if not isinstance(buffer, OwnedBuffer) or not isinstance(buffer.owner, _ManagedAllocation):
             raise invalid_value("only managed memory allocated without a pool can be attached to a stream")
-        s = self._stream_for(stream)
+        s = self._stream_for(stream, any_device=True)
         s.device.make_current()
         s.device._driver.stream_attach_mem_async(s.handle, buffer.ptr, scope)
 

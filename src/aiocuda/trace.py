@@ -206,7 +206,10 @@ class Trace:
     # -- recording ------------------------------------------------------------------------
     def begin(self, stream: Stream) -> None:
         """Start the device's clock on ``stream`` (idempotent per device; the first span
-        on a device starts it otherwise). Spans are timed from the first device's start."""
+        on a device starts it otherwise). Spans are timed from the first device's start:
+        the moment ``stream`` reaches this point. Begin on an idle stream: spans of work
+        that ran before a busy stream got there have negative times (they are read once
+        it has)."""
         ordinal = stream.device.ordinal
         if ordinal not in self._clocks:
             clock = self._clocks[ordinal] = _Clock(stream.device, stream)
@@ -295,9 +298,11 @@ class Trace:
             p.start = p.end = None
 
     def _collect(self) -> None:
-        """Resolve the spans of :meth:`span` whose work has completed."""
+        """Resolve the spans of :meth:`span` whose work has completed, and whose clock has
+        started (its origin may sit on a stream still busy with earlier work)."""
         if self._pending:
-            done = [p for p in self._pending if p.clock.driver.event_query(p.end)]
+            query = self._pending[0].clock.driver.event_query
+            done = [p for p in self._pending if query(p.end) and query(p.clock.origin)]
             if done:
                 self._pending = [p for p in self._pending if p not in done]
                 self._resolve(*done)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
+from .._util import byte_span
 from . import pinned_cache
 
 if TYPE_CHECKING:
@@ -98,7 +99,10 @@ def host_address(array: npt.NDArray[Any]) -> int:
 def pinned_address(array: npt.NDArray[Any]) -> int:
     """``array``'s address if it lies in memory known to be page-locked, else 0."""
     ptr = host_address(array)
-    return ptr if pinned_ranges.owner(ptr, array.nbytes or 1) is not None else 0
+    if array.flags.c_contiguous:
+        return ptr if pinned_ranges.owner(ptr, array.nbytes or 1) is not None else 0
+    lo, hi = byte_span(array.shape, array.strides, array.itemsize)  # (a reversed view starts at its top)
+    return ptr if pinned_ranges.owner(ptr + lo, max(hi - lo, 1)) is not None else 0
 
 
 class PinnedAllocation:
