@@ -11,6 +11,7 @@ import pytest
 import aiocuda.ray as aray
 from aiocuda import _driver
 from aiocuda._cli.demo import ScaleStage
+from aiocuda.errors import ClosedError
 from aiocuda.ray._actor import assigned_devices
 
 from . import _stages
@@ -43,6 +44,21 @@ def test_pool_arguments_are_checked(kwargs: dict[str, object], error: str) -> No
 @pytest.mark.parametrize(
     ("kwargs", "error"),
     [
+        ({"actors": "2"}, "actors must be an int, not str"),
+        ({"actors": 2.5}, "actors must be an int, not float"),
+        ({"num_gpus": "1"}, "num_gpus must be a number, not str"),
+        ({"num_cpus": None}, "num_cpus must be a number, not NoneType"),
+        ({"chunks_per_actor": 2.5}, "chunks_per_actor must be an int, not float"),
+    ],
+)
+def test_pool_argument_types_are_checked(kwargs: dict[str, object], error: str) -> None:
+    with pytest.raises(TypeError, match=error):
+        aray.ActorPool(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
         ({"on_error": "ignore"}, "on_error must be"),
         ({"placement": "random"}, "unknown placement"),
         ({"in_flight": 0}, "in_flight must be >= 1"),
@@ -52,6 +68,39 @@ def test_pool_arguments_are_checked(kwargs: dict[str, object], error: str) -> No
 def test_map_arguments_are_checked(kwargs: dict[str, object], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         aray.map(_stages.identity, [], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("stage", "kwargs", "error"),
+    [
+        (42, {}, "stage must be a function or a class, not int"),
+        (_stages.identity, {"ordered": "yes"}, "ordered must be True or False"),
+        (_stages.identity, {"retries": 1.5}, "retries must be an int"),
+        (_stages.identity, {"in_flight": "4"}, "in_flight must be an int"),
+    ],
+)
+def test_map_argument_types_are_checked(stage: object, kwargs: dict[str, object], error: str) -> None:
+    with pytest.raises(TypeError, match=error):
+        aray.map(stage, [], **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_map_is_read_inside_its_block() -> None:
+    results = aray.map(_stages.identity, [])
+    with pytest.raises(RuntimeError, match="inside its block: async with"):
+        async for _ in results:
+            pass
+
+
+@pytest.mark.anyio
+async def test_an_ended_pool_does_not_start_again() -> None:
+    pool = aray.ActorPool(1)
+    pool.kill()  # as aclose() ends it
+    with pytest.raises(ClosedError, match="ActorPool was ended"):
+        await pool.wait_ready()
+    with pytest.raises(ClosedError, match="ActorPool was ended"):
+        async with aray.map(_stages.identity, [], actors=pool):
+            pass
 
 
 def test_stage_args_need_a_class_stage() -> None:

@@ -93,6 +93,8 @@ class ChunkMap:
         self.peak_in_flight = 0
         self.failures: list[ChunkResult] = []
         self._task_group: anyio.abc.TaskGroup | None = None
+        # The first thing __anext__ awaits: before _open, what says to enter the map first.
+        self._checkpoint_if_cancelled: Callable[[], Awaitable[None]] = _not_entered
 
     @property
     def in_flight(self) -> int:
@@ -242,6 +244,10 @@ class ChunkMap:
         if arrival is not None:
             self._arrival = None
             arrival.set()
+
+
+async def _not_entered() -> None:
+    raise RuntimeError("a map's results are read inside its block: async with ....map(...) as results: async for ...")
 
 
 def _checkpoint_if_cancelled() -> Callable[[], Awaitable[None]]:

@@ -34,6 +34,7 @@ import numpy.typing as npt
 
 from .._executor.chunk_map import OnError
 from .._executor.placement import PlacementName
+from .._util import at_least
 from ._actor import ActorStatistics, GpuActor
 from ._pipeline import RayPipeline
 from ._pool import ActorLostError, ActorPool, ActorSlot
@@ -85,14 +86,17 @@ def map(
     store (kept there while referenced). In the stage, ``ctx.index`` counts the actor's
     own chunks, not the position in ``inputs``.
     """
+    if not callable(stage):
+        raise TypeError(f"stage must be a function or a class, not {type(stage).__name__}")
+    if not isinstance(ordered, bool):
+        raise TypeError(f"ordered must be True or False, not {ordered!r}")
     if on_error not in ("raise", "continue"):
         raise ValueError(f"on_error must be 'raise' or 'continue', got {on_error!r}")
     if placement not in ("round_robin", "least_loaded"):
         raise ValueError(f"unknown placement {placement!r}: expected 'round_robin' or 'least_loaded'")
-    if in_flight is not None and in_flight < 1:
-        raise ValueError(f"in_flight must be >= 1, got {in_flight}")
-    if retries < 0:
-        raise ValueError(f"retries must be >= 0, got {retries}")
+    if in_flight is not None:
+        in_flight = at_least(in_flight, 1, "in_flight")
+    retries = at_least(retries, 0, "retries")
     if stage_args and not isinstance(stage, type):
         raise TypeError("stage_args are for a class stage (instantiated once per actor)")
     if isinstance(actors, ActorPool):

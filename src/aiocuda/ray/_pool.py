@@ -4,6 +4,7 @@ the per-actor load that placement reads."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from collections.abc import Callable
@@ -14,7 +15,8 @@ import ray
 import ray.exceptions
 
 from .._executor.placement import Admission
-from .._util import NoPublicConstructor
+from .._util import NoPublicConstructor, at_least
+from ..errors import ClosedError
 from . import _refs, _transfer
 from ._actor import ActorStatistics, GpuActor
 
@@ -100,7 +102,8 @@ class ActorPool:
     :meth:`start` / :meth:`wait_ready` / :meth:`aclose` for a pool that outlives one
     block. A pool can serve many :func:`~aiocuda.ray.map` calls, one after the other or
     at once (they share ``chunks_per_actor``); its actors keep their compiled kernels
-    and memory pools between them.
+    and memory pools between them. Once ended, a pool does not start again (it raises
+    :class:`~aiocuda.errors.ClosedError`): make a new one.
     """
 
     def __init__(
@@ -116,12 +119,11 @@ class ActorPool:
         upload: _transfer.UploadName | None = None,
         options: dict[str, Any] | None = None,
     ) -> None:
-        if actors < 1:
-            raise ValueError(f"actors must be >= 1, got {actors}")
-        if num_gpus <= 0:
+        actors = at_least(actors, 1, "actors")
+        if _number(num_gpus, "num_gpus") <= 0:
             raise ValueError(f"a GPU actor needs num_gpus > 0, got {num_gpus}")
-        if chunks_per_actor < 1:
-            raise ValueError(f"chunks_per_actor must be >= 1, got {chunks_per_actor}")
+        _number(num_cpus, "num_cpus")
+        chunks_per_actor = at_least(chunks_per_actor, 1, "chunks_per_actor")
         if upload not in (None, "staging", "register"):
             raise ValueError(f"upload must be 'staging' or 'register', got {upload!r}")
         self._count = actors
@@ -134,6 +136,7 @@ class ActorPool:
         self._waiting = 0
         """Callers of :meth:`wait_ready` awaiting the opening now."""
         self._ready = False
+        self._ended = False
         self.admission = Admission()
         """Placement's reservations on the actors, shared by every map over the pool."""
 
@@ -142,7 +145,12 @@ class ActorPool:
         """Create the actors (Ray starts their processes in the background). Raises
         ``RuntimeError`` when the Ray cluster has fewer GPUs than the actors take
         together, which Ray would wait for forever; where its autoscaler may add them,
-        warns instead."""
+        warns instead. A pool ended (:meth:`aclose`, :meth:`kill`) does not start
+        again: :class:`~aiocuda.errors.ClosedError`."""
+        if self._ended:
+            raise ClosedError(
+                "this ActorPool was ended (aclose(), kill(), or its actors failed to open): make a new one"
+            )
         if not self._slots:
             if not ray.is_initialized():
                 ray.init()  # as Ray's first call would (its auto-init), so that its GPUs can be counted
@@ -201,7 +209,8 @@ class ActorPool:
             self.kill()
 
     def kill(self) -> None:
-        """End every actor now (``ray.kill``), whatever it is doing."""
+        """End every actor now (``ray.kill``), whatever it is doing; the pool does not
+        start again."""
         running = ray.is_initialized()  # (if not, the actors went with Ray)
         for slot in self._slots:
             if running:
@@ -211,6 +220,7 @@ class ActorPool:
                     pass
             slot.lost = slot.lost or ActorLostError(f"actor {slot.index} was ended by the pool")
         self._ready = False
+        self._ended = True
 
     # -- state --------------------------------------------------------------------------------
     @property
@@ -293,6 +303,13 @@ class ActorPool:
             return f"<ActorPool not started actors={self._count}>"
         load = ", ".join("lost" if not s.alive else f"{s.chunks}" for s in self._slots)
         return f"<ActorPool [{len(self.live)}/{len(self._slots)} live | chunks: {load}]>"
+
+
+def _number(value: object, what: str) -> float:
+    """``value``, checked to be a number (a resource quantity for Ray)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be a number, not {type(value).__name__}")
+    return float(value)
 
 
 def _actor_options(num_gpus: float, num_cpus: float, options: dict[str, Any]) -> dict[str, Any]:
