@@ -11,12 +11,13 @@ rules: Serve runs the app's lifespan in the replica, so
   loop, make the request lanes and start the batcher, so that no request pays for them;
 * ``POST /affine``: a request leases a lane, enqueues its copy in, kernel and copy out,
   and awaits once; ``POST /affine/batched``: concurrent requests are gathered into one
-  launch (``aiocuda.Batcher``);
+  launch (``aiocuda.Batcher``); a body that is not float32 values is answered 400;
 * shut-down (once Serve has drained the replica's requests): the batcher runs what is
   queued, then the lanes await their streams and close.
 
 This script starts a local Ray, deploys the app on a free local port, sends requests
-over HTTP (some at once, to fill a batch), checks the answers and shuts everything down.
+over HTTP (some at once, to fill a batch; some it refuses), checks the answers and shuts
+everything down.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ import concurrent.futures
 import contextlib
 import os
 import socket
+import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator
 
 import anyio.to_thread
 import numpy as np
 import ray
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from ray import serve
 
 import aiocuda
@@ -92,15 +94,21 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 app = FastAPI(lifespan=lifespan)
 
 
+def values(body: bytes) -> np.ndarray:
+    if len(body) % 4:
+        raise HTTPException(400, "the body must be float32 values")
+    return np.frombuffer(body, np.float32)
+
+
 @app.post("/affine")
 async def affine(request: Request) -> Response:
-    result = await request.app.state.gpu.affine(np.frombuffer(await request.body(), np.float32))
+    result = await request.app.state.gpu.affine(values(await request.body()))
     return Response(result.tobytes(), media_type="application/octet-stream")
 
 
 @app.post("/affine/batched")
 async def affine_batched(request: Request) -> Response:
-    result = await request.app.state.gpu.batcher.submit(np.frombuffer(await request.body(), np.float32))
+    result = await request.app.state.gpu.batcher.submit(values(await request.body()))
     return Response(result.tobytes(), media_type="application/octet-stream")
 
 
@@ -113,6 +121,15 @@ class Affine:
 def post(url: str, x: np.ndarray) -> np.ndarray:
     with urllib.request.urlopen(url, data=x.tobytes(), timeout=60) as reply:
         return np.frombuffer(reply.read(), dtype=np.float32)
+
+
+def refused(url: str, body: bytes) -> tuple[int, str]:
+    """The status and message answered to a POST of ``body``, which the app refuses."""
+    try:
+        with urllib.request.urlopen(url, data=body, timeout=60) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
 
 
 def free_port() -> int:
@@ -138,6 +155,10 @@ def main() -> None:
             ys = list(pool.map(lambda x: post(f"http://127.0.0.1:{port}/affine/batched", x), xs))
         assert all(np.allclose(y, 2.0 * x + 1.0) for x, y in zip(xs, ys, strict=True))
         print(f"/affine/batched, {len(xs)} requests at once: ok")
+        for route in ("/affine", "/affine/batched"):
+            status, message = refused(f"http://127.0.0.1:{port}{route}", b"abc")
+            assert status == 400 and "float32" in message, (status, message)
+        print("a body that is not float32 values: 400")
         serve.shutdown()
     finally:
         ray.shutdown()
