@@ -9,6 +9,7 @@ the consumer reads, so a read not ordered after the producer's event would see z
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import multiprocessing
@@ -228,6 +229,39 @@ async def test_a_forked_helper_hides_no_ending(
             os.kill(pid, signal.SIGKILL)
         producer.end()
         consumer.end()
+
+
+def _files() -> set[int]:
+    """The inodes of what this process's descriptors refer to."""
+    found = set()
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, gone)
+            found.add(os.stat(f"/proc/self/fd/{name}").st_ino)
+    return found
+
+
+async def test_an_ended_exporters_pools_are_let_go(sim_backend: _driver.Driver, anyio_backend: object) -> None:
+    """Once an exporter ended and every import from it ended, the pools imported from it
+    are destroyed: no descriptor the imports opened stays open (the simulator's: the
+    pool's shared memory, mapped here)."""
+    producer = Child(_ipc_child.produce, "sim")
+    try:
+        shared = await producer.expect("shared")
+        stream = aiocuda.Stream(0)
+        ipc_service.service()  # (its own sockets stay)
+        before = _files()
+        array = await ipc.open_array(shared, stream=stream)
+        opened = _files() - before
+        assert opened
+        np.testing.assert_array_equal(await array.to_host(stream=stream), np.arange(4096, dtype=np.int32))
+        producer.inbox.put("exit")
+        assert await _eventually(lambda: array.buffer.freed)  # lost
+        array.buffer.free()  # the import ends once the stream lets go of its owner: held
+        await stream  # until the work before has completed, let go by the stream's next await
+        await stream
+        assert await _eventually(lambda: not opened & _files())
+    finally:
+        producer.end()
 
 
 async def test_one_allocation_shared_again_and_again(

@@ -21,9 +21,11 @@ goes):
   requests, and its end of file says that the exporter is gone. Then every buffer
   imported from it is marked lost, so using it raises
   :class:`~aiocuda.errors.ExporterLostError` instead of touching memory that process
-  no longer owns. An import ends once its buffer is freed and the work on it is done:
-  the pointer is freed (``cuMemFree``, off the loop) and ``R`` is sent -- in that order,
-  since the driver requires the importer's free to complete before the exporter's.
+  no longer owns, and once those imports have ended, the pools imported through the
+  connection are destroyed. An import ends once its buffer is freed and the work on it
+  is done: the pointer is freed (``cuMemFree``, off the loop) and ``R`` is sent -- in
+  that order, since the driver requires the importer's free to complete before the
+  exporter's.
 
 Requests block the calling thread for one round trip (the caller runs them in a worker
 thread, never on an event loop's thread), at most :data:`REPLY_TIMEOUT` seconds: an
@@ -145,8 +147,9 @@ class Connection:
         self.waiting: collections.deque[Request] = collections.deque()
         """Requests in the order they were sent, which is the order of the answers."""
         self.lost: ExporterLostError | None = None
-        self.pools: dict[bytes, Any] = {}
-        """Pools of the exporter imported into this process, by the exporter's key."""
+        self.pools: dict[bytes, tuple[Any, Device]] = {}
+        """Pools of the exporter imported into this process (handle, device), by the
+        exporter's key; destroyed once the connection is lost and its imports ended."""
         self.pool_fds: dict[bytes, int] = {}
         """Descriptors of the exporter's pools received and not imported yet, by key:
         kept here, not by the request whose answer carried one, as that request may be
@@ -430,10 +433,14 @@ class Service:
         driver = device._driver
         key = (connection.address, pointer)
         with self._import_lock:
+            if connection.lost is not None:  # its pools are being let go (_let_go)
+                raise connection.lost
             imported = self._imports.get(key)
             if imported is None:
-                handle = connection.pools.get(pool_key)
-                if handle is None:
+                found = connection.pools.get(pool_key)
+                if found is not None:
+                    handle = found[0]
+                else:
                     fd = connection.pool_fds.get(pool_key)
                     if fd is None:
                         raise ExporterLostError("the pool's descriptor did not arrive", name="AIOCUDA_IPC_REFUSED")
@@ -441,7 +448,7 @@ class Service:
                     handle = driver.mempool_import_fd(fd)
                     if not driver.mempool_get_access(handle, device.ordinal):  # as NVIDIA's IPC sample does
                         driver.mempool_set_access(handle, device.ordinal)
-                    connection.pools[pool_key] = handle
+                    connection.pools[pool_key] = (handle, device)
                     with connection.lock:
                         del connection.pool_fds[pool_key]
                     os.close(fd)
@@ -473,6 +480,24 @@ class Service:
                     imported.device._driver.mem_free(imported.ptr)
         for token in tokens:
             imported.connection.release(token)
+        if imported.connection.lost is not None:
+            self._let_go(imported.connection)
+
+    def _let_go(self, connection: Connection) -> None:
+        """(The off-loop thread.) Once a lost connection's imports have all ended,
+        destroy the pools imported through it and close the descriptors it received
+        and did not import."""
+        with self._import_lock:
+            if any(imported.connection is connection for imported in self._imports.values()):
+                return  # the last one's end comes back here
+            pools, connection.pools = connection.pools, {}
+            fds, connection.pool_fds = list(connection.pool_fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+        for handle, device in pools.values():
+            with contextlib.suppress(Exception):  # the context poisoned or gone: the pool went with it
+                device.make_current()
+                device._driver.mempool_destroy(handle)
 
     # -- the thread -----------------------------------------------------------------------------
     def _call_soon(self, fn: Callable[[], object]) -> None:
@@ -517,10 +542,7 @@ class Service:
         with self._lock:
             if self._connections.get(connection.address) is connection:
                 del self._connections[connection.address]
-        with self._import_lock:  # (no import is using one now)
-            fds, connection.pool_fds = list(connection.pool_fds.values()), {}
-        for fd in fds:
-            os.close(fd)
+        _offloop.submit(self._let_go, connection)
 
     def _from_importer(self, peer: _Peer) -> None:
         try:

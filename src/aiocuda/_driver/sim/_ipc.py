@@ -166,6 +166,9 @@ class SimSharing:
         pool = SimPool(ordinal, 0, is_default=False)
         pool.region = region
         pool.imported = True
+        state = self._mem()
+        with state.lock:
+            state.pools.append(pool)  # a live pool, as mempool_destroy expects
         return pool
 
     def mempool_export_pointer(self, ptr: int) -> bytes:

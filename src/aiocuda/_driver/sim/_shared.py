@@ -26,6 +26,7 @@ import os
 import secrets
 import struct
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -55,10 +56,14 @@ def _memfd(name: str, size: int) -> int:
 
 class SharedRegion:
     """The memory of one simulated IPC pool (see the module docstring): blocks carved at
-    aligned offsets, freed ranges reused for blocks of the same rounded size."""
+    aligned offsets, freed ranges reused for blocks of the same rounded size.
+
+    Its descriptor is closed once it is collected (its pool destroyed and let go); the
+    mapping goes once the blocks carved from it, views of it, are gone too."""
 
     def __init__(self, fd: int, *, owner: bool) -> None:
         self.fd = fd
+        weakref.finalize(self, os.close, fd)
         self.size = os.fstat(fd).st_size
         self._map = mmap.mmap(fd, self.size)
         self.bytes = np.frombuffer(self._map, np.uint8)
@@ -76,7 +81,8 @@ class SharedRegion:
 
     @classmethod
     def open(cls, fd: int) -> SharedRegion:
-        """Map another process's region from a file descriptor (kept open: the caller's)."""
+        """Map another process's region from a file descriptor (the caller's: the region
+        has its own duplicate)."""
         return cls(os.dup(fd), owner=False)
 
     def carve(self, size: int) -> np.ndarray | None:
