@@ -26,6 +26,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, ipc
+from aiocuda._driver.sim import _shared
 from aiocuda._memory import ipc_service, offloop
 from aiocuda.errors import ArgumentError, ExporterLostError
 
@@ -419,3 +420,21 @@ async def test_a_cancelled_open_gives_up_at_once(
         assert await _eventually(_answered(other_process))  # granted and undone
         await open_again()
     np.testing.assert_array_equal(await opened[0].to_host(stream=stream), np.arange(1024))  # the one import
+
+
+async def test_a_simulated_interprocess_event_closed_while_pending_gives_its_slot_back(
+    sim_backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulator's interprocess events take one of its few slots each: an event
+    closed while its record is pending gives it back once the record completes."""
+    monkeypatch.setattr(_shared, "SLOTS", 4)  # (the backend's slots are made at its first interprocess event)
+    stream = aiocuda.Stream(0)
+    release = _hold_back(stream)
+    for _ in range(_shared.SLOTS):
+        event = aiocuda.Event(0, interprocess=True)
+        stream.record(event)
+        event.close()
+    release()
+    await stream
+    for _ in range(_shared.SLOTS):
+        aiocuda.Event(0, interprocess=True).close()  # each finds a slot

@@ -559,7 +559,7 @@ class SimCore:
         ev.destroyed = True
         self._events.pop(ev.value, None)
         if ev.shared is not None and (ev.point is None or ev.point.reached()):
-            ev.shared.slots.give_back(ev.shared)  # (one still pending keeps its slot for good)
+            ev.shared.slots.give_back(ev.shared)  # (a pending record gives it back when it completes)
 
     def event_record(self, event: Any, stream: Any) -> None:
         self._record(event, stream, "event_record")
@@ -597,6 +597,11 @@ class SimCore:
             def stamp() -> None:
                 point.stamp()
                 slot.reach(generation)
+                # Destroyed while this, its last record, was pending: the slot comes back
+                # now. (The destroy sets destroyed, then looks at the point; this stamps
+                # the point, then looks at destroyed: one of the two gives it back, or both.)
+                if ev.destroyed and ev.point is point:
+                    slot.slots.give_back(slot)
 
         point.seq = self._submit(sim, stamp, "event_record")
         ev.point = point

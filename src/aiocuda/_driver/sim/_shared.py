@@ -124,12 +124,13 @@ class SharedRegion:
 class EventSlot:
     """The two shared counters of one interprocess event (see the module docstring)."""
 
-    __slots__ = ("_words", "index", "slots")
+    __slots__ = ("_words", "given_back", "index", "slots")
 
     def __init__(self, slots: EventSlots | _OpenedSlots, index: int) -> None:
         self.slots = slots
         self.index = index
         self._words = slots.words[2 * index : 2 * index + 2]
+        self.given_back = False
 
     @property
     def recorded(self) -> int:
@@ -177,8 +178,12 @@ class EventSlots:
         return slot
 
     def give_back(self, slot: EventSlot) -> None:
+        """Take ``slot`` back (once: the destroy of its event and the completion of the
+        event's pending record may both give it back)."""
         with self._lock:
-            self._free.append(slot.index)
+            if not slot.given_back:
+                slot.given_back = True
+                self._free.append(slot.index)
 
     def handle(self, slot: EventSlot) -> bytes:
         return _EVENT_HANDLE.pack(_EVENT_MAGIC, self.tag, os.getpid(), self.fd, slot.index).ljust(64, b"\0")
