@@ -394,21 +394,19 @@ def test_the_loop_threads_host_copies_hold_the_gil() -> None:
 @pytest.fixture
 def few_inline_slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     """Inline staging built afresh with two slots of a size class made on the calling
-    thread (the first, and one more); yields the sizes of the copies that went to the
-    copier threads instead."""
+    thread (the first, and one more); yields the sizes of the downloads that found no
+    slot ready and went through a block of the pinned cache instead."""
     _staging.reset()
     monkeypatch.setattr(_staging, "INLINE_SLOTS", 1)
-    staged: list[int] = []
-    through_copiers = _staging._staged
+    elsewhere: list[int] = []
+    through_block = _staging._download_through_block
 
-    async def counted(
-        staging: Any, to_device: bool, stream: Stream, dst: int, src: int, nbytes: int, host: Any
-    ) -> None:
-        staged.append(nbytes)
-        await through_copiers(staging, to_device, stream, dst, src, nbytes, host)
+    async def counted(host: np.ndarray, src: int, stream: Stream) -> None:
+        elsewhere.append(int(host.nbytes))
+        await through_block(host, src, stream)
 
-    monkeypatch.setattr(_staging, "_staged", counted)
-    yield staged
+    monkeypatch.setattr(_staging, "_download_through_block", counted)
+    yield elsewhere
     _staging.reset()
 
 
@@ -438,7 +436,7 @@ async def test_the_inline_slots_grow_to_the_copies_in_flight(
     sim_backend: Any, anyio_backend: object, few_inline_slots: list[int]
 ) -> None:
     """Small downloads behind busy streams each hold an inline slot until their stream
-    gets to them. The third finds none and goes to the copiers, and has two more slots
+    gets to them. The third finds none and goes through a pinned block, and has two more slots
     of its size class made off the loop; the sixth, four more. Six such downloads again
     then all go inline."""
     streams = [Stream(0) for _ in range(6)]
@@ -457,12 +455,39 @@ async def test_the_inline_slots_grow_to_the_copies_in_flight(
         s.close()
 
 
+async def test_small_copies_that_find_no_slot_are_still_abandoned_when_cancelled(
+    sim_backend: Any, anyio_backend: object, few_inline_slots: list[int]
+) -> None:
+    """Cancelled small downloads behind a held stream fence every inline slot; the next
+    ones went to the copier threads, which cannot be abandoned: a cancelled request then
+    waited for the stream. Through pinned blocks they end at once, as uploads do."""
+    s = Stream(0)
+    array = ga.empty(16384, np.float32, stream=s)
+    await array.fill(3, stream=s)
+    sim_backend.pause(s.handle)
+    with anyio.fail_after(30):  # (a guard against a hang, not a measurement)
+        for _ in range(6):
+            for copy in (
+                lambda: array.to_host(stream=s),
+                lambda: array.copy_from(np.ones(16384, np.float32), stream=s),
+            ):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(copy)
+                    for _ in range(20):  # (no time involved: the copy reaches its await)
+                        await anyio.lowlevel.checkpoint()
+                    tg.cancel_scope.cancel()
+    assert few_inline_slots  # some went around the slots
+    sim_backend.resume(s.handle)
+    np.testing.assert_array_equal(await array.to_host(stream=s), 1.0)  # the last upload, in order
+    s.close()
+
+
 async def test_the_inline_slots_stay_within_their_budget(
     sim_backend: Any, anyio_backend: object, few_inline_slots: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With room for three 64 KiB slots, the third download in flight has one more made
-    (all the budget left) and goes to the copiers, the fourth takes that slot, and the
-    fifth, finding none, goes to the copiers too; from then on, two of five every time."""
+    (all the budget left) and goes through a pinned block, the fourth takes that slot, and
+    the fifth, finding none, goes through one too; from then on, two of five every time."""
     monkeypatch.setattr(_staging, "INLINE_BYTES", 3 * 64 * 1024)
     streams = [Stream(0) for _ in range(5)]
     arrays = [ga.empty(16384, np.float32, stream=s) for s in streams]
@@ -476,7 +501,7 @@ async def test_the_inline_slots_stay_within_their_budget(
         s.close()
 
 
-async def test_inline_slots_that_cannot_be_made_leave_the_copies_to_the_copiers(
+async def test_inline_slots_that_cannot_be_made_leave_the_copies_to_pinned_blocks(
     sim_backend: Any,
     anyio_backend: object,
     few_inline_slots: list[int],
@@ -484,7 +509,7 @@ async def test_inline_slots_that_cannot_be_made_leave_the_copies_to_the_copiers(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Out of page-locked memory off the loop: a warning, no more growth, and the copies
-    that find no slot go through the copiers, their data intact."""
+    that find no slot go through blocks of the pinned cache, their data intact."""
     made: list[Any] = []
 
     def slot(device: Any, size: int) -> Any:

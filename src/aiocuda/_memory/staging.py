@@ -24,7 +24,9 @@ staged copy, once started, finishes its host side before the cancellation takes
 effect (host to device: every chunk has been copied into a slot and its DMA enqueued;
 device to host: ``host`` holds the data), while the small inline device-to-host copy is
 abandoned at its await, ``host`` then not written, and once it has begun to fill ``host``
-it completes first. A cancelled inline host-to-device copy enqueues nothing.
+it completes first. A cancelled inline host-to-device copy enqueues nothing. A small copy
+that finds no inline slot ready (all fenced by copies their streams have not reached)
+goes through a block of the pinned cache instead, cancelled the same way.
 
 Pitfall: a slot is fenced by the stream of its last DMA, so a staged copy onto a stream
 still busy with long work (a kernel enqueued before it) ties up the slots it filled until
@@ -56,7 +58,7 @@ from ..stream import Stream
 from . import copies as _copies
 from . import host_copy, offloop, pinned_cache
 from .copiers import Copiers, Job, Slot
-from .pinned import host_address
+from .pinned import PinnedAllocation, host_address
 
 __all__ = [
     "CHUNK",
@@ -115,8 +117,9 @@ each size class; more are made on the off-loop thread (see :data:`INLINE_BYTES`)
 
 INLINE_BYTES = 16 << 20
 """Page-locked bytes the inline slots may take together. A copy that finds no slot of its
-size class ready goes to the copiers, and has the off-loop thread make as many more
-slots of that class as there are (up to this budget) for the next ones."""
+size class ready goes through a block of the pinned cache, and has the off-loop thread
+make as many more slots of that class as there are (up to this budget) for the next
+ones."""
 
 # Why the pool grows: a download holds its slot until the work before it on the stream
 # has run, so eight slots of 1 MiB served eight requests in flight. The serve benchmark's
@@ -276,13 +279,13 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
     nbytes = int(host.nbytes)
     if nbytes <= SLICE:
         if not upload_now(dst, host, stream):
-            await upload_staged(dst, host, stream)
+            await _upload_elsewhere(dst, host, stream)
         return
     if _copies.upload(dst, host, stream):
         return
     slot = _inline_slot(nbytes, stream)
     if slot is None:
-        await upload_staged(dst, host, stream)
+        await _upload_elsewhere(dst, host, stream)
         return
     try:
         # Cancelled between slices: nothing is enqueued, and the slot goes back unused.
@@ -291,6 +294,22 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         _enqueue_from(slot, dst, nbytes, stream)
     finally:
         release(slot)
+
+
+async def _upload_elsewhere(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
+    """An upload that found no inline slot ready: a small one through a block of the
+    pinned cache the stream keeps until its DMA is done (through the copier threads, a
+    cancelled one waited for slots fenced by busy streams), a larger one staged."""
+    nbytes = int(host.nbytes)
+    if nbytes > INLINE_LIMIT or stream._capture is not None:
+        await upload_staged(dst, host, stream)
+        return
+    block = PinnedAllocation(stream.device, nbytes)
+    # Cancelled between slices: nothing is enqueued, and the block goes back unused.
+    await _host_copy(block.ptr, host_address(host), nbytes, finish_on_cancel=False)
+    stream.device.make_current()  # (a task that ran between the slices may have changed it)
+    _copies.enqueue_upload(dst, block.ptr, nbytes, stream)
+    stream.hold(block)
 
 
 def upload_now(dst: int, host: npt.NDArray[Any], stream: Stream, keep: list[Any] | None = None) -> bool:
@@ -370,7 +389,27 @@ async def device_to_host(host: npt.NDArray[Any], src: int, stream: Stream) -> No
         finally:
             release(slot)
         return
+    if nbytes <= INLINE_LIMIT and stream._capture is None:
+        await _download_through_block(host, src, stream)
+        return
     await download_staged(host, src, stream)
+
+
+async def _download_through_block(host: npt.NDArray[Any], src: int, stream: Stream) -> None:
+    """A small download that found no inline slot ready (all fenced by copies that
+    streams have not reached yet): through a block of the pinned cache, so that it can
+    be abandoned at its await as an inline one can. (Through the copier threads, it
+    could not: a cancelled request waited for the stream.)"""
+    nbytes = int(host.nbytes)
+    block = PinnedAllocation(stream.device, nbytes)
+    stream.device.make_current()
+    _copies.enqueue_download(block.ptr, src, nbytes, stream)
+    try:
+        await stream.record()
+    except BaseException:
+        stream.hold(block)  # (the DMA may still write into it)
+        raise
+    await _host_copy(host_address(host), block.ptr, nbytes, finish_on_cancel=True)
 
 
 async def download_staged(host: npt.NDArray[Any], src: int, stream: Stream) -> None:
