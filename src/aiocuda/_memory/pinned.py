@@ -115,15 +115,23 @@ class PinnedAllocation:
 
     __slots__ = ("__weakref__", "ptr", "size")
 
-    def __init__(self, device: Device, size: int) -> None:
+    def __init__(self, device: Device, size: int, ptr: int | None = None) -> None:
         self.size = pinned_cache.size_class(size)
-        ptr = pinned_cache.take(self.size)
+        if ptr is None:
+            ptr = pinned_cache.take(self.size)
         if ptr is None:
             device.make_current()
             ptr = device._driver.mem_host_alloc(self.size)
         self.ptr = ptr
         pinned_ranges.add(ptr, self.size, self)
         weakref.finalize(self, _free_pinned, device, ptr, self.size)
+
+    @classmethod
+    def cached(cls, device: Device, size: int) -> PinnedAllocation | None:
+        """A block from the cache of freed ones, or None when it holds none of that size
+        class: no driver call (allocating one waits for the driver)."""
+        ptr = pinned_cache.take(pinned_cache.size_class(size))
+        return None if ptr is None else cls(device, size, ptr)
 
 
 def _free_pinned(device: Device, ptr: int, size: int) -> None:
