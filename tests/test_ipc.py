@@ -309,6 +309,30 @@ async def test_sharing_in_one_process(pool_sharing: None, backend: _driver.Drive
         ipc.share_array(array, imports=0)
 
 
+async def test_an_array_opened_where_it_was_shared_has_its_own_buffer(
+    pool_sharing: None, backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Opened in the sharing process, a shared array is over a buffer of its own, as in
+    another process: freeing it leaves the producer's usable, and the other way round;
+    the memory is freed once both are."""
+    pool = ipc.pool(0)
+    stream = aiocuda.Stream(0)
+    before = pool.statistics().live_buffers
+    array = await aiocuda.to_device(np.arange(16, dtype=np.int32), stream=stream, pool=pool)
+    shared = ipc.share_array(array, imports=2)
+    first = await ipc.open_array(shared, stream=stream)
+    first.buffer.free()
+    np.testing.assert_array_equal(await array.to_host(stream=stream), np.arange(16))
+    second = await ipc.open_array(shared, stream=stream)
+    array.buffer.free()
+    np.testing.assert_array_equal(await second.to_host(stream=stream), np.arange(16))
+    second.buffer.free()  # its owner, held until the work before is done,
+    await stream  # is let go by the stream's next await
+    await stream
+    assert await anyio.to_thread.run_sync(offloop.drain, WAIT)
+    assert pool.statistics().live_buffers == before
+
+
 async def test_interprocess_events(backend: _driver.Driver, anyio_backend: object) -> None:
     stream = aiocuda.Stream(0)
     event = aiocuda.Event(0, interprocess=True)

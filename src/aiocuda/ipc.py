@@ -197,11 +197,14 @@ async def open_array(shared: SharedArray, *, stream: Stream | None = None) -> De
     the array) to wait on the host. The first array from a process costs a connection
     and the pool's import; each open is one request to the producer, made off the
     event loop's thread. Cancelling the open takes effect at once; the import the
-    producer may grant later is given back. Raises :class:`~aiocuda.errors.ExporterLostError` when the
-    producer has ended or every import it shared the array for was made, and
-    :class:`TimeoutError` when it does not answer within
-    ``aiocuda._memory.ipc_service.REPLY_TIMEOUT`` (30) seconds: stopped or stalled, it
-    may answer later (arrays already opened from it stay usable).
+    producer may grant later is given back. Opened in the sharing process itself, the
+    array has a buffer of its own over the same memory, counted as an import: freeing
+    it, or the producer's, leaves the other usable.
+
+    Raises :class:`~aiocuda.errors.ExporterLostError` when the producer has ended or
+    every import it shared the array for was made, and :class:`TimeoutError` when it
+    does not answer within ``aiocuda._memory.ipc_service.REPLY_TIMEOUT`` (30) seconds:
+    stopped or stalled, it may answer later (arrays already opened from it stay usable).
     """
     device = _device_of(shared.device, shared.backend)
     s = stream if stream is not None else current_stream(device)
@@ -214,7 +217,11 @@ async def open_array(shared: SharedArray, *, stream: Stream | None = None) -> De
             raise ExporterLostError(
                 "the array is no longer shared: every import was made, or it was revoked", name="AIOCUDA_IPC_REFUSED"
             )
-        buffer, _ = taken
+        export, use = taken
+        # A buffer of its own, as in another process: freeing it, or the producer's,
+        # leaves the other usable.
+        buffer = OwnedBuffer(export.ptr, shared.size, device, s, use)
+        s.wait(export.event)
     else:
         request = Request(shared.token)
         try:

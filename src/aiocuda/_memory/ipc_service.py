@@ -58,7 +58,18 @@ if TYPE_CHECKING:
     from ..device import Device
     from ..memory import MemoryPool
 
-__all__ = ["REPLY_TIMEOUT", "Connection", "Export", "GivenUp", "Import", "Request", "Service", "Use", "service"]
+__all__ = [
+    "REPLY_TIMEOUT",
+    "Connection",
+    "Export",
+    "GivenUp",
+    "Import",
+    "LocalUse",
+    "Request",
+    "Service",
+    "Use",
+    "service",
+]
 
 REPLY_TIMEOUT = 30.0
 """Seconds an import waits for the exporting process to answer before it fails with a
@@ -77,12 +88,14 @@ class Export:
     buffer: Any
     """The :class:`~aiocuda.memory.DeviceBuffer`: kept and pinned, so the memory stays
     allocated even if the producer frees the buffer meanwhile."""
+    ptr: int
+    """Its address (the buffer's own raises once the producer freed it)."""
     event: Any
     """The interprocess :class:`~aiocuda.event.Event` marking the end of the producer's work."""
     pool_key: bytes
     imports_left: int
     held: int = 0
-    """Imports acquired and not yet released."""
+    """Imports acquired and not yet released (this process's own too: :class:`LocalUse`)."""
     revoked: bool = False
     """No more imports, whatever is undone."""
 
@@ -288,6 +301,16 @@ class Use:
         weakref.finalize(self, service._use_ended, imported, token).atexit = False
 
 
+class LocalUse:
+    """An open of an export by the exporting process itself: the owner of the buffer it
+    gave (an :class:`~aiocuda._memory.buffers.OwnedBuffer` of its own over the export's
+    memory, which lets it go once the work on the buffer is done). Until it goes, the
+    export stays pinned, whatever the producer does with its own buffer."""
+
+    def __init__(self, service: Service, export: Export) -> None:
+        weakref.finalize(self, service._local_use_ended, export).atexit = False
+
+
 class Service:
     """This process's sharing thread (see the module docstring)."""
 
@@ -361,7 +384,7 @@ class Service:
                 os.close(fd)  # another thread exported the pool meanwhile
         self._listen()
         buffer._pin()
-        export = Export(secrets.token_bytes(TOKEN_BYTES), buffer, event, key, imports)
+        export = Export(secrets.token_bytes(TOKEN_BYTES), buffer, int(buffer.ptr), event, key, imports)
         with self._lock:
             self._exports[export.token] = export
         return export
@@ -373,17 +396,23 @@ class Service:
         if fd is not None:
             os.close(fd)
 
-    def take_local(self, token: bytes) -> tuple[Any, Any] | None:
-        """An import of ``token`` by this very process: the export's buffer and event
-        (counted as an import; the caller keeps them), or None if it is gone or used up."""
+    def take_local(self, token: bytes) -> tuple[Export, LocalUse] | None:
+        """An import of ``token`` by this very process: the export and the use that
+        holds it (held as another process's import is, until the use goes), or None if
+        it is gone or used up."""
         with self._lock:
             export = self._exports.get(token)
             if export is None or export.imports_left <= 0:
                 return None
             export.imports_left -= 1
-            taken = (export.buffer, export.event)
+            export.held += 1
+        return export, LocalUse(self, export)
+
+    def _local_use_ended(self, export: Export) -> None:
+        """A :class:`LocalUse` went (a finaliser, on any thread)."""
+        with self._lock:
+            export.held -= 1
             self._settle(export)
-        return taken
 
     def revoke(self, token: bytes) -> None:
         """Stop waiting for imports of ``token`` not made yet."""
