@@ -33,6 +33,11 @@ from . import _stages
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 GPUS = 16
 
+one_loop = pytest.mark.parametrize("anyio_backend", ["asyncio"])
+"""For a test where the driver's event loop plays no part (what it checks happens in the
+actors, or in code that awaits nothing its own way): run once, not on every loop, as
+each Ray test costs a second or more."""
+
 
 @pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[Any]:

@@ -21,7 +21,7 @@ from aiocuda._cli.demo import ScaleStage, scale_reference
 from aiocuda.ray import _refs
 
 from . import _stages
-from .conftest import chunks, gone, new_pool, reached, until
+from .conftest import chunks, gone, new_pool, one_loop, reached, until
 
 pytestmark = pytest.mark.anyio
 
@@ -217,6 +217,7 @@ async def test_chunks_fail_clearly_when_no_actor_is_left(ray_cluster: Any, tmp_p
     assert all(r.ok for r in got if r.index not in lost)
 
 
+@one_loop
 async def test_a_retry_passes_over_actors_that_died_at_the_same_time(ray_cluster: Any) -> None:
     """Actors 0 and 1 die together (as when a node is lost) while chunk 0 runs on actor
     0. Its retry goes to actor 1, next in turn and not yet known to be gone: found gone

@@ -1,5 +1,6 @@
-"""ActorPool's lifetime on a local Ray cluster (simulated backend): opening once, whoever
-asks and however many ask at once.
+"""ActorPool's lifetime on a local Ray cluster (simulated backend): opening once, however
+many ask at once; actors gone between maps; closing within a grace period, or at once
+when cancelled; Ray shut down under a map; clusters without the GPUs a pool asks for.
 
 No test relies on timing: actors are held where a test needs them by events or paused
 streams, and the tests wait for states.
@@ -23,13 +24,13 @@ from aiocuda.ray import _pool
 from aiocuda.ray._actor import GpuActor
 
 from . import _stages
-from .conftest import GPUS, chunks, gone, new_pool, reached, until
+from .conftest import GPUS, chunks, gone, new_pool, one_loop, reached, until
 
 pytestmark = pytest.mark.anyio
 
 
 # The actor's loop is asyncio (Ray's async actor), whatever the driver's.
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@one_loop
 async def test_an_actor_opened_by_calls_at_once_opens_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Ray runs an async actor's calls at once: a second ``open`` while the first is in
     its setup waits for it (it selected the backend again, shutting the first's driver
@@ -56,6 +57,7 @@ async def test_an_actor_opened_by_calls_at_once_opens_once(monkeypatch: pytest.M
         await actor.close()
 
 
+@one_loop
 async def test_maps_started_together_share_the_opening(ray_cluster: Any, tmp_path: pathlib.Path) -> None:
     calls = tmp_path / "setups"
     pool = new_pool(2, setup=functools.partial(_stages.record_setup, str(calls)))
@@ -76,6 +78,7 @@ async def test_maps_started_together_share_the_opening(ray_cluster: Any, tmp_pat
         await pool.aclose()
 
 
+@one_loop
 async def test_a_map_over_a_pool_whose_actors_are_all_gone_fails_at_once(ray_cluster: Any) -> None:
     async with new_pool(1) as pool:
         ray.kill(pool.slots[0].actor)
@@ -91,6 +94,7 @@ async def _lost(pool: Any, index: int) -> bool:
     return (await pool.statistics())[index] is None
 
 
+@one_loop
 async def test_an_actor_gone_between_maps_leaves_the_next_to_the_others(ray_cluster: Any) -> None:
     """Killed outside the pool (as a crash would), so the pool learns it as the next map
     starts: that map runs on the other actor, and once that one is gone too, the map
@@ -125,6 +129,7 @@ async def test_cancelling_a_map_ends_its_own_pool_whatever_the_gpu_does(ray_clus
     assert await gone(pool.slots[0].actor)
 
 
+@one_loop
 async def test_closing_a_pool_ends_it_after_the_grace_period(ray_cluster: Any) -> None:
     pool = new_pool(1)
     await pool.wait_ready()
