@@ -294,8 +294,9 @@ class GraphUpdateError(CudaError):
 
 class ClosedError(RuntimeError):
     """Request lanes (:class:`aiocuda.lanes.Lanes`), a batcher
-    (:class:`aiocuda.batching.Batcher`) or an executor (:class:`aiocuda.executor.Executor`)
-    are shutting down or closed, so a new request was not started. Requests already
+    (:class:`aiocuda.batching.Batcher`), an executor (:class:`aiocuda.executor.Executor`)
+    or a Ray actor pool (:class:`aiocuda.ray.ActorPool`) are shutting down or closed, so
+    a new request was not started. Requests already
     started finish normally. (One that was never started raises a plain ``RuntimeError``
     that says so.)"""
 
