@@ -540,24 +540,25 @@ async def test_a_device_failing_mid_map_fails_its_chunks_in_go_on_mode(sim_backe
         ex.close()
 
 
-async def test_a_failed_device_is_passed_over_and_the_others_serve_on(sim_backend: Any, anyio_backend: Any) -> None:
-    """Two devices, one poisoned: after the chunk that finds it, every submit and every
-    chunk of a map runs on the other device (least_loaded would otherwise favour the failed
-    device, whose chunks fail at once), and leaving does not raise what was reported."""
+async def test_after_a_fault_each_device_fails_once_then_submits_fail_at_once(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """A sticky error ends the process's use of every GPU (CUDA's rule, and the
+    simulator's): each device is found failed by one chunk, and from then on submits fail
+    at once (least_loaded kept choosing the failed device, whose chunks failed at once,
+    and leaving the executor raised again what the chunks had reported)."""
     x = np.arange(8, dtype=np.float32)
     async with Executor([0, 1]) as ex:
+        await ex.submit(ScaleStage(1), x)
         sim_backend.poison(0)
-        outcomes = []
-        for _ in range(6):
-            try:
-                outcomes.append(float((await ex.submit(ScaleStage(1), x))[1]))
-            except ContextPoisonedError:
-                outcomes.append(None)
-        assert outcomes.count(None) == 1
-        assert list(ex.failures) == [0] and "FAILED" in repr(ex)
-        got = await ex.run(ScaleStage(REPS), chunks(6))
-        assert len(got) == 6
-        assert ex.device_streams[0].completed == 1  # the chunk that found the failure
+        errors = []
+        for _ in range(4):
+            with pytest.raises(ContextPoisonedError) as caught:
+                await ex.submit(ScaleStage(1), x)
+            errors.append("failed earlier" in str(caught.value))
+        assert errors == [False, False, True, True]
+        assert sorted(ex.failures) == [0, 1] and "FAILED" in repr(ex)
+        assert [d.completed for d in ex.device_streams] in ([2, 1], [1, 2])  # one chunk each found it
 
 
 async def test_once_every_device_failed_chunks_fail_at_once(sim_backend: Any, anyio_backend: Any) -> None:
@@ -619,6 +620,49 @@ def test_a_device_that_failed_refuses_later_chunks(backend: str) -> None:
     proc = run_script(FAILED_DEVICE_SCRIPT, backend)
     out = proc.stdout + proc.stderr
     assert "CHUNK FAILED" in out and "REFUSED True [0]" in out and "LEFT" in out, out
+
+
+EVERY_DEVICE_SCRIPT = """
+import anyio
+import numpy as np
+from aiocuda.errors import ContextPoisonedError
+from aiocuda.executor import Executor
+from _workload import _kernel, poison_op
+
+def fault(ctx, x):
+    poison_op(ctx.stream)
+
+async def main():
+    async with Executor([0, 1]) as ex:
+        for per_device in ex.device_streams:
+            _kernel(per_device.compute[0], "poison")  # (loaded before the fault)
+        outcomes = []
+        for stage in (fault, None, None, None):
+            try:
+                await ex.submit(stage or (lambda ctx, x: None), np.zeros(4, np.float32), placement="round_robin")
+                outcomes.append("ok")
+            except ContextPoisonedError as exc:
+                outcomes.append("refused" if "failed earlier" in str(exc) else "failed")
+        print("OUTCOMES", outcomes, sorted(ex.failures))
+    print("LEFT")
+
+anyio.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["sim", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fault_on_one_device_fails_the_others_too(backend: str) -> None:
+    """On two real GPUs as on the simulator: an illegal address on device 0 made device
+    1's calls fail with it (CUDA's documented rule: the process must be relaunched). The
+    other device's next chunk finds it; then submits are refused at once."""
+    from .conftest import real_gpu_count
+    from .test_completion import run_script
+
+    if backend == "cuda" and real_gpu_count() < 2:
+        pytest.skip("needs two GPUs; this machine has fewer")
+    proc = run_script(EVERY_DEVICE_SCRIPT, backend)
+    out = proc.stdout + proc.stderr
+    assert "OUTCOMES ['failed', 'failed', 'refused', 'refused'] [0, 1]" in out and "LEFT" in out, out
 
 
 async def test_a_driver_error_fails_only_its_chunk_in_go_on_mode(sim_backend: Any, anyio_backend: Any) -> None:

@@ -200,7 +200,9 @@ class Simulator(metaclass=NoPublicConstructor):
     def poison(self, device: Device | int = 0, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
         """Poison a device's context now, as a faulting kernel would: every later call
         using it, and every pending await on it, raises
-        :class:`~aiocuda.errors.ContextPoisonedError`. ``code`` must be sticky."""
+        :class:`~aiocuda.errors.ContextPoisonedError` -- and on the other devices too, as
+        on GPUs, where a sticky error ends the whole process's use of CUDA. ``code`` must
+        be sticky."""
         ordinal = device.ordinal if isinstance(device, Device) else device
         self._sim.poison(ordinal, code)
 

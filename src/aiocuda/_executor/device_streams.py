@@ -10,7 +10,7 @@ from ..device import Device
 from ..errors import ContextPoisonedError
 from ..memory import MemoryPool
 from ..stream import Stream
-from .lanes import Priority, failed_here, stream_priority
+from .lanes import Priority, stream_priority
 
 __all__ = ["DeviceStreams"]
 
@@ -70,11 +70,11 @@ class DeviceStreams:
         placement passes the device over from then on."""
 
     def saw(self, error: BaseException | None) -> None:
-        """A chunk here ended with ``error``: if it tells of a poisoned context and this
-        device's own context is poisoned (the error may come from another device, through
-        :meth:`~.chunk.ChunkContext.move`), remember it as :attr:`failure`."""
-        if self.failure is None:
-            self.failure = failed_here(error, self.h2d)
+        """A chunk here ended with ``error``: a :class:`ContextPoisonedError` becomes
+        :attr:`failure`. (A sticky error poisons every device of the process, as CUDA
+        has it: each device is found failed by the next chunk placed there.)"""
+        if self.failure is None and isinstance(error, ContextPoisonedError):
+            self.failure = error
 
     def next_compute(self) -> tuple[int, Stream]:
         """``(track, stream)``: the compute stream for the next chunk, in turn."""

@@ -56,7 +56,6 @@ __all__ = [
     "Priority",
     "Setup",
     "default_count",
-    "failed_here",
     "stream_priority",
 ]
 
@@ -76,21 +75,6 @@ def stream_priority(device: Device, priority: Priority) -> int:
     the least urgent the driver has (the default of every stream), ``"high"`` the most."""
     least, greatest = Stream.priority_range(device)
     return greatest if priority == "high" else least
-
-
-def failed_here(error: BaseException | None, stream: Stream) -> ContextPoisonedError | None:
-    """``error`` if it tells of a poisoned context and ``stream``'s own context is poisoned
-    (a non-blocking query answers with the sticky error), else None: a request or a chunk
-    may meet the failure of another device (a copy between GPUs, a lease of another pool)."""
-    if not isinstance(error, ContextPoisonedError):
-        return None
-    try:
-        stream.query()
-    except ContextPoisonedError:
-        return error
-    except (CudaError, ClosedError):  # (closed: nothing more runs here anyway)
-        pass
-    return None
 
 
 def default_count(device: Device) -> int:
@@ -712,7 +696,7 @@ class Lanes:
     def _release(self, lane: Lane, exc: BaseException | None) -> None:
         lane._end()
         self._leases += 1
-        failure = lane._failure or failed_here(exc, lane.stream)
+        failure = exc if isinstance(exc, ContextPoisonedError) else lane._failure
         lane._failure = None
         if failure is not None and self.failure is None:
             self.failure = failure

@@ -33,11 +33,10 @@ Errors and poisoning
     ...) need no context and keep working on a poisoned device, as with the real
     driver; everything that uses a context raises ``ContextPoisonedError``. A sticky
     injected fault poisons the device of the call it fires on, whichever call that is
-    (the real driver only returns sticky codes from a poisoned context). See
+    (the real driver only returns sticky codes from a poisoned context), and with it
+    every other device: a sticky error ends the process's use of CUDA. See
     ``_objects.py`` for errors raised by enqueued operations. A wait for work on a
-    poisoned device ends at once: with ``ContextPoisonedError`` for host waits; a
-    ``stream_wait_event`` in another device's stream just stops waiting (that device is
-    not poisoned, and no further ordering is promised).
+    poisoned device ends at once with ``ContextPoisonedError``.
 
 Hooks for the other mixins (their public methods call ``_api`` first, then do the work
 directly or through ``_enqueue``; they must not call other public methods, which would
@@ -113,6 +112,8 @@ class SimCore:
         self._faults = FaultPlan()
         self._closed = False
         self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
+        for device in self._devices:
+            device.process = self._devices
         for device in self._devices:
             device.null_stream = SimStream(self._workers, device, 0, non_blocking=False, priority=0)
         self._streams: dict[int, SimStream] = {}
@@ -299,9 +300,10 @@ class SimCore:
         self._faults.add(code, at_call, call)
 
     def poison(self, device_ordinal: int, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
-        """Poison a device's context now, as a faulting kernel would.
+        """Poison a device's context now, as a faulting kernel would -- and so every
+        device's (a sticky error ends the process's use of CUDA).
 
-        From then on every call using the device raises ``ContextPoisonedError``,
+        From then on every call using a device raises ``ContextPoisonedError``,
         pending host waits on its streams and events wake up and raise it, queued
         operations are dropped, and host functions (doorbells) never run again. An
         operation already running when this is called finishes.

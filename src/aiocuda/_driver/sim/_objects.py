@@ -120,9 +120,11 @@ class SimDevice:
     its own lock) and ``mem_get_info`` reports ``total_mem - used_bytes``. ``peers`` holds
     the ordinals this device's context has enabled peer access to.
 
-    ``poison`` is set once (first sticky error wins) and never cleared; ``async_error``
-    holds a non-sticky error from an enqueued operation until the next seam call on the
-    device reports it.
+    ``poison`` is set once (first sticky error wins) and never cleared: a sticky error
+    poisons every device of the process, as on a GPU (the CUDA documentation: "the
+    process must be terminated and relaunched"; an illegal address on one H200 made the
+    other's stream queries fail with it too). ``async_error`` holds a non-sticky error
+    from an enqueued operation until the next seam call on the device reports it.
     """
 
     __slots__ = (
@@ -134,12 +136,15 @@ class SimDevice:
         "ordinal",
         "peers",
         "poison",
+        "process",
         "total_mem",
         "used_bytes",
     )
 
     null_stream: SimStream
     """The legacy default stream (value 0); set by the core right after construction."""
+    process: tuple[SimDevice, ...]
+    """Every device of the driver, this one included; set by the core likewise."""
 
     def __init__(self, ordinal: int, total_mem: int) -> None:
         self.ordinal = ordinal
@@ -172,12 +177,15 @@ class SimDevice:
             return list(self._streams)
 
     def poison_with(self, code: int, detail: str, cause: BaseException | None = None) -> None:
-        """Poison the context (the first poison wins) and wake every waiter on its streams."""
-        with self._lock:
-            if self.poison is None:
-                self.poison = Poison(code, detail, cause)
-        for stream in self.streams():
-            stream.wake()
+        """Poison the context, and every other device's (the first poison of each wins),
+        and wake every waiter on their streams."""
+        for device in self.process:
+            where = detail if device is self else f"by a sticky error on device {self.ordinal}: {detail}"
+            with device._lock:
+                if device.poison is None:
+                    device.poison = Poison(code, where, cause)
+            for stream in device.streams():
+                stream.wake()
 
     def record_async_error(self, error: CudaError) -> None:
         """Keep a non-sticky error from an operation for the next seam call (first one wins)."""
