@@ -72,6 +72,18 @@ def _pinned(values: Any) -> np.ndarray:
     return array
 
 
+async def _upload_add_one_download(
+    add_one: Kernel, s: Stream, host_in: np.ndarray, host_out: np.ndarray
+) -> aiocuda.Graph:
+    """A capture on ``s`` of: ``host_in`` into graph memory, ``add_one``, into ``host_out``."""
+    async with s.capture() as graph:
+        x = empty(N, np.float32, stream=s)
+        await x.copy_from(host_in, stream=s)
+        add_one.launch(GRID, BLOCK, x, N, stream=s)
+        await x.to_host(out=host_out, stream=s)
+    return graph
+
+
 async def _device(values: Any, stream: Stream) -> aiocuda.DeviceArray:
     array = empty(N, np.float32, stream=stream)
     await array.copy_from(np.full(N, values, np.float32), stream=stream)
@@ -181,11 +193,7 @@ async def test_copies_move_to_new_host_memory(module: Module, anyio_backend: obj
     add_one = module.kernel("add_one")
     with Stream(0) as s:
         host_in, host_out = _pinned(1.0), _pinned(0.0)
-        async with s.capture() as graph:
-            x = empty(N, np.float32, stream=s)
-            await x.copy_from(host_in, stream=s)
-            add_one.launch(GRID, BLOCK, x, N, stream=s)
-            await x.to_host(out=host_out, stream=s)
+        graph = await _upload_add_one_download(add_one, s, host_in, host_out)
         upload, download = (node for node in graph.nodes if node.kind == "memcpy")
         other_in, other_out = _pinned(41.0), _pinned(0.0)
         graph.set_copy(upload, src=other_in)
@@ -558,11 +566,7 @@ async def test_a_graph_closed_after_its_launch_stream_keeps_what_the_replay_uses
     s = Stream(0)
     backend = s.device._driver
     host_in, host_out = _pinned(5.0), _pinned(0.0)
-    async with s.capture() as graph:
-        x = empty(N, np.float32, stream=s)
-        await x.copy_from(host_in, stream=s)
-        add_one.launch(GRID, BLOCK, x, N, stream=s)
-        await x.to_host(out=host_out, stream=s)
+    graph = await _upload_add_one_download(add_one, s, host_in, host_out)
     request = Stream(0)
     handle = request.handle
     if backend.name == "sim":
@@ -607,11 +611,7 @@ async def test_a_cancelled_await_leaves_the_replay_and_its_memory(module: Module
     backend = Stream(0).device._driver
     with Stream(0) as s:
         host_in, host_out = _pinned(1.0), _pinned(0.0)
-        async with s.capture() as graph:
-            x = empty(N, np.float32, stream=s)
-            await x.copy_from(host_in, stream=s)
-            add_one.launch(GRID, BLOCK, x, N, stream=s)
-            await x.to_host(out=host_out, stream=s)
+        graph = await _upload_add_one_download(add_one, s, host_in, host_out)
         watched = weakref.ref(host_in)
         if backend.name == "sim":
             backend.pause(s.handle)  # type: ignore[attr-defined]

@@ -241,6 +241,18 @@ class ContextPoisonedError(CudaError):
     the same device. Restarting the process is the only way to use the device again.
     """
 
+    @classmethod
+    def earlier(cls, failure: ContextPoisonedError, what: str) -> ContextPoisonedError:
+        """The error refusing new work because ``what`` (``"device 0"``) failed earlier
+        with ``failure``: its code, name and call, and a message that says to restart."""
+        return cls(
+            f"{what} failed earlier and cannot run anything more (restart the process): {failure}",
+            code=failure.code,
+            name=failure.name,
+            description=failure.description,
+            call=failure.call,
+        )
+
 
 class NoDeviceError(CudaError):
     """No CUDA driver could be loaded, or it reports no usable device."""

@@ -366,16 +366,14 @@ class Executor:
         nbytes = reserve(array)
         placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
         index, self._submitted = self._submitted, self._submitted + 1
-        error: BaseException | None = None
         try:
             async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
                 return await self._runner(stage, output, name).run(index, array, placed, lane)
         except BaseException as exc:
-            error = exc
+            placed.saw(exc)
             raise
         finally:
             placed.completed += 1
-            placed.saw(error)
             self._admission.release(placed, nbytes)
 
     def _check_open(self) -> None:

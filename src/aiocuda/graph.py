@@ -341,11 +341,14 @@ class Graph(metaclass=NoPublicConstructor):
         params = kernel._pack(args)
         given = [_bound(arg) for arg in args if not isinstance(arg, (int, float, bool, np.number)) and arg is not None]
         self.device.make_current()
-        info = self._infos[index]
-        self._driver.graph_exec_kernel_node_set_params(replays.graph_exec, info, info.func, current.config, params)
+        self._set_kernel_params(replays, index, current.config, params)
         self._nodes[index] = dataclasses.replace(current, arguments=tuple(params.values))
         self._changed.add(index)
         self._bind(index, given)
+
+    def _set_kernel_params(self, replays: _Replays, index: int, config: LaunchConfig, params: Any) -> None:
+        info = self._infos[index]
+        self._driver.graph_exec_kernel_node_set_params(replays.graph_exec, info, info.func, config, params)
 
     def set_copy(self, node: GraphNode | int, *, dst: Any = None, src: Any = None) -> None:
         """New addresses for memcpy node ``node`` in later replays: ``dst`` and ``src``
@@ -454,9 +457,7 @@ class Graph(metaclass=NoPublicConstructor):
             node = other._nodes[index]
             if node.kind == "kernel":
                 assert node.kernel is not None and node.config is not None and node.arguments is not None
-                info = self._infos[index]
-                params = node.kernel._pack(node.arguments)
-                self._driver.graph_exec_kernel_node_set_params(replays.graph_exec, info, info.func, node.config, params)
+                self._set_kernel_params(replays, index, node.config, node.kernel._pack(node.arguments))
             else:
                 self._copy_setter(index)(node.dst, node.src)
         retired = (tuple(replays.holds), tuple(replays.externals.values()), tuple(replays.bound.values()))

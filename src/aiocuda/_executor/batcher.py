@@ -245,8 +245,7 @@ class Batcher(Generic[T, R]):
                 results = await self._run([request.item for request in batch])
                 _check_results(results, len(batch))
             except Exception as exc:
-                for request, error in zip(batch, _each_its_own(exc, len(batch)), strict=True):
-                    request.resolve(error)
+                _fail(batch, exc)
                 return
             except BaseException as exc:
                 if isinstance(exc, anyio.get_cancelled_exc_class()) and anyio.current_effective_deadline() > -math.inf:
@@ -254,8 +253,7 @@ class Batcher(Generic[T, R]):
                     # a failure of this batch, not the end of the worker and the batcher
                     error = RuntimeError(f"the batch function raised {type(exc).__name__} without being cancelled")
                     error.__cause__ = exc
-                    for request, each in zip(batch, _each_its_own(error, len(batch)), strict=True):
-                        request.resolve(each)
+                    _fail(batch, error)
                     return
                 for request in batch:
                     request.resolve(ClosedError("the batcher was cancelled while this request's batch ran"))
@@ -291,6 +289,12 @@ def _check_results(results: object, items: int) -> None:
         )
     if len(results) != items:
         raise ValueError(f"the batch function returned {len(results)} results for {items} items")
+
+
+def _fail(batch: list[_Request[Any, Any]], exc: BaseException) -> None:
+    """Fail every request of ``batch`` with ``exc``, each with its own copy of it."""
+    for request, error in zip(batch, _each_its_own(exc, len(batch)), strict=True):
+        request.resolve(error)
 
 
 def _each_its_own(exc: BaseException, count: int) -> list[BaseException]:

@@ -657,14 +657,7 @@ class Lanes:
     def _refuse(self) -> NoReturn:
         failure = self.failure
         if failure is not None:
-            raise ContextPoisonedError(
-                f"device {self._device.ordinal} failed earlier and cannot run anything more "
-                f"(restart the process): {failure}",
-                code=failure.code,
-                name=failure.name,
-                description=failure.description,
-                call=failure.call,
-            )
+            raise ContextPoisonedError.earlier(failure, f"device {self._device.ordinal}")
         if self._state in ("new", "starting"):
             raise RuntimeError(
                 f"the request lanes of device {self._device.ordinal} are not started: "

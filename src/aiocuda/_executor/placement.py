@@ -119,10 +119,4 @@ def _refuse_if_all_failed(candidates: Sequence[Loaded]) -> None:
     first = failures[0]
     assert first is not None
     which = "the executor's device" if len(failures) == 1 else f"all {len(failures)} of the executor's devices"
-    raise ContextPoisonedError(
-        f"{which} failed earlier and cannot run anything more (restart the process): {first}",
-        code=first.code,
-        name=first.name,
-        description=first.description,
-        call=first.call,
-    ) from first
+    raise ContextPoisonedError.earlier(first, which) from first
