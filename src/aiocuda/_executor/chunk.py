@@ -252,12 +252,15 @@ class ChunkContext(metaclass=NoPublicConstructor):
         """The chunk failed or was cancelled, its GPU work maybe still running: free its
         arrays stream-ordered, keep its host memory until its copies are done, give its
         trace spans' events back. Nothing left to do after :meth:`_complete`."""
-        with contextlib.suppress(CudaError):  # (a poisoned context records nothing more)
-            self._end_compute()
-        for array, _ in self._arrays:
-            with contextlib.suppress(CudaError):  # a poisoned context: the memory goes with it
-                array.buffer.free()
-        self._arrays.clear()
+        if self._compute is not None:
+            with contextlib.suppress(CudaError):  # (a poisoned context records nothing more)
+                self._end_compute()
+        arrays = self._arrays
+        if arrays:
+            for array, _ in arrays:
+                with contextlib.suppress(CudaError):  # a poisoned context: the memory goes with it
+                    array.buffer.free()
+            arrays.clear()
         slot = self._slot
         if slot is not None:
             self._slot = None
@@ -319,7 +322,10 @@ class ChunkRunner:
         """
         ctx = self.context(index, host, device_streams)
         try:
-            done = await run_steps(self.steps(ctx, lane))
+            if lane is not None and self.trace is None and self.output is None and lane._fits(host):
+                done = await self._request(ctx, lane)
+            else:
+                done = await run_steps(self.steps(ctx, lane))
             await done  # the one host wait (besides staged copies)
             # A lane's chunk leaves its arrays to _abandon: freed on their last-use
             # stream, the lane's, where its next request allocates.
@@ -359,10 +365,34 @@ class ChunkRunner:
         returned = self.stage(ctx, x)
         if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
             returned = yield returned
-        if returned is not None and not isinstance(returned, DeviceArray):
-            raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
-        result = x if returned is None else returned
+        result = _stage_result(returned, x)
         ctx._end_compute()
+        return (yield from self._download(ctx, x, result, lane))
+
+    async def _request(self, ctx: ChunkContext, lane: Lane) -> Lane | Stream:
+        """:meth:`steps` for the common request on a ``lane``, as one coroutine: an input
+        the lane takes (:meth:`Lane._fits`), no trace, no ``output`` function."""
+        # (Executor.submit's common case, without the generator, its driver and the branches
+        # for pipelines: in-process on the simulator, submit's cost beyond a bare lane request
+        # went from 19-23 to 15 us; behind uvicorn on the H200 within that machine's noise,
+        # benchmarks/results/logs/submit-request-ab.txt.)
+        x = lane.upload(ctx.host)  # staged or pinned: enqueued only
+        stream = lane.stream
+        ctx._begin_compute(x, lane=(lane.index, stream))
+        returned = self.stage(ctx, x)
+        if not (returned is None or isinstance(returned, DeviceArray)) and inspect.isawaitable(returned):
+            returned = await returned
+        result = _stage_result(returned, x)
+        if result.device is lane.device and lane._has_room(result.nbytes) and (result is x or result.is_c_contiguous):
+            result.buffer._used_on(stream)  # the download waits for the stage, on the GPU
+            ctx._output = lane._download_new(result)  # filled by the lane's await
+            return lane
+        return await run_steps(self._download(ctx, x, result, lane))
+
+    def _download(self, ctx: ChunkContext, x: DeviceArray, result: DeviceArray, lane: Lane | None) -> Steps:
+        """The end of :meth:`steps`: enqueue the download of the stage's ``result``."""
+        index, keep, trace = ctx.index, ctx._keep, self.trace
+        h2d = ctx.device_streams.h2d if lane is None else lane.stream
         # (x is C-contiguous, as made)
         on_lane = lane is not None and result.device is lane.device  # (else the stage moved it)
         # A lane's result is copied out of its staging if it fits there, else downloaded into pinned memory.
@@ -425,6 +455,15 @@ class ChunkRunner:
         if not flags.writeable:
             raise invalid_value("output() gave a read-only array")
         return dest
+
+
+def _stage_result(returned: object, x: DeviceArray) -> DeviceArray:
+    """What a stage returned (``None``: its input ``x``), checked."""
+    if returned is None:
+        return x
+    if not isinstance(returned, DeviceArray):
+        raise TypeError(f"a stage returns a DeviceArray or None, not {type(returned).__name__}")
+    return returned
 
 
 async def run_steps(steps: Steps, awaiting: Awaitable[Any] | None = None) -> Stream | Lane:
