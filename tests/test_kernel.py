@@ -221,6 +221,42 @@ def test_scalar_widths_and_numpy_scalars_pack_exactly() -> None:
         assert raw == expected, param
 
 
+def test_floats_beyond_a_parameters_range_are_refused(module: Module) -> None:
+    """A finite float too large for a ``float`` parameter (1e300, a Python float or numpy's
+    float64) was packed as inf; it is refused like an int that does not fit, naming the
+    argument. inf, -inf and nan pass as they are, values that only round pass rounded;
+    ``__half`` likewise (65504 is its largest finite value)."""
+    from aiocuda._kernels.packing import ParamBuffer
+    from aiocuda._kernels.signature import parse_signature
+
+    calls: list[Any] = []
+    register_sim_kernel("saxpy", lambda launch, *a: calls.append(a))
+    with Stream(0) as s:
+        saxpy = module.kernel("saxpy")  # float a, const float* x, float* y, int n
+        go = saxpy.bind(1, 32, stream=s)
+        for wrong in (1e300, -1e300, np.float64(1e300), 3.5e38):
+            with pytest.raises(LaunchError, match=r"argument 0 \(float32 a\).*float32") as info:
+                saxpy.launch(1, 32, wrong, 0, 0, 1, stream=s)
+            assert info.value.name == "AIOCUDA_BAD_ARGUMENT"
+            with pytest.raises(LaunchError, match=r"argument 0 \(float32 a\)"):
+                go(wrong, 0, 0, 1)
+        s.synchronize()
+    assert calls == []
+
+    buffer = ParamBuffer(parse_signature("float, __half, double, int"))
+    for wrong in ((1e300, 0.0, 0.0, 1), (0.0, 65520.0, 0.0, 1), (0.0, np.float64(-1e6), 0.0, 1)):
+        with pytest.raises(LaunchError, match=r"argument [01]"):
+            buffer.pack(wrong, None)
+    buffer.pack((float("inf"), float("-inf"), 1e300, 1), None)
+    assert buffer.values == (float("inf"), float("-inf"), 1e300, 1)
+    buffer.pack((float("nan"), float("nan"), 0.0, 1), None)
+    assert all(np.isnan(v) for v in buffer.values[:2])
+    buffer.pack((1e-50, 65504.0, 0.1, 1), None)
+    assert buffer.values == (0.0, 65504.0, 0.1, 1)
+    buffer.pack((0.1, np.float64(0.1), np.float64(-3.4e38), 1), None)
+    assert buffer.values[:2] == (float(np.float32(0.1)), float(np.float16(0.1)))
+
+
 def test_unknown_signature_asks_for_a_declared_one(module: Module) -> None:
     bare = Module(module.image, kind=module.kind)  # no signatures known
     kernel = bare.kernel("saxpy")

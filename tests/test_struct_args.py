@@ -118,8 +118,11 @@ def test_bad_struct_arguments_name_the_argument(module: Module) -> None:
             (2, (1.5, 2, 3, 4)),  # a float for an int field
             (2, 7),  # not a struct at all
             (0, (1, 2.0, 3)),  # a field missing
+            (1, (1e300, 2.0)),  # a float field's range, packed by struct
+            (0, (1, 2.0, 3, (4.0, -1e300))),  # ... and assigned by numpy (a nested vector)
         ):
             args = list(good)
             args[index] = bad
             with pytest.raises(LaunchError, match=f"argument {index}"):
                 kernel.launch(1, 1, *args, 0, stream=s)  # refused before the driver sees the NULL
+        kernel.launch(1, 1, (1, 2.0, 3, (np.inf, np.nan)), (-np.inf, 1e-50), good[2], 0, stream=s)

@@ -12,7 +12,9 @@ their own, which the ``void*[]`` points at. A struct of scalar fields is packed 
 own ``Struct.pack_into`` from the field values (a tuple, or a numpy record of the dtype:
 ``*value`` gives the fields in order), checked as strictly as scalars; a struct with
 nested structs or arrays is assigned through numpy (``block[()] = value``), which
-converts fields as numpy assignment does. Either way no Python frame runs per launch.
+converts fields as numpy assignment does, except that a finite float beyond its field's
+range is refused there too (not stored as inf). Either way no Python frame runs per
+launch.
 
 :func:`build_launcher` generates, once per (signature, launch configuration), a plain
 function specialised for that signature (the way :mod:`dataclasses` generates
@@ -60,6 +62,16 @@ PreparedLaunch = tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable
 ``err = fn(*args)[0]`` and, when ``err`` is truthy, ``fail(err)`` raises."""
 
 
+def overflow_raises() -> Any:
+    """A context in which numpy raises FloatingPointError for a finite float cast beyond
+    its type's range (1e300 into a float32 field) instead of warning and storing inf."""
+    # (struct's "=f" and "=e" codes refuse such a value; numpy's assignment is made as
+    # strict here for floats. It costs about 1 us a launch, paid only by structs with
+    # nested structs or arrays. Integer casts numpy does not check, e.g. np.int64(300)
+    # into an int8 field, still wrap as numpy assignment wraps them.)
+    return np.errstate(over="raise")
+
+
 class StructSlot:
     """The block one by-value struct argument is packed into, and how.
 
@@ -84,7 +96,8 @@ class StructSlot:
         if self.pack_into is not None:
             self.pack_into(self.target, 0, *value)
         else:
-            self.target[()] = value
+            with overflow_raises():
+                self.target[()] = value
 
     @property
     def value(self) -> Any:
@@ -104,18 +117,20 @@ class ParamBuffer:
 
     def __init__(self, signature: Signature) -> None:
         self.signature = signature
-        self.struct = struct.Struct("@" + "".join(p.code for p in signature))
+        self.struct = struct.Struct(arguments_format(signature))
         self._storage = (ctypes.c_uint64 * max(1, -(-self.struct.size // 8)))()
         self.slots = tuple(StructSlot(p.dtype) for p in signature if p.by_value_struct)
         base = ctypes.addressof(self._storage)
-        offsets, prefix = [], "@"
+        offsets, end = [], 0
         slots = iter(self.slots)
         for param in signature:
             if param.by_value_struct:
                 offsets.append(next(slots).address)
                 continue
-            prefix += param.code
-            offsets.append(base + struct.calcsize(prefix) - struct.calcsize("@" + param.code))
+            size = struct.calcsize("=" + param.code)
+            end = -(-end // size) * size  # (where arguments_format put it)
+            offsets.append(base + end)
+            end += size
         self._pointers = (ctypes.c_void_p * max(1, len(signature)))(*offsets)
         self.address = ctypes.addressof(self._pointers)
         self.pack_into = self.struct.pack_into
@@ -140,8 +155,28 @@ class ParamBuffer:
             structs = (a for p, a in zip(self.signature, args, strict=True) if p.by_value_struct)
             for slot, value in zip(self.slots, structs, strict=True):
                 slot.write(value)
-        except (struct.error, OverflowError, TypeError, ValueError):
+        except (struct.error, OverflowError, FloatingPointError, TypeError, ValueError):
             raise diagnose(self.signature, args, "", stream) from None
+
+
+def arguments_format(signature: Signature) -> str:
+    """The ``struct`` format packing ``signature``'s scalar and pointer arguments (not its
+    by-value structs) in order, each at a multiple of its size, as C aligns them."""
+    # Standard sizes ("="), not native ("@"): the native "f" code casts a double to a C
+    # float unchecked, so 1e300 became inf; the standard one raises OverflowError for a
+    # finite value beyond float32's range (inf, -inf and nan pass as they are, a value
+    # that only rounds is rounded), as "e" does in both modes. The sizes are the same on
+    # every Linux CUDA host (LP64, little-endian); the alignment "=" drops is padded in
+    # here. Packing costs the same (0.12 us for "fQQi" either way).
+    parts, end = ["="], 0
+    for param in signature:
+        if param.by_value_struct:
+            continue
+        size = struct.calcsize("=" + param.code)
+        start = -(-end // size) * size
+        parts.append("x" * (start - end) + param.code)
+        end = start + size
+    return "".join(parts)
 
 
 def _convert(signature: Signature, args: tuple[Any, ...], stream: Any) -> list[Any]:
@@ -295,14 +330,25 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str, stream: A
             if param.by_value_struct:
                 StructSlot(param.dtype).write(arg)
                 continue
-            struct.pack("@" + param.code, _scalar(param, arg, stream))
-        except (struct.error, OverflowError, TypeError, ValueError) as exc:
+            struct.pack("=" + param.code, _scalar(param, arg, stream))
+        except (struct.error, OverflowError, FloatingPointError, TypeError, ValueError) as exc:
             return LaunchError(
                 f"{where}: argument {index} ({param.describe()}) "
-                f"cannot take {type(arg).__name__} {reprlib.repr(arg)}: {exc}",
+                f"cannot take {type(arg).__name__} {reprlib.repr(arg)}: {_reason(param, exc)}",
                 name="AIOCUDA_BAD_ARGUMENT",
             )
     return LaunchError(f"{where}: arguments do not match ({declared})", name="AIOCUDA_BAD_ARGUMENT")
+
+
+def _reason(param: Param, exc: Exception) -> str:
+    """Why ``param`` refused its argument, from the exception packing it raised."""
+    if isinstance(exc, OverflowError) and not param.by_value_struct and param.dtype.kind == "f":
+        # (struct's own words, "float too large to pack with f format", name no type)
+        largest = f"{float(np.finfo(param.dtype).max):.8g}"
+        return f"it is beyond {param.dtype.name}'s range (finite values up to ±{largest}; inf and nan pass as they are)"
+    if isinstance(exc, FloatingPointError):  # (numpy's assignment of a nested struct: overflow_raises)
+        return f"a field's value is beyond its type's range: {exc}"
+    return str(exc)
 
 
 def build_launcher(
@@ -339,7 +385,9 @@ def build_launcher(
     first = ParamBuffer(signature)
     packers = {f"s{i}": slot.pack_into for i, slot in zip(structs, first.slots, strict=True) if slot.pack_into}
     writes = "".join(
-        f"\n        s{i}(item[3][{k}], 0, *a{i})" if f"s{i}" in packers else f"\n        item[3][{k}][()] = a{i}"
+        f"\n        s{i}(item[3][{k}], 0, *a{i})"
+        if f"s{i}" in packers
+        else f"\n        with overflow_raises(): item[3][{k}][()] = a{i}"
         for k, i in enumerate(structs)
     )
     source = f"""
@@ -378,6 +426,7 @@ def launch(*args):
         "to_pointer": to_pointer,
         "as_bool": as_bool,
         "two_s_complement": two_s_complement,
+        "overflow_raises": overflow_raises,
         "stream": stream,
         "diagnose": diagnose,
         "CaptureError": CaptureError,
