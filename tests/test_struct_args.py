@@ -126,3 +126,45 @@ def test_bad_struct_arguments_name_the_argument(module: Module) -> None:
             with pytest.raises(LaunchError, match=f"argument {index}"):
                 kernel.launch(1, 1, *args, 0, stream=s)  # refused before the driver sees the NULL
         kernel.launch(1, 1, (1, 2.0, 3, (np.inf, np.nan)), (-np.inf, 1e-50), good[2], 0, stream=s)
+
+
+def test_a_record_must_have_the_structs_fields(module: Module) -> None:
+    """A numpy record was packed by position: its fields in its own order, whatever their
+    names, so a record with ``n`` before ``x`` put ``n``'s value in ``x``. One whose field
+    names (nested ones included) are not the struct's, in the struct's order, is refused
+    naming both; same names with other types convert, and tuples stay positional."""
+    pair = np.dtype([("x", "f4"), ("n", "i4")])  # scalar fields: packed by struct
+    buffer = ParamBuffer(parse_signature([pair, PARAMS, "float2"]))
+    good = ((1.5, 2), (1, 2.0, 3, (4.0, 5.0)), (6.0, 7.0))
+    swapped = np.array((2, 1.5), np.dtype([("n", "i4"), ("x", "f4")]))[()]
+    renamed = np.array((1.5, 2), np.dtype([("a", "f4"), ("b", "i4")]))[()]
+    inner = np.dtype([("c", "i1"), ("d", "f8"), ("i", "i4"), ("v", [("re", "f4"), ("im", "f4")])])
+    yx = np.array((7.0, 6.0), np.dtype([("y", "f4"), ("x", "f4")]))[()]
+    for index, bad, names in (
+        (0, swapped, r"\(n, x\).*\(x, n\)"),
+        (0, renamed, r"\(a, b\).*\(x, n\)"),
+        (1, np.array((1, 2.0, 3, (4.0, 5.0)), inner)[()], r"v\(re, im\).*v\(x, y\)"),
+        (1, np.array((1, 2.0, 3, (4.0, 5.0)), inner), r"v\(re, im\).*v\(x, y\)"),  # a 0-d array too
+        (2, yx, r"\(y, x\).*\(x, y\)"),
+    ):
+        args = list(good)
+        args[index] = bad
+        with pytest.raises(LaunchError, match=rf"argument {index} .*fields .*{names}"):
+            buffer.pack(tuple(args), None)
+    wider = np.array((1.5, 2), np.dtype([("x", "f8"), ("n", "i8")]))[()]  # the struct's names, other types
+    buffer.pack(
+        (wider, np.array((1, 2.0, 3, (4.0, 5.0)), PARAMS)[()], np.array((6.0, 7.0), vector_dtype("float2"))), None
+    )
+    record, nested, vector = buffer.values
+    assert (record["x"], record["n"], nested["v"]["y"], vector["y"]) == (1.5, 2, 5.0, 7.0)
+    buffer.pack((swapped[["x", "n"]], good[1], yx[["x", "y"]]), None)  # reordered by name: the way to pass them
+    assert (buffer.values[0]["x"], buffer.values[0]["n"], buffer.values[2]["x"]) == (1.5, 2, 6.0)
+
+    kernel = module.kernel("unpack", signature=[PARAMS, "float2", "int4", "double*"])
+    with Stream(0) as s:
+        go = kernel.bind(1, 1, stream=s)
+        for launch in (lambda *a: kernel.launch(1, 1, *a, stream=s), go):
+            with pytest.raises(LaunchError, match=r"argument 0 .*fields .*v\(re, im\)"):
+                launch(np.array((1, 2.0, 3, (4.0, 5.0)), inner)[()], (1.0, 2.0), (1, 2, 3, 4), 0)
+            with pytest.raises(LaunchError, match=r"argument 1 .*fields \(y, x\)"):
+                launch(good[1], yx, (1, 2, 3, 4), 0)

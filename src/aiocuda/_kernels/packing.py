@@ -9,12 +9,13 @@ them -- and makes one driver call.
 Structs and vectors passed by value (a structured dtype in the signature, laid out as
 CUDA lays it out: :func:`~aiocuda._kernels.signature.cuda_struct`) each get a block of
 their own, which the ``void*[]`` points at. A struct of scalar fields is packed with its
-own ``Struct.pack_into`` from the field values (a tuple, or a numpy record of the dtype:
-``*value`` gives the fields in order), checked as strictly as scalars; a struct with
-nested structs or arrays is assigned through numpy (``block[()] = value``), which
-converts fields as numpy assignment does, except that a finite float beyond its field's
-range is refused there too (not stored as inf). Either way no Python frame runs per
-launch.
+own ``Struct.pack_into`` from the field values (a tuple, taken by position, or a numpy
+record with the struct's field names in its order: :func:`struct_value`), checked as
+strictly as scalars; a struct with nested structs or arrays is assigned through numpy
+(``block[()] = value``), which converts fields as numpy assignment does, except that a
+finite float beyond its field's range is refused there too (not stored as inf). Either
+way no Python frame runs per launch for a tuple; a record costs one call, the check of
+its field names (about a microsecond).
 
 :func:`build_launcher` generates, once per (signature, launch configuration), a plain
 function specialised for that signature (the way :mod:`dataclasses` generates
@@ -43,6 +44,7 @@ e.g. with ``stream.hold(array)``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import operator
 import reprlib
 import struct
@@ -72,6 +74,42 @@ def overflow_raises() -> Any:
     return np.errstate(over="raise")
 
 
+def struct_value(dtype: np.dtype, value: Any) -> Any:
+    """``value`` checked for a by-value struct of ``dtype``: a numpy record (or a 0-d
+    structured array, taken as its record) must have ``dtype``'s field names in its order,
+    nested structs' included, else TypeError naming both. Its fields may have other types
+    (they convert as a tuple's would). Anything else -- a tuple -- is returned as it is.
+    """
+    # Why: packing takes a record's fields by position (``*value``, and numpy's structured
+    # assignment likewise), so a record with ``n`` before ``x`` put ``n`` into ``x``.
+    # Checked: the names, order and nesting of the record's fields against the dtype the
+    # signature declares (a vector type's x, y, z, w). Not checkable here: that the
+    # declared dtype is the C struct (no C struct is parsed: a kernel taking one by value
+    # has no inferred signature and the caller declares a dtype, which is trusted), field
+    # shapes (numpy refuses a mismatch when it assigns), and a tuple, which has no names.
+    given = getattr(value, "dtype", None)
+    if given is None or given.names is None:
+        return value
+    if given is not dtype and field_names(given) != field_names(dtype):
+        names = list(dtype.names or ())
+        reorder = f" (record[{names}] reorders this one)" if sorted(given.names) == sorted(names) else ""
+        raise TypeError(
+            f"its fields {field_names(given)} are not the struct's {field_names(dtype)}: a record's fields are "
+            f"packed by position, so it must have the struct's, in the struct's order{reorder}; or pass a tuple"
+        )
+    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+
+
+@functools.lru_cache(maxsize=256)
+def field_names(dtype: np.dtype) -> str:
+    """A structured dtype's field names, nested ones after theirs: ``"(c, d, v(x, y))"``."""
+    if dtype.subdtype is not None:
+        return field_names(dtype.subdtype[0])
+    if dtype.names is None:
+        return ""
+    return "(" + ", ".join(name + field_names(dtype.fields[name][0]) for name in dtype.names) + ")"  # type: ignore[index]
+
+
 class StructSlot:
     """The block one by-value struct argument is packed into, and how.
 
@@ -93,6 +131,7 @@ class StructSlot:
         )
 
     def write(self, value: Any) -> None:
+        value = struct_value(self.dtype, value)
         if self.pack_into is not None:
             self.pack_into(self.target, 0, *value)
         else:
@@ -384,10 +423,13 @@ def build_launcher(
     structs = [i for i, p in enumerate(signature) if p.by_value_struct]
     first = ParamBuffer(signature)
     packers = {f"s{i}": slot.pack_into for i, slot in zip(structs, first.slots, strict=True) if slot.pack_into}
+    checks = {f"c{i}": functools.partial(struct_value, signature[i].dtype) for i in structs}
+    # (a tuple goes straight in; anything else, a record, is checked by name first)
+    checked = {i: f"(a{i} if type(a{i}) is tuple else c{i}(a{i}))" for i in structs}
     writes = "".join(
-        f"\n        s{i}(item[3][{k}], 0, *a{i})"
+        f"\n        s{i}(item[3][{k}], 0, *{checked[i]})"
         if f"s{i}" in packers
-        else f"\n        with overflow_raises(): item[3][{k}][()] = a{i}"
+        else f"\n        with overflow_raises(): item[3][{k}][()] = {checked[i]}"
         for k, i in enumerate(structs)
     )
     source = f"""
@@ -436,6 +478,7 @@ def launch(*args):
         "fail": fail,
         **pointees,
         **packers,
+        **checks,
     }
     exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]
