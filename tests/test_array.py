@@ -16,7 +16,7 @@ from aiocuda._memory import offloop as _offloop
 from aiocuda.errors import ArgumentError
 from aiocuda.host import is_pinned, pinned_zeros, register_host
 from aiocuda.memory import MemoryPool
-from aiocuda.stream import Stream
+from aiocuda.stream import Stream, current_stream, use_stream
 
 from ._workload import Gate, observed, slow_op
 
@@ -182,6 +182,67 @@ async def test_peer_copy_between_devices(backend: _driver.Driver, anyio_backend:
     back = ga.empty(1000, np.float64, device=0)
     await ga.copy(back, on1)
     np.testing.assert_array_equal(await back.to_host(), host)
+
+
+@pytest.mark.multi_gpu
+async def test_factories_follow_the_current_streams_device(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Inside ``use_stream(s)`` a new array without ``device=`` or ``stream=`` is
+    allocated on ``s.device``, stream-ordered on ``s`` (it used to go to device 0 and
+    its default stream, where a kernel launched on ``s`` cannot use it)."""
+    host = _random((6, 5), np.float32)
+    with Stream(1) as s, use_stream(s):
+        made = {
+            "empty": ga.empty(16),
+            "empty_pitched": ga.empty_pitched((3, 5)),
+            "empty_pitched 1D": ga.empty_pitched(7),
+            "zeros": await ga.zeros((2, 3), np.int32),
+            "to_device": await ga.to_device(host),
+            "empty device=1": ga.empty(16, device=1),
+            "to_device pool": await ga.to_device(host, pool=MemoryPool.for_device(1)),
+        }
+        for name, array in made.items():
+            assert (name, array.device.ordinal, array.buffer.stream) == (name, 1, s)
+        np.testing.assert_array_equal(await made["zeros"].to_host(), np.zeros((2, 3), np.int32))
+        np.testing.assert_array_equal(await made["to_device"].to_host(), host)
+        # An array of another device keeps its own device: copied there, on its stream.
+        on0 = await ga.to_device(host, stream=Stream(0))
+        again = await on0.copy()
+        assert again.device.ordinal == 0
+        np.testing.assert_array_equal(await again.to_host(), host)
+        # An explicit stream wins over the current one.
+        with Stream(0) as s0:
+            assert ga.empty(4, stream=s0).buffer.stream is s0
+
+
+@pytest.mark.multi_gpu
+async def test_a_device_that_contradicts_the_current_stream_is_refused(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """``device=`` (or a pool) of another device than the current stream's: an
+    ArgumentError, not work enqueued on a stream of that other device."""
+    with Stream(1) as s, use_stream(s):
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            ga.empty(16, device=0)
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            ga.empty_pitched((3, 5), device=0)
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            await ga.zeros(16, device=0)
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            await ga.to_device(np.ones(4), device=0)
+        with pytest.raises(ArgumentError, match=r"pool of device 0 .*current stream .*device 1"):
+            ga.empty(16, pool=MemoryPool.for_device(0))
+
+
+async def test_factories_without_a_current_stream_use_the_devices_default(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    default = current_stream(0)
+    assert ga.empty(8).buffer.stream is default
+    assert (await ga.to_device(np.ones(3))).buffer.stream is default
+    with Stream(0) as s, use_stream(s):
+        assert ga.empty(8).buffer.stream is s
+        assert ga.empty(8, device=0).buffer.stream is s
+        assert (await ga.zeros(8)).buffer.stream is s
 
 
 async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_backend: object) -> None:

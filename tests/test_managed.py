@@ -125,6 +125,18 @@ async def test_managed_arguments_that_contradict_each_other(backend: _driver.Dri
             managed.empty(4, device=1, stream=aiocuda.Stream(0))
 
 
+@pytest.mark.multi_gpu
+async def test_managed_arrays_follow_the_current_streams_device(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Inside ``use_stream(s)``, ``device`` defaults to ``s.device`` (it used to be 0,
+    with device 0's default stream as the array's stream); another device is refused."""
+    with aiocuda.Stream(1) as s, aiocuda.use_stream(s):
+        for array in (managed.empty(16, np.float32), await managed.zeros(16, np.float32)):
+            assert (array.device.ordinal, array.buffer.stream) == (1, s)
+        np.testing.assert_array_equal(await array.to_host(), np.zeros(16, np.float32))
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            managed.empty(16, device=0)
+
+
 async def test_oversubscription_is_refused_unless_asked_for(backend: _driver.Driver, anyio_backend: object) -> None:
     """Checked before the driver is asked: on a GPU nothing is allocated either."""
     total = aiocuda.Device(0).total_memory

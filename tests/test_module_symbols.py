@@ -18,7 +18,7 @@ from aiocuda.errors import ArgumentError, CompileError
 from aiocuda.kernel import register_sim_kernel
 from aiocuda.module import JitOptions, Module
 from aiocuda.program import Program, ProgramOptions
-from aiocuda.stream import Stream
+from aiocuda.stream import Stream, use_stream
 
 SOURCE = r"""
 __constant__ float coeffs[4];
@@ -93,6 +93,30 @@ async def test_global_views_by_dtype_and_shape(module: Module, anyio_backend: ob
     with pytest.raises(ArgumentError) as info:
         module.get_global("nothing")
     assert info.value.name == "CUDA_ERROR_NOT_FOUND"
+
+
+@pytest.mark.anyio
+@pytest.mark.multi_gpu
+async def test_a_global_follows_the_current_stream(module: Module, anyio_backend: object) -> None:
+    """The variable a kernel launched inside ``use_stream(s)`` reads is ``s.device``'s
+    copy: ``get_global`` without ``device=`` gives that one (it gave device 0's), and
+    with ``stream=`` the stream's device's."""
+    values = np.array([1.0, 2.0, 0.0, 0.0], np.float32)
+    n = 8
+    with Stream(1) as s, use_stream(s):
+        coeffs = module.get_global("coeffs")
+        assert (coeffs.device.ordinal, coeffs.buffer.stream) == (1, s)
+        await coeffs.copy_from(values)
+        dx = await to_device(np.ones(n, np.float32))
+        dy = await to_device(np.zeros(n, np.float32))
+        module.kernel("poly").launch(1, 32, dx, dy, n)
+        np.testing.assert_array_equal(await dy.to_host(), np.full(n, 3.0, np.float32))
+        with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
+            module.get_global("coeffs", device=0)
+    with Stream(1) as s:
+        assert module.get_global("coeffs", stream=s).device.ordinal == 1
+        with pytest.raises(ArgumentError, match="device 0 and a stream of device 1"):
+            module.get_global("coeffs", device=0, stream=s)
 
 
 def test_kernel_names(module: Module) -> None:

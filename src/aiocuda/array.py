@@ -48,7 +48,7 @@ from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
 from .memory import MemoryPool, _pool_for
-from .stream import Stream, current_stream
+from .stream import Stream, _stream_for_new, current_stream
 
 __all__ = ["PITCH_ALIGNMENT", "DeviceArray", "copy", "empty", "empty_pitched", "to_device", "zeros"]
 
@@ -371,7 +371,10 @@ class DeviceArray:
     async def copy(self, *, device: Device | int | None = None, stream: Stream | None = None) -> DeviceArray:
         """A new C-contiguous copy, on ``device`` (default: this array's device)."""
         target_device = self.device if device is None else _as_device(device)
-        dst = empty(self.shape, self.dtype, device=target_device)
+        # The target device is given (this array's, or device=): inside use_stream() of
+        # another device this is a copy to that device, not a contradiction, so the new
+        # array is allocated on the target device's own stream, as copy() uses it.
+        dst = empty(self.shape, self.dtype, stream=current_stream(target_device))
         return await _filled(dst, copy(dst, self, stream=stream))
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
@@ -461,8 +464,12 @@ def empty(
     pool: MemoryPool | None = None,
 ) -> DeviceArray:
     """A new C-contiguous DeviceArray, contents undefined, allocated stream-ordered on
-    ``stream`` (default: the current stream of ``device``) from ``pool`` (default: the
-    device's pool)."""
+    ``stream`` from ``pool`` (default: the device's pool).
+
+    ``stream`` defaults to the task's current stream (:func:`~aiocuda.use_stream`),
+    whose device ``device`` or the pool's must then be (else ArgumentError), and
+    without one to the default stream of ``device`` (default 0) or the pool's.
+    """
     # The path of every new array (Lane.empty and Lane.upload too): the helpers' common
     # cases are written out here, as each call costs about 0.05 us.
     kind = type(dtype)
@@ -477,8 +484,14 @@ def empty(
         dt, itemsize = known if known is not None else _learn_dtype(dtype)
         strides = c_strides(dims, itemsize)
         nbytes = math.prod(dims) * itemsize
-    if pool is None:
+    if stream is None:
+        # The stream is chosen here rather than by pool.allocate: inside use_stream()
+        # the current stream's device is the array's (see _stream_for_new).
+        stream = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
+        on = stream.device
+    elif pool is None:
         on = _device_of(device, stream)
+    if pool is None:
         # MemoryPool.for_device. Through the module: Python 3.12 calls a method of a
         # name bound by an import without its method-call shortcut (a bound method each
         # time).
@@ -526,6 +539,8 @@ def empty_pitched(
     strides = [itemsize, pitch]
     for n in reversed(dims[1:-1]):
         strides.append(strides[-1] * max(n, 1))
+    if stream is None:
+        stream = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
     if pool is None:
         pool = _pool_for(_device_of(device, stream))
     buf = pool.allocate(math.prod(dims[:-1]) * pitch if dims[-1] else 0, stream)
@@ -573,14 +588,17 @@ async def to_device(
 
     Pageable memory is staged through pinned chunks (the host copy overlapping the DMA);
     pinned memory is copied directly. Non-contiguous input is made contiguous on the host
-    first. ``stream`` defaults to the current stream of ``device`` (default 0).
+    first. ``stream`` and the device default as for :func:`empty`.
     """
     host = np.asarray(array)
     _check_dtype(host.dtype)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
-    on = _device_of(device, stream)
-    s = stream if stream is not None else current_stream(on)
+    if stream is not None:
+        _device_of(device, stream)  # raises where they disagree
+        s = stream
+    else:
+        s = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 

@@ -45,7 +45,7 @@ from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
 from .memory import DEFAULT_RELEASE_THRESHOLD, DeviceBuffer, MemoryPool
-from .stream import Stream, current_stream
+from .stream import Stream, _stream_for_new
 
 __all__ = ["Advice", "Location", "ManagedArray", "ManagedPool", "empty", "zeros"]
 
@@ -244,10 +244,11 @@ def empty(
 ) -> ManagedArray:
     """A new C-contiguous :class:`ManagedArray`, contents undefined.
 
-    Without ``pool`` it is a ``cuMemAllocManaged`` allocation for ``device`` (default
-    0), usable by every stream (``attach="global"``) or by host code only until
-    attached to a stream (``attach="host"``); with ``pool`` it is allocated
-    stream-ordered on ``stream`` from that :class:`ManagedPool`. Raises
+    Without ``pool`` it is a ``cuMemAllocManaged`` allocation for ``device`` (default:
+    the current stream's device, else 0), usable by every stream (``attach="global"``)
+    or by host code only until attached to a stream (``attach="host"``); with ``pool``
+    it is allocated stream-ordered on ``stream`` (default: the current stream) from
+    that :class:`ManagedPool`. Raises
     :class:`~aiocuda.errors.OversubscriptionError` when the device's memory would be
     exceeded, unless ``oversubscribe=True``.
     """
@@ -265,9 +266,13 @@ def empty(
             raise invalid_value("attach applies to managed memory allocated without a pool")
         if oversubscribe and not pool.oversubscribe:
             raise invalid_value("the pool refuses to oversubscribe: create it with oversubscribe=True")
+        if stream is None:
+            stream = _stream_for_new(pool.device, "a pool of device")
         return ManagedArray(dims, dt, buffer=pool.allocate(nbytes, stream))
     if attach not in ("global", "host"):
         raise invalid_value(f"attach must be 'global' or 'host', not {attach!r}")
+    if stream is None:
+        stream = _stream_for_new(device)  # inside use_stream(), its device is the default
     dev = _device_of(device, stream)
     size = max(nbytes, 1)  # the driver allocates nothing for 0 bytes
     _budget.reserve(dev, size, oversubscribe=oversubscribe)
@@ -278,7 +283,7 @@ def empty(
         _budget.release(dev, size)
         raise
     owner = _ManagedAllocation(dev, ptr, size)
-    buffer = OwnedBuffer(ptr, size, dev, stream if stream is not None else current_stream(dev), owner)
+    buffer = OwnedBuffer(ptr, size, dev, stream, owner)
     return ManagedArray(dims, dt, buffer=buffer)
 
 

@@ -46,10 +46,10 @@ from ._kernels.symbols import Variable, ptx_variables
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import invalid_value
-from .array import DeviceArray
+from .array import DeviceArray, _device_of
 from .device import Device, _as_device
 from .errors import ArgumentError, CompileError
-from .stream import Stream, current_stream
+from .stream import Stream, _stream_for_new
 
 if TYPE_CHECKING:
     from .kernel import Kernel
@@ -256,7 +256,8 @@ class Module:
         stream: Stream | None = None,
     ) -> DeviceArray:
         """A :class:`~aiocuda.DeviceArray` over the ``__device__`` or ``__constant__``
-        variable ``name`` on ``device`` (default 0; the module is loaded there if needed).
+        variable ``name`` on ``device`` (default: the device of ``stream``, or of the
+        current stream, else 0; the module is loaded there if needed).
 
         Its element type and shape are the variable's as declared in the source or PTX
         (a ``float coeffs[16]`` gives 16 float32), or ``dtype`` and ``shape`` (which must
@@ -268,7 +269,10 @@ class Module:
         The array keeps the module alive; it must not be used after :meth:`unload`.
         ArgumentError (``CUDA_ERROR_NOT_FOUND``) when the module has no such variable.
         """
-        dev = _as_device(device)
+        # The device of the stream given, or else of the current stream: the copy of the
+        # variable that kernels launched there read.
+        s = stream if stream is not None else _stream_for_new(device)
+        dev = _device_of(device, s)
         handle = self.handle(dev)
         dev.make_current()
         ptr, size = dev._driver.module_get_global(handle, name)
@@ -284,7 +288,6 @@ class Module:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if math.prod(dims) * element.itemsize > size:
             raise invalid_value(f"variable {name!r} has {size} bytes; shape {dims} of {element} does not fit")
-        s = stream if stream is not None else current_stream(dev)
         return DeviceArray(dims, element, buffer=OwnedBuffer(ptr, size, dev, s, self))
 
     @classmethod
