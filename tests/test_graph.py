@@ -389,6 +389,43 @@ async def test_operations_that_cannot_be_captured_raise_at_the_call(module: Modu
         np.testing.assert_array_equal(await x.to_host(stream=s), 2.0)
 
 
+async def test_an_event_recorded_in_a_capture_that_ended_says_so(module: Module, anyio_backend: object) -> None:
+    """An event recorded during a capture marks a point in the graph, not in the stream:
+    after the capture it is still refused, as the driver refuses it
+    (``CUDA_ERROR_CAPTURED_EVENT``), with the reason that holds then, not "being captured"."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as other:
+        x = await _device(0.0, s)
+        marker = aiocuda.Event(0)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            marker.record(s)
+            pooled = s.record()
+            with pytest.raises(CaptureError, match="being captured"):
+                marker.query()
+        refusals = {
+            "await event": lambda event: event,
+            "event.query()": lambda event: event.query(),
+            "event.synchronize()": lambda event: event.synchronize(),
+        }
+        for event in (marker, pooled):
+            for what, use in refusals.items():
+                with pytest.raises(CaptureError) as info:
+                    await use(event) if what == "await event" else use(event)
+                message = str(info.value)
+                assert message.startswith(what) and "being captured" not in message, message
+                assert "capture that has ended" in message and "graph.launch" in message, message
+                assert info.value.name == "CUDA_ERROR_CAPTURED_EVENT"
+        with pytest.raises(CaptureError, match="capture that has ended") as waited:
+            other.wait(marker)
+        assert waited.value.name == "CUDA_ERROR_CAPTURED_EVENT"
+        await graph.launch(s)
+        marker.record(s)  # recorded again outside a capture: an ordinary event
+        await marker
+        assert marker.query()
+        np.testing.assert_array_equal(await x.to_host(stream=s), 1.0)
+
+
 async def test_graph_memory_exists_only_in_the_graph(module: Module, anyio_backend: object) -> None:
     add_one = module.kernel("add_one")
     with Stream(0) as s, Stream(0) as outside:

@@ -20,7 +20,7 @@ from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
 from ._completion.loops import warn_if_on_loop
 from .device import Device, _as_device
-from .errors import ArgumentError, CaptureError
+from .errors import ArgumentError, CaptureError, ResultCode
 
 __all__ = ["Event"]
 
@@ -185,7 +185,7 @@ class Event:
     def query(self) -> bool:
         """True once the recorded work has finished (raises a poisoned context's error)."""
         if self._capture is not None:
-            raise _captured("event.query()")
+            raise _captured("event.query()", self._capture)
         return self._driver.event_query(self._live())
 
     def synchronize(self) -> None:
@@ -193,13 +193,13 @@ class Event:
         in a coroutine, ``await event`` instead (on an event loop's thread this warns,
         :class:`~aiocuda.errors.BlockingCallWarning`)."""
         if self._capture is not None:
-            raise _captured("event.synchronize()")
+            raise _captured("event.synchronize()", self._capture)
         warn_if_on_loop("Event.synchronize()")
         self._driver.event_synchronize(self._live())
 
     def __await__(self) -> Generator[Any, Any, None]:
         if self._capture is not None:
-            raise _captured("await event")
+            raise _captured("await event", self._capture)
         handle = self._live()
         if self._stream_handle is None:
             return _complete()  # never recorded: complete, as in CUDA
@@ -251,9 +251,25 @@ class Event:
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"
 
 
-def _captured(what: str) -> CaptureError:
+def _captured(what: str, capture: Any) -> CaptureError:
+    """The refusal of a host wait (``what``) on an event last recorded in a stream
+    being captured into a graph by ``capture`` (``aiocuda._graph.capture.Capture``)."""
+    if capture.active:
+        return CaptureError(
+            f"{what}: the event was recorded in a stream being captured into a graph, where work does not run "
+            "until the graph is launched; await the launch instead",
+            name="AIOCUDA_NOT_CAPTURABLE",
+        )
+    # The event keeps the capture until it is recorded again, and is refused after the
+    # capture too, as the driver refuses it (CUDA_ERROR_CAPTURED_EVENT: not permitted on
+    # an event last recorded in a capturing stream, whether or not the capture has ended):
+    # the record marked a point among the graph's nodes, which no stream reaches, so there
+    # is nothing to wait for -- treating it as complete would end waits before replays do.
     return CaptureError(
-        f"{what}: the event was recorded in a stream being captured into a graph, where work does not run "
-        "until the graph is launched; await the launch instead",
-        name="AIOCUDA_NOT_CAPTURABLE",
+        f"{what}: the event was recorded during a capture that has ended, so it marks a point in the captured "
+        "graph, not in the stream, and cannot be waited for: await graph.launch(stream) (or an event recorded "
+        "on that stream after the launch), or record the event with external=True inside the capture for every "
+        "replay to record it",
+        code=ResultCode.CAPTURED_EVENT,
+        name="CUDA_ERROR_CAPTURED_EVENT",
     )

@@ -27,7 +27,10 @@ capture going on: waiting for captured work (``await stream``, ``synchronize()``
 copy of pageable host memory (it is staged through host threads: use
 :func:`aiocuda.pinned_empty`), and a wait of a capturing stream for work outside the
 capture (make the stream you launch the graph on wait instead). The driver refuses the
-calls the capture mode forbids (see :meth:`aiocuda.Stream.capture`).
+calls the capture mode forbids (see :meth:`aiocuda.Stream.capture`). An event recorded
+in the capture stays refused after it, until recorded again: it marks a point in the
+graph, not in the stream (``CUDA_ERROR_CAPTURED_EVENT``); await the launch instead, or
+record it with ``external=True`` for every replay to record it.
 
 **Memory**: an allocation made during the capture is the graph's: every replay allocates
 and frees it, at the same address; the buffer counts as freed after the capture and must

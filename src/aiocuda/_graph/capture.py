@@ -8,7 +8,9 @@ paths:
 
 * Waiting for captured work on the host -- ``await stream``, ``synchronize``, ``query``,
   an await of a captured event -- is refused at the call (:meth:`Capture.refuse`): the
-  work runs only when the graph is launched.
+  work runs only when the graph is launched. An event keeps its capture until it is
+  recorded again, and is refused after the capture too (with ``active`` False, it says
+  that the capture has ended), as the driver refuses it.
 * ``Stream.hold`` keeps the objects with the graph, for every replay (:meth:`Capture.hold`).
 * A stream that waits on captured work joins the capture; a capturing stream cannot wait
   for work outside it (:meth:`Capture.check_wait`). At the end, every stream that joined
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import memory
 from .._driver import CaptureMode
-from ..errors import CaptureError, CudaError
+from ..errors import CaptureError, CudaError, ResultCode
 
 if TYPE_CHECKING:
     from ..event import Event
@@ -174,9 +176,13 @@ class Capture:
         join it, or raise."""
         mine: Capture | None = stream._capture
         if theirs is not None and not theirs.active:
+            # As the driver refuses it (CUDA_ERROR_CAPTURED_EVENT), and as the event's
+            # host waits are refused (aiocuda.event._captured).
             raise CaptureError(
-                "the event was recorded during a capture that has ended: record it again outside",
-                name="AIOCUDA_NOT_CAPTURABLE",
+                "the event was recorded during a capture that has ended, so it marks a point in the captured "
+                "graph, not in the stream: wait for graph.launch(stream)'s event, or record the event again outside",
+                code=ResultCode.CAPTURED_EVENT,
+                name="CUDA_ERROR_CAPTURED_EVENT",
             )
         if theirs is mine:
             return
