@@ -243,7 +243,9 @@ async def test_a_closed_stream_holds_objects_until_its_work_is_done(
     gc.collect()
     assert alive() is not None
     await s
-    await current_stream(0)  # (holds are dropped lazily, on the holder's next await)
+    keeper = current_stream(0)
+    await keeper  # its hold's event, recorded after s's work, is done once this returns...
+    await keeper  # ...and dropped by the next await (an await drops holds done before it starts)
     gc.collect()
     assert alive() is None
 
