@@ -8,8 +8,9 @@ Endpoints (bodies are raw float32 values; results too):
 
 * ``POST /affine`` -- ``2 x + 1`` on a request lane. ``X-Priority: high`` asks for a
   high-priority lane (served first when lanes are scarce; its kernels overtake normal work
-  on the GPU); ``?deadline=0.5`` answers 504 when the GPU has not finished in time (the
-  lane goes back at once; its work finishes on the GPU and its memory is freed after).
+  on the GPU); ``?deadline=0.5`` (seconds, above 0) answers 504 when the GPU has not
+  finished in time (the lane goes back at once; its work finishes on the GPU and its
+  memory is freed after).
 * ``POST /affine/batched`` -- the same, but gathered with concurrent requests into one
   launch of up to 64 requests (``aiocuda.Batcher``): for many small requests.
 * ``GET /health`` -- 200 while the GPU works (with the backend: ``cuda``, or ``sim`` where
@@ -27,7 +28,7 @@ from typing import Annotated, Any, Literal
 import anyio
 import anyio.to_thread
 import numpy as np
-from fastapi import FastAPI, Header, HTTPException, Request, Response
+from fastapi import FastAPI, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from aiocuda import (
@@ -116,7 +117,7 @@ def values(body: bytes) -> np.ndarray:
 @app.post("/affine")
 async def affine(
     request: Request,
-    deadline: float | None = None,
+    deadline: Annotated[float | None, Query(gt=0)] = None,  # seconds; nan, 0 or less: 422
     x_priority: Annotated[Literal["normal", "high"], Header()] = "normal",
 ) -> Response:
     gpu: GPU = request.app.state.gpu

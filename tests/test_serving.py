@@ -200,6 +200,17 @@ async def test_a_request_cancelled_by_its_deadline_returns_its_lane(sim_backend:
         np.testing.assert_allclose(decoded(high), 2 * body(8) + 1)
 
 
+async def test_a_deadline_that_is_not_a_positive_number_is_refused(sim_backend: Any, anyio_backend: Any) -> None:
+    app = example("serve_fastapi").app
+    async with serving(app) as served, httpx.AsyncClient(base_url=served.url) as client:
+        for deadline in ("nan", "0", "-1"):  # nan was a 500 (anyio refuses a NaN deadline)
+            response = await client.post("/affine", params={"deadline": deadline}, content=body(8).tobytes())
+            assert response.status_code == 422, (deadline, response.text)
+        assert served.lanes.statistics().leased == 0
+        ok = await client.post("/affine", params={"deadline": "inf"}, content=body(8).tobytes())
+        np.testing.assert_allclose(decoded(ok), 2 * body(8) + 1)
+
+
 async def test_a_kernel_fault_fails_pending_requests_and_health_reports_it(
     app_module: Any, sim_backend: Any, anyio_backend: Any
 ) -> None:
