@@ -178,7 +178,7 @@ async def test_a_dlpack_import_refuses_what_it_cannot_describe(backend: _driver.
 
     capsule, tensor, _ = exported()
     tensor.dtype.lanes = 2
-    with pytest.raises(ArgumentError, match="dtype code 2 with 2 lanes"):
+    with pytest.raises(ArgumentError, match=r"dtype float32x2 \(code 2, bits 32, lanes 2\)"):
         as_device_array(_Capsule(capsule))
     capsule, tensor, _ = exported()
     tensor.device.device_type = 1  # kDLCPU
@@ -194,6 +194,55 @@ async def test_a_dlpack_import_refuses_what_it_cannot_describe(backend: _driver.
     with pytest.raises(ArgumentError, match="already consumed"):
         as_device_array(_Capsule(capsule))
     np.testing.assert_array_equal(await imported.to_host(), np.arange(12, dtype=np.float32).reshape(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("code", "bits", "name"),
+    [
+        (4, 16, "bfloat16"),
+        (5, 32, "complex32"),
+        (0, 4, "int4"),
+        (0, 128, "int128"),
+        (2, 8, "float8"),
+        (6, 32, "bool32"),
+    ],
+)
+async def test_a_dlpack_import_refuses_dtypes_numpy_lacks(
+    backend: _driver.Driver, anyio_backend: object, code: int, bits: int, name: str
+) -> None:
+    """PyTorch's bfloat16 and complex32, sub-byte and 128-bit ints, float8: an
+    ArgumentError naming the type, never numpy's TypeError or an array of another size
+    (a 32-bit bool was read as 1-byte bools)."""
+    from aiocuda.errors import ArgumentError
+
+    dev = await ga.to_device(np.arange(12, dtype=np.float32))
+    capsule = dev.__dlpack__(stream=-1)
+    address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
+    tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
+    tensor.dtype.code, tensor.dtype.bits = code, bits
+    with pytest.raises(ArgumentError, match=rf"DLPack dtype {name} .*no numpy equivalent"):
+        as_device_array(_Capsule(capsule))
+
+
+@pytest.mark.parametrize("dtype", [np.longdouble, np.clongdouble, ">f4", "m8[s]", [("a", "<f4")]])
+async def test_a_dlpack_export_refuses_dtypes_dlpack_lacks(
+    backend: _driver.Driver, anyio_backend: object, dtype: Any
+) -> None:
+    """numpy's longdouble (x87's 80 bits, padded: was exported as an IEEE 128-bit float,
+    and clongdouble's 256 bits as 0 bits), byte-swapped, time and record dtypes."""
+    with pytest.raises(BufferError, match="no DLPack equivalent"):
+        ga.empty(4, dtype).__dlpack__(stream=-1)
+
+
+@pytest.mark.parametrize("dtype", ["?", "i1", "u2", "i4", "u8", "f2", "f4", "f8", "c8", "c16"])
+async def test_dlpack_round_trips_every_dtype_it_exchanges(
+    backend: _driver.Driver, anyio_backend: object, dtype: str
+) -> None:
+    host = np.arange(6).astype(dtype)
+    dev = await ga.to_device(host)
+    imported = as_device_array(_DLPackOnly(dev))
+    assert imported.dtype == np.dtype(dtype)
+    np.testing.assert_array_equal(await imported.to_host(), host)
 
 
 @pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly])

@@ -50,8 +50,28 @@ DLPACK_CUDA_HOST = 3
 DLPACK_CUDA_MANAGED = 13
 
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 5, 6
-_KIND_TO_DL = {"i": _DL_INT, "u": _DL_UINT, "f": _DL_FLOAT, "c": _DL_COMPLEX, "b": _DL_BOOL}
-_DL_TO_KIND = {v: k for k, v in _KIND_TO_DL.items()}
+
+# The element types both sides store alike, DLPack ``(code, bits)`` <-> numpy. Numpy's
+# other dtypes have no DLPack twin: its longdouble is x87's 80-bit format padded to 16
+# bytes (exported as DLPack's 128-bit float, a consumer reads IEEE quads; clongdouble's
+# 256 bits did not even fit the field), and DLPack's bfloat16, complex32, float8s and
+# sub-byte ints have no numpy dtype (numpy's own DLPack refuses the same ones).
+_DL_OF_NUMPY: dict[str, tuple[int, int]] = {
+    np.dtype(f"{kind}{size}").str: (code, size * 8)  # (native byte order: DLPack's)
+    for kind, code, sizes in (
+        ("i", _DL_INT, (1, 2, 4, 8)),
+        ("u", _DL_UINT, (1, 2, 4, 8)),
+        ("f", _DL_FLOAT, (2, 4, 8)),
+        ("c", _DL_COMPLEX, (8, 16)),
+        ("b", _DL_BOOL, (1,)),
+    )
+    for size in sizes
+}
+_NUMPY_OF_DL = {dl: np.dtype(name) for name, dl in _DL_OF_NUMPY.items()}
+
+_DL_TYPE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat", 5: "complex", 6: "bool"}
+_DL_TYPE_NAMES.update(dict.fromkeys(range(7, 15), "float8"))  # (the e4m3, e5m2, ... variants)
+_DL_TYPE_NAMES.update({15: "float6", 16: "float6", 17: "float4"})
 
 
 class _DLDevice(ctypes.Structure):
@@ -265,9 +285,12 @@ def to_dlpack(
         raise BufferError(
             f"cannot export to DLPack device {dl_device}: the array is on {(DLPACK_CUDA, array.device.ordinal)}"
         )
-    code = _KIND_TO_DL.get(array.dtype.kind)
-    if code is None or array.dtype.byteorder == ">":
-        raise BufferError(f"dtype {array.dtype} has no DLPack equivalent")
+    dl_type = _DL_OF_NUMPY.get(array.dtype.str)
+    if dl_type is None:
+        raise BufferError(
+            f"dtype {array.dtype} ({array.dtype.str}) has no DLPack equivalent: DLPack exchanges bool, "
+            "ints of 1 to 8 bytes, IEEE float16/32/64 and complex64/128, in native byte order"
+        )
     _order_consumer(array, stream)
     # One constructor call per struct and one int64 array for the shape and strides:
     # setting the fields one by one, with a ctypes.cast for each pointer, took 13 us on
@@ -282,7 +305,7 @@ def to_dlpack(
         array.ptr,
         _DLDevice(DLPACK_CUDA, array.device.ordinal),
         ndim,
-        _DLDataType(code, itemsize * 8, 1),
+        _DLDataType(*dl_type, 1),
         dims,
         dims + 8 * ndim,
         0,
@@ -304,10 +327,15 @@ _dtypes: dict[tuple[int, int, int], np.dtype[Any]] = {}
 def _dtype_of(code: int, bits: int, lanes: int) -> np.dtype[Any]:
     dtype = _dtypes.get((code, bits, lanes))
     if dtype is None:
-        kind = _DL_TO_KIND.get(code)
-        if kind is None or lanes != 1:
-            raise invalid_value(f"unsupported DLPack dtype code {code} with {lanes} lanes")
-        dtype = _dtypes[code, bits, lanes] = np.dtype("?" if kind == "b" else f"{kind}{bits // 8}")
+        found = _NUMPY_OF_DL.get((code, bits)) if lanes == 1 else None
+        if found is None:
+            name = f"{_DL_TYPE_NAMES.get(code, 'unknown type')}{bits}" + (f"x{lanes}" if lanes != 1 else "")
+            raise invalid_value(
+                f"unsupported DLPack dtype {name} (code {code}, bits {bits}, lanes {lanes}): it has no numpy "
+                "equivalent; convert it first (PyTorch: tensor.float() for bfloat16, tensor.cfloat() for "
+                "complex32, or tensor.view(torch.int16) to move the bits unchanged)"
+            )
+        dtype = _dtypes[code, bits, lanes] = found
     return dtype
 
 
