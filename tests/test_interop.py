@@ -262,6 +262,34 @@ async def test_zero_copy_import_round_trip(backend: _driver.Driver, anyio_backen
         await consumer
 
 
+class _Interface:
+    """An object whose ``__cuda_array_interface__`` is the dict given."""
+
+    def __init__(self, interface: dict[str, Any]) -> None:
+        self.__cuda_array_interface__ = interface
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly])
+async def test_an_import_refuses_a_stream_of_another_device(
+    backend: _driver.Driver, anyio_backend: object, wrapper: type
+) -> None:
+    """A device-0 array given a device-1 stream was taken, its last use recorded on a
+    stream of the other device (what the array's own calls refuse); a zero-size
+    interface (null pointer) goes to the stream's device, not to device 0."""
+    from aiocuda.errors import ArgumentError
+
+    on0 = await ga.to_device(np.arange(8, dtype=np.float32), device=0)
+    with Stream(1) as s1:
+        with pytest.raises(ArgumentError, match="a stream of device 1 for an array of device 0"):
+            as_device_array(wrapper(on0), stream=s1)
+        empty = as_device_array(
+            _Interface({"shape": (0,), "typestr": "<f4", "data": (0, False), "version": 3}), stream=s1
+        )
+        assert empty.device.ordinal == 1 and empty.buffer.stream is s1
+        assert (await empty.to_host(stream=s1)).shape == (0,)
+
+
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
     with pytest.raises(TypeError):
         as_device_array(np.zeros(3))

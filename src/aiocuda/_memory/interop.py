@@ -408,9 +408,9 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     if ptr:
         probe_driver = Device(0)._driver
         device = Device(probe_driver.pointer_device_ordinal(int(ptr)))
-    else:
-        device = Device(0)
-    target = stream if stream is not None else current_stream(device)
+    else:  # a zero-size array (CAI's null pointer): on no device, so on the stream's
+        device = stream.device if stream is not None else Device(0)
+    target = _target(stream, device)
     foreign = cai.get("stream")
     if foreign:  # the producer's stream: order our work after its pending writes
         target.wait(Stream.wrap(int(foreign), device=device))
@@ -430,13 +430,30 @@ def _producer_stream(obj: Any, ordinal: int) -> int | None:
     return library_streams.torch_current_stream(ordinal)
 
 
+def _target(stream: Stream | None, device: Device) -> Stream:
+    """The stream aiocuda's work on an imported array of ``device`` goes on: ``stream``,
+    which must be of that device, else the device's current stream."""
+    if stream is None:
+        return current_stream(device)
+    if stream.device is not device:
+        # (as for aiocuda's own arrays: work there would touch the memory from another
+        # device, and the array's last-use stream, which its owner's free must follow,
+        # would be of a device the memory is not on)
+        raise invalid_value(
+            f"a stream of device {stream.device.ordinal} for an array of device {device.ordinal}: "
+            "pass a stream of the array's device (aiocuda.copy_array copies between devices)"
+        )
+    return stream
+
+
 def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     """A zero-copy :class:`DeviceArray` over another library's device array.
 
     Accepts anything exporting ``__dlpack__`` with a CUDA device (PyTorch, CuPy, JAX,
     cuda.core) or ``__cuda_array_interface__`` (CuPy, Numba, PyTorch). ``stream`` (default:
     the current stream of the object's device) is where aiocuda's subsequent work on the
-    array will go; the producer is told to order its pending work before it.
+    array will go, a stream of the array's device (else ArgumentError); the producer is
+    told to order its pending work before it.
     """
     if isinstance(obj, DeviceArray):
         return obj
@@ -445,7 +462,7 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
         device_type, device_id = dlpack_device()
         if int(device_type) in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
             device = Device(int(device_id))
-            target = stream if stream is not None else current_stream(device)
+            target = _target(stream, device)
             value = _stream_value(target)
             if _producer_stream(obj, device.ordinal) == value:
                 value = -1  # its pending work is on ``target`` already: DLPack's "no synchronisation"
