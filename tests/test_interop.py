@@ -290,6 +290,28 @@ async def test_an_import_refuses_a_stream_of_another_device(
         assert (await empty.to_host(stream=s1)).shape == (0,)
 
 
+@pytest.mark.parametrize(
+    ("entry", "match"),
+    [
+        ({"mask": _Interface({"shape": (8,), "typestr": "|b1", "data": (8, False), "version": 3})}, "has a mask"),
+        ({"stream": 0}, "0 is not allowed"),
+        ({"stream": "1"}, "names the stream '1'"),
+    ],
+)
+async def test_a_cai_import_refuses_what_it_would_get_wrong(
+    backend: _driver.Driver, anyio_backend: object, entry: dict[str, Any], match: str
+) -> None:
+    """A masked array (taken as if every element were valid) and a stream of 0, which
+    the interface forbids as ambiguous (taken as no stream: nothing ordered)."""
+    from aiocuda.errors import ArgumentError
+
+    dev = await ga.to_device(np.arange(8, dtype=np.float32))
+    interface = dict(dev.__cuda_array_interface__, **entry)
+    with pytest.raises(ArgumentError, match=match):
+        as_device_array(_Interface(interface))
+    assert as_device_array(_Interface(dict(interface, mask=None, stream=1))).ptr == dev.ptr
+
+
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
     with pytest.raises(TypeError):
         as_device_array(np.zeros(3))

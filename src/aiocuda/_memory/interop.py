@@ -18,7 +18,8 @@ Export (``DeviceArray.__cuda_array_interface__`` / ``__dlpack__``):
 Import (:func:`as_device_array`): DLPack first, then the array interface, then Numba's
 ``__cuda_array_interface__`` via the same path. The foreign memory stays owned by its
 library; aiocuda keeps the foreign object alive until work it enqueued on the memory has
-completed.
+completed. An interface with a ``mask``, or naming the stream 0 (which v3 forbids), is
+refused.
 """
 
 from __future__ import annotations
@@ -401,6 +402,17 @@ def _wrap(
 
 def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     cai = obj.__cuda_array_interface__
+    if cai.get("mask") is not None:  # (the interface says a consumer without masks must refuse them)
+        raise invalid_value(
+            f"the __cuda_array_interface__ of {type(obj).__name__} has a mask: aiocuda does not take masked arrays"
+        )
+    foreign = cai.get("stream")
+    if foreign is not None and (isinstance(foreign, bool) or not isinstance(foreign, int) or foreign == 0):
+        raise invalid_value(
+            f"the __cuda_array_interface__ of {type(obj).__name__} names the stream {foreign!r}: it must be None "
+            "or a stream handle (1 the legacy default stream, 2 the per-thread one); 0 is not allowed, being "
+            "ambiguous (the producer's work would go unordered)"
+        )
     ptr, _readonly = cai["data"]
     dtype = _check_dtype(cai["typestr"])
     shape = shape_tuple(tuple(int(d) for d in cai["shape"]))
@@ -411,8 +423,7 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     else:  # a zero-size array (CAI's null pointer): on no device, so on the stream's
         device = stream.device if stream is not None else Device(0)
     target = _target(stream, device)
-    foreign = cai.get("stream")
-    if foreign:  # the producer's stream: order our work after its pending writes
+    if foreign is not None:  # the producer's stream: order our work after its pending writes
         target.wait(Stream.wrap(int(foreign), device=device))
     return _wrap(int(ptr), shape, dtype, strides, device, target, obj)
 
