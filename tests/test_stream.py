@@ -321,6 +321,34 @@ def test_blocking_calls_off_a_loop_do_not_warn(backend: _driver.Driver) -> None:
         s.record().synchronize()
 
 
+@pytest.mark.multi_gpu
+def test_wrap_takes_a_library_default_streams_device(backend: _driver.Driver) -> None:
+    """A library's default stream has the value 0 (PyTorch) or 1 on every device: the
+    device is the one its object names, not device 0 (an await on PyTorch's default
+    stream of device 1 waited for device 0's work)."""
+
+    class TorchLike:  # torch.cuda.Stream
+        def __init__(self, value: int) -> None:
+            self.cuda_stream, self.device_index = value, 1
+
+    class CupyLike:  # cupy.cuda.Stream
+        ptr, device_id = 0, 1
+
+    class CoreLike:  # cuda.core's Stream
+        device = type("Device", (), {"device_id": 1})()
+
+        def __cuda_stream__(self) -> tuple[int, int]:
+            return (0, 1)
+
+    Stream(0).close()  # device 0 current on this thread
+    for foreign in (TorchLike(0), TorchLike(1), CupyLike(), CoreLike()):
+        assert Stream.wrap(foreign).device is Device(1), foreign
+    assert Stream.wrap(CupyLike(), device=0).device is Device(0)  # device= still decides
+    assert Stream.wrap(1).device is Device(0) and Stream.wrap(1, device=1).device is Device(1)
+    with Stream(1) as s1:  # a handle of its own names its device: the driver's answer stands
+        assert Stream.wrap(TorchLike(int(s1))).device is Device(1)
+
+
 def test_wrap_foreign_stream_without_ownership(backend: _driver.Driver) -> None:
     owner = Stream(0)
     raw = owner.__cuda_stream__()[1]

@@ -131,6 +131,19 @@ def _foreign_handle(obj: Any) -> tuple[int, Any]:
     )
 
 
+def _declared_ordinal(obj: Any) -> int | None:
+    """The device a library's stream object says it is of, where it says: PyTorch's
+    ``device_index``, CuPy's ``device_id``, cuda.core's ``device.device_id``."""
+    for found in (
+        getattr(obj, "device_index", None),
+        getattr(obj, "device_id", None),
+        getattr(getattr(obj, "device", None), "device_id", None),
+    ):
+        if isinstance(found, int) and not isinstance(found, bool) and found >= 0:
+            return found
+    return None
+
+
 class Stream:
     """An ordered queue of GPU work on one device, awaitable from asyncio and trio.
 
@@ -199,13 +212,22 @@ class Stream:
         that cannot be one (out of range, misaligned, not readable memory), but it
         cannot vouch for the rest: the driver reads the handle as a stream object, and
         any other readable address makes it fail or crash the process.
+
+        The device is the stream's; for a default stream (0, 1 or 2: PyTorch's and CuPy's
+        default streams among them) it is the device its object names, and a raw 0, 1 or
+        2 is device 0's unless ``device`` says otherwise.
         """
         if isinstance(obj, Stream):
             return obj
         value, owner = _foreign_handle(obj)
+        if device is None and value in (0, 1, 2):
+            # A default stream's value names no device (PyTorch's default stream is 0 on
+            # every device; the driver answers for the thread's current context): taken
+            # as device 0's, an await on device 1's waited for device 0's work instead.
+            device = _declared_ordinal(owner)
         if device is None:
             backend = Device(0)._driver
-            dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value else Device(0)
+            dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value > 2 else Device(0)
         else:
             dev = _as_device(device)
         self = object.__new__(cls)
