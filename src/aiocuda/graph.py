@@ -4,7 +4,7 @@
 
     async with stream.capture() as graph:          # recorded, not run
         x = aiocuda.empty(n, stream=stream)         # graph memory: allocated and freed by every replay
-        dma.upload(...)                             # copies from page-locked memory, kernels, memsets
+        await x.copy_from(pinned_in, stream=stream) # copies from page-locked memory: recorded
         kernel.launch(grid, block, x, n, stream=stream)
     await graph.launch(stream)                      # one replay, awaited like any GPU work
     graph.launch(other_stream)                      # enqueued only; replays run one after another
@@ -23,9 +23,9 @@ aiocuda.copy_array(dst, src, stream=s)``) return as soon as the work is recorded
 
 **What cannot**, and raises :class:`~aiocuda.errors.CaptureError` at the call, the
 capture going on: waiting for captured work (``await stream``, ``synchronize()``,
-``query()``, awaiting or querying an event recorded in the capture, ``to_host()``), a
-copy of pageable host memory (it is staged through host threads: use
-:func:`aiocuda.pinned_empty`), and a wait of a capturing stream for work outside the
+``query()``, awaiting or querying an event recorded in the capture, ``to_host()``
+without a page-locked ``out=``), a copy of pageable host memory (it is staged through
+host threads: use :func:`aiocuda.pinned_empty`), and a wait of a capturing stream for work outside the
 capture (make the stream you launch the graph on wait instead). The driver refuses the
 calls the capture mode forbids (see :meth:`aiocuda.Stream.capture`). An event recorded
 in the capture stays refused after it, until recorded again: it marks a point in the
