@@ -357,7 +357,9 @@ class Executor:
 
         ``priority="high"`` runs the chunk on a stream of the device's greatest priority
         (and hands it the next free lane first): its kernels overtake those of normal
-        requests and of the executor's pipelines on the GPU.
+        requests and of the executor's pipelines on the GPU. ``placement`` chooses the
+        device as for :meth:`map` (here ``"least_loaded"`` by default); ``output`` and
+        ``name`` are :meth:`map`'s.
         """
         self._check_open()
         if priority not in PRIORITIES:
