@@ -43,6 +43,23 @@ def test_blocks_do_nothing_on_the_simulator(sim_backend: Any) -> None:
         assert not library_streams.adopted(stream)
 
 
+def test_an_adopted_stream_closed_by_its_user_keeps_its_handle(sim_backend: Any, monkeypatch: Any) -> None:
+    """A stream handed to a library (faked here: the simulator's streams cannot be) and
+    then closed: its handle was destroyed while the library kept state by it, and the
+    cached library stream over the dead handle was handed out again."""
+    monkeypatch.setattr(library_streams, "on_simulator", lambda stream: False)
+    monkeypatch.setattr(library_streams, "_make", lambda stream, library: object())
+    with Stream() as stream:
+        made = library_streams.library_stream(stream, "torch")
+        assert library_streams.library_stream(stream, "torch") is made
+    assert stream.closed and library_streams.adopted(stream)
+    sim_backend.stream_synchronize(stream._handle)  # not destroyed (else INVALID_HANDLE): the library's
+    with pytest.raises(ArgumentError, match="it is closed"):
+        library_streams.library_stream(stream, "torch")
+    with pytest.raises(ArgumentError, match="it is closed"):
+        interop.torch_stream(stream)
+
+
 @pytest.fixture
 def torch(backend: Any) -> Any:
     if backend.name != "cuda":

@@ -14,9 +14,10 @@ await comes after::
 made, so no ordering between streams is needed.)
 
 A stream given to a library is kept alive, with the library's stream object over it,
-until the process exits: the library keeps state keyed by its handle (PyTorch's cuBLAS
-workspaces and allocator blocks, CuPy's memory pool) that outlives any block, and a
-destroyed stream whose handle is reused is undefined behaviour. So give libraries
+until the process exits (closing it ends aiocuda's use, never destroys it): the library
+keeps state keyed by its handle (PyTorch's cuBLAS workspaces and allocator blocks,
+CuPy's memory pool) that outlives any block, and a destroyed stream whose handle is
+reused is undefined behaviour. So give libraries
 long-lived streams -- request lanes, whose ``setup`` also runs a model once per lane at
 start-up so that this per-stream state is made before the first request, not on the
 loop under load -- never a stream per request. On the simulated backend both blocks do

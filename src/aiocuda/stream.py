@@ -200,6 +200,14 @@ class Stream:
             self, _retire, self._driver, self._engine, handle, owned, self._pool, self._holds
         )
 
+    def _keep_handle(self) -> None:
+        """Never destroy the handle, when closed or collected: a library keeps state by it
+        (``aiocuda._memory.library_streams``). Holds are released as before."""
+        if self.owned and self._finalizer.detach() is not None:
+            self._finalizer = weakref.finalize(
+                self, _retire, self._driver, self._engine, self._handle, False, self._pool, self._holds
+            )
+
     @classmethod
     def wrap(cls, obj: Any, device: Device | int | None = None) -> Stream:
         """Use a foreign stream (CuPy, PyTorch, Numba, cuda.core, ``__cuda_stream__``, or

@@ -8,9 +8,10 @@ when freed), CuPy its stream-ordered memory pool arenas -- and neither is told w
 foreign stream goes away. A destroyed stream whose handle the driver hands to a new one,
 or an event recorded on a destroyed stream, is undefined behaviour. So a stream once
 handed to one of them is *adopted*: this module keeps it (and the library's stream
-object) alive until the process exits, and :class:`aiocuda.lanes.Lanes` does not destroy
-adopted streams when it closes. Adopt long-lived streams (request lanes), not one per
-request.
+object) alive until the process exits, its handle is never destroyed (closing it only
+stops aiocuda from enqueuing on it; the library can no longer be given it), and
+:class:`aiocuda.lanes.Lanes` does not close adopted streams when it closes. Adopt
+long-lived streams (request lanes), not one per request.
 
 The libraries are imported on first use only; neither is a dependency of aiocuda.
 """
@@ -66,7 +67,9 @@ def on_simulator(stream: Stream) -> bool:
 def library_stream(stream: Stream, library: str) -> Any:
     """``library``'s (``"torch"`` or ``"cupy"``) stream object over ``stream``, made once;
     adopts ``stream`` (see the module docstring)."""
-    entry = _adopted.get(id(stream))
+    # (closed first: a cached library stream of a closed stream would hand the library a
+    # handle that takes no more work)
+    entry = _adopted.get(id(stream)) if not stream.closed else None
     found = entry[1].get(library) if entry is not None else None
     if found is not None:
         return found
@@ -78,6 +81,7 @@ def library_stream(stream: Stream, library: str) -> Any:
             name="CUDA_ERROR_INVALID_HANDLE",
         )
     made = _make(stream, library)
+    stream._keep_handle()  # closing it must not destroy what the library keeps state for
     with _lock:
         objects = _adopted.setdefault(id(stream), (stream, {}))[1]
         return objects.setdefault(library, made)
