@@ -18,6 +18,7 @@ A pytest fixture::
             sim.register_kernel("saxpy", saxpy_on_numpy)
             yield sim
 
+    @pytest.mark.anyio                       # anyio's pytest plugin runs async tests
     async def test_a_request_waits_for_its_copy(sim: aiocuda.testing.Simulator) -> None:
         stream = aiocuda.Stream()
         with sim.paused(stream):             # nothing on the stream runs meanwhile
