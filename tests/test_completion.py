@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 import time
+import traceback
 from typing import Any
 
 import anyio
@@ -114,6 +115,46 @@ async def test_a_fault_fails_every_pending_await_promptly(
             held.record()
     finally:
         for s in [*streams, other]:
+            s.close()
+
+
+@pytest.mark.anyio
+async def test_waits_failed_together_each_raise_their_own_error(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Waits asleep on their doorbells when the device is poisoned are failed by the
+    waker from one query, but each task raises an exception object of its own: one
+    object raised in several tasks gathered every task's frames in its traceback (on
+    trio, where nothing puts the traceback back as asyncio's futures do)."""
+    streams = [Stream(0) for _ in range(4)]
+    errors: list[ContextPoisonedError] = []
+
+    async def waits(s: Stream) -> None:
+        try:
+            await s
+        except ContextPoisonedError as exc:
+            errors.append(exc)
+
+    try:
+        for s in streams:
+            sim_backend.pause(s.handle)  # type: ignore[attr-defined]
+            slow_op(s, 0.001)
+        async with anyio.create_task_group() as tg:
+            for s in streams:
+                tg.start_soon(waits, s)
+            with anyio.fail_after(10):
+                while True:
+                    if current_engine().waker.statistics().listed >= len(streams):  # all asleep
+                        break
+                    await anyio.sleep(0.01)
+            sim_backend.poison(0)  # type: ignore[attr-defined]
+        assert len(errors) == len(streams)
+        assert len({id(e) for e in errors}) == len(errors)
+        for e in errors:  # each traceback has its own task's frames alone
+            assert sum(f.name == "waits" for f in traceback.extract_tb(e.__traceback__)) == 1
+            assert e.code == errors[0].code and str(e) == str(errors[0])
+    finally:
+        for s in streams:
             s.close()
 
 

@@ -23,6 +23,7 @@ Finished waits are handed to their loop in one batch per loop and wake-up
 
 from __future__ import annotations
 
+import copy
 import functools
 import heapq
 import itertools
@@ -212,6 +213,8 @@ class Waker:
                 continue
             ordinal = w.ordinal
             error = failed.get(ordinal)
+            if error is not None:
+                error = _own_copy(error)
             finished = error is not None
             if not finished and (
                 everyone or not w.ringing or ordinal not in probed or 0 <= (index - first) % count < FALLBACK_QUERIES
@@ -245,6 +248,25 @@ class Waker:
                 due.setdefault(id(adapter), (adapter, []))[1].append(fn)
         for adapter, fns in due.values():
             adapter.call_soon_threadsafe(functools.partial(_run_all, fns))
+
+
+def _own_copy(error: BaseException) -> BaseException:
+    """A copy of ``error`` (one query's) for one more wait of the device it fails."""
+    # One exception object raised in several tasks gathers each task's frames: a raise
+    # adds the raising frames to the object's traceback, and trio's outcome does not put
+    # the old one back as asyncio's futures do (four waits failed by one poisoning: 23
+    # frames in the last task's traceback, from all four tasks, against 6 on asyncio).
+    # Its context would be the last handler's, too. So each wait gets its own, which
+    # starts from the query's traceback (raising extends a traceback, never changes it).
+    try:
+        twin = copy.copy(error)
+    except Exception:  # (an exception type that cannot be rebuilt from its args)
+        return error
+    if type(twin) is not type(error) or twin is error:
+        return error
+    twin.__cause__, twin.__suppress_context__ = error.__cause__, error.__suppress_context__
+    twin.__context__, twin.__traceback__ = error.__context__, error.__traceback__
+    return twin
 
 
 def _run_all(fns: list[Callable[[], None]]) -> None:
