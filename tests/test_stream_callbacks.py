@@ -4,6 +4,7 @@ on which thread, cancellation, errors, and a poisoned context."""
 from __future__ import annotations
 
 import threading
+import traceback
 from typing import Any
 
 import anyio
@@ -154,6 +155,27 @@ async def test_a_poisoned_context_fails_pending_callbacks(sim_backend: _driver.D
         with pytest.raises(ContextPoisonedError):
             await handle
     assert calls == []
+    sim.resume(stream.handle)
+
+
+async def test_each_await_of_a_failed_callback_raises_the_same_traceback(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Callbacks failed together (one error for a queue after a poisoning) raise it with
+    the traceback it was kept with, however often they are awaited: each raise used to
+    add the raising frames to the error, so every await showed all earlier ones'."""
+    stream = aiocuda.Stream(0)
+    sim: Any = sim_backend
+    sim.pause(stream.handle)
+    handles = [stream.call_when_done(print, i) for i in range(3)]
+    await anyio.sleep(0.01)  # the queue's task awaits the first point
+    sim.poison(0)
+    lengths = []
+    for handle in handles + handles:
+        with pytest.raises(ContextPoisonedError) as raised:
+            await handle
+        lengths.append(len(traceback.extract_tb(raised.value.__traceback__)))
+    assert len(set(lengths)) == 1, lengths
     sim.resume(stream.handle)
 
 

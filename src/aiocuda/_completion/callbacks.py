@@ -32,6 +32,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Generator
+from types import TracebackType
 from typing import Any
 
 import anyio
@@ -52,7 +53,7 @@ class StreamCallback:
     the GPU got there. A cancelled callback's await returns None at once.
     """
 
-    __slots__ = ("_args", "_error", "_event", "_finished", "_fn", "_result", "_retrieved", "_state")
+    __slots__ = ("_args", "_error", "_event", "_finished", "_fn", "_result", "_retrieved", "_state", "_traceback")
 
     def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...], event: Any) -> None:
         self._fn = fn
@@ -61,6 +62,11 @@ class StreamCallback:
         self._state = "pending"  # then "called", "failed" or "cancelled"
         self._result: Any = None
         self._error: BaseException | None = None
+        # The error's traceback when it was kept: each raise of the error adds the raising
+        # frames to it, so awaits of failed callbacks (all of a queue's, after a poisoning,
+        # share one error) showed every earlier await's frames; asyncio's futures keep
+        # theirs the same way.
+        self._traceback: TracebackType | None = None
         self._retrieved = False
         self._finished = anyio.Event()
 
@@ -88,7 +94,7 @@ class StreamCallback:
         yield from self._finished.wait().__await__()
         self._retrieved = True
         if self._error is not None:
-            raise self._error
+            raise self._error.with_traceback(self._traceback)
         return self._result
 
     def _call(self) -> None:
@@ -98,7 +104,7 @@ class StreamCallback:
         try:
             self._result = self._fn(*self._args)
         except BaseException as exc:  # (any: it must not stop the task serving the stream's queue)
-            self._error = exc
+            self._error, self._traceback = exc, exc.__traceback__
         finally:
             self._fn = self._args = None  # type: ignore[assignment]
             self._finished.set()
@@ -106,7 +112,7 @@ class StreamCallback:
     def _fail(self, error: BaseException) -> None:
         if self._state == "pending":
             self._state = "failed"
-            self._error = error
+            self._error, self._traceback = error, error.__traceback__
             self._fn = self._args = None  # type: ignore[assignment]
             self._finished.set()
 
