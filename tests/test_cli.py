@@ -73,6 +73,14 @@ def test_demo_checks_its_arguments_before_it_starts(args: list[str], words: list
     assert done.stderr.startswith("usage: python -m aiocuda demo")
 
 
+@pytest.mark.parametrize("command", ["info", "demo", "bench"])
+def test_an_unknown_argument_is_told_with_its_commands_usage(command: str) -> None:
+    done = aiocuda(command, "--bogus", AIOCUDA_BACKEND="sim")
+    assert_one_line_failure(done, 2, f"python -m aiocuda {command}: error:", "unrecognized arguments: --bogus")
+    assert done.stderr.startswith(f"usage: python -m aiocuda {command}")
+    assert done.stdout == ""
+
+
 def test_a_closed_output_pipe_ends_quietly() -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first line, as `| head -0` would be

@@ -73,7 +73,9 @@ def _quiet_stdout() -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns the exit code (see :mod:`aiocuda._cli.common`)."""
     parser = build_parser()
-    args = parser.parse_args(argv)  # usage errors exit 2 here; --help and --version exit 0
+    args, unknown = parser.parse_known_args(argv)  # usage errors exit 2 here; --help and --version exit 0
+    if unknown:  # told with the command's usage, not the top level's
+        args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     where = f"{prog_name()} {args.command_name}"
     try:
         with _one_line_warnings():
