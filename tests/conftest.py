@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,7 +164,29 @@ def backend(request: pytest.FixtureRequest) -> Iterator[_driver.Driver]:
         _need_real_gpu(request)
         yield _driver.use_backend("cuda")
     else:
-        yield _driver.use_backend("sim", devices=2)
+        sim = _driver.use_backend("sim", devices=2)
+        yield sim
+        _check_not_poisoned(sim)
+
+
+def _check_not_poisoned(sim: Any) -> None:
+    """Fail a test of both backends that left a simulated device poisoned: on a GPU the
+    same test poisons the process's context, and every later test of the GPU lane fails
+    with it (a kernel given a NULL pointer did so once). Tests that poison on purpose use
+    ``sim_backend`` (or a subprocess on the GPU)."""
+    deadline = time.monotonic() + 2.0  # (its last operations may still be running)
+    while time.monotonic() < deadline:
+        busy = [s for d in sim._devices for s in d.streams() if s.finished < s.submitted and not s._paused]
+        if not busy:
+            break
+        time.sleep(0.001)
+    poisoned = [d for d in sim._devices if d.poison is not None]
+    if poisoned:
+        pytest.fail(
+            f"the test left simulated device {poisoned[0].ordinal} poisoned ({poisoned[0].poison}): on a GPU "
+            "it would poison the process for every later test; use the sim_backend fixture to poison on purpose",
+            pytrace=False,
+        )
 
 
 @pytest.fixture
