@@ -625,7 +625,8 @@ class Lanes:
     # -- leases --------------------------------------------------------------------------------
     def lease(self, *, priority: Priority = "normal") -> contextlib.AbstractAsyncContextManager[Lane]:
         """``async with lanes.lease() as lane:`` -- a lane for one request. Waits while
-        every lane is leased (back-pressure; waiting ``"high"`` requests are served first)."""
+        every lane is leased (back-pressure; waiting ``"high"`` requests are served first).
+        ``priority="high"`` needs lanes made with it: ``Lanes(..., priorities=("normal", "high"))``."""
         if priority not in self._priorities:
             raise invalid_value(f"these lanes serve priorities {self._priorities}, not {priority!r}")
         return _Lease(self, priority)
