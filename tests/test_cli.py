@@ -63,6 +63,7 @@ def test_an_unknown_backend_is_a_usage_error() -> None:
         (["--chunks", "0"], ["--chunks", "above 0"]),
         (["--chunk-mib", "-1"], ["--chunk-mib", "above 0"]),
         (["--chunk-mib", "0.000001"], ["--chunk-mib", "at least one float32"]),
+        (["--chunk-mib", "1e9"], ["--chunk-mib 1e+09:", "GiB of host memory"]),
         (["--devices", "99"], ["--devices 99", "has 2 device(s)"]),
     ],
 )

@@ -214,6 +214,11 @@ async def _run(args: argparse.Namespace, ui: _Plain, chosen: list[Device], n: in
     return 0 if ok else 1
 
 
+def _host_memory() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Entry point of ``aiocuda demo`` (``args``: ``chunks``, ``chunk_mib``, ``trace``,
     ``devices``); UsageError for a bad argument, before anything is printed."""
@@ -226,6 +231,12 @@ def run_demo(args: argparse.Namespace) -> int:
     n = int(chunk_mib * (1 << 20)) // 4
     if n < 1:
         raise UsageError(f"--chunk-mib {chunk_mib}: a chunk needs at least one float32 (4 bytes)")
+    pinned = 2 * args.chunks * n * 4  # inputs and results, page-locked
+    if pinned > _host_memory() // 2:
+        raise UsageError(
+            f"--chunks {args.chunks} x --chunk-mib {chunk_mib:g}: the demo would pin {pinned / (1 << 30):.1f} GiB of host "
+            f"memory (inputs and results), more than half of this machine's {_host_memory() / (1 << 30):.1f} GiB"
+        )
     chosen = [Device(i) for i in range(available if args.devices is None else args.devices)]
     ui = _ui(args.chunks)
     if backend.simulated:
