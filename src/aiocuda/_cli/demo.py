@@ -232,10 +232,11 @@ def run_demo(args: argparse.Namespace) -> int:
     if n < 1:
         raise UsageError(f"--chunk-mib {chunk_mib}: a chunk needs at least one float32 (4 bytes)")
     pinned = 2 * args.chunks * n * 4  # inputs and results, page-locked
-    if pinned > _host_memory() // 2:
+    host = _host_memory()
+    if pinned > host // 2:
         raise UsageError(
-            f"--chunks {args.chunks} x --chunk-mib {chunk_mib:g}: the demo would pin {pinned / (1 << 30):.1f} GiB of host "
-            f"memory (inputs and results), more than half of this machine's {_host_memory() / (1 << 30):.1f} GiB"
+            f"--chunks {args.chunks} x --chunk-mib {chunk_mib:g}: the demo would pin {pinned / (1 << 30):.1f} GiB "
+            f"of host memory (inputs and results), more than half of this machine's {host / (1 << 30):.1f} GiB"
         )
     chosen = [Device(i) for i in range(available if args.devices is None else args.devices)]
     ui = _ui(args.chunks)
