@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+import aiocuda
 from aiocuda import _driver, program
 from aiocuda._kernels import nvrtc
 from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
@@ -31,15 +32,51 @@ KEY_ARGS: dict[str, Any] = {
 # -- the cache -------------------------------------------------------------------------------------
 def test_cache_key_is_sensitive_to_every_input() -> None:
     base = cache_key(**KEY_ARGS)
-    assert cache_key(**{**KEY_ARGS, "options": list(reversed(KEY_ARGS["options"]))}) == base
+    assert cache_key(**{**KEY_ARGS, "name_expressions": list(reversed(KEY_ARGS["name_expressions"]))}) == base
     for field, other in [
         ("source", "__global__ void k2() {}"),
         ("options", ["--std=c++20", "-DX=1"]),
+        ("options", list(reversed(KEY_ARGS["options"]))),  # order matters: -DX=1 -DX=2, include paths
         ("name_expressions", ["k<int>"]),
         ("arch", "sm_80"),
         ("compiler_version", "nvrtc 12.9"),
+        ("name", "other.cu"),  # __FILE__, the log's file name, where quoted includes are found
     ]:
         assert cache_key(**{**KEY_ARGS, field: other}) != base, field
+
+
+def _nvrtc_or_skip() -> None:
+    try:
+        nvrtc.load()
+    except CompileError:
+        pytest.skip("NVRTC is not installed (pip install nvidia-cuda-nvrtc)")
+
+
+def _ptx_moves(entry: CachedImage) -> list[str]:
+    return [line.split()[-1] for line in entry.image.decode().splitlines() if "mov.u32" in line]
+
+
+def test_the_cache_tells_include_path_orders_and_program_names_apart(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path
+) -> None:
+    """Options were sorted before hashing: with the include paths swapped the other
+    folder's header wins, but the first order's image came back from the cache. The
+    program's name was not hashed either: another name got the first one's log."""
+    _nvrtc_or_skip()
+    for folder, value in (("a", 1), ("b", 2)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "v.h").write_text(f"#define VALUE {value}\n")
+    source = '#include <v.h>\nextern "C" __global__ void k(int* x) { int unused = 0; x[0] = VALUE; }'
+    cache = tmp_path / "cache"
+
+    def compile_with(paths: list[str], name: str = "program.cu") -> CachedImage:
+        options = ProgramOptions(include_paths=paths, arch="compute_90")
+        return Program(source, options=options, name=name, cache=cache)._compile_real(aiocuda.Device(0))
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert _ptx_moves(compile_with([a, b])) == ["1;"]
+    assert _ptx_moves(compile_with([b, a])) == ["2;"]
+    assert "renamed.cu" in compile_with([a, b], name="renamed.cu").log
 
 
 def test_cached_compile_hits_across_instances_and_survives_corruption(tmp_path: pathlib.Path) -> None:

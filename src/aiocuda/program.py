@@ -196,5 +196,12 @@ class Program:
             )
 
         return cached_compile(
-            self._cache, self.source, options, self.name_expressions, target, nvrtc.compiler_identity(), compile_now
+            self._cache,
+            self.source,
+            options,
+            self.name_expressions,
+            target,
+            nvrtc.compiler_identity(),
+            compile_now,
+            name=self.name,
         )

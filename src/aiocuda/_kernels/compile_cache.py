@@ -1,7 +1,7 @@
 """The on-disk cache of compiled kernels, so that a service's second start compiles nothing.
 
 An entry is keyed by the SHA-256 of everything that determines NVRTC's output: the
-source, the options (sorted, so their order does not matter), the name expressions, the
+source, the program's name, the options in their order, the name expressions, the
 target architecture, the compiler's version and this cache's format version. It stores
 the image (cubin or PTX), its kind and the lowered (mangled) names of the name
 expressions, in one file written atomically (a temporary file in the same directory,
@@ -43,13 +43,24 @@ class CachedImage:
 
 
 def cache_key(
-    source: str, options: Sequence[str], name_expressions: Sequence[str], arch: str, compiler_version: str
+    source: str,
+    options: Sequence[str],
+    name_expressions: Sequence[str],
+    arch: str,
+    compiler_version: str,
+    *,
+    name: str = "",
 ) -> str:
-    """The hex SHA-256 identifying one compilation."""
+    """The hex SHA-256 identifying one compilation of ``source`` named ``name``."""
     doc = {
         "format": FORMAT_VERSION,
         "source": source,
-        "options": sorted(options),
+        # The name is __FILE__, the file named in the log and the line info, and the
+        # folder that quoted includes are looked up in.
+        "name": name,
+        # In their order: the first include path holding a header wins, and of -DX=1 and
+        # -DX=2 (or -DX and -UX) the last one.
+        "options": list(options),
         "names": sorted(name_expressions),
         "arch": arch,
         "compiler": compiler_version,
@@ -128,11 +139,13 @@ def cached_compile(
     arch: str,
     compiler: str,
     compile_fn: Callable[[], CachedImage],
+    *,
+    name: str = "",
 ) -> CachedImage:
     """``compile_fn()``'s result, read from ``cache`` when an identical compile is stored."""
     if cache is None:
         return compile_fn()
-    key = cache_key(source, options, name_expressions, arch, compiler)
+    key = cache_key(source, options, name_expressions, arch, compiler, name=name)
     found = cache.get(key)
     if found is not None:
         return found
