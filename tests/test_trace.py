@@ -263,3 +263,29 @@ async def test_gpu_pipeline_overlaps_its_units(
     assert s.overlap_ratio < 1.2, tables
     # (the busiest unit bounds the wall time from below: 0.52 of serial on an H100)
     assert s.wall_ms < 0.8 * s.serial_ms, tables
+
+
+def test_unread_spans_do_not_pile_up_timing_events(sim_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server that traces each request and never reads the trace kept every span
+    pending, two timing events each (40 000 events for 20 000 spans), and the first read
+    then took seconds (a quadratic pass over them)."""
+    created = 0
+    create = sim_backend.event_create
+
+    def counting(*args: Any) -> Any:
+        nonlocal created
+        created += 1
+        return create(*args)
+
+    monkeypatch.setattr(sim_backend, "event_create", counting)
+    trace = Trace()
+    with Stream(0) as s:
+        for n in range(5000):
+            with trace.span(s, "compute", "request"):
+                pass
+            if n % 50 == 49:
+                s.synchronize()  # the requests' work finishes; nobody reads the trace
+        s.synchronize()
+        assert created < 2000, f"{created} timing events for 5000 spans of which at most 50 were in flight"
+        assert len(trace.spans) == 5000
+        trace.close()
