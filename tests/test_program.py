@@ -14,7 +14,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, program
-from aiocuda._kernels import nvrtc
+from aiocuda._kernels import includes, nvrtc
 from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
 from aiocuda._kernels.signature import cpp_linkage_kernels, parse_signature, ptx_signatures, source_signatures
 from aiocuda.errors import ArgumentError, CompileError, LaunchError
@@ -120,6 +120,56 @@ def test_default_cache_location(monkeypatch: pytest.MonkeyPatch, tmp_path: pathl
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     cache = default_cache()
     assert cache is not None and cache.directory == tmp_path / "xdg" / "aiocuda"
+
+
+def test_the_key_holds_the_headers_included_from_disk(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A header edited between two runs changes the compiled code: the key changes with
+    the contents of every header found as NVRTC finds it (quoted: the includer's folder
+    first, then the include paths; angled: the include paths), transitively."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "inc" / "sub").mkdir(parents=True)
+    (tmp_path / "local.h").write_text('#include "inc/sub/inner.h"\n')
+    (tmp_path / "inc" / "sub" / "inner.h").write_text('#include "leaf.h"\n#include "local.h"\n')  # a cycle
+    (tmp_path / "inc" / "sub" / "leaf.h").write_text("#define LEAF 1\n")
+    (tmp_path / "inc" / "lib.h").write_text("#define LIB 1\n")
+    source = '#include "local.h"\n  #  include <lib.h> // a comment\n#include <cuda_fp16.h>\n'
+    options = ["--include-path=inc"]
+
+    def key() -> str:
+        return includes.fingerprint(source, "program.cu", options)
+
+    first = key()
+    assert first and key() == first
+    (tmp_path / "inc" / "sub" / "leaf.h").write_text("#define LEAF 2\n")  # two levels down, beside its includer
+    second = key()
+    assert second != first
+    (tmp_path / "inc" / "lib.h").write_text("#define LIB 2\n")  # through the include path
+    third = key()
+    assert third != second
+    (tmp_path / "inc" / "cuda_fp16.h").write_text("")  # a built-in header's name now found on disk
+    assert key() != third
+    assert includes.fingerprint("int x;", "program.cu", options) == ""
+    assert includes.search_options(["-Ia", "-I", "b", "--include-path=c", "--pre-include=p.h", "-include", "q.h"]) == (
+        ["a", "b", "c"],
+        ["p.h", "q.h"],
+    )
+
+
+def test_an_edited_header_is_compiled_again(sim_backend: _driver.Driver, tmp_path: pathlib.Path) -> None:
+    """The cache gave the image compiled with the header's old contents back."""
+    _nvrtc_or_skip()
+    (tmp_path / "params.h").write_text("#define VALUE 1\n")
+    source = '#include "params.h"\nextern "C" __global__ void k(int* x) { x[0] = VALUE; }'
+
+    def compile_now() -> CachedImage:
+        program = Program(
+            source, name=str(tmp_path / "k.cu"), options=ProgramOptions(arch="compute_90"), cache=tmp_path
+        )
+        return program._compile_real(aiocuda.Device(0))
+
+    assert _ptx_moves(compile_now()) == ["1;"]
+    (tmp_path / "params.h").write_text("#define VALUE 2\n")
+    assert _ptx_moves(compile_now()) == ["2;"]
 
 
 # -- options and signatures ------------------------------------------------------------------------
@@ -365,7 +415,7 @@ def test_compiler_identity_from_the_wheel_without_loading_nvrtc(
 
 
 INTERNED_BYTES_SCRIPT = """
-from aiocuda._kernels import nvrtc
+from aiocuda._kernels import includes, nvrtc
 image = nvrtc.compile_program('extern "C" __global__ void k(float* x) { x[0] = 1; }', "k.cu", [], [], "compute_75")
 assert image.log == "" and image.image.startswith(b"//"), image
 print("SPACE", repr(b" "), repr(b"a b".split(b" ")))

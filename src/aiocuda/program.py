@@ -14,8 +14,8 @@ calling thread for tens to hundreds of milliseconds on a miss: in a coroutine, r
 ``await anyio.to_thread.run_sync(program.compile)`` or compile at start-up.
 
 Results are cached on disk (``Program(cache=...)``): a second process compiling the same
-source with the same options for the same architecture and NVRTC version reads the
-image instead of compiling. An entry is a file in the cache folder, written atomically;
+source with the same name, options and included headers (their contents) for the same
+architecture and NVRTC version reads the image instead of compiling. An entry is a file in the cache folder, written atomically;
 delete the folder to clear the cache.
 
 On the simulated backend, ``compile`` still compiles with NVRTC where it is installed

@@ -1,10 +1,11 @@
 """The on-disk cache of compiled kernels, so that a service's second start compiles nothing.
 
 An entry is keyed by the SHA-256 of everything that determines NVRTC's output: the
-source, the program's name, the options in their order, the name expressions, the
-target architecture, the compiler's version and this cache's format version. It stores
-the image (cubin or PTX), its kind and the lowered (mangled) names of the name
-expressions, in one file written atomically (a temporary file in the same directory,
+source, the program's name, the options in their order, the headers it includes from
+disk (their paths and contents, found as NVRTC finds them: ``includes.py``), the name
+expressions, the target architecture, the compiler's version and this cache's format
+version. It stores the image (cubin or PTX), its kind and the lowered (mangled) names
+of the name expressions, in one file written atomically (a temporary file in the same directory,
 then ``os.replace``), so concurrent processes never read a half-written entry. A file
 that cannot be read or decoded counts as a miss and is overwritten.
 
@@ -22,6 +23,8 @@ import pathlib
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from . import includes
 
 __all__ = ["CachedImage", "CompileCache", "cache_key", "cached_compile", "default_cache"]
 
@@ -50,8 +53,10 @@ def cache_key(
     compiler_version: str,
     *,
     name: str = "",
+    headers: str = "",
 ) -> str:
-    """The hex SHA-256 identifying one compilation of ``source`` named ``name``."""
+    """The hex SHA-256 identifying one compilation of ``source`` named ``name``;
+    ``headers`` is the fingerprint of the headers it includes (``includes.fingerprint``)."""
     doc = {
         "format": FORMAT_VERSION,
         "source": source,
@@ -61,6 +66,7 @@ def cache_key(
         # In their order: the first include path holding a header wins, and of -DX=1 and
         # -DX=2 (or -DX and -UX) the last one.
         "options": list(options),
+        "headers": headers,
         "names": sorted(name_expressions),
         "arch": arch,
         "compiler": compiler_version,
@@ -145,7 +151,8 @@ def cached_compile(
     """``compile_fn()``'s result, read from ``cache`` when an identical compile is stored."""
     if cache is None:
         return compile_fn()
-    key = cache_key(source, options, name_expressions, arch, compiler, name=name)
+    headers = includes.fingerprint(source, name, options)
+    key = cache_key(source, options, name_expressions, arch, compiler, name=name, headers=headers)
     found = cache.get(key)
     if found is not None:
         return found
