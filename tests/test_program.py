@@ -98,8 +98,14 @@ def test_cached_compile_hits_across_instances_and_survives_corruption(tmp_path: 
     entry.write_bytes(b"garbage")
     assert cached_compile(CompileCache(tmp_path), *args, compiler) == first
     assert calls == [1, 1, 1]
+    # damage of the right size: the image was loaded as it was, and a kind nothing loads
+    good = entry.read_bytes()
+    for damaged in (good[:-3] + bytes([good[-3] ^ 0x40]) + good[-2:], good.replace(b'"cubin"', b'"bogus"', 1)):
+        entry.write_bytes(damaged)
+        assert cached_compile(CompileCache(tmp_path), *args, compiler) == first
+    assert calls == [1, 1, 1, 1, 1]
     assert cached_compile(None, *args, compiler) == first
-    assert len(calls) == 4
+    assert len(calls) == 6
 
 
 def test_cache_write_failure_is_ignored(tmp_path: pathlib.Path) -> None:

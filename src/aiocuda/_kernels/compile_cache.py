@@ -6,8 +6,9 @@ disk (their paths and contents, found as NVRTC finds them: ``includes.py``), the
 expressions, the target architecture, the compiler's version and this cache's format
 version. It stores the image (cubin or PTX), its kind and the lowered (mangled) names
 of the name expressions, in one file written atomically (a temporary file in the same directory,
-then ``os.replace``), so concurrent processes never read a half-written entry. A file
-that cannot be read or decoded counts as a miss and is overwritten.
+then ``os.replace``), so concurrent processes never read a half-written entry. Its
+header holds the image's SHA-256: a file that cannot be read or decoded, or whose image
+does not match it (truncated, a flipped bit), counts as a miss and is overwritten.
 
 Location: ``$AIOCUDA_CACHE_DIR``, else ``$XDG_CACHE_HOME/aiocuda``, else
 ``~/.cache/aiocuda``. Set ``AIOCUDA_CACHE_DIR=off`` to disable it. Delete the folder to
@@ -28,8 +29,9 @@ from . import includes
 
 __all__ = ["CachedImage", "CompileCache", "cache_key", "cached_compile", "default_cache"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _HEADER_END = b"\n"
+_KINDS = ("cubin", "ptx", "ltoir", "sim")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +96,13 @@ class CompileCache:
             data = self._path(key).read_bytes()
             header, _, image = data.partition(_HEADER_END)
             meta = json.loads(header)
-            if meta.get("format") != FORMAT_VERSION or meta.get("size") != len(image):
+            if (
+                meta.get("format") != FORMAT_VERSION
+                or meta.get("size") != len(image)
+                or meta.get("kind") not in _KINDS
+                # A damaged image of the right size would reach the driver as code.
+                or meta.get("sha256") != hashlib.sha256(image).hexdigest()
+            ):
                 return None
             return CachedImage(image, str(meta["kind"]), dict(meta["lowered_names"]), str(meta.get("log", "")))
         except (OSError, ValueError, KeyError, TypeError):
@@ -109,6 +117,7 @@ class CompileCache:
             "lowered_names": entry.lowered_names,
             "log": entry.log,
             "size": len(entry.image),
+            "sha256": hashlib.sha256(entry.image).hexdigest(),
         }
         path = self._path(key)
         try:
