@@ -6,6 +6,8 @@ import functools
 import gc
 import json
 import pathlib
+import threading
+import time
 from typing import Any
 
 import anyio
@@ -288,4 +290,42 @@ def test_unread_spans_do_not_pile_up_timing_events(sim_backend: Any, monkeypatch
         s.synchronize()
         assert created < 2000, f"{created} timing events for 5000 spans of which at most 50 were in flight"
         assert len(trace.spans) == 5000
+        trace.close()
+
+
+def test_two_threads_reading_a_trace_read_each_span_once(sim_backend: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two readers at once (a metrics scraper and a request handler) resolved the same
+    finished spans twice: duplicated spans, and then a read of an event already recycled
+    (CUDA_ERROR_INVALID_HANDLE)."""
+    inside = threading.Event()
+    query = sim_backend.event_query
+
+    def slow_first_query(event: Any) -> bool:
+        if not inside.is_set():
+            inside.set()
+            time.sleep(0.2)  # the second reader comes in now
+        return bool(query(event))
+
+    monkeypatch.setattr(sim_backend, "event_query", slow_first_query)
+    trace = Trace()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            assert len(trace.spans) == 10
+        except BaseException as exc:
+            errors.append(exc)
+
+    with Stream(0) as s:
+        for _ in range(10):
+            with trace.span(s, "compute", "request"):
+                pass
+        s.synchronize()
+        first = threading.Thread(target=read)
+        first.start()
+        assert inside.wait(5)
+        read()
+        first.join()
+        assert errors == []
+        assert len(trace.spans) == 10
         trace.close()

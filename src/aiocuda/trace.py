@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -204,6 +205,12 @@ class Trace:
     def __init__(self, *, nvtx: bool = False) -> None:
         self.nvtx = nvtx
         """Whether each span is also an NVTX range."""
+        # Spans may be recorded and read from several threads (a metrics scraper reading
+        # while requests record): reading resolves the finished pending spans, and two
+        # readers at once resolved the same ones twice (duplicated spans, an event given
+        # back twice, then a read of a recycled one). The lock guards the pending list and
+        # the clocks; it is never held across a wait (event queries do not block).
+        self._lock = threading.Lock()
         self._clocks: dict[int, _Clock] = {}
         self._spans: list[Span] = []
         self._pending: list[_PendingSpan] = []
@@ -219,10 +226,11 @@ class Trace:
         that ran before a busy stream got there have negative times (they are read once
         it has)."""
         ordinal = stream.device.ordinal
-        if ordinal not in self._clocks:
-            clock = self._clocks[ordinal] = _Clock(stream.device, stream)
-            if self._host_origin_ms is None:
-                self._host_origin_ms = clock.origin_host_ms
+        with self._lock:
+            if ordinal not in self._clocks:
+                clock = self._clocks[ordinal] = _Clock(stream.device, stream)
+                if self._host_origin_ms is None:
+                    self._host_origin_ms = clock.origin_host_ms
 
     @contextlib.contextmanager
     def span(self, stream: Stream, unit: str, name: str, *, chunk: int | None = None, track: int = 0) -> Iterator[None]:
@@ -243,10 +251,11 @@ class Trace:
             self._discard(pending)
             raise
         self._stop(pending, stream)
-        self._pending.append(pending)
-        if len(self._pending) >= self._collect_at:
-            self._collect()
-            self._collect_at = max(_COLLECT_AT, 2 * len(self._pending))
+        with self._lock:
+            self._pending.append(pending)
+            full = len(self._pending) >= self._collect_at
+        if full:
+            self._collect(reschedule=True)
 
     def add(self, *spans: Span) -> None:
         """Add finished spans measured elsewhere (another trace, host-side timings)."""
@@ -310,9 +319,16 @@ class Trace:
                     free.append(handle)
             p.start = p.end = None
 
-    def _collect(self) -> None:
+    def _collect(self, *, reschedule: bool = False) -> None:
         """Resolve the spans of :meth:`span` whose work has completed, and whose clock has
-        started (its origin may sit on a stream still busy with earlier work)."""
+        started (its origin may sit on a stream still busy with earlier work); with
+        ``reschedule``, set the pending count at which :meth:`span` next does so."""
+        with self._lock:
+            self._collect_locked()
+            if reschedule:
+                self._collect_at = max(_COLLECT_AT, 2 * len(self._pending))
+
+    def _collect_locked(self) -> None:
         if self._pending:
             query = self._pending[0].clock.driver.event_query
             # One pass: a list of the done, tested with `in`, made this quadratic (20 000
@@ -328,11 +344,12 @@ class Trace:
     def close(self) -> None:
         """Destroy the timing events (the spans read so far stay readable; spans whose
         work has not completed are dropped)."""
-        self._collect()
-        self._pending.clear()
-        for clock in self._clocks.values():
-            clock.close()
-        self._clocks.clear()
+        with self._lock:
+            self._collect_locked()
+            self._pending.clear()
+            for clock in self._clocks.values():
+                clock.close()
+            self._clocks.clear()
 
     def clear(self) -> None:
         """Forget the spans collected so far (clocks keep running)."""
