@@ -72,12 +72,23 @@ def test_chrome_json_is_valid_trace_event_format(tmp_path: pathlib.Path) -> None
     for e in complete:
         assert {"name", "ph", "ts", "dur", "pid", "tid"} <= set(e)
         assert isinstance(e["ts"], float | int) and e["dur"] >= 0
-    first = next(e for e in complete if e["pid"] == 0)
+    first = next(e for e in complete if e["pid"] == 1)  # GPU 0: Perfetto treats pid 0 as the idle process
     assert (first["ts"], first["dur"], first["args"]) == (500.0, 1000.0, {"unit": "h2d", "chunk": 0})
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
-    assert names[(0, first["tid"])] == "h2d"
+    assert names[(1, first["tid"])] == "h2d"
     assert "compute 1" in names.values()
     assert {e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "process_name"} == {"GPU 0", "GPU 1"}
+    assert all(e["pid"] > 0 for e in doc["traceEvents"])
+
+
+def test_chrome_json_has_no_negative_timestamps() -> None:
+    """Spans of work that ran before the trace began have negative times; Perfetto's
+    importer rejects negative timestamps, so the export starts at 0."""
+    trace = Trace()
+    trace.add(Span(0, "compute", 0, "early", None, -2.0, -1.0), Span(0, "compute", 0, "late", None, 1.0, 3.0))
+    complete = {e["name"]: e for e in trace.to_chrome()["traceEvents"] if e["ph"] == "X"}
+    assert (complete["early"]["ts"], complete["early"]["dur"]) == (0.0, 1000.0)
+    assert (complete["late"]["ts"], complete["late"]["dur"]) == (3000.0, 2000.0)
 
 
 def test_unknown_unit_is_refused(sim_backend: Any) -> None:

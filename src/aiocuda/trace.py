@@ -391,11 +391,18 @@ class Trace:
 
     def to_chrome(self) -> dict[str, Any]:
         """The trace in Chrome's trace-event format (JSON-ready; Perfetto reads it):
-        one complete event (``"ph": "X"``, microseconds) per span, ``pid`` = device,
-        ``tid`` = unit track, named by metadata events."""
+        one complete event (``"ph": "X"``, microseconds) per span, one process per
+        device (``pid`` = ordinal + 1, named ``"GPU <ordinal>"``), one thread per unit
+        track, named by metadata events. Times start at 0: spans that began before the
+        trace did (see :meth:`begin`) move everything later by as much."""
         self._collect()
         events: list[dict[str, Any]] = []
         tracks: set[tuple[int, str, int]] = set()
+        # Perfetto's importer rejects negative timestamps, and treats pid 0 as the
+        # kernel's idle process (its maintainers: "avoid using pid = 0", perfetto#394;
+        # "negative timestamps will be rejected", perfetto#2048).
+        origin_ms = min((s.start_ms for s in self._spans), default=0.0)
+        shift_ms = -origin_ms if origin_ms < 0 else 0.0
         for s in self._spans:
             tid = _tid(s.unit, s.track)
             tracks.add((s.device, s.unit, s.track))
@@ -407,23 +414,23 @@ class Trace:
                     "name": s.name,
                     "cat": s.unit,
                     "ph": "X",
-                    "ts": round(s.start_ms * 1e3, 3),
+                    "ts": round((s.start_ms + shift_ms) * 1e3, 3),
                     "dur": round(s.duration_ms * 1e3, 3),
-                    "pid": s.device,
+                    "pid": s.device + 1,
                     "tid": tid,
                     "args": args,
                 }
             )
         for device in sorted({d for d, _, _ in tracks}):
             events.append(
-                {"name": "process_name", "ph": "M", "pid": device, "tid": 0, "args": {"name": f"GPU {device}"}}
+                {"name": "process_name", "ph": "M", "pid": device + 1, "tid": 0, "args": {"name": f"GPU {device}"}}
             )
         for device, unit, track in sorted(tracks):
             label = unit if track == 0 else f"{unit} {track}"
             tid = _tid(unit, track)
-            events.append({"name": "thread_name", "ph": "M", "pid": device, "tid": tid, "args": {"name": label}})
+            events.append({"name": "thread_name", "ph": "M", "pid": device + 1, "tid": tid, "args": {"name": label}})
             events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": device, "tid": tid, "args": {"sort_index": tid}}
+                {"name": "thread_sort_index", "ph": "M", "pid": device + 1, "tid": tid, "args": {"sort_index": tid}}
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
