@@ -269,6 +269,17 @@ def test_a_kernel_without_c_linkage_is_refused_by_name_on_every_backend(backend:
     assert named.kernel("scale").signature is not None  # reached through its name expression
 
 
+def test_a_kernel_the_module_lacks_is_named_with_those_it_has(backend: _driver.Driver) -> None:
+    """On a GPU the driver said only "named symbol not found"."""
+    source = 'extern "C" __global__ void scale(float* x) {}\ntemplate <class T> __global__ void fill(T* x) {}'
+    module = Program(source, name="lookup.cu", name_expressions=["fill<float>"], cache=False).compile()
+    with pytest.raises(ArgumentError, match=r"'lookup.cu' has no kernel 'scal': it defines \['fill<float>', 'scale'\]"):
+        module.kernel("scal").function()
+    with pytest.raises(ArgumentError, match=r"no kernel 'fill<int>'.*name_expressions=\['fill<int>'\]") as info:
+        module.kernel("fill<int>").function()
+    assert info.value.name == "CUDA_ERROR_NOT_FOUND"
+
+
 def test_declared_signatures() -> None:
     assert parse_signature([np.float32, "ptr", "int64"]) == parse_signature("float, void*, long long")
     with pytest.raises(TypeError, match="not a supported"):
@@ -308,8 +319,10 @@ def test_sim_compile_records_kernels(sim_backend: _driver.Driver) -> None:
     assert module.kind == "sim"
     assert module.kernel("a").function() is not None
     assert module.kernel("b<float>").function() is not None
-    with pytest.raises(ArgumentError, match="no kernel named 'c'"):
+    with pytest.raises(ArgumentError, match=r"no kernel 'c': it defines \['a', 'b<float>'\]"):
         module.kernel("c").function()
+    with pytest.raises(ArgumentError, match=r"no kernel 'b<int>'.*name_expressions=\['b<int>'\]"):
+        module.kernel("b<int>").function()
     with pytest.raises(CompileError, match=r"c<float>"):
         Program(source, name_expressions=["c<float>"]).compile()
 

@@ -48,7 +48,7 @@ from ._kernels.signature import Signature
 from ._util import NoPublicConstructor
 from .context import CacheConfig
 from .device import Device, _as_device
-from .errors import LaunchError, ResultCode
+from .errors import ArgumentError, CudaError, LaunchError, ResultCode
 from .module import Module
 from .stream import Stream, current_stream
 
@@ -190,9 +190,34 @@ class Kernel(metaclass=NoPublicConstructor):
         if func is None:
             handle = self.module.handle(dev)
             dev.make_current()
-            func = self._functions[key] = dev._driver.module_get_function(handle, self.module.symbol(self.name))
+            try:
+                func = dev._driver.module_get_function(handle, self.module.symbol(self.name))
+            except ArgumentError as exc:
+                if exc.code != ResultCode.NOT_FOUND:
+                    raise
+                raise self._not_found(dev, exc) from exc
+            self._functions[key] = func
             _graph_kernels.register(dev._driver, func, self)  # so that graphs can read its nodes
         return func
+
+    def _not_found(self, device: Device, exc: ArgumentError) -> ArgumentError:
+        """The error for a kernel its module does not define, listing those it does."""
+        # The driver says only "named symbol not found": a misspelling, a template
+        # compiled without its name expression and a mangled name look alike there.
+        try:
+            defined: str = str(self.module.kernel_names(device))
+        except CudaError:  # (cuModuleEnumerateFunctions needs a CUDA 12.4 driver)
+            defined = "kernels that could not be listed"
+        hint = ""
+        if "<" in self.name and self.name not in self.module.lowered_names:
+            hint = f"; compile it with Program(..., name_expressions=[{self.name!r}])"
+        return ArgumentError(
+            f"module {self.module.name or self.module.kind!r} has no kernel {self.name!r}: it defines {defined}{hint}",
+            code=exc.code,
+            name=exc.name,
+            description=exc.description,
+            call=exc.call,
+        )
 
     async def load(self, device: Device | int | None = None) -> None:
         """Load the kernel's module on ``device`` (default 0) and look the kernel up, on a
