@@ -340,3 +340,27 @@ def test_two_threads_reading_a_trace_read_each_span_once(sim_backend: Any, monke
         assert errors == []
         assert len(trace.spans) == 10
         trace.close()
+
+
+def test_a_long_run_can_drain_its_trace_or_keep_only_the_latest_spans(sim_backend: Any) -> None:
+    """A trace kept every span it read, with no way to take them out or to cap them: a
+    long-lived server tracing its requests grew without bound."""
+    trace = Trace()
+    latest = Trace(max_spans=3)
+    with Stream(0) as s:
+        for n in range(5):
+            with trace.span(s, "compute", f"r{n}"), latest.span(s, "compute", f"r{n}"):
+                pass
+        s.synchronize()
+        assert [sp.name for sp in trace.drain()] == ["r0", "r1", "r2", "r3", "r4"]
+        assert trace.spans == () and trace.drain() == ()
+        with trace.span(s, "compute", "r5"):
+            pass
+        s.synchronize()
+        assert [sp.name for sp in trace.drain()] == ["r5"]
+        assert [sp.name for sp in latest.spans] == ["r2", "r3", "r4"] and latest.dropped == 2
+        assert trace.dropped == 0
+        trace.close()
+        latest.close()
+    with pytest.raises(ValueError, match="max_spans"):
+        Trace(max_spans=0)

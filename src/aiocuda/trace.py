@@ -26,6 +26,10 @@ Pitfalls:
   microseconds on an idle device).
 * Timing events cost a record each (about two per span); they are pooled per device, so
   steady-state tracing creates none.
+* A trace keeps every span it has read until told otherwise: a long-lived server tracing
+  its requests grows by one :class:`Span` per operation. Take the spans out as you go
+  with :meth:`Trace.drain`, or keep only the latest with ``Trace(max_spans=N)``
+  (:attr:`Trace.dropped` counts the older ones let go).
 
 ``Trace(nvtx=True)`` also emits an NVTX range per span (:mod:`aiocuda.profiler`), from
 the host's start of the span to its end, named ``"unit name"``: Nsight Systems then
@@ -34,6 +38,7 @@ shows each span's host side, and projects it onto the GPU work enqueued within i
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import pathlib
@@ -191,6 +196,8 @@ class Trace:
 
     Args:
         nvtx: also emit an NVTX range per span (:mod:`aiocuda.profiler`).
+        max_spans: keep only the latest this many spans read (None: every one); the
+            summary and the export then cover those alone.
 
     Usage outside the executor::
 
@@ -202,7 +209,9 @@ class Trace:
         trace.write_chrome("trace.json")
     """
 
-    def __init__(self, *, nvtx: bool = False) -> None:
+    def __init__(self, *, nvtx: bool = False, max_spans: int | None = None) -> None:
+        if max_spans is not None and (isinstance(max_spans, bool) or not isinstance(max_spans, int) or max_spans < 1):
+            raise ValueError(f"max_spans must be an int >= 1 or None, got {max_spans!r}")
         self.nvtx = nvtx
         """Whether each span is also an NVTX range."""
         # Spans may be recorded and read from several threads (a metrics scraper reading
@@ -212,7 +221,8 @@ class Trace:
         # the clocks; it is never held across a wait (event queries do not block).
         self._lock = threading.Lock()
         self._clocks: dict[int, _Clock] = {}
-        self._spans: list[Span] = []
+        self._spans: collections.deque[Span] = collections.deque(maxlen=max_spans)
+        self._dropped = 0
         self._pending: list[_PendingSpan] = []
         self._collect_at = _COLLECT_AT
         self._host_origin_ms: float | None = None
@@ -259,7 +269,14 @@ class Trace:
 
     def add(self, *spans: Span) -> None:
         """Add finished spans measured elsewhere (another trace, host-side timings)."""
-        self._spans.extend(spans)
+        for span in spans:
+            self._keep(span)
+
+    def _keep(self, span: Span) -> None:
+        spans = self._spans
+        if len(spans) == spans.maxlen:
+            self._dropped += 1  # (the deque lets the oldest go)
+        spans.append(span)
 
     def note(self, text: str) -> None:
         """Record a one-line note about the run (shown by :meth:`TraceSummary.table` too)."""
@@ -303,7 +320,7 @@ class Trace:
             shift = clock.origin_host_ms - (self._host_origin_ms or clock.origin_host_ms)
             start = elapsed(clock.origin, p.start) + shift
             end = elapsed(clock.origin, p.end) + shift
-            self._spans.append(Span(clock.device.ordinal, p.unit, p.track, p.name, p.chunk, start, end))
+            self._keep(Span(clock.device.ordinal, p.unit, p.track, p.name, p.chunk, start, end))
             self._discard(p)
 
     @staticmethod
@@ -354,6 +371,26 @@ class Trace:
     def clear(self) -> None:
         """Forget the spans collected so far (clocks keep running)."""
         self._spans.clear()
+
+    def drain(self) -> tuple[Span, ...]:
+        """The spans read so far, oldest first, forgotten by the trace (clocks keep
+        running, notes stay): call it now and then in a long run to ship the spans
+        elsewhere and keep the trace's memory flat. Spans whose work has not finished
+        yet come with a later call."""
+        self._collect()
+        # popleft, one span at a time: a span the executor adds meanwhile (from the
+        # loop's thread) is neither lost nor returned twice.
+        out: list[Span] = []
+        popleft = self._spans.popleft
+        with contextlib.suppress(IndexError):
+            while True:
+                out.append(popleft())
+        return tuple(out)
+
+    @property
+    def dropped(self) -> int:
+        """How many spans ``max_spans`` has let go, oldest first (0 without a cap)."""
+        return self._dropped
 
     # -- reading --------------------------------------------------------------------------
     @property
