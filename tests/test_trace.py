@@ -364,3 +364,20 @@ def test_a_long_run_can_drain_its_trace_or_keep_only_the_latest_spans(sim_backen
         latest.close()
     with pytest.raises(ValueError, match="max_spans"):
         Trace(max_spans=0)
+
+
+def test_close_destroys_the_events_of_unfinished_spans(sim_backend: Any) -> None:
+    """close() dropped the spans whose work had not finished with their timing events
+    still alive: two leaked events per span."""
+    with Stream(0) as s:
+        before = len(sim_backend._events)
+        trace = Trace()
+        sim_backend.pause(s.handle)
+        for _ in range(10):
+            with trace.span(s, "compute", "unfinished"):
+                pass
+        trace.close()
+        assert len(sim_backend._events) == before
+        sim_backend.resume(s.handle)
+        s.synchronize()
+        assert trace.spans == ()

@@ -363,6 +363,9 @@ class Trace:
         work has not completed are dropped)."""
         with self._lock:
             self._collect_locked()
+            # Their events go back to their clocks' pools, to be destroyed with them
+            # (cuEventDestroy of an event not reached yet releases it once it is).
+            self._discard(*self._pending)
             self._pending.clear()
             for clock in self._clocks.values():
                 clock.close()
