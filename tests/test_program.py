@@ -411,6 +411,17 @@ def test_second_compile_comes_from_the_cache(
     assert done.returncode == 0, done.stderr
 
 
+def test_a_source_nvrtc_would_cut_short_or_cannot_take_is_refused() -> None:
+    """A NUL ended NVRTC's C string: the text after it was dropped without a word."""
+    with pytest.raises(ArgumentError, match=r"k.cu: the source contains a NUL character \(at offset 3\)"):
+        Program("int\0 garbage", name="k.cu")
+    with pytest.raises(ArgumentError, match="not valid text at offset 3"):
+        Program("// \udcff", name="k.cu")  # a lone surrogate (a file read with surrogateescape)
+    with pytest.raises(TypeError, match="source must be str"):
+        Program(b"int x;")  # type: ignore[arg-type]
+    assert Program("// größe ✓").source == "// größe ✓"
+
+
 def test_cache_argument_takes_a_switch_or_a_folder(tmp_path: pathlib.Path) -> None:
     assert Program("", cache=False)._cache is None
     assert Program("", cache=tmp_path)._cache is not None

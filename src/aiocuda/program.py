@@ -15,8 +15,8 @@ calling thread for tens to hundreds of milliseconds on a miss: in a coroutine, r
 
 Results are cached on disk (``Program(cache=...)``): a second process compiling the same
 source with the same name, options and included headers (their contents) for the same
-architecture and NVRTC version reads the image instead of compiling. An entry is a file in the cache folder, written atomically;
-delete the folder to clear the cache.
+architecture and NVRTC version reads the image instead of compiling. An entry is a
+file in the cache folder, written atomically; delete the folder to clear the cache.
 
 On the simulated backend, ``compile`` still compiles with NVRTC where it is installed
 (NVRTC needs no GPU), for the simulated device's architecture, so a bad program fails
@@ -39,6 +39,7 @@ from ._kernels import nvrtc
 from ._kernels.compile_cache import CachedImage, CompileCache, cached_compile
 from ._kernels.signature import cpp_linkage_kernels, source_signatures
 from ._kernels.symbols import sim_variables, source_variables
+from ._util import invalid_value
 from .device import Device, _as_device
 from .errors import CompileError
 from .module import Module
@@ -120,6 +121,16 @@ class Program:
         name: str = "program.cu",
         cache: bool | str | os.PathLike[str] = True,
     ) -> None:
+        if not isinstance(source, str):
+            raise TypeError(f"source must be str (CUDA C++ text), not {type(source).__name__}")
+        # NVRTC takes the source as a C string: it compiled the text before a NUL and
+        # silently dropped the rest; a lone surrogate cannot be encoded for it at all.
+        if "\0" in source:
+            raise invalid_value(f"{name}: the source contains a NUL character (at offset {source.index(chr(0))})")
+        try:
+            source.encode()
+        except UnicodeEncodeError as exc:
+            raise invalid_value(f"{name}: the source is not valid text at offset {exc.start}: {exc.reason}") from None
         self.source = source
         self.options = options or ProgramOptions()
         self.name_expressions = tuple(name_expressions)
