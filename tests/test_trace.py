@@ -20,7 +20,7 @@ from aiocuda.executor import Executor
 from aiocuda.host import pinned_empty
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
-from aiocuda.trace import Span, Trace, TraceSummary
+from aiocuda.trace import UNITS, Span, Trace, TraceSummary
 
 from ._workload import Gate
 
@@ -381,3 +381,20 @@ def test_close_destroys_the_events_of_unfinished_spans(sim_backend: Any) -> None
         sim_backend.resume(s.handle)
         s.synchronize()
         assert trace.spans == ()
+
+
+def test_each_unit_track_is_its_own_chrome_thread(sim_backend: Any) -> None:
+    """Thread ids were 10 x unit + track: h2d track 11 and compute track 1 were one
+    thread (21), their spans drawn on one row under one of the two names."""
+    trace = Trace()
+    spans = [Span(0, unit, track, f"{unit} {track}", None, 0.0, 1.0) for unit in UNITS for track in range(25)]
+    trace.add(*spans)
+    events = trace.to_chrome()["traceEvents"]
+    tids = {e["name"]: e["tid"] for e in events if e["ph"] == "X"}
+    assert len(set(tids.values())) == len(spans)
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert names[tids["h2d 11"]] == "h2d 11" and names[tids["compute 1"]] == "compute 1"
+    order = sorted((e["args"]["sort_index"], names[e["tid"]]) for e in events if e["name"] == "thread_sort_index")
+    assert [name for _, name in order[:3]] == ["h2d", "h2d 1", "h2d 2"]
+    with Stream(0) as s, pytest.raises(ValueError, match="track"), trace.span(s, "compute", "k", track=-1):
+        pass

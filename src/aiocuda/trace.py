@@ -254,6 +254,8 @@ class Trace:
         then, so that the timing events of unread spans do not pile up. A block left by
         an exception records nothing.
         """
+        if isinstance(track, bool) or not isinstance(track, int) or track < 0:
+            raise ValueError(f"track must be an int >= 0, got {track!r}")
         pending = self._start(stream, unit, name, chunk=chunk, track=track)
         try:
             yield
@@ -470,7 +472,13 @@ class Trace:
             tid = _tid(unit, track)
             events.append({"name": "thread_name", "ph": "M", "pid": device + 1, "tid": tid, "args": {"name": label}})
             events.append(
-                {"name": "thread_sort_index", "ph": "M", "pid": device + 1, "tid": tid, "args": {"sort_index": tid}}
+                {
+                    "name": "thread_sort_index",
+                    "ph": "M",
+                    "pid": device + 1,
+                    "tid": tid,
+                    "args": {"sort_index": _sort_index(unit, track)},
+                }
             )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -485,7 +493,12 @@ class Trace:
 
 
 def _tid(unit: str, track: int) -> int:
-    """Track ids: h2d 1, compute 2 (further compute streams 21, 22, ...), d2h 3, p2p 4,
-    graph 5 (further graph lanes 51, 52, ...)."""
-    base = UNITS.index(unit) + 1
-    return base if track == 0 else 10 * base + track
+    """Track ids, one per unit and track: h2d 1, compute 2, d2h 3, p2p 4, graph 5, and
+    for track t the unit's id + 10 t (compute 12, 22, ...; graph 15, 25, ...). (Once
+    10 x unit + track, which gave h2d track 11 and compute track 1 one id: 21.)"""
+    return UNITS.index(unit) + 1 + 10 * track
+
+
+def _sort_index(unit: str, track: int) -> int:
+    """Perfetto's thread order: by unit, then track."""
+    return 1000 * (UNITS.index(unit) + 1) + track
