@@ -110,3 +110,16 @@ def test_the_simulator_reports_profiling() -> None:
                 pass
         assert not sim.profiling
         assert [event[0] for event in sim.nvtx_events()] == ["start", "end"]
+
+
+def test_profile_blocks_nest(sim_backend: Any) -> None:
+    """The first profile() block to end stopped the collection, while an outer block
+    (or another task's) was still open."""
+    with profile():
+        with profile(0):
+            assert sim_backend.profiling
+        assert sim_backend.profiling
+        with profile(1):
+            pass
+        assert sim_backend.profiling
+    assert not sim_backend.profiling

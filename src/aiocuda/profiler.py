@@ -24,12 +24,21 @@ need the NVTX library (``pip install nvidia-nvtx``), without which they do nothi
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 from . import _driver
 from .device import Device, _as_device
 
 __all__ = ["NvtxRange", "nvtx_available", "nvtx_range", "profile", "start_range"]
+
+# profile() blocks open: the driver's start/stop is a switch, not a count, so the first of
+# two nested or overlapping blocks (two requests profiled at once) to end stopped the
+# collection for the other. Only the first block starts it and the last stops it. One
+# count for the process, whatever the devices: Nsight's capture range (and the
+# simulator's flag) is the process's.
+_open_blocks = [0]
+_profiling_lock = threading.Lock()
 
 
 def _argb(color: int | None) -> int | None:
@@ -89,12 +98,19 @@ def nvtx_available() -> bool:
 def profile(device: Device | int | None = None) -> Iterator[None]:
     """Collect profile data only inside the block (``cuProfilerStart``/``Stop`` for
     ``device``'s context, default 0), for ``nsys profile --capture-range=cudaProfilerApi``.
-    Blocks do not nest: the first ``profile()`` to end stops the collection."""
+    Blocks nest and overlap (from several tasks or threads): collection runs from the
+    first block's start to the last block's end."""
     dev = _as_device(device)
-    dev.make_current()
-    dev._driver.profiler_start()
+    with _profiling_lock:
+        if not _open_blocks[0]:
+            dev.make_current()
+            dev._driver.profiler_start()
+        _open_blocks[0] += 1
     try:
         yield
     finally:
-        dev.make_current()
-        dev._driver.profiler_stop()
+        with _profiling_lock:
+            _open_blocks[0] -= 1
+            if not _open_blocks[0]:
+                dev.make_current()
+                dev._driver.profiler_stop()
