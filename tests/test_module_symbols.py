@@ -226,3 +226,18 @@ def test_link_needs_inputs(backend: _driver.Driver) -> None:
         Module.link([])
     with pytest.raises(TypeError, match="JitOptions"):
         Module.link([Module(b"x", kind="ptx")], options="fast")  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_a_variable_of_an_unloaded_module_raises_when_used(module: Module, anyio_backend: object) -> None:
+    """Its copies wrote freed device memory: the simulator poisoned the device."""
+    coeffs = module.get_global("coeffs")
+    await coeffs.copy_from(np.ones(4, dtype=np.float32))
+    module.unload()
+    with pytest.raises(ArgumentError, match=r"a variable of module 'program\.cu', which was unloaded"):
+        await coeffs.to_host()
+    with pytest.raises(ArgumentError, match="which was unloaded"):
+        await coeffs.copy_from(np.zeros(4, dtype=np.float32))
+    again = module.get_global("coeffs")  # the reloaded module's variable works
+    await again.copy_from(np.full(4, 2, dtype=np.float32))
+    assert (await again.to_host()).tolist() == [2.0] * 4

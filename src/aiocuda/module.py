@@ -106,6 +106,7 @@ class Module:
         "__weakref__",
         "_cpp_kernels",
         "_finalizer",
+        "_globals",
         "_handles",
         "_jit_logs",
         "_kernels",
@@ -159,6 +160,10 @@ class Module:
         self._lock = threading.Lock()
         self._handles: dict[tuple[int, int], tuple[Device, Any]] = {}
         self._kernels: weakref.WeakValueDictionary[Any, Kernel] = weakref.WeakValueDictionary()
+        # The memory of get_global's arrays, made unusable by unload(): a copy into a
+        # variable of an unloaded module wrote freed device memory (on the simulator it
+        # poisoned the device).
+        self._globals: weakref.WeakSet[OwnedBuffer] = weakref.WeakSet()
         self._finalizer = weakref.finalize(self, _unload_all, self._handles)
 
     @classmethod
@@ -266,7 +271,8 @@ class Module:
         array.to_host()``), enqueued on ``stream`` (default: the device's current stream).
         Kernels launched after a write has been awaited see the new values.
 
-        The array keeps the module alive; it must not be used after :meth:`unload`.
+        The array keeps the module alive; after :meth:`unload` it raises ArgumentError
+        when used (ask again for the variable of the reloaded module).
         ArgumentError (``CUDA_ERROR_NOT_FOUND``) when the module has no such variable.
         """
         # The device of the stream given, or else of the current stream: the copy of the
@@ -288,7 +294,9 @@ class Module:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if math.prod(dims) * element.itemsize > size:
             raise invalid_value(f"variable {name!r} has {size} bytes; shape {dims} of {element} does not fit")
-        return DeviceArray(dims, element, buffer=OwnedBuffer(ptr, size, dev, s, self))
+        buffer = OwnedBuffer(ptr, size, dev, s, self)
+        self._globals.add(buffer)
+        return DeviceArray(dims, element, buffer=buffer)
 
     @classmethod
     def link(
@@ -332,8 +340,12 @@ class Module:
         """Unload from every device it was loaded on (it reloads if used again).
 
         Kernels obtained from it forget their functions and cached launchers; launchers
-        returned earlier by ``Kernel.bind`` must not be used afterwards."""
+        returned earlier by ``Kernel.bind`` must not be used afterwards. Arrays from
+        :meth:`get_global` raise ArgumentError when used afterwards."""
         with self._lock:
+            for buffer in list(self._globals):
+                buffer.lose(invalid_value(f"a variable of module {self.name or self.kind!r}, which was unloaded"))
+            self._globals.clear()
             _unload_all(self._handles)
             for kernel in list(self._kernels.values()):
                 kernel._forget()
