@@ -398,3 +398,27 @@ def test_each_unit_track_is_its_own_chrome_thread(sim_backend: Any) -> None:
     assert [name for _, name in order[:3]] == ["h2d", "h2d 1", "h2d 2"]
     with Stream(0) as s, pytest.raises(ValueError, match="track"), trace.span(s, "compute", "k", track=-1):
         pass
+
+
+def test_a_failed_chrome_write_leaves_the_previous_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_chrome replaces the file whole: a write that fails midway (a full disk, here
+    an OSError from write_text) leaves the previous trace as it was, and no partial file."""
+    path = tmp_path / "t.json"
+    path.write_text('{"traceEvents": []}')
+    trace = Trace()
+    trace.add(Span(0, "h2d", 0, "h2d", 0, 0.5, 1.5))
+
+    def full_disk(self: pathlib.Path, text: str) -> int:
+        with self.open("w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        trace.write_chrome(path)
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"traceEvents": []}
+    assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
+    assert json.loads(trace.write_chrome(path).read_text())["traceEvents"]

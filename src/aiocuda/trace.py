@@ -41,6 +41,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import os
 import pathlib
 import threading
 import time
@@ -483,9 +484,16 @@ class Trace:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write_chrome(self, path: str | pathlib.Path) -> pathlib.Path:
-        """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev or chrome://tracing)."""
+        """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev or chrome://tracing).
+        The file is replaced whole: a write that fails (a full disk) leaves what was there."""
         target = pathlib.Path(path)
-        target.write_text(json.dumps(self.to_chrome()))
+        text = json.dumps(self.to_chrome())
+        partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
+        try:
+            partial.write_text(text)
+            os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)
         return target
 
     def __repr__(self) -> str:
@@ -494,8 +502,8 @@ class Trace:
 
 def _tid(unit: str, track: int) -> int:
     """Track ids, one per unit and track: h2d 1, compute 2, d2h 3, p2p 4, graph 5, and
-    for track t the unit's id + 10 t (compute 12, 22, ...; graph 15, 25, ...). (Once
-    10 x unit + track, which gave h2d track 11 and compute track 1 one id: 21.)"""
+    for track t the unit's id + 10 t (compute 12, 22, ...; graph 15, 25, ...)."""
+    # (Once 10 x unit + track, which gave h2d track 11 and compute track 1 one id: 21.)
     return UNITS.index(unit) + 1 + 10 * track
 
 
