@@ -422,3 +422,16 @@ def test_a_failed_chrome_write_leaves_the_previous_file(
     assert json.loads(path.read_text()) == {"traceEvents": []}
     assert [p.name for p in tmp_path.iterdir()] == ["t.json"]
     assert json.loads(trace.write_chrome(path).read_text())["traceEvents"]
+
+
+def test_a_span_given_back_after_its_trace_closed_destroys_its_events(sim_backend: Any) -> None:
+    """A chunk's spans are its own until it ends: one still in flight when its executor's
+    trace closed gave its events back to a closed clock's pool, which nothing destroys."""
+    with Stream(0) as s:
+        before = len(sim_backend._events)
+        trace = Trace()
+        pending = trace._start(s, "compute", "in flight")
+        Trace._stop(pending, s)
+        trace.close()
+        Trace._discard(pending)  # (the chunk, cancelled after the close)
+        assert len(sim_backend._events) == before

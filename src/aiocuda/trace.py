@@ -145,12 +145,13 @@ def _union_ms(intervals: Iterable[tuple[float, float]]) -> float:
 class _Clock:
     """One device's origin event and its pool of timing events."""
 
-    __slots__ = ("device", "driver", "free", "origin", "origin_host_ms")
+    __slots__ = ("closed", "device", "driver", "free", "origin", "origin_host_ms")
 
     def __init__(self, device: Device, stream: Stream) -> None:
         self.device = device
         self.driver = device._driver
         self.free: list[Any] = []
+        self.closed = False
         self.origin = self.acquire()
         self.driver.event_record(self.origin, stream.handle)
         self.origin_host_ms = time.perf_counter() * 1e3
@@ -167,12 +168,20 @@ class _Clock:
         self.driver.event_record(handle, stream.handle)
         return handle
 
+    def release(self, handle: Any) -> None:
+        """Take back a span's event: pooled, or destroyed once the clock is closed (a span
+        of work still in flight when its trace closed, given back later)."""
+        if not self.closed:
+            self.free.append(handle)
+            return
+        with contextlib.suppress(Exception):
+            self.driver.event_destroy(handle)
+
     def close(self) -> None:
+        self.closed = True
         for handle in (*self.free, self.origin):
-            try:
+            with contextlib.suppress(Exception):
                 self.driver.event_destroy(handle)
-            except Exception:
-                pass
         self.free.clear()
 
 
@@ -333,10 +342,9 @@ class Trace:
         for p in pending:
             if p.nvtx is not None:
                 p.nvtx.end()
-            free = p.clock.free
             for handle in (p.start, p.end):
                 if handle is not None:
-                    free.append(handle)
+                    p.clock.release(handle)
             p.start = p.end = None
 
     def _collect(self, *, reschedule: bool = False) -> None:
