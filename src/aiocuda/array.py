@@ -443,6 +443,15 @@ def _leave(buffer: Any, stream: Stream) -> None:
         buffer.stream.wait(stream)
 
 
+def _stream_of_new(device: Device | int | None, pool: MemoryPool | None) -> Stream:
+    """The stream a new array is allocated on when no ``stream=`` was given (see
+    :func:`empty`): the task's current stream, which must be of ``device`` or of
+    ``pool``'s device, else the default stream of that device."""
+    if pool is None:
+        return _stream_for_new(device)
+    return _stream_for_new(pool.device, "a pool of device")
+
+
 def _device_of(device: Device | int | None, stream: Stream | None) -> Device:
     """The device of a new array: ``stream``'s, which ``device``, if given too, must be."""
     if stream is None:
@@ -486,7 +495,8 @@ def empty(
         nbytes = math.prod(dims) * itemsize
     if stream is None:
         # The stream is chosen here rather than by pool.allocate: inside use_stream()
-        # the current stream's device is the array's (see _stream_for_new).
+        # the current stream's device is the array's (see _stream_for_new). This is
+        # _stream_of_new, written out (the hot path).
         stream = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
         on = stream.device
     elif pool is None:
@@ -540,7 +550,7 @@ def empty_pitched(
     for n in reversed(dims[1:-1]):
         strides.append(strides[-1] * max(n, 1))
     if stream is None:
-        stream = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
+        stream = _stream_of_new(device, pool)
     if pool is None:
         pool = _pool_for(_device_of(device, stream))
     buf = pool.allocate(math.prod(dims[:-1]) * pitch if dims[-1] else 0, stream)
@@ -598,7 +608,7 @@ async def to_device(
         _device_of(device, stream)  # raises where they disagree
         s = stream
     else:
-        s = _stream_for_new(device) if pool is None else _stream_for_new(pool.device, "a pool of device")
+        s = _stream_of_new(device, pool)
     result = empty(host.shape, host.dtype, stream=s, pool=pool)
     return await _filled(result, _upload(result.ptr, host, s))
 
