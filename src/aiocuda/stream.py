@@ -196,17 +196,20 @@ class Stream:
         self._holds: _Holds = deque()
         self._engine = current_engine()
         self._engine.prepare(device)
+        self._set_finalizer(destroy_handle=owned)
+
+    def _set_finalizer(self, *, destroy_handle: bool) -> None:
+        """Retire the stream when it is closed or collected (:func:`_retire`): release its
+        holds and, with ``destroy_handle``, destroy its handle."""
         self._finalizer = weakref.finalize(
-            self, _retire, self._driver, self._engine, handle, owned, self._pool, self._holds
+            self, _retire, self._driver, self._engine, self._handle, destroy_handle, self._pool, self._holds
         )
 
     def _keep_handle(self) -> None:
         """Never destroy the handle, when closed or collected: a library keeps state by it
         (``aiocuda._memory.library_streams``). Holds are released as before."""
         if self.owned and self._finalizer.detach() is not None:
-            self._finalizer = weakref.finalize(
-                self, _retire, self._driver, self._engine, self._handle, False, self._pool, self._holds
-            )
+            self._set_finalizer(destroy_handle=False)
 
     @classmethod
     def wrap(cls, obj: Any, device: Device | int | None = None) -> Stream:
