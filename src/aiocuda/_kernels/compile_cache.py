@@ -31,7 +31,7 @@ __all__ = ["CachedImage", "CompileCache", "cache_key", "cached_compile", "defaul
 
 FORMAT_VERSION = 2
 _HEADER_END = b"\n"
-_KINDS = ("cubin", "ptx", "ltoir", "sim")
+_IMAGE_KINDS = ("cubin", "ptx", "ltoir", "sim")  # CachedImage.kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +40,7 @@ class CachedImage:
 
     image: bytes
     kind: str
-    """``"cubin"``, ``"ptx"`` or ``"sim"``."""
+    """``"cubin"``, ``"ptx"``, ``"ltoir"`` (``-dlto``) or ``"sim"``."""
     lowered_names: dict[str, str]
     """Name expression (``"axpy<float>"``) -> the symbol the module exports."""
     log: str = ""
@@ -99,7 +99,7 @@ class CompileCache:
             if (
                 meta.get("format") != FORMAT_VERSION
                 or meta.get("size") != len(image)
-                or meta.get("kind") not in _KINDS
+                or meta.get("kind") not in _IMAGE_KINDS
                 # A damaged image of the right size would reach the driver as code.
                 or meta.get("sha256") != hashlib.sha256(image).hexdigest()
             ):
