@@ -42,6 +42,8 @@ included, may raise these.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 __all__ = [
     "STICKY_CODES",
     "ArgumentError",
@@ -190,6 +192,9 @@ _CAPTURE_CODES = frozenset(
 )
 
 
+_E = TypeVar("_E", bound="CudaError")
+
+
 class CudaError(Exception):
     """A failure reported by the CUDA driver (or diagnosed by aiocuda on its behalf).
 
@@ -214,6 +219,12 @@ class CudaError(Exception):
         self.name = name
         self.description = description
         self.call = call
+
+    @classmethod
+    def like(cls: type[_E], other: CudaError, message: str) -> _E:
+        """A ``cls`` error saying ``message`` for the same failure as ``other``: its code,
+        name, description and call (a clearer error where the driver's says too little)."""
+        return cls(message, code=other.code, name=other.name, description=other.description, call=other.call)
 
 
 class OutOfMemoryError(CudaError, MemoryError):
@@ -245,13 +256,7 @@ class ContextPoisonedError(CudaError):
     def earlier(cls, failure: ContextPoisonedError, what: str) -> ContextPoisonedError:
         """The error refusing new work because ``what`` (``"device 0"``) failed earlier
         with ``failure``: its code, name and call, and a message that says to restart."""
-        return cls(
-            f"{what} failed earlier and cannot run anything more (restart the process): {failure}",
-            code=failure.code,
-            name=failure.name,
-            description=failure.description,
-            call=failure.call,
-        )
+        return cls.like(failure, f"{what} failed earlier and cannot run anything more (restart the process): {failure}")
 
 
 class NoDeviceError(CudaError):

@@ -211,13 +211,8 @@ class Kernel(metaclass=NoPublicConstructor):
         hint = ""
         if "<" in self.name and self.name not in self.module.lowered_names:
             hint = f"; compile it with Program(..., name_expressions=[{self.name!r}])"
-        return ArgumentError(
-            f"module {self.module.name or self.module.kind!r} has no kernel {self.name!r}: it defines {defined}{hint}",
-            code=exc.code,
-            name=exc.name,
-            description=exc.description,
-            call=exc.call,
-        )
+        module = self.module.name or self.module.kind
+        return ArgumentError.like(exc, f"module {module!r} has no kernel {self.name!r}: it defines {defined}{hint}")
 
     async def load(self, device: Device | int | None = None) -> None:
         """Load the kernel's module on ``device`` (default 0) and look the kernel up, on a

@@ -212,12 +212,10 @@ class ManagedPool(MemoryPool):
         except CudaError as exc:
             if exc.code not in (ResultCode.NOT_SUPPORTED, ResultCode.INVALID_VALUE):
                 raise
-            raise CudaError(
+            raise CudaError.like(
+                exc,
                 f"this driver offers no managed memory pools ({exc}); they need CUDA 13 on Linux and a GPU with "
                 "concurrent managed access. Use aiocuda.managed.empty() without a pool instead.",
-                code=exc.code,
-                name=exc.name,
-                call=exc.call,
             ) from exc
         assert isinstance(pool, ManagedPool)
         pool.oversubscribe = oversubscribe
