@@ -257,12 +257,10 @@ class DeviceArray:
         """The stream to enqueue on, ordered after the array's previous work: of the
         array's device unless ``any_device`` (a stream of another device would leave the
         memory's free unordered after the work: :func:`copy` orders both ways itself)."""
-        chosen = stream if stream is not None else current_stream(self.device)
-        if chosen.device is not self.device and not any_device:
-            raise invalid_value(
-                f"a stream of device {chosen.device.ordinal} for an array of device {self.device.ordinal}: "
-                "pass a stream of the array's device (aiocuda.copy_array copies between devices)"
-            )
+        if any_device:
+            chosen = stream if stream is not None else current_stream(self.device)
+        else:
+            chosen = _stream_on(self.device, stream)
         _enter(self.buffer, chosen)
         return chosen
 
@@ -441,6 +439,19 @@ def _leave(buffer: Any, stream: Stream) -> None:
     stream (where it will be freed) ordered after that work."""
     if buffer.device is not stream.device:
         buffer.stream.wait(stream)
+
+
+def _stream_on(device: Device, stream: Stream | None) -> Stream:
+    """The stream for work on memory of ``device``: ``stream``, which must be of that
+    device (ArgumentError otherwise), else the device's current stream."""
+    if stream is None:
+        return current_stream(device)
+    if stream.device is not device:
+        raise invalid_value(
+            f"a stream of device {stream.device.ordinal} for an array of device {device.ordinal}: "
+            "pass a stream of the array's device (aiocuda.copy_array copies between devices)"
+        )
+    return stream
 
 
 def _stream_of_new(device: Device | int | None, pool: MemoryPool | None) -> Stream:

@@ -36,10 +36,10 @@ from typing import Any
 import numpy as np
 
 from .._util import byte_span, c_strides, invalid_value, shape_tuple
-from ..array import DeviceArray, _check_dtype, _over_new_buffer
+from ..array import DeviceArray, _check_dtype, _over_new_buffer, _stream_on
 from ..device import Device
 from ..errors import ArgumentError
-from ..stream import Stream, current_stream
+from ..stream import Stream
 from . import library_streams
 from .buffers import OwnedBuffer
 
@@ -422,7 +422,7 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
         device = Device(probe_driver.pointer_device_ordinal(int(ptr)))
     else:  # a zero-size array (CAI's null pointer): on no device, so on the stream's
         device = stream.device if stream is not None else Device(0)
-    target = _target(stream, device)
+    target = _stream_on(device, stream)
     if foreign is not None:  # the producer's stream: order our work after its pending writes
         target.wait(Stream.wrap(int(foreign), device=device))
     return _wrap(int(ptr), shape, dtype, strides, device, target, obj)
@@ -441,22 +441,6 @@ def _producer_stream(obj: Any, ordinal: int) -> int | None:
     return library_streams.torch_current_stream(ordinal)
 
 
-def _target(stream: Stream | None, device: Device) -> Stream:
-    """The stream aiocuda's work on an imported array of ``device`` goes on: ``stream``,
-    which must be of that device, else the device's current stream."""
-    if stream is None:
-        return current_stream(device)
-    if stream.device is not device:
-        # (as for aiocuda's own arrays: work there would touch the memory from another
-        # device, and the array's last-use stream, which its owner's free must follow,
-        # would be of a device the memory is not on)
-        raise invalid_value(
-            f"a stream of device {stream.device.ordinal} for an array of device {device.ordinal}: "
-            "pass a stream of the array's device (aiocuda.copy_array copies between devices)"
-        )
-    return stream
-
-
 def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     """A zero-copy :class:`DeviceArray` over another library's device array.
 
@@ -473,7 +457,7 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
         device_type, device_id = dlpack_device()
         if int(device_type) in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
             device = Device(int(device_id))
-            target = _target(stream, device)
+            target = _stream_on(device, stream)
             value = _stream_value(target)
             if _producer_stream(obj, device.ordinal) == value:
                 value = -1  # its pending work is on ``target`` already: DLPack's "no synchronisation"
