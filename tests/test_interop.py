@@ -14,11 +14,12 @@ import pytest
 import aiocuda.array as ga
 from aiocuda import _driver
 from aiocuda._memory import interop as _interop
+from aiocuda._memory.copies import copy_device
 from aiocuda._memory.interop import DLPACK_CUDA, as_device_array
 from aiocuda.errors import CaptureError
 from aiocuda.stream import Stream
 
-from ._workload import slow_op
+from ._workload import Gate, slow_op
 
 pytestmark = pytest.mark.anyio
 
@@ -262,6 +263,41 @@ async def test_zero_copy_import_round_trip(backend: _driver.Driver, anyio_backen
         await consumer
 
 
+@pytest.mark.parametrize("foreign", [False, True], ids=["pool-memory", "foreign-memory"])
+async def test_memory_exported_by_dlpack_outlives_the_consumers_stream_work(
+    backend: _driver.Driver, anyio_backend: object, foreign: bool
+) -> None:
+    """PyTorch calls a DLPack tensor's deleter when the host drops the tensor, while its
+    stream may still have kernels reading it: the array's memory was freed in order on
+    the array's own stream, so the next allocation there could reuse it (pool memory),
+    or its owner let it go (foreign memory), under the consumer's reads."""
+    n = 1 << 14
+    original = np.arange(n, dtype=np.float32)
+    with Stream(0) as ours, Stream(0) as consumer:
+        x = await ga.to_device(original, stream=ours)
+        exported = as_device_array(_CAIOnly(x), stream=ours) if foreign else x
+        out = ga.empty(n, np.float32, stream=consumer)
+        with Gate(consumer) as gate:  # the consumer's kernels are still to run
+            capsule = exported.__dlpack__(stream=int(consumer))
+            address = _interop._capi.PyCapsule_GetPointer(capsule, b"dltensor")
+            managed = _interop._DLManagedTensor.from_address(address)
+            _interop._capi.PyCapsule_SetName(capsule, b"used_dltensor")
+            copy_device(out.ptr, managed.dl_tensor.data, 4 * n, consumer)  # the consumer reads it
+            managed.deleter(ctypes.pointer(managed))  # ... and drops its tensor at once
+            buffer = exported.buffer  # its free, or its owner's release, waits for the consumer:
+            after = buffer._state[2:] if foreign else buffer._waits
+            assert after and not after[-1].query() and after[-1]._stream_handle is consumer._handle
+            del x, exported, capsule, managed, buffer, after
+            gc.collect()
+            ours.hold(object())  # (lets go of what ours held whose work has run)
+            reused = ga.empty(n, np.float32, stream=ours)
+            ours.device._driver.memset_d32_async(reused.ptr, 0x7FC00000, n, ours.handle)
+            gate.open()
+            await ours
+            np.testing.assert_array_equal(await out.to_host(stream=consumer), original)
+        assert not gate.timed_out
+
+
 class _Interface:
     """An object whose ``__cuda_array_interface__`` is the dict given."""
 
@@ -347,6 +383,33 @@ async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: ob
     await contiguous.fill(7)
     torch.cuda.synchronize()
     assert int(torch.from_dlpack(contiguous).sum()) == 700
+
+
+@pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
+async def test_torch_reads_an_array_it_dropped_before_its_stream_ran(
+    cuda_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A tensor from ``torch.from_dlpack`` dropped at once, its kernels still queued on
+    PyTorch's stream: the array's memory, dropped too and reallocated on its own stream,
+    is not overwritten before those kernels read it."""
+    import torch
+
+    n = 1 << 20
+    original = np.arange(n, dtype=np.float32)
+    side = torch.cuda.Stream()
+    with Stream(0) as ours, Gate(Stream.wrap(side)) as gate, torch.cuda.stream(side):
+        x = await ga.to_device(original, stream=ours)
+        t = torch.from_dlpack(x)  # ordered on ``side``, PyTorch's current stream
+        doubled = t * 2  # queued behind the gate
+        del t, x
+        gc.collect()
+        reused = ga.empty(n, np.float32, stream=ours)
+        ours.device._driver.memset_d32_async(reused.ptr, 0x7FC00000, n, ours.handle)
+        gate.open()
+        await ours
+        side.synchronize()
+        np.testing.assert_array_equal(doubled.cpu().numpy(), 2 * original)
+    assert not gate.timed_out
 
 
 _KEPT_TO_EXIT = """

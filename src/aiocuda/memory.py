@@ -707,14 +707,19 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
             event = crossing
         else:
             event = previous.record()
+        stream.wait(event)
+        self._free_after(event)
+        self._stream = stream
+
+    def _free_after(self, event: Any) -> None:
+        """Free the memory only once ``event`` has completed, besides the work on the
+        last-use stream (the end of another stream's use: a DLPack consumer's)."""
         waits = self._waits
         if waits is None:
             waits = self._waits = []
         elif len(waits) >= 8:
             waits[:] = [e for e in waits if not e.query()]
-        stream.wait(event)
         waits.append(event)
-        self._stream = stream
 
     def free(self, stream: Stream | None = None) -> None:
         """Free now (stream-ordered): on ``stream`` if given -- which must be ordered after

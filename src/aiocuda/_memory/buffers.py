@@ -38,7 +38,7 @@ class OwnedBuffer:
         self.size = size
         self.device = device
         self._unusable: CudaError | None = None
-        self._state = [stream, owner]
+        self._state = [stream, owner]  # then the events its release waits for (_free_after)
         self._finalizer = weakref.finalize(self, _hand_over, self._state)
 
     @property
@@ -70,6 +70,14 @@ class OwnedBuffer:
             stream.wait(previous)
             self._state[0] = stream
 
+    def _free_after(self, event: Any) -> None:
+        """Release the owner only once ``event`` has completed, besides the work on the
+        last-use stream (the end of another stream's use: a DLPack consumer's)."""
+        state = self._state
+        if len(state) >= 10:  # (an array exported over and over: keep the pending ones)
+            state[2:] = [e for e in state[2:] if not e.query()]
+        state.append(event)
+
     def free(self) -> None:
         """Let the memory go now: its owner is released once the work aiocuda enqueued
         on it has completed. Idempotent; the address raises afterwards."""
@@ -88,7 +96,9 @@ class OwnedBuffer:
 
 
 def _hand_over(state: list[Any]) -> None:
-    stream, owner = state
+    stream, owner, *after = state
     state[1] = None
     with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
+        for event in after:
+            stream.wait(event)
         stream.hold(owner)

@@ -12,7 +12,9 @@ Export (``DeviceArray.__cuda_array_interface__`` / ``__dlpack__``):
 * ``__dlpack__(stream=s)`` honours the *consumer's* stream: ``s`` is made to wait, on
   the GPU, for the array's pending work (``None`` means the legacy default stream, 1;
   ``-1`` asks for no synchronisation). The capsule keeps the array -- hence its memory
-  -- alive until the consumer's deleter runs. Legacy (unversioned) ``"dltensor"``
+  -- alive until the consumer's deleter runs, and the memory is freed only after the
+  work the consumer's stream had by then (consumers such as PyTorch call the deleter
+  when the host drops the tensor, not when their stream's work on it has run). Legacy (unversioned) ``"dltensor"``
   capsules are produced; every consumer accepts them.
 
 Import (:func:`as_device_array`): DLPack first, then the array interface, then Numba's
@@ -127,7 +129,8 @@ def _int64s(n: int) -> Any:
 
 
 # Exported tensors still owned by a capsule or a consumer: address -> (struct, shape
-# and strides storage, the array).
+# and strides storage, the array, the consumer's stream where it is another than the
+# array's, else None).
 _exports: dict[int, tuple[Any, ...]] = {}
 _exports_lock = threading.Lock()
 
@@ -218,10 +221,26 @@ def _immortal(thunk: Any) -> Any:
 
 
 def _forget_export(
-    managed: Any, _addressof: Any = ctypes.addressof, _lock: Any = _exports_lock, _exported: Any = _exports
+    managed: Any,
+    _addressof: Any = ctypes.addressof,
+    _lock: Any = _exports_lock,
+    _exported: Any = _exports,
+    _finalizing: Any = sys.is_finalizing,
+    _failure: type[BaseException] = Exception,
 ) -> None:
     with _lock:
-        _exported.pop(_addressof(managed.contents), None)
+        entry = _exported.pop(_addressof(managed.contents), None)
+    if entry is None or entry[3] is None or _finalizing():
+        return
+    _, _, array, consumer = entry
+    # The consumer lets the tensor go when the host drops it, not when its stream's work
+    # on it has run: the array's memory is freed only after what that stream has so far
+    # (PyTorch's record_stream). Called from C: nothing may raise.
+    try:
+        consumer.device.make_current()
+        array.buffer._free_after(consumer.record())
+    except _failure:  # e.g. the consumer's context is gone: nothing left to order
+        pass
 
 
 _deleter = _immortal(_DELETER(_forget_export))
@@ -255,7 +274,9 @@ _capsule_destructor = _immortal(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy
 _CAPSULE_DESTRUCTOR = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
 
 
-def _order_consumer(array: DeviceArray, stream: int | None) -> None:
+def _order_consumer(array: DeviceArray, stream: int | None) -> Stream | None:
+    """Make the consumer's ``stream`` (a DLPack stream value) wait for ``array``'s pending
+    work; return it, wrapped, where it is another stream than the array's."""
     if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream == 0 or stream < -1):
         # (the DLPack protocol for CUDA: None or 1 the legacy default stream, 2 the
         # per-thread one, a larger int a stream handle, -1 no ordering; 0 is ambiguous)
@@ -264,16 +285,18 @@ def _order_consumer(array: DeviceArray, stream: int | None) -> None:
             "(0 is not allowed: it could mean the legacy or the per-thread default stream)"
         )
     if stream == -1:
-        return
+        return None
     producer = array.stream
     value = 1 if stream is None else stream
     if value == _stream_value(producer):
-        return  # the consumer's stream is the producer's: ordered already
+        return None  # the consumer's stream is the producer's: ordered already
     try:
         consumer = Stream.wrap(value, device=array.device)
         consumer.wait(producer)
     except ArgumentError:  # a stream value this backend cannot wrap: wait on the host
         producer.synchronize()
+        return None
+    return consumer
 
 
 def to_dlpack(
@@ -292,7 +315,7 @@ def to_dlpack(
             f"dtype {array.dtype} ({array.dtype.str}) has no DLPack equivalent: DLPack exchanges bool, "
             "ints of 1 to 8 bytes, IEEE float16/32/64 and complex64/128, in native byte order"
         )
-    _order_consumer(array, stream)
+    consumer = _order_consumer(array, stream)
     # One constructor call per struct and one int64 array for the shape and strides:
     # setting the fields one by one, with a ctypes.cast for each pointer, took 13 us on
     # the development machine, this 8.5 (a PyTorch request through a lane crosses DLPack
@@ -314,7 +337,7 @@ def to_dlpack(
     managed = _DLManagedTensor(tensor, None, _deleter)
     address = ctypes.addressof(managed)
     with _exports_lock:
-        _exports[address] = (managed, storage, array)
+        _exports[address] = (managed, storage, array, consumer)
     return _capi.PyCapsule_New(address, _CAPSULE_NAME, _CAPSULE_DESTRUCTOR)
 
 
