@@ -10,6 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import aiocuda
 from aiocuda import _driver
@@ -70,6 +72,122 @@ def test_out_of_range_ordinal_is_a_typed_error(backend: _driver.Driver) -> None:
 def test_unknown_attribute_is_a_typed_error(backend: _driver.Driver) -> None:
     with pytest.raises(ArgumentError, match="no_such_attribute"):
         Device(0).attribute("no_such_attribute")
+
+
+def _pci_forms(bus_id: str) -> list[str]:
+    """``bus_id`` (``domain:bus:device.function``) as people and tools write it."""
+    domain, bus, rest = bus_id.split(":")
+    device, function = rest.split(".")
+    full = f"{int(domain, 16):04x}:{bus}:{device}.{function}"
+    forms = [bus_id, full.upper(), full.lower(), f"{int(domain, 16):08X}:{bus}:{device}.{function}"]  # nvidia-smi
+    if function == "0":
+        forms.append(f"{domain}:{bus}:{device}")  # no function: function 0
+    if int(domain, 16) == 0:
+        forms.append(f"{bus}:{device}.{function}")  # no domain: domain 0
+    return forms
+
+
+def _uuid_forms(uuid: str) -> list[str]:
+    """``uuid`` (``GPU-8-4-4-4-12``) as people and tools write it."""
+    bare = uuid.removeprefix("GPU-")
+    digits = bare.replace("-", "")
+    return [uuid, uuid.upper(), "gpu-" + bare, bare, bare.upper(), digits, "GPU-" + digits.upper()]
+
+
+def test_devices_are_found_by_pci_bus_id_and_uuid(backend: _driver.Driver) -> None:
+    found = devices()
+    assert len({d.pci_bus_id.lower() for d in found}) == len({d.uuid for d in found}) == len(found)
+    for device in found:
+        for form in _pci_forms(device.pci_bus_id):
+            assert Device.from_pci_bus_id(form) is device, form
+        for form in _uuid_forms(device.uuid):
+            assert Device.from_uuid(form) is device, form
+
+
+def test_simulated_bus_ids_with_hex_letters_in_either_case() -> None:
+    _driver.use_backend("sim", devices=12)
+    assert Device(10).pci_bus_id == "0000:0a:00.0"
+    assert Device.from_pci_bus_id("0000:0A:00.0") is Device.from_pci_bus_id("0a:00.0") is Device(10)
+    assert Device.from_pci_bus_id("0000:0b:00") is Device(11)
+    assert len({d.uuid for d in devices()}) == 12
+
+
+@given(
+    domain=st.integers(0, 0xFFFF_FFFF),
+    bus=st.integers(0, 0xFF),
+    device=st.integers(0, 0xFF),
+    function=st.integers(0, 7),
+)
+def test_pci_bus_ids_parse_in_every_form_the_driver_reads(domain: int, bus: int, device: int, function: int) -> None:
+    parsed = _driver.parse_pci_bus_id(f"{domain:08X}:{bus:02X}:{device:02X}.{function}")
+    if device > 0x1F:  # (5 bits)
+        assert parsed is None
+        return
+    assert parsed == _driver.PciBusId(domain, bus, device, function)
+    assert _driver.parse_pci_bus_id(str(parsed)) == parsed == _driver.parse_pci_bus_id(str(parsed).upper())
+    assert str(parsed).startswith(f"{domain:04x}:{bus:02x}:{device:02x}.{function}")
+    if function == 0:
+        assert _driver.parse_pci_bus_id(f"{domain:x}:{bus:x}:{device:x}") == parsed
+    if domain == 0:
+        assert _driver.parse_pci_bus_id(f"{bus:02x}:{device:02x}.{function}") == parsed
+
+
+@pytest.mark.parametrize(
+    "bus_id",
+    ["", "17", "17:00", "0000:17:00.8", "0000:17:20.0", "0000:117:00.0", "000000000:17:00.0", "0000:17:00.0x",
+     " 0000:17:00.0", "0000-17-00.0", "GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a70"],
+)  # fmt: skip
+def test_a_malformed_pci_bus_id_is_an_argument_error_listing_the_devices(backend: _driver.Driver, bus_id: str) -> None:
+    with pytest.raises(ArgumentError, match="is not a PCI bus id") as info:
+        Device.from_pci_bus_id(bus_id)
+    assert info.value.code == ResultCode.INVALID_VALUE and info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert repr(bus_id) in str(info.value) and "'0000:17:00.0'" in str(info.value)  # what was wrong, and the form
+    assert all(d.pci_bus_id in str(info.value) for d in devices())
+
+
+@pytest.mark.parametrize(
+    "uuid",
+    ["", "GPU-", "GPU-8f3c2a1e", "GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a7", "GPU-8f3c2a1e0b4d-4c1e-9a57-a10c0da51a70",
+     "GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a7g", "GPU-GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a70", "0000:17:00.0"],
+)  # fmt: skip
+def test_a_malformed_uuid_is_an_argument_error_listing_the_devices(backend: _driver.Driver, uuid: str) -> None:
+    with pytest.raises(ArgumentError, match="is not a GPU UUID") as info:
+        Device.from_uuid(uuid)
+    assert info.value.code == ResultCode.INVALID_VALUE
+    assert repr(uuid) in str(info.value) and all(d.uuid in str(info.value) for d in devices())
+
+
+def test_a_mig_uuid_says_how_to_use_the_instance(backend: _driver.Driver) -> None:
+    for mig in ("MIG-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a70", "mig-GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a70/1/0"):
+        with pytest.raises(ArgumentError, match="MIG instance") as info:
+            Device.from_uuid(mig)
+        assert info.value.code == ResultCode.INVALID_VALUE and "CUDA_VISIBLE_DEVICES=MIG-" in str(info.value)
+
+
+def test_an_id_no_device_has_names_the_visible_ones(backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    # Domain 0xfffe: no machine puts a GPU there (the driver is asked, and finds none).
+    with pytest.raises(ArgumentError, match=r"no visible device has PCI bus id fffe:ff:1f\.7\.") as info:
+        Device.from_pci_bus_id("FFFE:FF:1F.7")
+    assert info.value.code == ResultCode.INVALID_DEVICE and info.value.name == "CUDA_ERROR_INVALID_DEVICE"
+    assert all(d.pci_bus_id in str(info.value) and d.uuid in str(info.value) for d in devices())
+    missing = "GPU-00000000-0000-0000-0000-000000000000"
+    with pytest.raises(ArgumentError, match=f"no visible device has UUID {missing}") as info:
+        Device.from_uuid("gpu-" + "0" * 32)
+    assert info.value.code == ResultCode.INVALID_DEVICE
+    assert all(d.uuid in str(info.value) for d in devices())
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # (read for the message only)
+    with pytest.raises(ArgumentError, match="CUDA_VISIBLE_DEVICES=0 chooses which are visible"):
+        Device.from_uuid(missing)
+
+
+def test_ids_must_be_strings_and_an_ordinal_is_not_one(backend: _driver.Driver) -> None:
+    with pytest.raises(TypeError, match="a PCI bus id must be a str, not bytes"):
+        Device.from_pci_bus_id(b"0000:17:00.0")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="a GPU UUID must be a str, not int"):
+        Device.from_uuid(0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Device\.from_pci_bus_id\(\) or Device\.from_uuid\(\)"):
+        Device(Device(0).pci_bus_id)  # type: ignore[arg-type]
 
 
 def test_peer_access_between_simulated_devices(sim_backend: _driver.Driver) -> None:

@@ -1,10 +1,15 @@
 """Devices: enumeration, attributes, primary contexts and binding them to threads.
 
 ``Device(0)`` always returns the same object for the same ordinal (until the backend is
-switched). The first use that needs the device's primary context -- the one CuPy,
-PyTorch and Numba use too -- retains it, once, for the life of the process, so
-interoperating libraries share memory and streams without copies. Until then its flags
-can still be chosen (:meth:`Device.set_context_flags`); see :mod:`aiocuda.context`.
+switched). Ordinals follow ``CUDA_VISIBLE_DEVICES``, which reorders and hides devices;
+to name a GPU as nvidia-smi, Kubernetes device plugins, Ray and NCCL do, use
+``Device.from_pci_bus_id("0000:17:00.0")`` or ``Device.from_uuid("GPU-8f3c...")``,
+which return that same object.
+
+The first use that needs the device's primary context -- the one CuPy, PyTorch and
+Numba use too -- retains it, once, for the life of the process, so interoperating
+libraries share memory and streams without copies. Until then its flags can still be
+chosen (:meth:`Device.set_context_flags`); see :mod:`aiocuda.context`.
 
 CUDA's "current context" is per thread. Every aiocuda call that needs one first calls
 :meth:`Device.make_current`, which asks the driver what is current and binds the
@@ -18,11 +23,14 @@ device as it found it.
 from __future__ import annotations
 
 import operator
+import os
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 from . import _driver
+from ._util import invalid_value
 from .context import Context, ContextFlags, Schedule
 from .errors import ArgumentError, ResultCode, error_for_code
 
@@ -30,6 +38,13 @@ __all__ = ["Device", "DeviceProperties", "PeerAttributes", "device_count", "devi
 
 _registry: dict[tuple[int, int], Device] = {}
 _registry_lock = threading.Lock()
+
+# nvidia-smi's form, "GPU-" and 8-4-4-4-12 hex digits, or the 32 digits without hyphens;
+# "GPU-" optional, any case.
+_UUID = re.compile(
+    r"(?:GPU-)?(?:[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|[0-9a-f]{32})",
+    re.IGNORECASE | re.ASCII,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +94,8 @@ class PeerAttributes:
 
 
 class Device:
-    """One CUDA device. Obtain with ``Device(ordinal)`` or :func:`devices`.
+    """One CUDA device. Obtain with ``Device(ordinal)``, :func:`devices`,
+    :meth:`from_pci_bus_id` or :meth:`from_uuid`.
 
     Raises :class:`~aiocuda.errors.ArgumentError` for an ordinal out of range.
     """
@@ -111,7 +127,10 @@ class Device:
                 raise TypeError
             ordinal = operator.index(ordinal)  # (numpy's integers too)
         except TypeError:
-            raise TypeError(f"a device ordinal must be an int, not {type(ordinal).__name__}") from None
+            hint = ""
+            if isinstance(ordinal, str):
+                hint = " (for a PCI bus id or UUID: Device.from_pci_bus_id() or Device.from_uuid())"
+            raise TypeError(f"a device ordinal must be an int, not {type(ordinal).__name__}{hint}") from None
         backend = _driver.driver()
         key = (_driver.backend_generation(), ordinal)
         found = _registry.get(key)
@@ -133,6 +152,69 @@ class Device:
             self._name = backend.device_name(handle)
             _registry[key] = self
             return self
+
+    @classmethod
+    def from_pci_bus_id(cls, bus_id: str) -> Device:
+        """The device at PCI bus id ``bus_id``: the same object as ``Device(ordinal)``.
+
+        ``bus_id`` is ``domain:bus:device.function`` in hexadecimal, either case, as
+        :attr:`pci_bus_id`, nvidia-smi (an eight-digit domain) and Linux's
+        ``/sys/bus/pci/devices`` write it: ``"0000:17:00.0"``, ``"00000000:17:00.0"``;
+        also ``"0000:17:00"`` (function 0) or ``"17:00.0"`` (domain 0) -- the forms
+        ``cuDeviceGetByPCIBusId`` reads.
+
+        Raises :class:`TypeError` for a non-string,
+        :class:`~aiocuda.errors.ArgumentError` (``CUDA_ERROR_INVALID_VALUE``) for a
+        string in none of those forms, and ArgumentError (``CUDA_ERROR_INVALID_DEVICE``)
+        naming the visible devices' ids when none is at that address.
+        """
+        _require_str(bus_id, "a PCI bus id")
+        parsed = _driver.parse_pci_bus_id(bus_id)
+        if parsed is None:
+            raise invalid_value(
+                f"{bus_id!r} is not a PCI bus id: expected {_driver.PCI_BUS_ID_FORMS}. {_visible_devices()}"
+            )
+        ordinal = _driver.driver().device_ordinal_by_pci_bus_id(str(parsed))
+        if ordinal is None:
+            raise _no_device(f"PCI bus id {parsed}", call="cuDeviceGetByPCIBusId")
+        return cls(ordinal)
+
+    @classmethod
+    def from_uuid(cls, uuid: str) -> Device:
+        """The device whose :attr:`uuid` is ``uuid``: the same object as
+        ``Device(ordinal)``.
+
+        ``uuid`` is written as :attr:`uuid` and ``nvidia-smi -L`` print it,
+        ``"GPU-8f3c2a1e-0b4d-4c1e-9a57-a10c0da51a70"``, in either case, with or without
+        the ``GPU-`` prefix and the hyphens. It is compared with each visible device's
+        UUID (``cuDeviceGetUuid``).
+
+        Raises :class:`TypeError` for a non-string,
+        :class:`~aiocuda.errors.ArgumentError` (``CUDA_ERROR_INVALID_VALUE``) for a
+        string that is not a GPU UUID, and ArgumentError (``CUDA_ERROR_INVALID_DEVICE``)
+        naming the visible devices' UUIDs when none has this one. A MIG instance's
+        ``MIG-...`` UUID is refused too: select the instance with
+        ``CUDA_VISIBLE_DEVICES=MIG-...`` before the process starts, and it is a device
+        of its own (``Device(0)`` when it is the only one).
+        """
+        _require_str(uuid, "a GPU UUID")
+        if uuid[:4].upper() == "MIG-":
+            raise invalid_value(
+                f"{uuid!r} is a MIG instance's UUID, which aiocuda does not look up: select the instance with "
+                "CUDA_VISIBLE_DEVICES=MIG-... before the process starts, and it is a device of its own (Device(0) "
+                f"when it is the only one). {_visible_devices()}"
+            )
+        if _UUID.fullmatch(uuid) is None:
+            raise invalid_value(
+                f"{uuid!r} is not a GPU UUID: expected 'GPU-' and 32 hexadecimal digits in groups of 8-4-4-4-12, "
+                f"as nvidia-smi -L prints it ('GPU-' and the hyphens optional). {_visible_devices()}"
+            )
+        digits = uuid.replace("-", "").lower()[-32:]  # (after the prefix, if any)
+        wanted = f"GPU-{digits[:8]}-{digits[8:12]}-{digits[12:16]}-{digits[16:20]}-{digits[20:]}"
+        for device in devices():
+            if device.uuid == wanted:
+                return device
+        raise _no_device(f"UUID {wanted}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (Device, (self.ordinal,))
@@ -341,6 +423,31 @@ def device_count() -> int:
 def devices() -> list[Device]:
     """Every device, in ordinal order."""
     return [Device(i) for i in range(device_count())]
+
+
+def _require_str(value: object, what: str) -> None:
+    """A TypeError naming ``what`` (``"a GPU UUID"``) unless ``value`` is a str."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+
+
+def _visible_devices() -> str:
+    """Every visible device's ordinal, PCI bus id and UUID, for error messages."""
+    listed = "; ".join(f"{d.ordinal}: {d.pci_bus_id}, {d.uuid}" for d in devices())
+    return f"The visible devices: {listed}"
+
+
+def _no_device(wanted: str, *, call: str = "") -> ArgumentError:
+    """The error for a well-formed id (``wanted``: ``"UUID GPU-..."``) that no visible
+    device has, listing those there are (``call``: the driver call that found none)."""
+    chosen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    why = f" (CUDA_VISIBLE_DEVICES={chosen} chooses which are visible)" if chosen is not None else ""
+    return ArgumentError(
+        f"no visible device has {wanted}{why}. {_visible_devices()}",
+        code=ResultCode.INVALID_DEVICE,
+        name="CUDA_ERROR_INVALID_DEVICE",
+        call=call,
+    )
 
 
 def _as_device(device: Device | int | None = None) -> Device:

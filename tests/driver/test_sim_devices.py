@@ -43,6 +43,16 @@ def test_devices_look_like_h100s(sim: SimDriver) -> None:
         assert isinstance(sim.device_attribute(dev, name), int)
 
 
+def test_devices_are_found_by_pci_bus_id(sim: SimDriver) -> None:
+    assert [sim.device_ordinal_by_pci_bus_id(f) for f in ("0000:00:00.0", "0000:01:00", "01:00.0")] == [0, 1, 1]
+    assert sim.device_ordinal_by_pci_bus_id("0000:02:00.0") is None  # well formed, no device there
+    assert sim.device_ordinal_by_pci_bus_id("0001:01:00.0") is None
+    with pytest.raises(ArgumentError) as info:
+        sim.device_ordinal_by_pci_bus_id("01:00")
+    assert info.value.code == ResultCode.INVALID_VALUE and info.value.call == "cuDeviceGetByPCIBusId"
+    assert "'01:00'" in str(info.value)
+
+
 def test_attribute_names_are_the_drivers_own() -> None:
     bindings = pytest.importorskip("cuda.bindings.driver")
     real = {m.name.removeprefix("CU_DEVICE_ATTRIBUTE_").lower() for m in bindings.CUdevice_attribute}

@@ -29,6 +29,7 @@ from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked, mark_used
 from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
+from ._pci import PCI_BUS_ID_FORMS, PciBusId, parse_pci_bus_id
 from ._protocol import (
     CAPTURE_MODES,
     CaptureMode,
@@ -45,6 +46,7 @@ from ._protocol import (
 __all__ = [
     "BACKENDS",
     "CAPTURE_MODES",
+    "PCI_BUS_ID_FORMS",
     "SIM_DEFAULT_DEVICES",
     "CaptureMode",
     "Dim3",
@@ -57,6 +59,7 @@ __all__ = [
     "KernelParams",
     "LaunchConfig",
     "LinkInput",
+    "PciBusId",
     "PitchedCopy",
     "PitchedSide",
     "PoolProps",
@@ -64,6 +67,7 @@ __all__ = [
     "current",
     "driver",
     "forget_backend",
+    "parse_pci_bus_id",
     "register_sim_kernel",
     "selection",
     "sim_image",

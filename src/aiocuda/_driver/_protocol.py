@@ -190,6 +190,12 @@ class Driver(Protocol):
 
     def device_pci_bus_id(self, dev: Handle) -> str: ...
 
+    def device_ordinal_by_pci_bus_id(self, bus_id: str) -> int | None:
+        """The ordinal of the device at PCI bus id ``bus_id`` (``cuDeviceGetByPCIBusId``;
+        any form ``_pci.parse_pci_bus_id`` reads), or ``None`` when no visible device is
+        there. ArgumentError (``CUDA_ERROR_INVALID_VALUE``) for a string in none of
+        those forms."""
+
     def device_total_mem(self, dev: Handle) -> int: ...
 
     def device_attribute(self, dev: Handle, attribute: str) -> int:

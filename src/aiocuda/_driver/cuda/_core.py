@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 from ...errors import NoDeviceError, ResultCode, error_for_code
 from .._doorbell import SemaphoreDoorbell
 from .._fork import fork_error, was_forked
+from .._pci import PCI_BUS_ID_FORMS, parse_pci_bus_id
 
 __all__ = ["IPC_HANDLE_BYTES", "CudaCore", "check", "drv"]
 
@@ -207,6 +208,31 @@ class CudaCore:
     def device_pci_bus_id(self, dev: Any) -> str:
         raw: bytes = check(drv.cuDeviceGetPCIBusId(64, dev), "cuDeviceGetPCIBusId")
         return raw.split(b"\0", 1)[0].decode()
+
+    def device_ordinal_by_pci_bus_id(self, bus_id: str) -> int | None:
+        # The driver is handed only ids parse_pci_bus_id accepts, in one form: what its
+        # own parser makes of other strings (trailing text, a 9-digit domain) is not
+        # documented.
+        parsed = parse_pci_bus_id(bus_id)
+        if parsed is None:
+            raise error_for_code(
+                ResultCode.INVALID_VALUE,
+                "CUDA_ERROR_INVALID_VALUE",
+                f"{bus_id!r} is not a PCI bus id: expected {PCI_BUS_ID_FORMS}",
+                "cuDeviceGetByPCIBusId",
+            )
+        err, dev = drv.cuDeviceGetByPCIBusId(str(parsed).encode())
+        # The driver documents both codes without saying which means what; for a
+        # well-formed id either one means that no device it shows is there.
+        if err in (drv.CUresult.CUDA_ERROR_INVALID_DEVICE, drv.CUresult.CUDA_ERROR_INVALID_VALUE):
+            return None
+        found = int(check((err, dev), "cuDeviceGetByPCIBusId"))
+        # A CUdevice is a handle, not documented as the ordinal: find the ordinal whose
+        # handle it is.
+        for ordinal in range(self.device_count()):
+            if int(check(drv.cuDeviceGet(ordinal), "cuDeviceGet")) == found:
+                return ordinal
+        return None
 
     def device_total_mem(self, dev: Any) -> int:
         return int(check(drv.cuDeviceTotalMem(dev), "cuDeviceTotalMem"))

@@ -83,6 +83,7 @@ _CU_CALLS: dict[str, str] = {
     "device_name": "cuDeviceGetName",
     "device_uuid": "cuDeviceGetUuid",
     "device_pci_bus_id": "cuDeviceGetPCIBusId",
+    "device_ordinal_by_pci_bus_id": "cuDeviceGetByPCIBusId",
     "device_total_mem": "cuDeviceTotalMem",
     "device_attribute": "cuDeviceGetAttribute",
     "device_can_access_peer": "cuDeviceCanAccessPeer",

@@ -10,6 +10,8 @@ Devices and contexts
     per thread (``set_current``); a thread that never set one works on device 0 rather
     than failing with ``CUDA_ERROR_INVALID_CONTEXT`` (a lenient driver). A worker running
     a stream's operations has that stream's context current. Every pair of distinct devices can be peers.
+    Device ``i`` is at PCI bus ``i`` (``0000:0a:00.0`` for device 10) and has a UUID of
+    its own (a UUID5 of ``i``), the same in every process.
 
 Streams
     Each stream runs its operations in order on the driver's worker pool (see
@@ -58,6 +60,7 @@ from typing import Any
 
 from ...errors import STICKY_CODES, ResultCode
 from .._doorbell import SemaphoreDoorbell
+from .._pci import PCI_BUS_ID_FORMS, PciBusId, parse_pci_bus_id
 from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
 from ._codes import sim_error
@@ -84,6 +87,12 @@ _PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
 _LEGACY_STREAM_VALUES = (0, 1)  # 0: the null stream; 1: CU_STREAM_LEGACY
 _SHUTDOWN_JOIN_S = 2.0
 _UUID_NAMESPACE = uuid.UUID("6b3c1f3e-5a0e-4d4e-9a57-a10c0da51a70")
+
+
+def _pci_bus_id(device: SimDevice) -> PciBusId:
+    """A simulated device's PCI address: bus number = ordinal (``0000:01:00.0`` for
+    device 1), as its ``pci_bus_id`` attribute says."""
+    return PciBusId(domain=0, bus=device.ordinal, device=0, function=0)
 
 
 class SimCore:
@@ -376,7 +385,21 @@ class SimCore:
 
     def device_pci_bus_id(self, dev: Any) -> str:
         self._counted("device_pci_bus_id")
-        return f"0000:{self._device(dev).ordinal:02x}:00.0"
+        return str(_pci_bus_id(self._device(dev)))
+
+    def device_ordinal_by_pci_bus_id(self, bus_id: str) -> int | None:
+        self._counted("device_ordinal_by_pci_bus_id")
+        wanted = parse_pci_bus_id(bus_id)
+        if wanted is None:
+            raise sim_error(
+                ResultCode.INVALID_VALUE,
+                "device_ordinal_by_pci_bus_id",
+                f"{bus_id!r} is not a PCI bus id: expected {PCI_BUS_ID_FORMS}",
+            )
+        for device in self._devices:
+            if _pci_bus_id(device) == wanted:
+                return device.ordinal
+        return None
 
     def device_total_mem(self, dev: Any) -> int:
         self._counted("device_total_mem")
