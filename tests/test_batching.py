@@ -428,3 +428,65 @@ def test_any_mix_of_requests_and_cancellations_keeps_every_promise(
         assert batcher.statistics().items == sum(len(batch) for batch in run.batches)
 
     anyio.run(scenario, backend=loop)
+
+
+@pytest.mark.parametrize("other_loop", ["asyncio", "trio"])
+async def test_a_submit_from_another_threads_loop_is_refused_and_changes_nothing(
+    anyio_backend: Any, other_loop: str
+) -> None:
+    """A batcher belongs to the loop that entered it: its queue, wake-ups and the
+    suspensions of its requests are that loop's. A submit from a loop in another thread
+    raises at once, queues nothing, and the batcher goes on serving its own loop."""
+    run = Recorder()
+    outcome: list[BaseException | int] = []
+
+    async def submit_there(batcher: Batcher[int, int]) -> None:
+        with anyio.fail_after(30):  # (only a hang, the defect, reaches this)
+            try:
+                outcome.append(await batcher.submit(1))
+            except RuntimeError as exc:
+                outcome.append(exc)
+
+    async with Batcher(run, max_batch=1, max_delay=0) as batcher:
+        await anyio.to_thread.run_sync(lambda: anyio.run(submit_there, batcher, backend=other_loop))
+        (error,) = outcome
+        assert isinstance(error, RuntimeError) and "belongs to the event loop that entered it" in str(error)
+        assert batcher.statistics().queued == 0
+        assert await batcher.submit(2) == 20
+    assert run.batches == [[2]]
+
+
+def test_a_submit_from_another_loop_of_the_same_thread_is_refused() -> None:
+    """The batcher entered in one asyncio loop, that loop stopped with the batcher open
+    (a fixture's loop, say), and a submit from a second loop of the same thread: a
+    ``RuntimeError`` that says what happened, not asyncio's about a future, and nothing
+    left in the queue. The first loop then closes the batcher as usual."""
+    import asyncio
+
+    run = Recorder()
+    home = asyncio.new_event_loop()
+    try:
+        holder: list[Batcher[int, int]] = []
+        entered, leave = asyncio.Event(), asyncio.Event()
+
+        async def lifespan() -> None:
+            async with Batcher(run, max_batch=4, max_delay=NEVER) as batcher:
+                holder.append(batcher)
+                entered.set()
+                await leave.wait()
+
+        task = home.create_task(lifespan())
+        home.run_until_complete(entered.wait())
+        (batcher,) = holder
+
+        async def elsewhere() -> None:
+            with pytest.raises(RuntimeError, match="another event loop of its thread"):
+                await batcher.submit(1)
+
+        asyncio.run(elsewhere())
+        assert batcher.statistics().queued == 0
+        home.call_soon(leave.set)
+        home.run_until_complete(task)
+    finally:
+        home.close()
+    assert run.batches == []

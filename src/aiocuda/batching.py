@@ -29,6 +29,11 @@ Semantics a service relies on:
 * **Shutdown**: leaving the ``async with`` block refuses new items
   (:class:`~aiocuda.errors.ClosedError`), runs what is queued without waiting for
   ``max_delay``, and waits for every batch to finish.
+* **One event loop**: a batcher belongs to the loop that entered it, as asyncio's queues
+  and locks do. ``submit`` from any task of that loop; from another loop or thread it
+  raises ``RuntimeError`` at once (hand the call to the batcher's loop instead:
+  ``asyncio.run_coroutine_threadsafe(batcher.submit(item), loop)``, or
+  ``anyio.from_thread.run(batcher.submit, item)`` in a worker thread that loop started).
 
 Choosing ``max_delay``: it is latency added to a request that arrives alone; under load
 batches fill before it expires. A millisecond or two is typical for GPU inference.
