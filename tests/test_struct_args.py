@@ -44,6 +44,11 @@ def test_packed_dtypes_get_cuda_padding() -> None:
     misaligned = np.dtype({"names": ["a", "b"], "formats": ["i1", "f8"], "offsets": [0, 4], "itemsize": 16})
     with pytest.raises(TypeError, match="offset 4"):
         cuda_struct(misaligned)
+    union = np.dtype({"names": ["i", "f"], "formats": ["i4", "f4"], "offsets": [0, 0], "itemsize": 4})
+    with pytest.raises(TypeError, match="overlap"):  # (packed field by field, it would not fit)
+        cuda_struct(union)
+    with pytest.raises(TypeError, match=r"field name of .* is \|S8, which no kernel parameter is"):
+        cuda_struct(np.dtype([("n", "i4"), ("name", "S8")]))
 
 
 def test_signatures_with_vectors_and_structs() -> None:
@@ -120,7 +125,7 @@ async def test_bad_struct_arguments_name_the_argument(module: Module, anyio_back
             (2, 7),  # not a struct at all
             (0, (1, 2.0, 3)),  # a field missing
             (1, (1e300, 2.0)),  # a float field's range, packed by struct
-            (0, (1, 2.0, 3, (4.0, -1e300))),  # ... and assigned by numpy (a nested vector)
+            (0, (1, 2.0, 3, (4.0, -1e300))),  # ... and in a nested vector
         ):
             args = list(good)
             args[index] = bad
@@ -130,6 +135,41 @@ async def test_bad_struct_arguments_name_the_argument(module: Module, anyio_back
         kernel.launch(1, 1, (1, 2.0, 3, (np.inf, np.nan)), (-np.inf, 1e-50), good[2], out, stream=s)
         values = await out.to_host(stream=s)
     np.testing.assert_array_equal(values[3:7], [np.inf, np.nan, -np.inf, 0.0])  # inf and nan as they are, 1e-50 rounded
+
+
+def test_nested_fields_are_checked_as_scalar_arguments(module: Module) -> None:
+    """A struct with a nested struct or an array field was assigned through numpy, which
+    wraps integers it converts from numpy values: a record's 300 became 44 in a uint8
+    field, -1 became 255 in an unsigned one, an int64 array's 70000 became 4464 in a
+    uint16 array, and a float was cut to an int, where a scalar argument of those types
+    is refused. Every field now is, the error naming its path."""
+    inner = np.dtype([("count", "u1"), ("scale", "f4")])
+    outer = np.dtype([("id", "i4"), ("inner", inner), ("taps", "u2", (3,))])
+    wide = np.dtype([("id", "i8"), ("inner", [("count", "i8"), ("scale", "f8")]), ("taps", "i8", (3,))])
+    buffer = ParamBuffer(parse_signature([outer, "float2"]))
+    kernel = module.kernel("unpack", signature=[outer, "float2"])
+    pair = (1.0, 2.0)
+    with Stream(0) as s:
+        go = kernel.bind(1, 1, stream=s)
+        for bad, field in (
+            (np.array((1, (300, 0.5), (1, 2, 3)), wide)[()], r"arg0\.inner\.count \(uint8\) cannot take int 300"),
+            (np.array((1, (-1, 0.5), (1, 2, 3)), wide)[()], r"arg0\.inner\.count \(uint8\) cannot take int -1"),
+            (np.array((1, (2, 0.5), (1, 70000, 3)), wide)[()], r"arg0\.taps\[1\] \(uint16\) cannot take int 70000"),
+            ((1, (2, 0.5), np.array([1, 2, -1])), r"arg0\.taps\[2\] \(uint16\) cannot take int -1"),
+            ((1, (2.5, 0.5), (1, 2, 3)), r"arg0\.inner\.count \(uint8\) cannot take float 2\.5"),
+            ((1, (2, 0.5), (1, 2)), r"arg0\.taps \(uint16\[3\]\) cannot take tuple"),
+        ):
+            for launch in (lambda *a: buffer.pack(a, None), lambda *a: kernel.launch(1, 1, *a, stream=s), go):
+                with pytest.raises(LaunchError, match=rf"argument 0 \(struct\(id, inner, taps\)\) .*: {field}"):
+                    launch(bad, pair)  # (refused before the driver sees the kernel)
+    buffer.pack((np.array((-7, (255, 0.5), (0, 65535, 9)), wide)[()], pair), None)  # in range: packed as given
+    packed = buffer.values[0]
+    assert (packed["id"], packed["inner"]["count"], packed["inner"]["scale"], packed["taps"].tolist()) == (
+        -7,
+        255,
+        0.5,
+        [0, 65535, 9],
+    )
 
 
 def test_a_record_must_have_the_structs_fields(module: Module) -> None:

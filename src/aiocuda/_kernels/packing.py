@@ -9,14 +9,16 @@ them -- and makes one driver call.
 
 Structs and vectors passed by value (a structured dtype in the signature, laid out as
 CUDA lays it out: :func:`~aiocuda._kernels.signature.cuda_struct`) each get a block of
-their own, which the ``void*[]`` points at. A struct of scalar fields is packed with its
-own ``Struct.pack_into`` from the field values (a tuple, taken by position, or a numpy
-record with the struct's field names in its order: :func:`struct_value`), checked as
-strictly as scalars; a struct with nested structs or arrays is assigned through numpy
-(``block[()] = value``), which converts fields as numpy assignment does, except that a
-finite float beyond its field's range is refused there too (not stored as inf). Either
-way no Python frame runs per launch for a tuple; a record costs one call, the check of
-its field names.
+their own, which the ``void*[]`` points at, packed with their own ``Struct.pack_into``
+from the values of their fields (a tuple, taken by position, or a numpy record with the
+struct's field names in its order: :func:`struct_value`). A nested struct's fields and
+an array field's elements are packed one by one too
+(:func:`~aiocuda._kernels.signature.struct_leaves`), so every field is checked as
+strictly as a scalar argument, whatever type its value comes in (numpy's included): an
+int beyond the field's range or of the wrong sign, a float for an int field, a finite
+float beyond a float field's range are refused. No Python frame runs per launch for a
+tuple (nested tuples are unpacked inline); a record costs one call, the check of its
+field names, and an array field one call.
 
 :func:`build_launcher` generates, once per (signature, launch configuration), a plain
 function specialised for that signature (the way :mod:`dataclasses` generates
@@ -56,7 +58,7 @@ import numpy as np
 
 from ..errors import CaptureError, LaunchError
 from ..managed import ManagedArray, ManagedPool
-from .signature import Param, Signature, struct_format
+from .signature import Param, Signature, field_format, struct_format, struct_leaves
 
 __all__ = ["ParamBuffer", "PreparedLaunch", "StructSlot", "build_launcher", "diagnose", "to_pointer"]
 
@@ -65,29 +67,24 @@ PreparedLaunch = tuple[Callable[..., tuple[Any, ...]], tuple[Any, ...], Callable
 ``err = fn(*args)[0]`` and, when ``err`` is truthy, ``fail(err)`` raises."""
 
 
-def overflow_raises() -> Any:
-    """A context in which numpy raises FloatingPointError for a finite float cast beyond
-    its type's range (1e300 into a float32 field) instead of warning and storing inf."""
-    # (struct's "=f" and "=e" codes refuse such a value; numpy's assignment is made as
-    # strict here for floats. It costs about 1 us a launch, paid only by structs with
-    # nested structs or arrays. Integer casts numpy does not check, e.g. np.int64(300)
-    # into an int8 field, still wrap as numpy assignment wraps them.)
-    return np.errstate(over="raise")
-
-
 def struct_value(dtype: np.dtype, value: Any) -> Any:
     """``value`` checked for a by-value struct of ``dtype``: a numpy record (or a 0-d
     structured array, taken as its record) must have ``dtype``'s field names in its order,
-    nested structs' included, else TypeError naming both. Its fields may have other types
-    (they convert as a tuple's would). Anything else -- a tuple -- is returned as it is.
+    nested structs' included, else TypeError naming both; it is returned as the tuple of
+    its values (``record.item()``: nested tuples of Python numbers, arrays as they are).
+    Its fields may have other types: their values are checked as a tuple's are. Anything
+    else -- a tuple -- is returned as it is.
     """
-    # Why: packing takes a record's fields by position (``*value``, and numpy's structured
-    # assignment likewise), so a record with ``n`` before ``x`` put ``n`` into ``x``.
+    # Why: packing takes a record's fields by position (``*value``, and the unpacking of
+    # nested structs likewise), so a record with ``n`` before ``x`` put ``n`` into ``x``.
     # Checked: the names, order and nesting of the record's fields against the dtype the
     # signature declares (a vector type's x, y, z, w). Not checkable here: that the
     # declared dtype is the C struct (no C struct is parsed: a kernel taking one by value
     # has no inferred signature and the caller declares a dtype, which is trusted), field
-    # shapes (numpy refuses a mismatch when it assigns), and a tuple, which has no names.
+    # shapes (packing refuses a mismatch), and a tuple, which has no names. The values are
+    # handed on as Python numbers, which struct packs faster than numpy's: a launch with
+    # a record of a nested struct took 1.5 us so, about twice that unpacked into numpy
+    # scalars, and 2.1 us when numpy assigned the record.
     given = getattr(value, "dtype", None)
     if given is None or given.names is None:
         return value
@@ -98,7 +95,8 @@ def struct_value(dtype: np.dtype, value: Any) -> Any:
             f"its fields {field_names(given)} are not the struct's {field_names(dtype)}: a record's fields are "
             f"packed by position, so it must have the struct's, in the struct's order{reorder}; or pass a tuple"
         )
-    return value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+    record = value[()] if isinstance(value, np.ndarray) and value.ndim == 0 else value
+    return record.item() if isinstance(record, np.void) else record
 
 
 @functools.lru_cache(maxsize=256)
@@ -111,33 +109,115 @@ def field_names(dtype: np.dtype) -> str:
     return "(" + ", ".join(name + field_names(dtype.fields[name][0]) for name in dtype.names) + ")"  # type: ignore[index]
 
 
+def unpacking(dtype: np.dtype, name: str) -> tuple[list[str], list[str], dict[str, Any]]:
+    """How generated code packs the value of the struct ``dtype`` held in the variable
+    ``name``: statements that unpack it (a tuple, a record, any iterable of as many
+    values as the struct has fields; nested structs likewise), the expressions of the
+    values ``struct_format(dtype)`` packs, in its order, and the functions these call
+    besides :func:`array_values` and :func:`struct_array_values`, by name."""
+    lines: list[str] = []
+    values: dict[tuple[int, ...], str] = {}
+    called: dict[str, Any] = {}
+
+    def unpack(struct: np.dtype, var: str, path: tuple[int, ...]) -> None:
+        parts = [f"{var}_{index}" for index in range(len(struct.names or ()))]
+        lines.append(f"{', '.join(parts)}, = {var}")
+        for index, (field_name, part) in enumerate(zip(struct.names or (), parts, strict=True)):
+            field = struct.fields[field_name][0]  # type: ignore[index]
+            at = (*path, index)
+            if field.names is not None:
+                unpack(field, part, at)
+            elif field.subdtype is not None and field.subdtype[0].names is not None:
+                called[f"flatten_{part}"] = flattener(field.subdtype[0])
+                values[at] = f"*struct_array_values({part}, {field.subdtype[1]!r}, flatten_{part})"
+            elif field.subdtype is not None:
+                values[at] = f"*array_values({part}, {field.subdtype[1]!r}, {field.subdtype[0].kind == 'c'})"
+            elif field.kind == "c":
+                values[at] = f"{part}.real, {part}.imag"
+            else:
+                values[at] = part
+
+    unpack(dtype, name, ())
+    return lines, [values[path] for path, _, _ in struct_leaves(dtype)], called
+
+
+@functools.lru_cache(maxsize=256)
+def flattener(dtype: np.dtype) -> Callable[[Any], tuple[Any, ...]]:
+    """A function turning a value of the struct ``dtype`` into the values
+    ``struct_format(dtype)`` packs (generated once per dtype: :func:`unpacking`)."""
+    lines, values, called = unpacking(dtype, "value")
+    body = "".join(f"\n    {line}" for line in lines)
+    source = f"def flatten(value):{body}\n    return ({', '.join(values)},)\n"
+    namespace = {"array_values": array_values, "struct_array_values": struct_array_values, **called}
+    exec(compile(source, f"<aiocuda struct {field_names(dtype)}>", "exec"), namespace)
+    flatten: Callable[[Any], tuple[Any, ...]] = namespace["flatten"]
+    return flatten
+
+
+def _flat(dtype: np.dtype) -> bool:
+    """Whether the values of the struct ``dtype``'s fields, in order, are what its
+    ``struct_format`` packs: its fields are scalars (not complex), in memory order."""
+    leaves = struct_leaves(dtype)
+    return [path for path, _, _ in leaves] == [(i,) for i in range(len(leaves))] and all(
+        field.subdtype is None and field.kind != "c" for _, _, field in leaves
+    )
+
+
+def array_values(value: Any, shape: tuple[int, ...], complex_elements: bool) -> Any:
+    """The values packing an array field of scalars of ``shape`` from ``value`` (a
+    sequence, nested for more dimensions, an array, or one scalar for every element, as
+    numpy broadcasts it): its elements in C order, a complex one as its two parts."""
+    if type(value) in (tuple, list) and len(shape) == 1 and len(value) == shape[0] and not complex_elements:
+        return value
+    elements = array_elements(value, shape, structs=False)
+    return [part for z in elements for part in (z.real, z.imag)] if complex_elements else elements
+
+
+def struct_array_values(value: Any, shape: tuple[int, ...], flatten: Callable[[Any], tuple[Any, ...]]) -> list[Any]:
+    """The values packing an array field of structs of ``shape`` from ``value``: each
+    element's, in C order, by ``flatten`` (the element struct's :func:`flattener`)."""
+    return [part for element in array_elements(value, shape, structs=True) for part in flatten(element)]
+
+
+def array_elements(value: Any, shape: tuple[int, ...], *, structs: bool) -> Any:
+    """The elements of ``value`` for an array field of ``shape``, in C order; ValueError
+    when it has another shape. Scalars broadcast as numpy broadcasts them (numpy's
+    become Python numbers, which ``struct`` checks alike); elements that are structs
+    come from a structured array (broadcast) or nested sequences of ``shape``."""
+    if not structs or isinstance(value, np.ndarray):
+        given = value if structs else np.asarray(value, dtype=object)
+        try:
+            return np.broadcast_to(given, shape).reshape(-1)
+        except ValueError:
+            raise ValueError(f"its shape {given.shape} is not the array's {shape}, nor broadcasts to it") from None
+    if not shape:
+        return [value]
+    items = list(value)
+    if len(items) != shape[0]:
+        raise ValueError(f"{len(items)} elements where the array has {shape[0]}")
+    return [element for item in items for element in array_elements(item, shape[1:], structs=True)]
+
+
 class StructSlot:
-    """The block one by-value struct argument is packed into, and how.
+    """The block one by-value struct argument is packed into:
+    ``pack_into(block, 0, *values)``, the values of the struct's fields in the order
+    of its ``struct_format`` (:func:`flattener`)."""
 
-    ``target`` is what the launcher writes to: the ctypes block itself for a struct of
-    scalar fields (``pack_into(target, 0, *value)``), else a 0-d numpy array over the
-    block (``target[()] = value``).
-    """
-
-    __slots__ = ("_block", "address", "dtype", "pack_into", "target")
+    __slots__ = ("_block", "address", "dtype", "pack_into")
 
     def __init__(self, dtype: np.dtype) -> None:
         self.dtype = dtype
         self._block = (ctypes.c_uint64 * max(1, -(-dtype.itemsize // 8)))()
         self.address = ctypes.addressof(self._block)
-        fmt = struct_format(dtype)
-        self.pack_into: Callable[..., None] | None = None if fmt is None else struct.Struct(fmt).pack_into
-        self.target: Any = (
-            self._block if fmt is not None else np.frombuffer(memoryview(self._block), dtype, count=1).reshape(())
-        )
+        self.pack_into: Callable[..., None] = struct.Struct(struct_format(dtype)).pack_into
+
+    @property
+    def block(self) -> Any:
+        """The writable block the struct is packed into."""
+        return self._block
 
     def write(self, value: Any) -> None:
-        value = struct_value(self.dtype, value)
-        if self.pack_into is not None:
-            self.pack_into(self.target, 0, *value)
-        else:
-            with overflow_raises():
-                self.target[()] = value
+        self.pack_into(self._block, 0, *flattener(self.dtype)(struct_value(self.dtype, value)))
 
     @property
     def value(self) -> Any:
@@ -188,7 +268,7 @@ class ParamBuffer:
             structs = (a for p, a in zip(self.signature, args, strict=True) if p.by_value_struct)
             for slot, value in zip(self.slots, structs, strict=True):
                 slot.write(value)
-        except (struct.error, OverflowError, FloatingPointError, TypeError, ValueError):
+        except (struct.error, OverflowError, TypeError, ValueError, AttributeError):
             raise diagnose(self.signature, args, "", stream) from None
 
 
@@ -372,26 +452,70 @@ def diagnose(signature: Signature, args: tuple[Any, ...], kernel: str, stream: A
     for index, (param, arg) in enumerate(zip(signature, args, strict=True)):
         try:
             if param.by_value_struct:
-                StructSlot(param.dtype).write(arg)
-                continue
-            struct.pack("=" + param.code, _scalar(param, arg, stream))
-        except (struct.error, OverflowError, FloatingPointError, TypeError, ValueError) as exc:
+                reason = _struct_fault(param.dtype, struct_value(param.dtype, arg), param.name or f"arg{index}")
+            else:
+                struct.pack("=" + param.code, _scalar(param, arg, stream))
+                reason = ""
+        except (struct.error, OverflowError, TypeError, ValueError) as exc:
+            reason = _reason(exc, None if param.takes_address else param.dtype)
+        if reason:
             return LaunchError(
                 f"{where}: argument {index} ({param.describe()}) "
-                f"cannot take {type(arg).__name__} {reprlib.repr(arg)}: {_reason(param, exc)}",
+                f"cannot take {type(arg).__name__} {reprlib.repr(arg)}: {reason}",
                 name="AIOCUDA_BAD_ARGUMENT",
             )
     return LaunchError(f"{where}: arguments do not match ({declared})", name="AIOCUDA_BAD_ARGUMENT")
 
 
-def _reason(param: Param, exc: Exception) -> str:
-    """Why ``param`` refused its argument, from the exception packing it raised."""
-    if isinstance(exc, OverflowError) and not param.by_value_struct and param.dtype.kind == "f":
+def _struct_fault(dtype: np.dtype, value: Any, path: str) -> str:
+    """Why ``value`` does not pack as the struct ``dtype`` (the argument or field named
+    ``path``): the first of its fields at fault, named by its path
+    (``"params.inner.count"``), and why; "" when it packs."""
+    names = dtype.names or ()
+    try:
+        items = list(value)
+    except TypeError:
+        return f"{path} is a struct {field_names(dtype)}: pass a tuple of its fields' values, or a numpy record"
+    if len(items) != len(names):
+        return f"{path} is a struct {field_names(dtype)} of {len(names)} fields, given {len(items)} values"
+    for name, item in zip(names, items, strict=True):
+        fault = _field_fault(dtype.fields[name][0], item, f"{path}.{name}")  # type: ignore[index]
+        if fault:
+            return fault
+    return ""
+
+
+def _field_fault(field: np.dtype, value: Any, path: str) -> str:
+    """:func:`_struct_fault` for one field, of type ``field``."""
+    if field.names is not None:
+        return _struct_fault(field, value, path)
+    given = f"{type(value).__name__} {reprlib.repr(value)}"
+    if field.subdtype is not None:
+        element, shape = field.subdtype
+        try:
+            elements = array_elements(value, shape, structs=element.names is not None)
+        except (TypeError, ValueError) as exc:
+            kind = element.name if element.names is None else f"struct {field_names(element)}"
+            return f"{path} ({kind}{list(shape)}) cannot take {given}: {exc}"
+        for at, item in zip(np.ndindex(*shape), elements, strict=True):
+            fault = _field_fault(element, item, f"{path}[{', '.join(map(str, at))}]")
+            if fault:
+                return fault
+        return ""
+    try:
+        struct.pack("=" + field_format(field), *((value.real, value.imag) if field.kind == "c" else (value,)))
+    except (struct.error, OverflowError, TypeError, ValueError, AttributeError) as exc:
+        return f"{path} ({field.name}) cannot take {given}: {_reason(exc, field)}"
+    return ""
+
+
+def _reason(exc: Exception, dtype: np.dtype | None) -> str:
+    """Why a value for ``dtype`` (None for an address) was refused, from the exception
+    packing it raised."""
+    if isinstance(exc, OverflowError) and dtype is not None and dtype.kind in "fc":
         # (struct's own words, "float too large to pack with f format", name no type)
-        largest = f"{float(np.finfo(param.dtype).max):.8g}"
-        return f"it is beyond {param.dtype.name}'s range (finite values up to ±{largest}; inf and nan pass as they are)"
-    if isinstance(exc, FloatingPointError):  # (numpy's assignment of a nested struct: overflow_raises)
-        return f"a field's value is beyond its type's range: {exc}"
+        largest = f"{float(np.finfo(dtype).max):.8g}"
+        return f"it is beyond {dtype.name}'s range (finite values up to ±{largest}; inf and nan pass as they are)"
     return str(exc)
 
 
@@ -424,19 +548,26 @@ def build_launcher(
     values = ", ".join(value(i, p) for i, p in enumerate(signature) if not p.by_value_struct)
     unpack = f"{', '.join(names)}, = args" if names else "if args: raise ValueError"
     pack = f"pack_into(item[0], 0, {values})" if values else "pass"
-    # One statement per by-value struct: its own pack_into, or a numpy assignment.
+    # Each by-value struct is packed by its own pack_into: a struct of scalar fields in
+    # their order straight from its value, others from the values unpacked inline (a
+    # launch with a nested struct given as a tuple: 0.55 us; 1.9 us when numpy assigned
+    # it, under np.errstate to refuse floats beyond range, and wrapped its integers).
     structs = [i for i, p in enumerate(signature) if p.by_value_struct]
     first = ParamBuffer(signature)
-    packers = {f"s{i}": slot.pack_into for i, slot in zip(structs, first.slots, strict=True) if slot.pack_into}
+    packers = {f"s{i}": slot.pack_into for i, slot in zip(structs, first.slots, strict=True)}
     checks = {f"c{i}": functools.partial(struct_value, signature[i].dtype) for i in structs}
-    # (a tuple goes straight in; anything else, a record, is checked by name first: about 1 us)
-    checked = {i: f"(a{i} if type(a{i}) is tuple else c{i}(a{i}))" for i in structs}
-    writes = "".join(
-        f"\n        s{i}(item[3][{k}], 0, *{checked[i]})"
-        if f"s{i}" in packers
-        else f"\n        with overflow_raises(): item[3][{k}][()] = {checked[i]}"
-        for k, i in enumerate(structs)
-    )
+    called: dict[str, Any] = {}
+    statements: list[str] = []
+    for k, i in enumerate(structs):
+        # (a tuple goes straight in; anything else, a record, is checked by name first: about 1 us)
+        checked = f"(a{i} if type(a{i}) is tuple else c{i}(a{i}))"
+        if _flat(signature[i].dtype):
+            statements.append(f"s{i}(item[3][{k}], 0, *{checked})")
+            continue
+        lines, leaves, helpers = unpacking(signature[i].dtype, f"a{i}")
+        called.update(helpers)
+        statements += [f"a{i} = {checked}", *lines, f"s{i}(item[3][{k}], 0, {', '.join(leaves)})"]
+    writes = "".join(f"\n        {statement}" for statement in statements)
     source = f"""
 def launch(*args):
     try:
@@ -462,9 +593,9 @@ def launch(*args):
 
     def grow() -> tuple[Any, tuple[Any, ...], ParamBuffer, tuple[Any, ...]]:
         buffer = ParamBuffer(signature)
-        return (buffer.storage, prepare(buffer)[1], buffer, tuple(slot.target for slot in buffer.slots))
+        return (buffer.storage, prepare(buffer)[1], buffer, tuple(slot.block for slot in buffer.slots))
 
-    free.append((first.storage, first_args, first, tuple(slot.target for slot in first.slots)))
+    free.append((first.storage, first_args, first, tuple(slot.block for slot in first.slots)))
     namespace: dict[str, Any] = {
         "take": free.pop,
         "give": free.append,
@@ -473,7 +604,8 @@ def launch(*args):
         "to_pointer": to_pointer,
         "as_bool": as_bool,
         "two_s_complement": two_s_complement,
-        "overflow_raises": overflow_raises,
+        "array_values": array_values,
+        "struct_array_values": struct_array_values,
         "stream": stream,
         "diagnose": diagnose,
         "CaptureError": CaptureError,
@@ -484,6 +616,7 @@ def launch(*args):
         **pointees,
         **packers,
         **checks,
+        **called,
     }
     exec(compile(source, f"<aiocuda launcher {kernel}>", "exec"), namespace)
     launch: Callable[..., None] = namespace["launch"]

@@ -28,6 +28,8 @@ largest alignment), the struct's size rounded up to its largest alignment.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,11 +43,13 @@ __all__ = [
     "Signature",
     "cuda_alignment",
     "cuda_struct",
+    "field_format",
     "parse_signature",
     "ptx_signatures",
     "source_signatures",
     "strip_comments",
     "struct_format",
+    "struct_leaves",
     "vector_dtype",
 ]
 
@@ -185,7 +189,9 @@ def cuda_struct(dtype: np.dtype) -> np.dtype:
     fields, a vector type, explicit offsets that respect every field's alignment, as
     ``__align__`` gives) is kept as it is; a packed one (numpy's default) is laid out
     again with CUDA's padding. TypeError for a layout CUDA cannot have (a field at an
-    offset that is not a multiple of its alignment, in a dtype that is not packed).
+    offset that is not a multiple of its alignment, in a dtype that is not packed;
+    fields that overlap) and for a field of a type no kernel parameter has
+    (:func:`struct_leaves`).
     """
     if dtype.fields is None or not dtype.names:
         raise TypeError(f"{dtype} is not a structured dtype with fields")
@@ -213,26 +219,83 @@ def cuda_struct(dtype: np.dtype) -> np.dtype:
         chosen_offsets, chosen_size = given, dtype.itemsize
     metadata = dict(dtype.metadata or {})
     metadata[_ALIGN] = align
-    return np.dtype(
+    laid_out = np.dtype(
         {"names": names, "formats": [f[0] for f in fields], "offsets": chosen_offsets, "itemsize": chosen_size},
         metadata=metadata,
     )
+    struct_format(laid_out)  # (refuses overlapping fields and types no kernel takes, now rather than at a launch)
+    return laid_out
 
 
-def struct_format(dtype: np.dtype) -> str | None:
-    """The ``struct`` format (``"="``, explicit padding) packing a struct of scalar fields
-    from its field values in order; None when a field is itself a struct or an array."""
+def struct_leaves(dtype: np.dtype) -> list[tuple[tuple[int, ...], int, np.dtype]]:
+    """The fields of the struct ``dtype`` that hold values, in memory order: scalars and
+    arrays, a nested struct standing for its own fields. Each is ``(path, offset,
+    dtype)``: its field's index at each level of nesting (``(3, 1)``: the second field
+    of the fourth), and its offset from the start of the struct.
+
+    TypeError for a field whose type no kernel parameter has (bytes, strings, dates) and
+    for fields that overlap (a union), which no CUDA struct is.
+    """
+    leaves: list[tuple[tuple[int, ...], int, np.dtype]] = []
+
+    def walk(struct: np.dtype, path: tuple[int, ...], dotted: str, base: int) -> None:
+        for index, name in enumerate(struct.names or ()):
+            field, offset = struct.fields[name][:2]  # type: ignore[index]
+            if field.names is not None:
+                walk(field, (*path, index), f"{dotted}{name}.", base + offset)
+                continue
+            element = field.subdtype[0] if field.subdtype is not None else field
+            if element.names is None and _scalar_codes(element) is None:
+                raise TypeError(
+                    f"field {dotted}{name} of {dtype} is {element}, which no kernel parameter is: use the C "
+                    f"type's numpy dtype ({', '.join(sorted(_STRUCT_CODES))}, complex64 for cuFloatComplex)"
+                )
+            leaves.append(((*path, index), base + offset, field))
+
+    walk(dtype, (), "", 0)
+    leaves.sort(key=lambda leaf: leaf[1])
+    end = 0
+    for _, offset, field in leaves:
+        if offset < end:
+            raise TypeError(f"{dtype} has fields that overlap (at offset {offset}): no CUDA struct has that layout")
+        end = offset + field.itemsize
+    return leaves
+
+
+@functools.lru_cache(maxsize=256)
+def struct_format(dtype: np.dtype) -> str:
+    """The ``struct`` format (``"="``, explicit padding) packing the struct ``dtype`` from
+    the values of its :func:`struct_leaves`, in that order: a scalar is one value, a
+    complex number two (its real and imaginary parts), an array its elements in C order
+    (a struct's each as its own leaves). TypeError as :func:`struct_leaves` says."""
     parts = ["="]
     end = 0
-    for name in dtype.names or ():
-        field, offset = dtype.fields[name][:2]  # type: ignore[index]
-        code = _STRUCT_CODES.get(field.name) if field.fields is None and field.subdtype is None else None
-        if code is None:
-            return None
-        parts.append("x" * (offset - end) + code)
+    for _, offset, field in struct_leaves(dtype):
+        parts.append("x" * (offset - end) + field_format(field))
         end = offset + field.itemsize
     parts.append("x" * (dtype.itemsize - end))
     return "".join(parts)
+
+
+def field_format(field: np.dtype) -> str:
+    """The ``struct`` codes (no ``"="``) packing one of :func:`struct_leaves` from its
+    values: a scalar from one, a complex number from its two parts, an array from its
+    elements (a struct's each from its own leaves)."""
+    if field.subdtype is not None:
+        element, shape = field.subdtype
+        count = math.prod(shape)
+        return struct_format(element)[1:] * count if element.names is not None else f"{count}{field_format(element)}"
+    codes = _scalar_codes(field)
+    assert codes is not None  # (struct_leaves refused the others)
+    return codes
+
+
+def _scalar_codes(dtype: np.dtype) -> str | None:
+    """The ``struct`` codes of a scalar field, two for a complex one; None for a type no
+    kernel parameter has."""
+    if dtype.kind == "c":
+        return {8: "ff", 16: "dd"}.get(dtype.itemsize)
+    return _STRUCT_CODES.get(dtype.name)
 
 
 _QUALIFIERS = re.compile(r"\b(?:const|volatile|__restrict__|__restrict|restrict|struct|std::)\b|__align__\(\d+\)")
