@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import traceback
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -47,6 +48,12 @@ def used_bytes() -> list[int]:
     gc.collect()  # buffers of earlier tests, freed on collection, must not land mid-test
     backend = _driver.driver()
     return [MemoryPool.for_device(Device(i)).statistics().used_bytes for i in range(backend.device_count())]
+
+
+async def checkpoints(n: int = 50) -> None:
+    """Let every other task run as far as it can (no time involved)."""
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()
 
 
 @pytest.fixture
@@ -940,3 +947,45 @@ async def test_submit_and_pipeline_priorities(backend: _driver.Driver, anyio_bac
     assert seen[-1] == greatest
     with pytest.raises(ValueError, match="priority"):
         Executor(priority="low")  # type: ignore[arg-type]
+
+
+async def test_a_high_priority_submit_is_admitted_before_the_work_waiting_ahead_of_it(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """The device's one chunk is held in its stage; normal submits and a pipeline's chunk
+    wait for room, then a high-priority submit: the high one is admitted next, the others
+    after it."""
+    order: list[str] = []
+    gate = anyio.Event()
+    host = np.zeros(256, np.float32)
+
+    def stage_of(tag: str) -> Any:
+        def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+            order.append(tag)
+
+        return stage
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        order.append("held")
+        await gate.wait()
+
+    async with Executor([0], chunks_per_device=1) as ex:
+
+        async def submit(tag: str, priority: Any = "normal") -> None:
+            await ex.submit(stage_of(tag), host, priority=priority)
+
+        async def pipeline() -> None:
+            assert len(await ex.run(stage_of("pipeline"), [host])) == 1
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ex.submit, held, host)
+            await checkpoints()
+            for start in (partial(submit, "normal 1"), pipeline, partial(submit, "normal 2")):
+                tg.start_soon(start)
+                await checkpoints()
+            tg.start_soon(submit, "high", "high")
+            await checkpoints()
+            assert order == ["held"] and ex.device_streams[0].chunks == 1
+            gate.set()
+    assert order[:2] == ["held", "high"]
+    assert sorted(order[2:]) == ["normal 1", "normal 2", "pipeline"]

@@ -355,9 +355,11 @@ class Executor:
         beyond that wait on the host for a lane. Raises the chunk's error; cancelling the
         awaiting task cancels the chunk (memory returned).
 
-        ``priority="high"`` runs the chunk on a stream of the device's greatest priority
-        (and hands it the next free lane first): its kernels overtake those of normal
-        requests and of the executor's pipelines on the GPU. ``placement`` chooses the
+        ``priority="high"`` runs the chunk on a stream of the device's greatest priority:
+        its kernels overtake those of normal requests and of the executor's pipelines on
+        the GPU. It is also admitted first: while it waits for a device with room, normal
+        submits and pipeline chunks wait behind it, and it is handed the next free lane
+        first. ``placement`` chooses the
         device as for :meth:`map` (here ``"least_loaded"`` by default); ``output`` and
         ``name`` are :meth:`map`'s.
         """
@@ -366,7 +368,9 @@ class Executor:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
-        placed, self._cursor = await self._admission.admit(placement, self._device_streams, nbytes, self._cursor)
+        placed, self._cursor = await self._admission.admit(
+            placement, self._device_streams, nbytes, self._cursor, urgent=priority == "high"
+        )
         index, self._submitted = self._submitted, self._submitted + 1
         try:
             async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:

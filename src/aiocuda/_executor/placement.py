@@ -6,7 +6,9 @@ Otherwise a device accepts a chunk while it has fewer than its ``max_chunks`` in
 bytes reserved for its chunks stay within its memory budget (an idle device accepts any
 chunk, so one oversized chunk still runs -- and fails with OutOfMemoryError if it truly
 does not fit). When no device accepts, :meth:`Admission.admit` waits until a chunk
-finishes somewhere: that wait is the executor's memory-aware back-pressure.
+finishes somewhere: that wait is the executor's memory-aware back-pressure. An *urgent*
+admission (a ``priority="high"`` submit) that has to wait goes first: while one waits, the
+others wait behind it, so the next chunk to finish makes room for it.
 """
 
 from __future__ import annotations
@@ -78,35 +80,58 @@ class Admission:
 
     def __init__(self) -> None:
         self._changed: anyio.Event | None = None
+        self._urgent = 0
+        """Urgent admissions waiting for room: every other one waits behind them."""
 
     def try_admit(
-        self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int
+        self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int, *, urgent: bool = False
     ) -> tuple[L | None, int]:
         """Reserve ``nbytes`` on a device that accepts them now. Returns the device (None
-        when none does) and the next cursor."""
+        when none does, or when an urgent admission waits and this one is not urgent)
+        and the next cursor."""
+        if self._urgent and not urgent:
+            return None, cursor
         candidate, cursor = choose(policy, candidates, nbytes, cursor)
         if candidate is not None:
             candidate.chunks += 1
             candidate.reserved += nbytes
         return candidate, cursor
 
-    async def admit(self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int) -> tuple[L, int]:
+    async def admit(
+        self, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int, *, urgent: bool = False
+    ) -> tuple[L, int]:
         """Wait until a device accepts ``nbytes``; reserve it there. Returns the device
         and the next cursor. Raises :class:`~aiocuda.errors.ContextPoisonedError` when
-        every device has failed."""
-        while True:
-            candidate, cursor = self.try_admit(policy, candidates, nbytes, cursor)
-            if candidate is not None:
-                return candidate, cursor
-            _refuse_if_all_failed(candidates)
-            if self._changed is None:
-                self._changed = anyio.Event()
-            await self._changed.wait()
+        every device has failed. An ``urgent`` admission that waits is admitted before
+        every admission that is not."""
+        candidate, cursor = self.try_admit(policy, candidates, nbytes, cursor, urgent=urgent)
+        if candidate is not None:
+            return candidate, cursor
+        if urgent:
+            self._urgent += 1
+        try:
+            while True:
+                _refuse_if_all_failed(candidates)
+                if self._changed is None:
+                    self._changed = anyio.Event()
+                await self._changed.wait()
+                candidate, cursor = self.try_admit(policy, candidates, nbytes, cursor, urgent=urgent)
+                if candidate is not None:
+                    return candidate, cursor
+        finally:
+            if urgent:
+                self._urgent -= 1
+                if not self._urgent:  # the admissions held back behind it may go now
+                    self._notify()
 
     def release(self, candidate: Loaded, nbytes: int) -> None:
         """A chunk admitted with ``nbytes`` finished (or failed) on ``candidate``."""
         candidate.chunks -= 1
         candidate.reserved -= nbytes
+        self._notify()
+
+    def _notify(self) -> None:
+        """Wake every waiting admission to try again."""
         changed, self._changed = self._changed, None
         if changed is not None:
             changed.set()
