@@ -201,6 +201,79 @@ def test_program_options() -> None:
     ]
 
 
+ONE_KERNEL = 'extern "C" __global__ void k(float* x) { x[0] = 1; }'
+
+
+def test_an_architecture_in_the_extra_options_is_the_one_compiled_for(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-arch=compute_80`` in ``extra`` came after the device's own
+    ``--gpu-architecture=sm_90``: NVRTC compiled for the last (making an sm_80 cubin
+    too, which an sm_90 GPU cannot load), and that cubin was taken, where PTX was asked
+    for, under the key of the device's architecture. The architecture the options name
+    is now passed once and chooses the image's kind and the key, however it is spelled."""
+    compiled: list[tuple[list[str], str]] = []
+
+    def compile_program(source: str, name: str, options: list[str], names: list[str], arch: str) -> CachedImage:
+        compiled.append((list(options), arch))
+        return CachedImage(b"image", "cubin" if arch.startswith("sm_") else "ptx", {})
+
+    def device_arch(compute_capability: tuple[int, int]) -> str:
+        raise AssertionError("the device's architecture was chosen over the options' one")
+
+    monkeypatch.setattr(nvrtc, "compile_program", compile_program)
+    monkeypatch.setattr(nvrtc, "device_arch", device_arch)
+    monkeypatch.setattr(nvrtc, "compiler_identity", lambda: "nvrtc 13.0")
+    device = aiocuda.Device(0)
+    for extra in (
+        ["-arch=compute_80", "-G"],
+        ["--gpu-architecture=compute_80", "-G"],
+        ["-arch", "compute_80", "-G"],
+        ["--gpu-architecture", "compute_80", "-G", "-arch=compute_80"],  # the same one twice
+    ):
+        compiled.clear()
+        options = ProgramOptions(extra=extra)
+        assert options.architecture() == "compute_80" and options.nvrtc_options() == ["--std=c++17", "-G"]
+        entry = Program(ONE_KERNEL, options=options, cache=False)._compile_real(device)
+        assert compiled == [(["--gpu-architecture=compute_80", "--std=c++17", "-G"], "compute_80")], extra
+        assert entry.kind == "ptx"
+    cache = tmp_path / "cache"
+    Program(ONE_KERNEL, options=ProgramOptions(arch="compute_80"), cache=cache)._compile_real(device)
+    compiled.clear()
+    Program(ONE_KERNEL, options=ProgramOptions(extra=["-arch", "compute_80"]), cache=cache)._compile_real(device)
+    assert compiled == []  # the same compile: the same key
+    cubin = Program(ONE_KERNEL, options=ProgramOptions(extra=["-arch=sm_80"]), cache=cache)._compile_real(device)
+    assert cubin.kind == "cubin"
+    assert compiled == [(["--gpu-architecture=sm_80", "--std=c++17"], "sm_80")]
+
+
+def test_nvrtc_compiles_ptx_for_a_compute_architecture_in_the_extra_options(
+    sim_backend: _driver.Driver, tmp_path: pathlib.Path
+) -> None:
+    """The same, with NVRTC itself (no GPU needed): it was an sm_80 cubin."""
+    _nvrtc_or_skip()
+    options = ProgramOptions(extra=["-arch", "compute_80"])
+    entry = Program(ONE_KERNEL, options=options, cache=tmp_path)._compile_real(aiocuda.Device(0))
+    assert entry.kind == "ptx" and b".target sm_80" in entry.image
+    assert "warning" not in entry.log  # (NVRTC warned of the architecture given twice)
+
+
+def test_a_malformed_or_conflicting_architecture_is_refused() -> None:
+    for options, message in (
+        ({"extra": ["-arch=sm90"]}, r"'sm90' is not an architecture: sm_XY .* or compute_XY"),
+        ({"extra": ["--gpu-architecture=native"]}, "'native' is not an architecture"),
+        ({"extra": ["-G", "-arch"]}, "'-arch' ends the program's options without an architecture"),
+        ({"arch": "compute90"}, "'compute90' is not an architecture"),
+        ({"extra": ["-arch=sm_80", "-arch=sm_90"]}, "two architectures, 'sm_80' and 'sm_90'"),
+        ({"arch": "sm_90", "extra": ["-arch=compute_90"]}, r"arch='sm_90'\) and 'compute_90' .* two architectures"),
+    ):
+        with pytest.raises(ArgumentError, match=message):
+            ProgramOptions(**options)
+    assert ProgramOptions(arch="sm_90a", extra=["-arch=sm_90a"]).architecture() == "sm_90a"
+    assert ProgramOptions(extra=["--gpu-architecture=sm_100f"]).architecture() == "sm_100f"
+    assert ProgramOptions().architecture() is None
+
+
 def test_signatures_from_source() -> None:
     source = r"""
     /* extern "C" __global__ void commented_out(int x) {} */

@@ -9,7 +9,10 @@
 
 The target architecture is the device's own (``sm_90`` on an H100), compiled straight to
 cubin; when the installed NVRTC is older than the device it compiles PTX for the newest
-architecture it knows, which the driver then JIT-compiles. Compilation blocks the
+architecture it knows, which the driver then JIT-compiles. An architecture the options
+name (``ProgramOptions(arch="compute_80")``, or ``-arch=compute_80`` among their
+``extra`` options) is compiled for instead: ``sm_XY`` to a cubin, ``compute_XY`` to PTX.
+Compilation blocks the
 calling thread for tens to hundreds of milliseconds on a miss: in a coroutine, run
 ``await anyio.to_thread.run_sync(program.compile)`` or compile at start-up.
 
@@ -52,14 +55,18 @@ class ProgramOptions:
     """NVRTC options, in a form that cannot be misspelled.
 
     ``defines`` maps macro names to values (None for a bare ``-DNAME``). ``arch``
-    overrides the device's architecture (``"sm_90"``, or ``"compute_90"`` for PTX).
+    overrides the device's architecture (``"sm_90"`` for a cubin, or ``"compute_90"``
+    for PTX, which the driver compiles when it loads the module).
     ``max_registers`` caps registers per thread (``--maxrregcount``).
     ``relocatable_device_code`` (``-rdc=true``) compiles code that may call ``extern``
     device functions and use ``extern`` variables defined in other programs: link such
     modules with :meth:`~aiocuda.Module.link`. ``lto`` (``-dlto``) compiles to LTO-IR
     for link-time optimisation, which only :meth:`~aiocuda.Module.link` (through
     nvJitLink) can turn into a loadable module. ``extra`` passes any other NVRTC option
-    verbatim.
+    verbatim; an architecture among them (``-arch=compute_90``,
+    ``--gpu-architecture=sm_90``, or the flag and the architecture as two items) counts
+    as ``arch`` does. ArgumentError for an architecture of another form, or for two that
+    differ (``arch`` and one in ``extra``, or two in ``extra``).
     """
 
     std: str | None = "c++17"
@@ -73,8 +80,24 @@ class ProgramOptions:
     lto: bool = False
     extra: Sequence[str] = ()
 
+    def __post_init__(self) -> None:
+        self.architecture()  # (refuses a malformed or conflicting architecture now)
+
+    def architecture(self) -> str | None:
+        """The architecture these options compile for: ``arch``, or the one ``extra``
+        names; None for the device's own."""
+        named, _ = nvrtc.split_arch(self.extra)
+        if self.arch is None:
+            return named
+        arch = nvrtc.check_arch(self.arch)
+        if named is not None and named != arch:
+            raise invalid_value(
+                f"ProgramOptions(arch={arch!r}) and {named!r} among the extra options name two architectures: keep one"
+            )
+        return arch
+
     def nvrtc_options(self) -> list[str]:
-        """The option strings, without the architecture."""
+        """The option strings, without the architecture (:meth:`architecture`)."""
         out: list[str] = []
         if self.std:
             out.append(f"--std={self.std}")
@@ -90,7 +113,7 @@ class ProgramOptions:
             out.append("-rdc=true")
         if self.lto:
             out.append("-dlto")
-        out += list(self.extra)
+        out += nvrtc.split_arch(self.extra)[1]
         return out
 
 
@@ -194,14 +217,20 @@ class Program:
                 raise
 
     def _compile_real(self, device: Device) -> CachedImage:
-        # The key names the device's architecture rather than the one NVRTC will be asked
-        # for, and the compiler by its wheel's version: a cache hit loads no NVRTC at all.
+        # The key names the architecture the options ask for, else the device's rather
+        # than the one NVRTC will be asked for (older than the device, it compiles PTX),
+        # and the compiler by its wheel's version: a cache hit loads no NVRTC at all. The
+        # architecture is passed once, first, and left out of the options: -arch=compute_80
+        # in extra once followed the device's --gpu-architecture=sm_90; NVRTC warned,
+        # compiled for compute_80 (making an sm_80 cubin too), and that cubin, which an
+        # sm_90 GPU cannot load, was kept under the device's key where PTX was asked for.
         major, minor = device.compute_capability
-        target = self.options.arch or f"sm_{major}{minor}"
+        chosen = self.options.architecture()
+        target = chosen or f"sm_{major}{minor}"
         options = self.options.nvrtc_options()
 
         def compile_now() -> CachedImage:
-            arch = self.options.arch or nvrtc.device_arch(device.compute_capability)
+            arch = chosen or nvrtc.device_arch(device.compute_capability)
             return nvrtc.compile_program(
                 self.source, self.name, [f"--gpu-architecture={arch}", *options], self.name_expressions, arch
             )

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import re
 import threading
 from collections.abc import Sequence
 from typing import Any
 
+from .._util import invalid_value
 from ..errors import CompileError
 from .compile_cache import CachedImage
 
-__all__ = ["NO_NVRTC", "compile_program", "compiler_identity", "device_arch", "load"]
+__all__ = ["NO_NVRTC", "check_arch", "compile_program", "compiler_identity", "device_arch", "load", "split_arch"]
 
 NO_NVRTC = "AIOCUDA_NO_NVRTC"
 """The ``name`` of the CompileError raised when NVRTC itself cannot be loaded."""
@@ -86,6 +88,53 @@ def device_arch(compute_capability: tuple[int, int]) -> str:
         return f"sm_{wanted}"
     older = [a for a in supported if a <= wanted]
     return f"compute_{max(older) if older else min(supported)}"
+
+
+_ARCH_FLAGS = ("-arch", "--gpu-architecture")
+_ARCH = re.compile(r"(?:sm|compute)_[1-9][0-9]{1,2}[af]?")
+_ARCH_FORMS = (
+    "sm_XY (a cubin for GPUs of that architecture) or compute_XY (PTX, which the driver compiles for the "
+    "GPU it loads on), e.g. sm_90 or compute_90, with 'a' or 'f' after the number for architecture- or "
+    "family-specific features (sm_90a)"
+)
+
+
+def split_arch(options: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The architecture NVRTC ``options`` name (``-arch=compute_90``,
+    ``--gpu-architecture=sm_90``, or either flag followed by the architecture as the
+    next item), and the other options, in their order.
+
+    ArgumentError for a flag without an architecture, an architecture NVRTC's option
+    does not take the form of, or two that differ (NVRTC would compile for the last,
+    with a warning)."""
+    found: str | None = None
+    rest: list[str] = []
+    items = iter(options)
+    for option in items:
+        flag, equals, value = option.partition("=")
+        if flag not in _ARCH_FLAGS:
+            rest.append(option)
+            continue
+        if not equals:
+            value = next(items, "")
+            if not value:
+                raise invalid_value(f"{flag!r} ends the program's options without an architecture: {_ARCH_FORMS}")
+        arch = check_arch(value)
+        if found is not None and arch != found:
+            raise invalid_value(
+                f"the program's options name two architectures, {found!r} and {arch!r}: keep one "
+                "(ProgramOptions(arch=...), or one -arch option)"
+            )
+        found = arch
+    return found, rest
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` when it has the form of an architecture NVRTC compiles for (``sm_90``,
+    ``compute_90a``); ArgumentError otherwise. Whether this NVRTC knows it, NVRTC says."""
+    if not isinstance(arch, str) or not _ARCH.fullmatch(arch):
+        raise invalid_value(f"{arch!r} is not an architecture: {_ARCH_FORMS}")
+    return arch
 
 
 def _output_buffer(size: int) -> bytearray:
