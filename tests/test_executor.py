@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import numpy as np
 import pytest
@@ -989,3 +990,54 @@ async def test_a_high_priority_submit_is_admitted_before_the_work_waiting_ahead_
             gate.set()
     assert order[:2] == ["held", "high"]
     assert sorted(order[2:]) == ["normal 1", "normal 2", "pipeline"]
+
+
+async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """A lifespan leaves its executor while one submit runs (held in its stage) and one
+    waits for room: new submits and maps are refused with ClosedError, both started ones
+    finish with their results, and only then is the block left."""
+    gate, leave = anyio.Event(), anyio.Event()
+    left = False
+    results: dict[str, Any] = {}
+    hosts = {name: np.arange(64, dtype=np.float32) + i for i, name in enumerate(("running", "waiting", "new"))}
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    def plain(ctx: ChunkContext, x: DeviceArray) -> None:
+        pass
+
+    async def submit(ex: Executor, name: str, stage: Any) -> None:
+        try:
+            results[name] = await ex.submit(stage, hosts[name])
+        except ClosedError as exc:
+            results[name] = exc
+
+    async with anyio.create_task_group() as tg:
+
+        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
+            nonlocal left
+            async with Executor([0], chunks_per_device=1) as ex:
+                task_status.started(ex)
+                await leave.wait()
+            left = True
+
+        ex = await tg.start(lifespan)
+        tg.start_soon(submit, ex, "running", held)
+        await checkpoints()
+        tg.start_soon(submit, ex, "waiting", plain)
+        await checkpoints()
+        leave.set()
+        await checkpoints()
+        tg.start_soon(submit, ex, "new", plain)
+        await checkpoints()
+        assert not left and set(results) == {"new"}
+        assert isinstance(results["new"], ClosedError) and "closing" in str(results["new"])
+        with pytest.raises(ClosedError, match="closing"):
+            ex.map(plain, [hosts["new"]])
+        gate.set()
+    assert left
+    for name in ("running", "waiting"):
+        np.testing.assert_array_equal(results[name], hosts[name])

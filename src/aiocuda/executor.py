@@ -55,8 +55,9 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
+import anyio
 import numpy.typing as npt
 
 from ._completion.loops import being_cancelled
@@ -103,10 +104,12 @@ class Executor:
     Use as ``async with Executor(...) as ex``. Entering enables peer access between every
     pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
     by a copy), so that :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
-    block waits for the GPU work the executor enqueued (on devices that have not failed),
-    then closes its streams. Left cancelled, or by an asyncio task unwinding from its
-    cancellation, it closes them at once: enqueued work still runs, and nothing is freed
-    under it.
+    block shuts down gracefully: new :meth:`submit` and :meth:`map` calls raise
+    :class:`~aiocuda.errors.ClosedError`, submits already started (waiting for room, for a
+    lane, or running) finish, then the GPU work the executor enqueued is awaited (on
+    devices that have not failed) and its streams are closed. Left cancelled, or by an
+    asyncio task unwinding from its cancellation, it closes them at once: enqueued work
+    still runs, and nothing is freed under it.
     """
 
     def __init__(
@@ -136,8 +139,11 @@ class Executor:
         self._device_streams: tuple[DeviceStreams, ...] = ()
         self._by_ordinal: dict[int, DeviceStreams] = {}
         self._admission = Admission()
-        self._open = False
-        self._closed = False
+        self._state: Literal["new", "open", "closing", "closed"] = "new"
+        self._submitting = 0
+        """Submits started and not yet returned: what leaving the block waits for."""
+        self._drained: anyio.Event | None = None
+        """Set when the last of them returns while the executor is closing."""
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
         self._request_lanes: dict[int, Lanes] = {}
@@ -148,8 +154,8 @@ class Executor:
 
     # -- lifetime -----------------------------------------------------------------------------
     async def __aenter__(self) -> Executor:
-        if self._open:
-            raise RuntimeError("this Executor is open already: enter it once, and share it")
+        if self._state in ("open", "closing"):
+            raise RuntimeError(f"this Executor is {self._state} already: enter it once, and share it")
         self._open_devices()
         try:
             for a in self.devices:  # GPU-to-GPU copies take the direct path where allowed
@@ -172,8 +178,15 @@ class Executor:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        if self._state != "open":
+            self.close()
+            return
+        self._state = "closing"  # new submits and maps are refused from here on
         try:
             if not being_cancelled():  # (a task unwinding from its cancellation: no waiting)
+                while self._submitting:
+                    self._drained = anyio.Event()
+                    await self._drained.wait()
                 await self.synchronize()
         except CudaError:
             if exc[0] is None:
@@ -205,8 +218,7 @@ class Executor:
             )
         self._device_streams = tuple(device_streams)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
-        self._open = True
-        self._closed = False
+        self._state = "open"
         if self._trace is not None:
             for per_device in device_streams:
                 self._trace.begin(per_device.h2d)
@@ -214,7 +226,7 @@ class Executor:
     async def synchronize(self) -> None:
         """Wait until every stream of the executor is idle (on the devices that have not
         failed: see :attr:`failures`)."""
-        if not self._open:
+        if self._state not in ("open", "closing"):
             return
         for per_device in self._device_streams:
             if per_device.failure is not None:  # (its streams can only raise it again)
@@ -228,9 +240,11 @@ class Executor:
 
     def close(self) -> None:
         """Close the streams (work already enqueued still completes). :attr:`device_streams`
-        and :attr:`trace` stay readable."""
-        self._open = False
-        self._closed = True
+        and :attr:`trace` stay readable. Submits still running keep their lanes until they
+        return; those still waiting for room or for a lane raise
+        :class:`~aiocuda.errors.ClosedError` when they would start. Prefer leaving the
+        ``async with`` block, which lets them finish."""
+        self._state = "closed"
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 stream.close()
@@ -359,34 +373,42 @@ class Executor:
         its kernels overtake those of normal requests and of the executor's pipelines on
         the GPU. It is also admitted first: while it waits for a device with room, normal
         submits and pipeline chunks wait behind it, and it is handed the next free lane
-        first. ``placement`` chooses the
-        device as for :meth:`map` (here ``"least_loaded"`` by default); ``output`` and
-        ``name`` are :meth:`map`'s.
+        first. ``placement`` chooses the device as for :meth:`map` (here
+        ``"least_loaded"`` by default); ``output`` and ``name`` are :meth:`map`'s.
+
+        Once the executor is closing (its block being left), a new submit raises
+        :class:`~aiocuda.errors.ClosedError`; one already started finishes first.
         """
         self._check_open()
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
-        placed, self._cursor = await self._admission.admit(
-            placement, self._device_streams, nbytes, self._cursor, urgent=priority == "high"
-        )
-        index, self._submitted = self._submitted, self._submitted + 1
+        self._submitting += 1
         try:
-            async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
-                return await self._runner(stage, output, name).run(index, array, placed, lane)
-        except BaseException as exc:
-            placed.saw(exc)
-            raise
+            placed, self._cursor = await self._admission.admit(
+                placement, self._device_streams, nbytes, self._cursor, urgent=priority == "high"
+            )
+            index, self._submitted = self._submitted, self._submitted + 1
+            try:
+                async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
+                    return await self._runner(stage, output, name).run(index, array, placed, lane)
+            except BaseException as exc:
+                placed.saw(exc)
+                raise
+            finally:
+                placed.completed += 1
+                self._admission.release(placed, nbytes)
         finally:
-            placed.completed += 1
-            self._admission.release(placed, nbytes)
+            self._submitting -= 1
+            if self._drained is not None and not self._submitting:
+                self._drained.set()
 
     def _check_open(self) -> None:
-        if not self._open:
-            if self._closed:
-                raise ClosedError("the executor is closed")
-            raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+        if self._state != "open":
+            if self._state == "new":
+                raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+            raise ClosedError(f"the executor is {self._state}")
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
         return ChunkRunner(
@@ -438,8 +460,8 @@ class Executor:
         return device_streams
 
     def __repr__(self) -> str:
-        if not self._open:
-            return f"<Executor closed devices={[d.ordinal for d in self.devices]}>"
+        if self._state != "open":
+            return f"<Executor {self._state} devices={[d.ordinal for d in self.devices]}>"
         state = ", ".join(
             f"{per_device.device.ordinal}: {'FAILED' if per_device.failure else f'{per_device.chunks} in flight'}"
             for per_device in self._device_streams
