@@ -5,7 +5,9 @@ implementations read the module's variables through ``launch.globals``."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -241,3 +243,48 @@ async def test_a_variable_of_an_unloaded_module_raises_when_used(module: Module,
     again = module.get_global("coeffs")  # the reloaded module's variable works
     await again.copy_from(np.full(4, 2, dtype=np.float32))
     assert (await again.to_host()).tolist() == [2.0] * 4
+
+
+class _WatchedLock:
+    """A lock that sets ``progress`` when a thread has to wait for it."""
+
+    def __init__(self, progress: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._progress = progress
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self._progress.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+        self._lock.release()
+
+
+def test_an_unload_racing_get_global_leaves_no_usable_array(
+    module: Module, backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unload() on another thread between get_global's look-up of the variable and
+    the registration of its memory cleared the registry before the new memory joined
+    it: that array kept working, on the unloaded module's memory. Here the unload comes
+    exactly there, and runs to its end or waits for get_global."""
+    progress = threading.Event()  # the unload finished, or waits for the module's lock
+    module._lock = _WatchedLock(progress)  # type: ignore[assignment]
+    unloaders: list[threading.Thread] = []
+    look_up = type(backend).module_get_global
+
+    def unload_meanwhile(driver: _driver.Driver, handle: Any, name: str) -> tuple[int, int]:
+        found: tuple[int, int] = look_up(driver, handle, name)  # type: ignore[arg-type]
+        if not unloaders:
+            unloader = threading.Thread(target=lambda: (module.unload(), progress.set()))
+            unloaders.append(unloader)
+            unloader.start()
+            assert progress.wait(10)
+        return found
+
+    module.get_global("coeffs")  # (loaded here, so that the unload below has something to unload)
+    monkeypatch.setattr(type(backend), "module_get_global", unload_meanwhile)
+    coeffs = module.get_global("coeffs")
+    unloaders[0].join(10)
+    with pytest.raises(ArgumentError, match="which was unloaded"):
+        coeffs.ptr  # noqa: B018

@@ -213,23 +213,27 @@ class Module:
 
     def handle(self, device: Device) -> Any:
         """The module loaded on ``device`` (loading it now if needed)."""
-        key = (_driver.backend_generation(), device.ordinal)
-        found = self._handles.get(key)
+        found = self._handles.get((_driver.backend_generation(), device.ordinal))
         if found is not None:
             return found[1]
-        if self.kind not in _LOADABLE:
-            raise CompileError(
-                f"module {self.name or self.kind!r} is {self.kind}, which cannot be loaded: link it into a "
-                f"loadable module first (aiocuda.Module.link([...]))",
-                name="AIOCUDA_NOT_LOADABLE",
-            )
         with self._lock:
-            found = self._handles.get(key)
-            if found is None:
-                device.make_current()
-                handle, log = device._driver.module_load_data(self.image, self.jit_options)
-                self._jit_logs[key] = log
-                found = self._handles[key] = (device, handle)
+            return self._handle_locked(device)
+
+    def _handle_locked(self, device: Device) -> Any:
+        """:meth:`handle`, for a caller holding the module's lock."""
+        key = (_driver.backend_generation(), device.ordinal)
+        found = self._handles.get(key)
+        if found is None:
+            if self.kind not in _LOADABLE:
+                raise CompileError(
+                    f"module {self.name or self.kind!r} is {self.kind}, which cannot be loaded: link it into a "
+                    f"loadable module first (aiocuda.Module.link([...]))",
+                    name="AIOCUDA_NOT_LOADABLE",
+                )
+            device.make_current()
+            handle, log = device._driver.module_load_data(self.image, self.jit_options)
+            self._jit_logs[key] = log
+            found = self._handles[key] = (device, handle)
         return found[1]
 
     def jit_log(self, device: Device | int | None = None) -> str:
@@ -279,9 +283,16 @@ class Module:
         # variable that kernels launched there read.
         s = stream if stream is not None else _stream_for_new(device)
         dev = _device_of(device, s)
-        handle = self.handle(dev)
-        dev.make_current()
-        ptr, size = dev._driver.module_get_global(handle, name)
+        # Under the module's lock, from the handle to the buffer's registration: an
+        # unload() on another thread in between cleared the registry before this buffer
+        # joined it, and the array kept the address of the unloaded module's variable
+        # (or the driver was asked for a variable of a module it had unloaded).
+        with self._lock:
+            handle = self._handle_locked(dev)
+            dev.make_current()
+            ptr, size = dev._driver.module_get_global(handle, name)
+            buffer = OwnedBuffer(ptr, size, dev, s, self)
+            self._globals.add(buffer)
         declared_dtype, declared_shape = self.variables.get(name, (None, None))
         element = np.dtype(dtype if dtype is not None else declared_dtype if declared_dtype is not None else np.uint8)
         if shape is None:
@@ -294,8 +305,6 @@ class Module:
         dims = (shape,) if isinstance(shape, int) else tuple(shape)
         if math.prod(dims) * element.itemsize > size:
             raise invalid_value(f"variable {name!r} has {size} bytes; shape {dims} of {element} does not fit")
-        buffer = OwnedBuffer(ptr, size, dev, s, self)
-        self._globals.add(buffer)
         return DeviceArray(dims, element, buffer=buffer)
 
     @classmethod
