@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import subprocess
 import sys
+import threading
 import types
 from typing import Any
 
@@ -14,7 +16,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, program
-from aiocuda._kernels import includes, nvrtc
+from aiocuda._kernels import includes, nvjitlink, nvrtc
 from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key, cached_compile, default_cache
 from aiocuda._kernels.signature import cpp_linkage_kernels, parse_signature, ptx_signatures, source_signatures
 from aiocuda.errors import ArgumentError, CompileError, LaunchError
@@ -537,3 +539,43 @@ def test_compiling_leaves_the_interpreters_shared_bytes_intact() -> None:
     proc = subprocess.run([sys.executable, "-c", INTERNED_BYTES_SCRIPT], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "SPACE b' ' [b'a', b'b']" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize(
+    ("loader", "lock", "loaded"), [(nvrtc, "_nvrtc_lock", "_nvrtc_module"), (nvjitlink, "_lock", "_module")]
+)
+def test_a_child_forked_while_another_thread_loads_a_compiler_loads_it(
+    loader: types.ModuleType, lock: str, loaded: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork while another thread was inside NVRTC's (or nvJitLink's) load() left its
+    lock held in the child, where no thread would release it: the child's own load()
+    waited forever. The child now loads it (or says it is not installed) at once."""
+    monkeypatch.setattr(loader, loaded, None)  # (not loaded yet: load() takes the lock)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with getattr(loader, lock):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: load within 10 s (exit 0) or not (exit 1), and leave without cleanup
+            done = threading.Event()
+
+            def load() -> None:
+                with contextlib.suppress(CompileError):
+                    loader.load()
+                done.set()
+
+            threading.Thread(target=load, daemon=True).start()
+            os._exit(0 if done.wait(10) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's load() waited for a lock no thread would release"

@@ -7,6 +7,7 @@ from the ``nvidia-nvjitlink`` wheel (or a CUDA toolkit) and is loaded on first u
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,16 @@ _INPUT_TYPES = {
 
 _lock = threading.Lock()
 _module: Any = None
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread was inside load() left this lock held in the child,
+    # where no thread will release it: the child's first load() waited forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def load() -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import pathlib
 import re
 import threading
@@ -29,6 +30,16 @@ _NVRTC_WHEEL_DIRS = ("cu13/lib", "cuda_nvrtc/lib")
 _nvrtc_lock = threading.Lock()
 _nvrtc_module: Any = None
 _identity: str | None = None
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread was inside load() left this lock held in the child,
+    # where no thread will release it: the child's first load() waited forever.
+    global _nvrtc_lock
+    _nvrtc_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def load() -> Any:
