@@ -483,6 +483,40 @@ async def test_a_lease_serves_one_request_at_a_time(sim_backend: Any, anyio_back
             await scaled_copy(lane, np.ones(8, np.float32))
 
 
+async def test_a_lease_inside_a_lease_of_the_same_lanes_raises_instead_of_waiting_for_itself(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """A request that holds the only lane and leases again would wait for itself for
+    ever: it raises, directly nested or from a function it calls, and its own lease
+    goes on. A task the request starts is another request: it waits for the lane."""
+
+    async def lease_again(lanes: Lanes) -> None:
+        async with lanes.lease():
+            pass
+
+    async with Lanes(count=1) as lanes, anyio.create_task_group() as tg:
+        got_it = anyio.Event()
+
+        async def other_request() -> None:
+            async with lanes.lease() as lane:
+                await scaled_copy(lane, np.ones(8, np.float32))
+                got_it.set()
+
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            async with lanes.lease() as lane:
+                with pytest.raises(RuntimeError, match="holds lane 0 of these lanes"):
+                    async with lanes.lease():
+                        pass
+                with pytest.raises(RuntimeError, match="holds lane 0 of these lanes"):
+                    await lease_again(lanes)
+                tg.start_soon(other_request)
+                await checkpoints()
+                assert lanes.statistics().waiting == 1 and not got_it.is_set()
+                np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 3, np.float32)), 3)
+            await got_it.wait()
+    assert lanes.statistics().leased == 0
+
+
 async def test_lanes_not_started_say_so(sim_backend: Any, anyio_backend: Any) -> None:
     lanes = Lanes(count=1)
     with pytest.raises(RuntimeError, match="not started") as caught:

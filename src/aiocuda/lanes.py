@@ -53,7 +53,13 @@ not ``lane.stream``: the lane's await fills the host arrays of :meth:`Lane.downl
 (after ``await lane.stream`` they are filled only as the lease ends, too late for a
 block that reads them). Work enqueued after the last await is not waited for by anyone:
 the lease does not wait for it, but the next lease of the lane does. A ``lanes.lease()``
-serves one request at a time: call it per request.
+serves one request at a time: call it per request. A request holds one lane of a pool at
+a time: a lease inside a lease of the same pool (in the block, or in a function it calls)
+would wait for itself once every lane is leased, so there it raises ``RuntimeError``
+instead of waiting (while a lane is free it is granted: do not rely on it). A task the
+request starts leases as a request of its own; waiting for it while holding a lane (its
+task group's end inside the block) deadlocks the same way once every lane is leased, and
+is not detected.
 """
 
 from __future__ import annotations
