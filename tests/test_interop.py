@@ -399,7 +399,7 @@ async def test_torch_reads_an_array_it_dropped_before_its_stream_ran(
     side = torch.cuda.Stream()
     # (PyTorch loads a kernel's module on its first launch, which waits for the device's
     # running kernels -- here the gate: launched once before it.)
-    torch.ones(n, device="cuda") * 2  # noqa: B018
+    torch.ones(n, device="cuda") * 2
     torch.cuda.synchronize()
     with Stream(0) as ours, Gate(Stream.wrap(side)) as gate, torch.cuda.stream(side):
         x = await ga.to_device(original, stream=ours)
