@@ -471,6 +471,26 @@ async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, an
         await ex.submit(ScaleStage(REPS), np.ones(4, np.float32))
 
 
+def test_bad_executor_options_are_refused_when_made_naming_the_option() -> None:
+    """Each option's own type and range are checked by the constructor: a float chunk
+    count was taken, then refused on entering as the lanes' 'count'."""
+    for options, error, match in [
+        ({"chunks_per_device": 2.5}, TypeError, "chunks_per_device must be an int"),
+        ({"chunks_per_device": True}, TypeError, "chunks_per_device must be an int"),
+        ({"chunks_per_device": "8"}, TypeError, "chunks_per_device must be an int"),
+        ({"chunks_per_device": 0}, ValueError, "chunks_per_device must be >= 1"),
+        ({"compute_streams": 1.5}, TypeError, "compute_streams must be an int"),
+        ({"compute_streams": None}, TypeError, "compute_streams must be an int"),
+        ({"memory_fraction": "half"}, TypeError, "memory_fraction must be a number"),
+        ({"memory_fraction": True}, TypeError, "memory_fraction must be a number"),
+        ({"memory_fraction": float("nan")}, ValueError, "memory_fraction must be in"),
+        ({"memory_fraction": 0}, ValueError, "memory_fraction must be in"),
+    ]:
+        with pytest.raises(error, match=match):
+            Executor(**options)
+    assert Executor(chunks_per_device=np.int64(3), memory_fraction=np.float32(0.5)) is not None
+
+
 async def test_an_executor_or_a_map_is_entered_once(sim_backend: Any, anyio_backend: Any) -> None:
     with pytest.raises(ValueError, match="devices must differ"):
         await Executor([0, 0]).__aenter__()

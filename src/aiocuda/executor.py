@@ -53,6 +53,7 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any, Literal
@@ -68,6 +69,7 @@ from ._executor.graph_lanes import GraphLanes
 from ._executor.lanes import PRIORITIES, Lanes, Priority, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
+from ._util import at_least
 from .device import Device, devices
 from .errors import ClosedError, ContextPoisonedError, CudaError
 from .peer import enable_peer_access
@@ -124,10 +126,12 @@ class Executor:
     ) -> None:
         if priority not in PRIORITIES:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-        if compute_streams < 1:
-            raise ValueError(f"compute_streams must be >= 1, got {compute_streams}")
-        if chunks_per_device < 1:
-            raise ValueError(f"chunks_per_device must be >= 1, got {chunks_per_device}")
+        compute_streams = at_least(compute_streams, 1, "compute_streams")
+        chunks_per_device = at_least(chunks_per_device, 1, "chunks_per_device")
+        fraction: object = memory_fraction  # (float to the type checker, anything from a caller)
+        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
+            raise TypeError(f"memory_fraction must be a number, not {type(fraction).__name__}")
+        memory_fraction = float(fraction)
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self._requested = None if devices is None else list(devices)
