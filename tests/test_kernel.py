@@ -23,6 +23,8 @@ from aiocuda.module import Module
 from aiocuda.program import Program
 from aiocuda.stream import Stream, use_stream
 
+from ._control import WatchedLock
+
 SOURCE = r"""
 extern "C" __global__ void saxpy(float a, const float* __restrict__ x, float* y, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -656,6 +658,40 @@ def test_kernels_are_shared_and_reload_after_unload(module: Module) -> None:
         s.synchronize()
         module.unload()
         fill.launch(1, 32, out, 2, 32, stream=s)  # loads the module again
+        s.synchronize()
+
+
+def test_an_unload_racing_a_functions_look_up_leaves_no_stale_function(
+    module: Module, backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unload() on another thread between Kernel.function's look-up of the function
+    and its caching forgot the kernel's functions before this one joined them: the
+    unloaded module's function stayed cached, and the kernel's every later use failed
+    (or, on a GPU, launched a function the driver had dropped). Here the unload comes
+    exactly there, and runs to its end or waits for the look-up."""
+    progress = threading.Event()  # the unload finished, or waits for the module's lock
+    module._lock = WatchedLock(progress)  # type: ignore[assignment]
+    unloaders: list[threading.Thread] = []
+    look_up = type(backend).module_get_function
+
+    def unload_meanwhile(driver: _driver.Driver, handle: Any, name: str) -> Any:
+        found = look_up(driver, handle, name)  # type: ignore[arg-type]
+        if not unloaders:
+            unloader = threading.Thread(target=lambda: (module.unload(), progress.set()))
+            unloaders.append(unloader)
+            unloader.start()
+            assert progress.wait(10)
+        return found
+
+    fill = module.kernel("fill")
+    module.handle(Device(0))  # (loaded here, so that the unload below has something to unload)
+    monkeypatch.setattr(type(backend), "module_get_function", unload_meanwhile)
+    fill.function(0)
+    unloaders[0].join(10)
+    assert fill.attribute("num_regs") > 0  # the function of the module loaded again
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        fill.launch(1, 32, out, 3, 32, stream=s)
         s.synchronize()
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -21,6 +20,8 @@ from aiocuda.kernel import register_sim_kernel
 from aiocuda.module import JitOptions, Module
 from aiocuda.program import Program, ProgramOptions
 from aiocuda.stream import Stream, use_stream
+
+from ._control import WatchedLock
 
 SOURCE = r"""
 __constant__ float coeffs[4];
@@ -245,22 +246,6 @@ async def test_a_variable_of_an_unloaded_module_raises_when_used(module: Module,
     assert (await again.to_host()).tolist() == [2.0] * 4
 
 
-class _WatchedLock:
-    """A lock that sets ``progress`` when a thread has to wait for it."""
-
-    def __init__(self, progress: threading.Event) -> None:
-        self._lock = threading.Lock()
-        self._progress = progress
-
-    def __enter__(self) -> None:
-        if not self._lock.acquire(blocking=False):
-            self._progress.set()
-            self._lock.acquire()
-
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
-        self._lock.release()
-
-
 def test_an_unload_racing_get_global_leaves_no_usable_array(
     module: Module, backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -269,7 +254,7 @@ def test_an_unload_racing_get_global_leaves_no_usable_array(
     it: that array kept working, on the unloaded module's memory. Here the unload comes
     exactly there, and runs to its end or waits for get_global."""
     progress = threading.Event()  # the unload finished, or waits for the module's lock
-    module._lock = _WatchedLock(progress)  # type: ignore[assignment]
+    module._lock = WatchedLock(progress)  # type: ignore[assignment]
     unloaders: list[threading.Thread] = []
     look_up = type(backend).module_get_global
 

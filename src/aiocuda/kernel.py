@@ -188,17 +188,34 @@ class Kernel(metaclass=NoPublicConstructor):
         key = (_driver.backend_generation(), dev.ordinal)
         func = self._functions.get(key)
         if func is None:
-            handle = self.module.handle(dev)
-            dev.make_current()
+            func = self._look_up(dev, key)
+        return func
+
+    def _look_up(self, device: Device, key: tuple[int, int]) -> Any:
+        """:meth:`function` when ``key`` is not cached: the function looked up in the
+        module loaded on ``device``, and cached."""
+        module = self.module
+        # Under the module's lock, from the module's handle to the function's place in
+        # the cache, as Module.get_global does: an unload() on another thread in between
+        # forgot this kernel's functions before this one joined them, so the function of
+        # the unloaded module stayed cached and every later launch used it.
+        with module._lock:
+            func = self._functions.get(key)
+            if func is not None:  # (another thread looked it up meanwhile)
+                return func
+            handle = module._handle_locked(device)
+            device.make_current()
             try:
-                func = dev._driver.module_get_function(handle, self.module.symbol(self.name))
+                func = device._driver.module_get_function(handle, module.symbol(self.name))
             except ArgumentError as exc:
                 if exc.code != ResultCode.NOT_FOUND:
                     raise
-                raise self._not_found(dev, exc) from exc
-            self._functions[key] = func
-            _graph_kernels.register(dev._driver, func, self)  # so that graphs can read its nodes
-        return func
+                missing = exc
+            else:
+                self._functions[key] = func
+                _graph_kernels.register(device._driver, func, self)  # so that graphs can read its nodes
+                return func
+        raise self._not_found(device, missing) from missing  # (unlocked: listing the kernels takes the lock)
 
     def _not_found(self, device: Device, exc: ArgumentError) -> ArgumentError:
         """The error for a kernel its module does not define, listing those it does."""

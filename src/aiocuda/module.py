@@ -157,6 +157,9 @@ class Module:
         found.update(variables or {})
         self.variables: dict[str, Variable] = found
         self._jit_logs: dict[tuple[int, int], str] = {}
+        # Held by unload() and from a handle's look-up to what is made from it (a
+        # variable's memory, a kernel's function): an unload in between forgot what was
+        # made from the handle before it was registered.
         self._lock = threading.Lock()
         self._handles: dict[tuple[int, int], tuple[Device, Any]] = {}
         self._kernels: weakref.WeakValueDictionary[Any, Kernel] = weakref.WeakValueDictionary()
