@@ -695,6 +695,37 @@ def test_an_unload_racing_a_functions_look_up_leaves_no_stale_function(
         s.synchronize()
 
 
+def test_an_unload_racing_a_launchers_making_leaves_no_stale_launcher(
+    module: Module, backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unload() on another thread while a launcher was made (from the function
+    looked up before the unload) forgot the kernel's launchers before the new one was
+    cached: every later launch of that configuration and stream took it, and launched
+    the unloaded module's function. Here the unload comes while the launcher is made."""
+    unloaders: list[threading.Thread] = []
+    prepare = type(backend).prepare_launch
+
+    def unload_meanwhile(driver: _driver.Driver, *args: Any) -> Any:
+        if not unloaders:
+            unloader = threading.Thread(target=module.unload)
+            unloaders.append(unloader)
+            unloader.start()
+            unloader.join(10)  # (nothing it waits for is held here)
+        return prepare(driver, *args)  # type: ignore[arg-type]
+
+    fill = module.kernel("fill")
+    with Stream(0) as s:
+        out = empty(32, np.int32, stream=s)
+        fill.function(0)  # (looked up before the unload, as a kernel launched before it is)
+        monkeypatch.setattr(type(backend), "prepare_launch", unload_meanwhile)
+        fill[1, 32, s]  # made across the unload; not to be used (Module.unload says so)
+        monkeypatch.undo()
+        assert not unloaders[0].is_alive()
+        fill[1, 32, s](out, 4, 32)
+        fill.launch(1, 32, out, 5, 32, stream=s)  # (under another spelling, the same launcher cache)
+        s.synchronize()
+
+
 def test_seam_launch_calls(backend: _driver.Driver, module: Module) -> None:
     from aiocuda._kernels.packing import ParamBuffer
 

@@ -160,7 +160,7 @@ class Kernel(metaclass=NoPublicConstructor):
     device the kernel is launched on (the device of the launch's stream).
     """
 
-    __slots__ = ("__weakref__", "_functions", "_launchers", "_lock", "module", "name", "signature")
+    __slots__ = ("__weakref__", "_functions", "_launchers", "_lock", "_unloads", "module", "name", "signature")
     _factories = "Module.kernel(name)"
 
     def __init__(self, module: Module, name: str, signature: Signature | None = None) -> None:
@@ -170,6 +170,9 @@ class Kernel(metaclass=NoPublicConstructor):
         self._functions: dict[tuple[int, int], Any] = {}
         self._launchers: dict[tuple[Any, ...], Callable[..., None]] = {}
         self._lock = threading.Lock()
+        # How many times the module was unloaded: a launcher made (or found) before an
+        # unload and remembered after it would hold the unloaded module's function.
+        self._unloads = 0
 
     def __repr__(self) -> str:
         params = "?" if self.signature is None else ", ".join(p.describe() for p in self.signature)
@@ -180,6 +183,7 @@ class Kernel(metaclass=NoPublicConstructor):
         with self._lock:
             self._functions.clear()
             self._launchers.clear()
+            self._unloads += 1
 
     # -- driver function and attributes ---------------------------------------------------------
     def function(self, device: Device | int | None = None) -> Any:
@@ -415,9 +419,8 @@ class Kernel(metaclass=NoPublicConstructor):
                 or _plain(grid, block, shared_mem, cooperative, cluster)
             )
         ):
-            launcher = self._launcher(_config(grid, block, shared_mem, cooperative, cluster), _stream(s))
-            if _plain(grid, block, shared_mem, cooperative, cluster):
-                self._remember(key, launcher)
+            plain = _plain(grid, block, shared_mem, cooperative, cluster)
+            launcher = self._launcher(_config(grid, block, shared_mem, cooperative, cluster), _stream(s), plain, key)
         launcher(*args)
 
     def __getitem__(self, config: Any) -> Callable[..., None]:
@@ -448,23 +451,30 @@ class Kernel(metaclass=NoPublicConstructor):
             )
         explicit = bool(rest) and rest[0] is not None
         s = _stream(rest[0] if explicit else None)
-        launcher = self._launcher(launch_config, s)
-        if explicit and _plain_subscript(parts):
-            self._remember(parts, launcher)
-        return launcher
+        return self._launcher(launch_config, s, explicit and _plain_subscript(parts), parts)
 
-    def _launcher(self, config: LaunchConfig, stream: Stream) -> Callable[..., None]:
+    def _launcher(
+        self, config: LaunchConfig, stream: Stream, remember: bool = False, spelling: tuple[Any, ...] = ()
+    ) -> Callable[..., None]:
         """The cached launcher of ``config`` on ``stream``, made now if needed: the cache
-        every call form shares, whatever spelling of the configuration it was given."""
+        every call form shares, whatever spelling of the configuration it was given.
+        With ``remember``, it is cached under the call form's ``spelling`` too."""
+        unloads = self._unloads  # (first: see _remember)
         key = (config, stream)
         launcher = self._launchers.get(key)
         if launcher is None or stream._closed:
             launcher = self.bind(config, stream=stream)
-            self._remember(key, launcher)
+            self._remember(key, launcher, unloads)
+        if remember:
+            self._remember(spelling, launcher, unloads)
         return launcher
 
-    def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None]) -> None:
+    def _remember(self, key: tuple[Any, ...], launcher: Callable[..., None], unloads: int) -> None:
+        """Cache ``launcher`` under ``key``, unless the module was unloaded since the
+        kernel had ``unloads`` (the launcher may hold the unloaded module's function)."""
         with self._lock:
+            if self._unloads != unloads:
+                return
             launchers = self._launchers
             if len(launchers) >= _LAUNCHER_CACHE_SIZE:
                 # Room: first the launchers of closed streams, else the oldest entry (a
