@@ -4,6 +4,8 @@ that each range started is ended once, by its own id, whichever task ends it."""
 
 from __future__ import annotations
 
+import os
+import threading
 from typing import Any
 
 import anyio
@@ -13,6 +15,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver
+from aiocuda._driver import _nvtx
 from aiocuda.profiler import NvtxRange, nvtx_available, nvtx_range, profile, start_range
 from aiocuda.stream import Stream
 from aiocuda.trace import Trace
@@ -123,3 +126,32 @@ def test_profile_blocks_nest(sim_backend: Any) -> None:
             pass
         assert sim_backend.profiling
     assert not sim_backend.profiling
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_another_thread_loads_nvtx_loads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fork while another thread was inside the NVTX loader left its lock held in the
+    child, where no thread would release it: the child's own load() (its first range on
+    the real driver) waited forever. The child now loads NVTX (or finds none) at once."""
+    monkeypatch.setattr(_nvtx, "_loaded", [])  # (not loaded yet: load() takes the lock)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _nvtx._lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: load within 10 s (exit 0) or not (exit 1), and leave without cleanup
+            done = threading.Event()
+            threading.Thread(target=lambda: (_nvtx.load(), done.set()), daemon=True).start()
+            os._exit(0 if done.wait(10) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's load() waited for a lock no thread would release"

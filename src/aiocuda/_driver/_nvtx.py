@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 import pathlib
 import threading
 
@@ -78,6 +79,16 @@ class Nvtx:
 
 _lock = threading.Lock()
 _loaded: list[Nvtx | None] = []
+
+
+def _after_fork_in_child() -> None:
+    # A fork while another thread was inside load() left this lock held in the child,
+    # where no thread will release it: the child's first load() waited forever.
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _candidates() -> list[str]:
