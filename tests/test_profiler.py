@@ -131,8 +131,11 @@ def test_profile_blocks_nest(sim_backend: Any) -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_a_child_forked_while_another_thread_loads_nvtx_loads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A fork while another thread was inside the NVTX loader left its lock held in the
-    child, where no thread would release it: the child's own load() (its first range on
-    the real driver) waited forever. The child now loads NVTX (or finds none) at once."""
+    child, where no thread would release it: a load() there waited forever. aiocuda's
+    API does not call it in such a child (a forked child is refused the driver before
+    it starts a range, and a range started before the fork found NVTX loaded), so this
+    keeps the loader as fork-safe as NVRTC's: the child loads NVTX (or finds none) at
+    once."""
     monkeypatch.setattr(_nvtx, "_loaded", [])  # (not loaded yet: load() takes the lock)
     held, release = threading.Event(), threading.Event()
 
