@@ -4,11 +4,14 @@ field (both backends: on the GPU the kernel itself says where CUDA put each fiel
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from aiocuda import _driver
 from aiocuda._kernels.packing import ParamBuffer
@@ -51,6 +54,103 @@ def test_packed_dtypes_get_cuda_padding() -> None:
         cuda_struct(np.dtype([("n", "i4"), ("name", "S8")]))
 
 
+# Scalar field types and the ctypes type of the same size and alignment (float16 as a
+# 2-byte integer: ctypes has no half): ctypes lays structures out by the platform's C rules.
+_CTYPES = {
+    "i1": ctypes.c_int8, "u1": ctypes.c_uint8, "?": ctypes.c_bool, "i2": ctypes.c_int16,
+    "u2": ctypes.c_uint16, "f2": ctypes.c_uint16, "i4": ctypes.c_int32, "u4": ctypes.c_uint32,
+    "f4": ctypes.c_float, "i8": ctypes.c_int64, "u8": ctypes.c_uint64, "f8": ctypes.c_double,
+}  # fmt: skip
+
+Field = tuple[np.dtype, Any]  # a field's numpy type (packed, numpy's default) and its ctypes type
+
+
+def _struct(fields: list[Field]) -> Field:
+    names = [f"f{i}" for i in range(len(fields))]
+    c_struct = type("S", (ctypes.Structure,), {"_fields_": [(n, c) for n, (_, c) in zip(names, fields, strict=True)]})
+    return np.dtype([(n, d) for n, (d, _) in zip(names, fields, strict=True)]), c_struct
+
+
+def _array(element: Field, count: int) -> Field:
+    return np.dtype((element[0], (count,))), element[1] * count
+
+
+_SCALAR_FIELDS = st.sampled_from([(np.dtype(code), c_type) for code, c_type in _CTYPES.items()])
+_FIELDS = st.recursive(
+    _SCALAR_FIELDS,
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=5).map(_struct),
+        st.builds(_array, inner.filter(lambda f: f[0].subdtype is None), st.integers(1, 3)),
+    ),
+    max_leaves=12,
+)
+
+
+def _c_offsets(c_type: Any, base: int = 0) -> list[tuple[int, int]]:
+    """``(offset, size)`` of a ctypes type and of everything nested in it, in order."""
+    found = [(base, ctypes.sizeof(c_type))]
+    if hasattr(c_type, "_length_"):
+        size = ctypes.sizeof(c_type._type_)
+        for i in range(c_type._length_):
+            found += _c_offsets(c_type._type_, base + i * size)
+    for name, field_type in getattr(c_type, "_fields_", ()):
+        found += _c_offsets(field_type, base + getattr(c_type, name).offset)
+    return found
+
+
+def _offsets(dtype: np.dtype, base: int = 0) -> list[tuple[int, int]]:
+    """:func:`_c_offsets` of a numpy type."""
+    found = [(base, dtype.itemsize)]
+    if dtype.subdtype is not None:
+        element, (count,) = dtype.subdtype
+        for i in range(count):
+            found += _offsets(element, base + i * element.itemsize)
+    for name in dtype.names or ():
+        field, offset = dtype.fields[name][:2]  # type: ignore[index]
+        found += _offsets(field, base + offset)
+    return found
+
+
+@given(st.lists(_FIELDS, min_size=1, max_size=6).map(_struct))
+def test_nested_structs_have_cs_layout(struct: Field) -> None:
+    """Only the top level of a struct was laid out with C's padding: a nested struct (or
+    an array of them) kept numpy's packed layout, so an inner {char; double} had its
+    double at offset 1, where the kernel reads it at 8. Every level now has C's layout,
+    here the one ctypes gives the same C struct; and a dtype given with that layout
+    (explicit offsets) is kept as it is."""
+    packed, c_type = struct
+    laid_out = cuda_struct(packed)
+    assert _offsets(laid_out) == _c_offsets(c_type)
+    assert cuda_struct(laid_out) == laid_out
+    explicit = np.dtype(
+        {
+            "names": list(laid_out.names or ()),
+            "formats": [laid_out.fields[name][0] for name in laid_out.names or ()],  # type: ignore[index]
+            "offsets": [getattr(c_type, name).offset for name in laid_out.names or ()],
+            "itemsize": ctypes.sizeof(c_type),
+        }
+    )
+    assert _offsets(cuda_struct(explicit)) == _c_offsets(c_type)
+
+
+def test_a_layout_that_is_not_cs_is_refused() -> None:
+    """A dtype laid out by the caller (align=True, offsets) whose fields are not where C
+    puts them is refused, naming the field, where it was kept: numpy's align=True places
+    a packed nested struct at any byte, and a field after it could sit in its C padding."""
+    inner = np.dtype([("c", "i1"), ("d", "f8")])
+    with pytest.raises(TypeError, match=r"field 'i' of .* is at offset 1, where C puts it at 8"):
+        cuda_struct(np.dtype([("t", "i1"), ("i", inner), ("z", "f8")], align=True))
+    gapped = np.dtype({"names": ["c", "d"], "formats": ["i1", "f8"], "offsets": [0, 16], "itemsize": 24})
+    with pytest.raises(TypeError, match=r"field 'o\.d' of .* is at offset 16, where C puts it at 8"):
+        cuda_struct(np.dtype([("n", "i4"), ("o", gapped)]))
+    short = np.dtype({"names": ["c", "d"], "formats": ["i1", "f8"], "offsets": [0, 8], "itemsize": 20})
+    with pytest.raises(TypeError, match=r"struct 'a\[\]' of .* has size 20, where C's is 16"):
+        cuda_struct(np.dtype([("a", short, (2,))]))
+    aligned = np.dtype([("w", "f4")], metadata={"cuda_align": 16})  # an __align__(16) struct
+    outer = cuda_struct(np.dtype([("c", "i1"), ("w", aligned)]))
+    assert outer.fields["w"][1] == 16 and outer.itemsize == 32  # type: ignore[index]
+
+
 def test_signatures_with_vectors_and_structs() -> None:
     params = parse_signature("float2 a, const int4* p, int n")
     assert [p.describe() for p in params] == ["float2 a", "int4* p", "int32 n"]
@@ -82,6 +182,18 @@ extern "C" __global__ void unpack(Params p, float2 w, int4 q, double* out) {
     out[5] = w.x; out[6] = w.y; out[7] = q.x; out[8] = q.y; out[9] = q.z; out[10] = q.w;
     out[11] = sizeof(Params);
 }
+
+struct Inner { char c; double d; };
+struct __align__(16) Wide { float w; };
+struct Outer { char tag; Inner inner; Inner pair[2]; short s; Wide wide; int n; };
+
+extern "C" __global__ void nested(Outer o, double* out) {
+    const char* at = (const char*)&o;
+    out[0] = o.tag; out[1] = o.inner.c; out[2] = o.inner.d; out[3] = o.pair[0].c; out[4] = o.pair[0].d;
+    out[5] = o.pair[1].c; out[6] = o.pair[1].d; out[7] = o.s; out[8] = o.wide.w; out[9] = o.n;
+    out[10] = sizeof(Outer); out[11] = (const char*)&o.inner - at; out[12] = (const char*)&o.inner.d - at;
+    out[13] = (const char*)&o.pair[1].d - at; out[14] = (const char*)&o.wide - at; out[15] = (const char*)&o.n - at;
+}
 """
 
 PARAMS = np.dtype([("c", "i1"), ("d", "f8"), ("i", "i4"), ("v", vector_dtype("float2"))])  # packed: relaid out
@@ -91,11 +203,38 @@ def _unpack(launch: Any, p: np.void, w: np.void, q: np.void, out: np.ndarray) ->
     out[:12] = [p["c"], p["d"], p["i"], p["v"]["x"], p["v"]["y"], w["x"], w["y"], *q.tolist(), p.dtype.itemsize]
 
 
+INNER = np.dtype([("c", "i1"), ("d", "f8")])
+OUTER = np.dtype(  # packed, numpy's default: laid out by C's rules at every level
+    [
+        ("tag", "i1"),
+        ("inner", INNER),
+        ("pair", INNER, (2,)),
+        ("s", "i2"),
+        ("wide", np.dtype([("w", "f4")], metadata={"cuda_align": 16})),
+        ("n", "i4"),
+    ]
+)
+
+
+def _nested(launch: Any, o: np.void, out: np.ndarray) -> None:
+    layout = o.dtype
+    pair = layout.fields["pair"]
+    element = pair[0].subdtype[0]
+    out[:16] = [
+        *(o["tag"], o["inner"]["c"], o["inner"]["d"], o["pair"][0]["c"], o["pair"][0]["d"]),
+        *(o["pair"][1]["c"], o["pair"][1]["d"], o["s"], o["wide"]["w"], o["n"], layout.itemsize),
+        *(layout.fields["inner"][1], layout.fields["inner"][1] + layout.fields["inner"][0].fields["d"][1]),
+        *(pair[1] + element.itemsize + element.fields["d"][1], layout.fields["wide"][1], layout.fields["n"][1]),
+    ]
+
+
 @pytest.fixture
 def module(backend: _driver.Driver, tmp_path: Any) -> Iterator[Module]:
     register_sim_kernel("unpack", _unpack)
+    register_sim_kernel("nested", _nested)
     yield Program(SOURCE, cache=tmp_path).compile()
     register_sim_kernel("unpack", None)
+    register_sim_kernel("nested", None)
 
 
 @pytest.mark.anyio
@@ -112,6 +251,22 @@ async def test_a_kernel_reads_every_field(module: Module, anyio_backend: object)
     expected = [-5, 1e300, 123456, 0.5, -0.25, 3.5, 4.5, 1, -2, 3, -4, 32]
     np.testing.assert_array_equal(first, expected)
     np.testing.assert_array_equal(second, expected)
+
+
+@pytest.mark.anyio
+async def test_a_kernel_reads_every_field_of_nested_structs(module: Module, anyio_backend: object) -> None:
+    """A nested struct, an array of them and an __align__(16) one, declared as a packed
+    dtype: the kernel reads each field where the C struct has it (on a GPU it also says
+    where that is: sizeof and the offsets of the fields, compared with C's rules here)."""
+    kernel = module.kernel("nested", signature=[OUTER, "double*"])
+    value = (-3, (5, 2.5), [(6, -1.25), (7, 1e300)], -300, (0.75,), 123456)
+    record = np.array(value, OUTER)[()]  # (the caller's packed layout: taken by its fields' names)
+    expected = [-3, 5, 2.5, 6, -1.25, 7, 1e300, -300, 0.75, 123456, 96, 8, 16, 48, 64, 80]
+    with Stream(0) as s:
+        out = await to_device(np.zeros(16), stream=s)
+        for given in (value, record):
+            kernel.launch(1, 1, given, out, stream=s)
+            np.testing.assert_array_equal(await out.to_host(stream=s), expected)
 
 
 @pytest.mark.anyio

@@ -20,10 +20,11 @@ parameters. A kernel whose parameters it cannot read (user structs by value, nes
 templates) simply has no inferred signature, and launching it asks for a declared one
 (a numpy structured dtype for a struct) instead of guessing.
 
-CUDA's layout rules for a struct passed by value: each field at the next offset that is
-a multiple of its alignment (a scalar's size; a vector type's own alignment, e.g. 8 for
-``float2``, 16 for ``float4`` and ``int4``, but 4 for ``float3``; a nested struct's
-largest alignment), the struct's size rounded up to its largest alignment.
+CUDA's layout rules for a struct passed by value (C's): each field at the next offset
+that is a multiple of its alignment (a scalar's size; a vector type's own alignment, e.g.
+8 for ``float2``, 16 for ``float4`` and ``int4``, but 4 for ``float3``; a nested struct's
+largest alignment), the struct's size rounded up to its largest alignment; nested structs
+and the elements of arrays of structs are laid out by the same rules.
 """
 
 from __future__ import annotations
@@ -167,64 +168,78 @@ def cuda_alignment(dtype: np.dtype) -> int:
     return dtype.itemsize
 
 
-def _layout(dtype: np.dtype) -> tuple[list[int], int, int]:
-    """``(offsets, itemsize, alignment)`` CUDA gives a struct with ``dtype``'s fields in order."""
-    offsets: list[int] = []
-    end = 0
-    largest = 1
-    for name in dtype.names or ():
-        field = dtype.fields[name][0]  # type: ignore[index]
-        align = cuda_alignment(field)
-        largest = max(largest, align)
-        end = -(-end // align) * align
-        offsets.append(end)
-        end += field.itemsize
-    return offsets, -(-end // largest) * largest, largest
-
-
 def cuda_struct(dtype: np.dtype) -> np.dtype:
-    """``dtype`` (a numpy structured dtype) as CUDA lays out the struct by value.
+    """``dtype`` (a numpy structured dtype) as CUDA lays out the struct by value: by C's
+    rules, at every level of nesting (nested structs, arrays of structs).
 
-    A dtype whose layout already is CUDA's (``np.dtype(..., align=True)`` with scalar
-    fields, a vector type, explicit offsets that respect every field's alignment, as
-    ``__align__`` gives) is kept as it is; a packed one (numpy's default) is laid out
-    again with CUDA's padding. TypeError for a layout CUDA cannot have (a field at an
-    offset that is not a multiple of its alignment, in a dtype that is not packed;
-    fields that overlap) and for a field of a type no kernel parameter has
-    (:func:`struct_leaves`).
+    C's rules: each field at the next offset that is a multiple of its alignment, the
+    struct's alignment its fields' largest, its size rounded up to that. A packed dtype
+    (numpy's default) is laid out so; one laid out already (``np.dtype(..., align=True)``
+    with aligned nested structs, a vector type, explicit offsets) must have C's offsets,
+    and may have a larger size (trailing padding) that is a multiple of its alignment.
+    An ``__align__(N)`` struct's dtype says so in its metadata:
+    ``np.dtype([...], metadata={"cuda_align": N})``.
+
+    TypeError for a layout the kernel's struct does not have (a field at another offset
+    than C's: the kernel would read other bytes), fields that overlap, and a field of a
+    type no kernel parameter has (:func:`struct_leaves`).
     """
     if dtype.fields is None or not dtype.names:
         raise TypeError(f"{dtype} is not a structured dtype with fields")
     if dtype.hasobject:
         raise TypeError(f"{dtype} holds Python objects, which cannot be kernel arguments")
-    names = list(dtype.names)
-    fields = [dtype.fields[name] for name in names]
-    given = [int(f[1]) for f in fields]
-    offsets, itemsize, align = _layout(dtype)
-    if given == offsets and dtype.itemsize == itemsize:
-        chosen_offsets, chosen_size = given, itemsize
-    elif given == [sum(f[0].itemsize for f in fields[:i]) for i in range(len(fields))] and dtype.itemsize == sum(
-        f[0].itemsize for f in fields
-    ):
-        chosen_offsets, chosen_size = offsets, itemsize  # packed: numpy's default layout
-    else:
-        for name, (field, offset) in zip(names, ((f[0], int(f[1])) for f in fields), strict=True):
-            if offset % cuda_alignment(field):
+    struct_leaves(dtype)  # (refuses overlapping fields and types no kernel takes, in their own words)
+    return _c_struct(dtype, dtype, "")
+
+
+def _c_struct(struct: np.dtype, whole: np.dtype, path: str) -> np.dtype:
+    """:func:`cuda_struct` of ``struct``, the struct at ``path`` (``"inner."``, ``""`` for
+    the whole) in ``whole``, which error messages name."""
+    names = list(struct.names or ())
+    given = [struct.fields[name][:2] for name in names]  # type: ignore[index]
+    formats = [_c_field(field, whole, f"{path}{name}") for name, (field, _) in zip(names, given, strict=True)]
+    offsets: list[int] = []
+    end = 0
+    align = int(_metadata(struct).get(_ALIGN, 1))  # (a vector type's, or an __align__(N) struct's)
+    for field in formats:
+        field_align = cuda_alignment(field)
+        align = max(align, field_align)
+        end = -(-end // field_align) * field_align
+        offsets.append(end)
+        end += field.itemsize
+    itemsize = -(-end // align) * align
+    sizes = [field.itemsize for field, _ in given]
+    packed = [int(offset) for _, offset in given] == [sum(sizes[:i]) for i in range(len(sizes))]
+    if not (packed and struct.itemsize == sum(sizes)):  # laid out by the caller: it must be C's layout
+        for name, (_, offset), c_offset in zip(names, given, offsets, strict=True):
+            if offset != c_offset:
                 raise TypeError(
-                    f"field {name!r} of {dtype} is at offset {offset}, not a multiple of its CUDA alignment "
-                    f"{cuda_alignment(field)}: no CUDA struct has that layout"
+                    f"field '{path}{name}' of {whole} is at offset {offset}, where C puts it at {c_offset} "
+                    f"(each field at the next multiple of its alignment): the kernel's struct has C's layout. "
+                    f"Pass the dtype packed (numpy's default), which is laid out so for you; an __align__(N) "
+                    f"struct's dtype takes metadata={{{_ALIGN!r}: N}}"
                 )
-        if dtype.itemsize % align:
-            raise TypeError(f"{dtype} has size {dtype.itemsize}, not a multiple of its CUDA alignment {align}")
-        chosen_offsets, chosen_size = given, dtype.itemsize
-    metadata = dict(dtype.metadata or {})
+        if struct.itemsize < itemsize or struct.itemsize % align:
+            what = f"struct '{path[:-1]}' of {whole}" if path else str(whole)
+            raise TypeError(
+                f"{what} has size {struct.itemsize}, where C's is {itemsize}: a struct's size is a multiple "
+                f"of its alignment ({align}) and reaches at least its fields' end"
+            )
+        itemsize = struct.itemsize
+    metadata = _metadata(struct)
     metadata[_ALIGN] = align
-    laid_out = np.dtype(
-        {"names": names, "formats": [f[0] for f in fields], "offsets": chosen_offsets, "itemsize": chosen_size},
-        metadata=metadata,
-    )
-    struct_format(laid_out)  # (refuses overlapping fields and types no kernel takes, now rather than at a launch)
-    return laid_out
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": itemsize}, metadata=metadata)
+
+
+def _c_field(field: np.dtype, whole: np.dtype, path: str) -> np.dtype:
+    """A field's type with C's layout: a struct's or an array of structs' laid out
+    (:func:`_c_struct`), any other as it is."""
+    if field.names is not None:
+        return _c_struct(field, whole, f"{path}.")
+    if field.subdtype is not None and field.subdtype[0].names is not None:
+        element, shape = field.subdtype
+        return np.dtype((_c_struct(element, whole, f"{path}[]."), shape))
+    return field
 
 
 def struct_leaves(dtype: np.dtype) -> list[tuple[tuple[int, ...], int, np.dtype]]:
