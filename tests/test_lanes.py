@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -515,6 +516,40 @@ async def test_a_lease_inside_a_lease_of_the_same_lanes_raises_instead_of_waitin
                 np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 3, np.float32)), 3)
             await got_it.wait()
     assert lanes.statistics().leased == 0
+
+
+@pytest.mark.parametrize("other_loop", ["asyncio", "trio"])
+async def test_a_lease_from_another_threads_loop_is_refused(
+    sim_backend: Any, anyio_backend: Any, other_loop: str
+) -> None:
+    """Lanes belong to the loop that started them: their free list, the requests waiting
+    for a lane and the wake-ups between them are that loop's. A lease from a loop in
+    another thread raises at once -- here with every lane leased, where it waited for a
+    wake-up sent from the wrong thread, which its own loop never saw -- and the pool
+    serves its own loop on."""
+    outcome: list[BaseException | str] = []
+
+    async def lease_there(lanes: Lanes) -> None:
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            try:
+                async with lanes.lease():
+                    outcome.append("leased")
+            except RuntimeError as exc:
+                outcome.append(exc)
+
+    async with Lanes(count=1) as lanes:
+        async with anyio.create_task_group() as tg:
+            async with lanes.lease():
+                tg.start_soon(anyio.to_thread.run_sync, lambda: anyio.run(lease_there, lanes, backend=other_loop))
+                # (polled: the state is another thread's, which can set no event of this loop)
+                while not outcome and not lanes.statistics().waiting:  # noqa: ASYNC110
+                    await anyio.sleep(0.001)
+        (error,) = outcome
+        assert isinstance(error, RuntimeError) and "belong to the event loop that started them" in str(error)
+        async with lanes.lease() as lane:
+            np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 2, np.float32)), 2)
+        stats = lanes.statistics()
+        assert (stats.leased, stats.waiting) == (0, 0)
 
 
 async def test_lanes_not_started_say_so(sim_backend: Any, anyio_backend: Any) -> None:

@@ -39,6 +39,9 @@ What it gives a service:
   that poisons the device fails every pending await with
   :class:`~aiocuda.errors.ContextPoisonedError`; :attr:`Lanes.failure` is then set (a
   health check reports it) and later leases fail at once.
+* **One event loop.** A pool belongs to the loop that started it (its lifespan's), as
+  asyncio's queues and locks do: a lease from another thread raises ``RuntimeError``.
+  Give each loop its own ``Lanes``.
 * **Graceful shutdown.** :meth:`Lanes.aclose` refuses new leases
   (:class:`~aiocuda.errors.ClosedError`), lets requests already in flight or in line
   finish, then awaits and closes the streams.

@@ -17,6 +17,9 @@ See :mod:`aiocuda.lanes` for the user's view. Invariants the code keeps:
 * A leased lane belongs to its request until the lease ends, whatever the pool does:
   :meth:`Lanes.close` closes the lanes on the free list and each leased one as its
   lease ends (``_hand_over``), so no stream or staging block is released under a request.
+* A pool belongs to the event loop that started it: its free list, its waiting requests
+  and the events that wake them are that loop's, so a lease from another thread is
+  refused (:meth:`Lanes._acquire`); the streams themselves could be awaited anywhere.
 * A request never waits for a lane of a pool while it holds one of it: it would wait for
   itself once every lane is leased. Each lease notes the frame of its ``async with``
   block (``Lane._holder``); a lease that has to wait looks for those frames among its
@@ -29,6 +32,7 @@ import collections
 import contextlib
 import inspect
 import sys
+import threading
 from collections.abc import Callable, Generator, Hashable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -73,6 +77,7 @@ Setup = Callable[["Lane"], Any]
 
 _ALIGN = 256
 _memmove = host_copy.memmove
+_thread_id = threading.get_ident  # a lease from another thread is refused: 0.05 us a lease
 
 
 def stream_priority(device: Device, priority: Priority) -> int:
@@ -485,6 +490,8 @@ class Lanes:
         self._closed: anyio.Event | None = None
         """Set once :meth:`aclose` has closed the pool: other calls of it wait for it."""
         self._leases = 0
+        self._thread = 0
+        """The thread of the event loop that started the pool: leases come from it."""
         self.failure: ContextPoisonedError | None = None
         """The error that poisoned the device's context, once a lease has seen one (its
         ``await lane``, handled or not, or the error its block raised); every later lease
@@ -515,6 +522,7 @@ class Lanes:
             raise RuntimeError(f"Lanes.start() called twice (the pool is {self._state})")
         self._state = "starting"
         self._started = anyio.Event()
+        self._thread = _thread_id()
         try:
             lanes = await anyio.to_thread.run_sync(self._build)
             self._lanes = lanes
@@ -647,7 +655,7 @@ class Lanes:
         return _Lease(self, priority)
 
     async def _acquire(self, priority: Priority) -> Lane:
-        if self._state != "open" or self.failure is not None:
+        if self._state != "open" or self.failure is not None or _thread_id() != self._thread:
             self._refuse()
         if self._free:
             lane = self._free.pop()
@@ -671,6 +679,12 @@ class Lanes:
         return lane
 
     def _refuse(self) -> NoReturn:
+        if self._state not in ("new", "starting") and _thread_id() != self._thread:
+            raise RuntimeError(
+                f"the request lanes of device {self._device.ordinal} belong to the event loop that started "
+                f"them (thread {self._thread}), and were leased from thread {_thread_id()}: lease from "
+                "that loop, or give each loop (each thread) Lanes of its own"
+            )
         failure = self.failure
         if failure is not None:
             raise ContextPoisonedError.earlier(failure, f"device {self._device.ordinal}")
