@@ -327,6 +327,43 @@ def test_nested_fields_are_checked_as_scalar_arguments(module: Module) -> None:
     )
 
 
+def test_bool_fields_take_what_a_bool_parameter_takes(module: Module) -> None:
+    """A bool field of a struct took any object by its truth (struct's "?" does: "no",
+    0.5, 2 and [] packed as true or false), where a bool parameter takes only True,
+    False, 0 or 1. Every bool field -- top-level, nested, an array's element -- now does,
+    the error naming its path."""
+    flags = np.dtype([("on", "?"), ("inner", [("n", "i4"), ("off", "?")]), ("mask", "?", (3,))])
+    plain = np.dtype([("n", "i4"), ("on", "?")])  # (scalar fields only: packed straight from the tuple, before)
+    buffer = ParamBuffer(parse_signature([flags, plain]))
+    kernel = module.kernel("unpack", signature=[flags, plain])
+    good = ((True, (1, False), (True, False, True)), (7, True))
+    with Stream(0) as s:
+        go = kernel.bind(1, 1, stream=s)
+        for wrong in ("no", 0.5, 2, [], None, np.int8(-1)):
+            given = type(wrong).__name__
+            for index, args, path in (
+                (0, ((wrong, (1, False), (True,) * 3), good[1]), r"arg0\.on"),
+                (0, ((True, (1, wrong), (True,) * 3), good[1]), r"arg0\.inner\.off"),
+                (0, ((True, (1, False), (True, wrong, True)), good[1]), r"arg0\.mask\[1\]"),
+                (1, (good[0], (7, wrong)), r"arg1\.on"),
+            ):
+                message = (
+                    rf"argument {index} .*: {path} \(bool\) cannot take {given} .*: a bool field takes True, False"
+                )
+                for launch in (lambda *a: buffer.pack(a, None), lambda *a: kernel.launch(1, 1, *a, stream=s), go):
+                    with pytest.raises(LaunchError, match=message):
+                        launch(*args)  # (refused before the driver sees the kernel)
+    for on, off, mask in ((True, False, [True, False, True]), (np.bool_(False), 1, np.array([1, 0, 1]))):
+        buffer.pack(((on, (3, off), mask), (4, on)), None)
+        record, pair = buffer.values
+        assert (record["on"], record["inner"]["off"], record["mask"].tolist(), pair["on"]) == (
+            bool(on),
+            bool(off),
+            [bool(m) for m in mask],
+            bool(on),
+        )
+
+
 def test_a_record_must_have_the_structs_fields(module: Module) -> None:
     """A numpy record was packed by position: its fields in its own order, whatever their
     names, so a record with ``n`` before ``x`` put ``n``'s value in ``x``. One whose field
