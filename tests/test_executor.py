@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 import numpy as np
 import pytest
 
@@ -1061,3 +1062,36 @@ async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
     assert left
     for name in ("running", "waiting"):
         np.testing.assert_array_equal(results[name], hosts[name])
+
+
+@pytest.mark.parametrize("other_loop", ["asyncio", "trio"])
+async def test_a_submit_from_another_threads_loop_is_refused(
+    sim_backend: Any, anyio_backend: Any, other_loop: str
+) -> None:
+    """An executor belongs to the loop that entered it: its admission's waits and wake-ups
+    are that loop's. A submit from a loop in another thread raises at once -- here with
+    the device full, where it waited for a wake-up that the executor's loop would send from
+    the wrong thread -- and the executor serves its own loop on."""
+    gate = anyio.Event()
+    outcome: list[BaseException | np.ndarray] = []
+    host = np.arange(8, dtype=np.float32)
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async def submit_there(ex: Executor) -> None:
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            try:
+                outcome.append(await ex.submit(lambda ctx, x: None, host))
+            except RuntimeError as exc:
+                outcome.append(exc)
+
+    async with Executor([0], chunks_per_device=1) as ex:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ex.submit, held, host)
+            await checkpoints()
+            await anyio.to_thread.run_sync(lambda: anyio.run(submit_there, ex, backend=other_loop))
+            gate.set()
+        (error,) = outcome
+        assert isinstance(error, RuntimeError) and "belongs to the event loop that entered it" in str(error)
+        np.testing.assert_array_equal(await ex.submit(lambda ctx, x: None, host), host)

@@ -54,6 +54,7 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 from __future__ import annotations
 
 import numbers
+import threading
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any, Literal
@@ -76,6 +77,8 @@ from .peer import enable_peer_access
 from .trace import Trace
 
 __all__ = ["ChunkContext", "ChunkResult", "Executor", "Pipeline"]
+
+_thread_id = threading.get_ident  # submits and maps from another thread are refused: 0.05 us a call
 
 _SUBMIT_STAGING = 1 << 20
 """Page-locked bytes per chunk in flight for :meth:`Executor.submit`'s pageable copies;
@@ -103,9 +106,12 @@ class Executor:
             request, so interactive requests submitted ``priority="high"`` overtake the
             pipelines' kernels on the GPU.
 
-    Use as ``async with Executor(...) as ex``. Entering enables peer access between every
-    pair of its devices that allows it (:func:`aiocuda.peer.enable_peer_access`, verified
-    by a copy), so that :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
+    Use as ``async with Executor(...) as ex``, and call it from the event loop that entered
+    it (as asyncio's queues and locks, it belongs to that loop: from another thread,
+    :meth:`submit` and :meth:`map` raise ``RuntimeError``). Entering enables peer access
+    between every pair of its devices that allows it
+    (:func:`aiocuda.peer.enable_peer_access`, verified by a copy), so that
+    :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
     block shuts down gracefully: new :meth:`submit` and :meth:`map` calls raise
     :class:`~aiocuda.errors.ClosedError`, submits already started (waiting for room, for a
     lane, or running) finish, then the GPU work the executor enqueued is awaited (on
@@ -148,6 +154,8 @@ class Executor:
         """Submits started and not yet returned: what leaving the block waits for."""
         self._drained: anyio.Event | None = None
         """Set when the last of them returns while the executor is closing."""
+        self._thread = 0
+        """The thread of the event loop that entered the executor: submits and maps come from it."""
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
         self._request_lanes: dict[int, Lanes] = {}
@@ -223,6 +231,7 @@ class Executor:
         self._device_streams = tuple(device_streams)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._state = "open"
+        self._thread = _thread_id()
         if self._trace is not None:
             for per_device in device_streams:
                 self._trace.begin(per_device.h2d)
@@ -409,9 +418,15 @@ class Executor:
                 self._drained.set()
 
     def _check_open(self) -> None:
-        if self._state != "open":
+        if self._state != "open" or _thread_id() != self._thread:
             if self._state == "new":
                 raise RuntimeError("the executor is not open: use 'async with Executor() as ex'")
+            if _thread_id() != self._thread:
+                raise RuntimeError(
+                    f"this Executor belongs to the event loop that entered it (thread {self._thread}), and was "
+                    f"called from thread {_thread_id()}: submit and map from that loop, or give each loop "
+                    "(each thread) an executor of its own"
+                )
             raise ClosedError(f"the executor is {self._state}")
 
     def _runner(self, stage: Stage, output: OutputFn | None, name: str | None) -> ChunkRunner:
