@@ -59,10 +59,12 @@ the lease does not wait for it, but the next lease of the lane does. A ``lanes.l
 serves one request at a time: call it per request. A request holds one lane of a pool at
 a time: a lease inside a lease of the same pool (in the block, or in a function it calls)
 would wait for itself once every lane is leased, so there it raises ``RuntimeError``
-instead of waiting (while a lane is free it is granted: do not rely on it). A task the
-request starts leases as a request of its own; waiting for it while holding a lane (its
-task group's end inside the block) deadlocks the same way once every lane is leased, and
-is not detected.
+instead of waiting (while a lane is free it is granted: do not rely on it). Two cases are
+not detected and deadlock the same way once every lane is leased: waiting, while holding
+a lane, for a task the request started that leases one (its task group's end inside the
+block), and an outer lease taken inside an async generator (an ``asynccontextmanager``
+around ``lease()``, a dependency that yields the lane), which is off the request's stack
+while it runs the block.
 """
 
 from __future__ import annotations

@@ -128,6 +128,8 @@ class Batcher(Generic[T, R]):
         max_delay: seconds a batch waits for more items after its first one arrived
             (0: take what is queued at once).
         concurrency: batches running at once, at most (gathering goes on meanwhile).
+            A batch function that submits to its own batcher and awaits the result
+            holds a worker meanwhile: once every worker does, nothing runs those items.
 
     Use as ``async with Batcher(...) as batcher:`` (in a lifespan): it runs tasks of its
     own for as long as the block. Submit from the event loop it was entered on (any task

@@ -23,7 +23,11 @@ See :mod:`aiocuda.lanes` for the user's view. Invariants the code keeps:
 * A request never waits for a lane of a pool while it holds one of it: it would wait for
   itself once every lane is leased. Each lease notes the frame of its ``async with``
   block (``Lane._holder``); a lease that has to wait looks for those frames among its
-  own callers (:meth:`Lanes._check_not_holding`) and raises instead.
+  own callers (:meth:`Lanes._check_not_holding`) and raises instead. (The block's frame
+  rather than the task: asyncio's ``current_task()`` cost 0.3 us a lease, a
+  ``ContextVar`` set and reset 0.25 and would take a task started inside the block for
+  the request itself. A block in an async generator is off the stack while its consumer
+  runs, and goes unseen.)
 """
 
 from __future__ import annotations
