@@ -518,6 +518,25 @@ async def test_a_lease_inside_a_lease_of_the_same_lanes_raises_instead_of_waitin
     assert lanes.statistics().leased == 0
 
 
+async def test_aclose_from_a_request_holding_a_lane_raises_instead_of_waiting_for_it(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """aclose() waits for every leased lane to come back: called by a request that holds
+    one, it would wait for itself. It raises and leaves the pool open; closed after the
+    block, the pool closes as usual."""
+    lanes = Lanes(count=2)
+    await lanes.start()
+    with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+        async with lanes.lease() as lane:
+            with pytest.raises(RuntimeError, match="called by a request holding lane 0"):
+                await lanes.aclose()
+            np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 5, np.float32)), 5)
+        async with lanes.lease():
+            pass
+        await lanes.aclose()
+    assert is_closed(lanes) and lane.stream.closed
+
+
 @pytest.mark.parametrize("other_loop", ["asyncio", "trio"])
 async def test_a_lease_from_another_threads_loop_is_refused(
     sim_backend: Any, anyio_backend: Any, other_loop: str

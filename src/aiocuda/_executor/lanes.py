@@ -35,6 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import inspect
+import math
 import sys
 import threading
 from collections.abc import Callable, Generator, Hashable
@@ -587,6 +588,8 @@ class Lanes:
         Cancelled, or called by an asyncio task unwinding from its cancellation (a
         lifespan's exit on uvicorn's second Ctrl+C), it closes the pool at once instead,
         as :meth:`close` does: nothing is freed under work still running on the GPU.
+        Called (not cancelled) by a request that holds one of the lanes, it raises
+        ``RuntimeError`` (it would wait for that lane) and leaves the pool open.
         """
         if self._state in ("closed", "new"):
             self._state = "closed"
@@ -594,6 +597,13 @@ class Lanes:
         if being_cancelled():  # a task unwinding from its cancellation: no waiting
             self.close()
             return
+        held = self._held_here()
+        if held is not None and anyio.current_effective_deadline() > -math.inf:  # (cancelled: it waits for nothing)
+            raise RuntimeError(
+                f"aclose() was called by a request holding lane {held.index} of these lanes (device "
+                f"{self._device.ordinal}): it would wait for that lane to come back. Close them after the "
+                "block, or call close(), which leaves each leased lane to its request"
+            )
         if self._closed is not None:  # another task is closing the pool: wait for it
             await self._closed.wait()
             return
@@ -699,21 +709,29 @@ class Lanes:
             )
         raise ClosedError(f"the request lanes of device {self._device.ordinal} are {self._state}")
 
-    def _check_not_holding(self) -> None:
-        """Refuse to wait for a lane in a request that holds one of this pool already
-        (nested leases): its own lane would never come back."""
+    def _held_here(self) -> Lane | None:
+        """The lane of this pool that the calling request holds, if any: the lane whose
+        lease's block is among the caller's frames (see ``Lane._holder``)."""
         holders = {lane._holder: lane for lane in self._lanes if lane._holder is not None}
-        frame: FrameType | None = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(2) if holders else None
         while frame is not None:
             lane = holders.get(frame)
             if lane is not None:
-                raise RuntimeError(
-                    f"this request holds lane {lane.index} of these lanes (device {self._device.ordinal}) and "
-                    "would wait for another: every lane is leased, and requests that wait for a lane while "
-                    "holding one wait for each other, or for themselves. Do the inner work on the lane "
-                    "it holds, or lease once per request"
-                )
+                return lane
             frame = frame.f_back
+        return None
+
+    def _check_not_holding(self) -> None:
+        """Refuse to wait for a lane in a request that holds one of this pool already
+        (nested leases): its own lane would never come back."""
+        lane = self._held_here()
+        if lane is not None:
+            raise RuntimeError(
+                f"this request holds lane {lane.index} of these lanes (device {self._device.ordinal}) and "
+                "would wait for another: every lane is leased, and requests that wait for a lane while "
+                "holding one wait for each other, or for themselves. Do the inner work on the lane "
+                "it holds, or lease once per request"
+            )
 
     async def _wait_for_lane(self, priority: Priority) -> Lane:
         self._check_not_holding()
