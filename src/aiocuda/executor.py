@@ -111,8 +111,8 @@ class Executor:
     :meth:`submit` and :meth:`map` raise ``RuntimeError``). Entering enables peer access
     between every pair of its devices that allows it
     (:func:`aiocuda.peer.enable_peer_access`, verified by a copy), so that
-    :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the
-    block shuts down gracefully: new :meth:`submit` and :meth:`map` calls raise
+    :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the block shuts down
+    gracefully: new :meth:`submit` and :meth:`map` calls raise
     :class:`~aiocuda.errors.ClosedError`, submits already started (waiting for room, for a
     lane, or running) finish, then the GPU work the executor enqueued is awaited (on
     devices that have not failed) and its streams are closed. Left cancelled, or by an
@@ -199,6 +199,7 @@ class Executor:
                 while self._submitting:
                     self._drained = anyio.Event()
                     await self._drained.wait()
+                self._drained = None
                 await self.synchronize()
         except CudaError:
             if exc[0] is None:
