@@ -714,12 +714,15 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
     def _free_after(self, event: Any) -> None:
         """Free the memory only once ``event`` has completed, besides the work on the
         last-use stream (the end of another stream's use: a DLPack consumer's)."""
-        waits = self._waits
-        if waits is None:
-            waits = self._waits = []
-        elif len(waits) >= 8:
-            waits[:] = [e for e in waits if not e.query()]
-        waits.append(event)
+        # Locked: a consumer's deleter may add its event from another thread while the
+        # loop's thread prunes the list (an event lost there would free memory early).
+        with _waits_lock:
+            waits = self._waits
+            if waits is None:
+                waits = self._waits = []
+            elif len(waits) >= 8:
+                waits[:] = [e for e in waits if not e.query()]
+            waits.append(event)
 
     def free(self, stream: Stream | None = None) -> None:
         """Free now (stream-ordered): on ``stream`` if given -- which must be ordered after
@@ -876,6 +879,8 @@ class _Pins:
         self.freed_on: Stream | None = None
 
 
+_waits_lock = threading.Lock()
+"""Guards :attr:`DeviceBuffer._waits` as it grows (:meth:`DeviceBuffer._free_after`)."""
 _pins_lock = threading.Lock()
 """Orders pins, unpins and deferred frees, which come from any thread (an export settles
 on the sharing service's thread, a buffer is freed on a loop's or a finaliser's)."""

@@ -11,6 +11,7 @@ last-use stream's ``hold``, and the owner goes once that stream's work so far is
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,9 @@ if TYPE_CHECKING:
     from ..stream import Stream
 
 __all__ = ["OwnedBuffer"]
+
+_after_lock = threading.Lock()
+"""Guards the events an :class:`OwnedBuffer`'s release waits for as they are added."""
 
 
 class OwnedBuffer:
@@ -74,9 +78,10 @@ class OwnedBuffer:
         """Release the owner only once ``event`` has completed, besides the work on the
         last-use stream (the end of another stream's use: a DLPack consumer's)."""
         state = self._state
-        if len(state) >= 10:  # (an array exported over and over: keep the pending ones)
-            state[2:] = [e for e in state[2:] if not e.query()]
-        state.append(event)
+        with _after_lock:  # (consumers' deleters may run on several threads)
+            if len(state) >= 10:  # (an array exported over and over: keep the pending ones)
+                state[2:] = [e for e in state[2:] if not e.query()]
+            state.append(event)
 
     def free(self) -> None:
         """Let the memory go now: its owner is released once the work aiocuda enqueued
