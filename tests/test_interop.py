@@ -385,34 +385,50 @@ async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: ob
     assert int(torch.from_dlpack(contiguous).sum()) == 700
 
 
-@pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
-async def test_torch_reads_an_array_it_dropped_before_its_stream_ran(
-    cuda_backend: _driver.Driver, anyio_backend: object
-) -> None:
-    """A tensor from ``torch.from_dlpack`` dropped at once, its kernels still queued on
-    PyTorch's stream: the array's memory, dropped too and reallocated on its own stream,
-    is not overwritten before those kernels read it."""
-    import torch
+class _Consumer:
+    """A library that reads aiocuda arrays by DLPack on a stream of its own: PyTorch or CuPy."""
 
+    def __init__(self, name: str) -> None:
+        self.lib = pytest.importorskip(name)
+        self.torch = name == "torch"
+        self.side = self.lib.cuda.Stream() if self.torch else self.lib.cuda.Stream(non_blocking=True)
+
+    def current(self) -> Any:
+        """Make ``side`` the library's current stream (a context manager)."""
+        return self.lib.cuda.stream(self.side) if self.torch else self.side
+
+    def doubled(self, array: Any) -> Any:
+        return self.lib.from_dlpack(array) * 2
+
+    def to_host(self, array: Any) -> np.ndarray:
+        self.side.synchronize()
+        return array.cpu().numpy() if self.torch else self.lib.asnumpy(array)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("library", ["torch", "cupy"])
+async def test_a_library_reads_an_array_it_dropped_before_its_stream_ran(
+    cuda_backend: _driver.Driver, anyio_backend: object, library: str
+) -> None:
+    """A tensor from ``from_dlpack``, dropped at once with its kernels still queued on the
+    library's stream: the array's memory, dropped too and reallocated on its own stream,
+    is not overwritten before those kernels read it."""
+    consumer = _Consumer(library)
     n = 1 << 20
     original = np.arange(n, dtype=np.float32)
-    side = torch.cuda.Stream()
-    # (PyTorch loads a kernel's module on its first launch, which waits for the device's
-    # running kernels -- here the gate: launched once before it.)
-    torch.ones(n, device="cuda") * 2
-    torch.cuda.synchronize()
-    with Stream(0) as ours, Gate(Stream.wrap(side)) as gate, torch.cuda.stream(side):
+    # (The libraries load a kernel's module on its first launch, which waits for the
+    # device's running kernels -- here the gate: each kernel is launched once before it.)
+    with consumer.current():
+        consumer.to_host(consumer.doubled(await ga.to_device(original)))
+    with Stream(0) as ours, Gate(Stream.wrap(consumer.side)) as gate, consumer.current():
         x = await ga.to_device(original, stream=ours)
-        t = torch.from_dlpack(x)  # ordered on ``side``, PyTorch's current stream
-        doubled = t * 2  # queued behind the gate
-        del t, x
+        doubled = consumer.doubled(x)  # ordered on the library's stream, behind the gate
+        del x
         gc.collect()
         reused = ga.empty(n, np.float32, stream=ours)
         ours.device._driver.memset_d32_async(reused.ptr, 0x7FC00000, n, ours.handle)
         gate.open()
         await ours
-        side.synchronize()
-        np.testing.assert_array_equal(doubled.cpu().numpy(), 2 * original)
+        np.testing.assert_array_equal(consumer.to_host(doubled), 2 * original)
     assert not gate.timed_out
 
 
