@@ -378,10 +378,10 @@ def test_the_loop_threads_host_copies_hold_the_gil() -> None:
     it); larger copies, and the copier threads' copies, release it."""
     import ctypes
 
-    from aiocuda._executor import lanes
+    from aiocuda._executor import lane
     from aiocuda._memory import copiers, host_copy
 
-    assert lanes._memmove is host_copy.memmove and _staging._memmove is host_copy.memmove
+    assert lane._memmove is host_copy.memmove and _staging._memmove is host_copy.memmove
     assert host_copy._memmove_holding_gil._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
     assert copiers._memmove is ctypes.memmove
     for nbytes in (1 << 16, host_copy.HOLD_GIL_BYTES + 1):

@@ -67,7 +67,8 @@ from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, S
 from ._executor.chunk_map import OnError, as_input
 from ._executor.device_streams import DeviceStreams
 from ._executor.graph_lanes import GraphLanes
-from ._executor.lanes import PRIORITIES, Lanes, Priority, default_count
+from ._executor.lane import PRIORITIES, Priority
+from ._executor.lanes import Lanes, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
 from ._util import at_least

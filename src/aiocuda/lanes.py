@@ -69,6 +69,7 @@ while it runs the block.
 
 from __future__ import annotations
 
-from ._executor.lanes import Lane, Lanes, LanesStatistics, Priority, default_count
+from ._executor.lane import Lane, Priority
+from ._executor.lanes import Lanes, LanesStatistics, default_count
 
 __all__ = ["Lane", "Lanes", "LanesStatistics", "Priority", "default_count"]

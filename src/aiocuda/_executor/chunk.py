@@ -31,7 +31,7 @@ from ..trace import Trace, _PendingSpan
 from .device_streams import DeviceStreams
 
 if TYPE_CHECKING:
-    from .lanes import Lane
+    from .lane import Lane
 
 __all__ = ["ChunkContext", "ChunkResult", "ChunkRunner", "OutputFn", "Stage", "Steps", "run_steps"]
 

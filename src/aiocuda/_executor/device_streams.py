@@ -10,7 +10,7 @@ from ..device import Device
 from ..errors import ContextPoisonedError
 from ..memory import MemoryPool
 from ..stream import Stream
-from .lanes import Priority, stream_priority
+from .lane import Priority, stream_priority
 
 __all__ = ["DeviceStreams"]
 

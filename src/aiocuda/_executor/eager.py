@@ -29,7 +29,7 @@ from .collectors import Deliveries, EventWait, Finish
 from .device_streams import DeviceStreams
 
 if TYPE_CHECKING:
-    from .lanes import Lane
+    from .lane import Lane
 
 __all__ = ["EagerMode"]
 

@@ -19,7 +19,7 @@ from ..errors import CaptureError
 from ..graph import Graph
 
 if TYPE_CHECKING:
-    from .lanes import Lane
+    from .lane import Lane
 
 __all__ = ["MAX_WORKS", "Work", "close", "replay"]
 
