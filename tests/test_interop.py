@@ -6,6 +6,7 @@ import ctypes
 import gc
 import importlib.util
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -295,6 +296,33 @@ async def test_memory_exported_by_dlpack_outlives_the_consumers_stream_work(
             gate.open()
             await ours
             np.testing.assert_array_equal(await out.to_host(stream=consumer), original)
+        assert not gate.timed_out
+
+
+async def test_a_foreign_owner_outlives_the_consumers_work_after_its_last_stream_closed(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A foreign array's last-use stream closed before the array went, while a DLPack
+    consumer's work on it was still to run: its owner's release must wait for that work
+    (the closed stream takes no wait of its own, and the release went at once)."""
+    n = 1 << 10
+    with Stream(0) as ours, Stream(0) as consumer:
+        x = await ga.to_device(np.arange(n, dtype=np.float32), stream=ours)
+        owner = _CAIOnly(x)
+        released = weakref.ref(owner)
+        exported = as_device_array(owner, stream=ours)
+        with Gate(consumer) as gate:  # the consumer's kernels are still to run
+            capsule = exported.__dlpack__(stream=int(consumer))
+            address = _interop._capi.PyCapsule_GetPointer(capsule, b"dltensor")
+            managed = _interop._DLManagedTensor.from_address(address)
+            _interop._capi.PyCapsule_SetName(capsule, b"used_dltensor")
+            managed.deleter(ctypes.pointer(managed))  # the consumer drops its tensor at once
+            ours.close()
+            del x, owner, exported, capsule, managed
+            gc.collect()
+            assert released() is not None, "the owner went before the consumer's work"
+            gate.open()
+            await consumer
         assert not gate.timed_out
 
 

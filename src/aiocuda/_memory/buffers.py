@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 from .._util import invalid_value
 from ..errors import CudaError
+from ..stream import Stream, current_stream
 
 if TYPE_CHECKING:
     from ..device import Device
-    from ..stream import Stream
 
 __all__ = ["OwnedBuffer"]
 
@@ -103,7 +103,13 @@ class OwnedBuffer:
 def _hand_over(state: list[Any]) -> None:
     stream, owner, *after = state
     state[1] = None
-    with contextlib.suppress(Exception):  # the stream or context is gone: nothing is in flight
+    with contextlib.suppress(Exception):  # the context is gone: nothing is in flight
+        if after and stream.closed:
+            # A closed stream takes no waits: the device's current stream keeps the
+            # owner instead, after the closed stream's last work and the events.
+            keeper = current_stream(stream.device)
+            keeper.wait(stream)
+            stream = keeper
         for event in after:
             stream.wait(event)
         stream.hold(owner)
