@@ -165,3 +165,30 @@ async def test_coroutine_functions_are_refused(backend: _driver.Driver, anyio_ba
     async with Lanes(count=1, setup=setup) as lanes, lanes.lease() as lane:
         with pytest.raises(TypeError, match="not a coroutine function"):
             lane.replay(work)
+
+
+async def test_work_on_the_requests_own_memory_runs_as_it_is(
+    backend: _driver.Driver, anyio_backend: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Work on memory of the request (``lane.upload`` without ``out=``, ``lane.empty``
+    during the lease) is not captured: a replay would repeat the addresses of the request
+    captured, memory freed when its lease ends (every later request failed on it). It runs
+    as it is, with the usual warning, and each request gets its own result."""
+    scale = ScaleStage(REPS)
+
+    def on_request_memory(lane: Lane) -> None:
+        scale.kernel.launch((N + 255) // 256, 256, lane.state.current, N, REPS, stream=lane.stream)
+
+    caplog.set_level(logging.WARNING, logger="aiocuda")
+    async with Lanes(count=1, setup=setup) as lanes:
+        for i in range(4):
+            async with lanes.lease() as lane:
+                host = np.full(N, float(i + 1), np.float32)
+                lane.state.current = lane.upload(host)  # a new array per request
+                lane.replay(on_request_memory)
+                out = lane.download(lane.state.current)
+                await lane
+            np.testing.assert_allclose(out, scale_reference(host, REPS), rtol=1e-4)
+        assert list(lanes.lanes[0]._graphs.values()) == ["eager"]
+    warnings_logged = [record.message for record in caplog.records if "could not be captured" in record.message]
+    assert len(warnings_logged) == 1 and "memory of the request" in warnings_logged[0], warnings_logged

@@ -141,8 +141,13 @@ class Lane:
             result = lane.download(lane.state.y)
             await lane
 
-        Work that cannot be captured (see :mod:`aiocuda.graph`) runs as it is from then
-        on, with a warning logged once. Returns at once; ``await lane`` waits.
+        A replay is not checked against ``work``: an array of ``lane.state`` replaced
+        after the capture is not followed (the graph keeps the old one alive and uses
+        it); give each new set of arrays its own ``key``. Work that cannot be captured
+        (see :mod:`aiocuda.graph`), or that uses memory of the request (:meth:`empty`,
+        or :meth:`upload` without ``out=``, during the lease: freed when it ends), runs
+        as it is from then on, with a warning logged once. Returns at once; ``await
+        lane`` waits.
         """
         self._check_leased()
         lane_graphs.replay(self, work, key)

@@ -5,7 +5,9 @@ call runs ``work(lane)`` as it is (it loads the modules of its kernels and warms
 libraries it calls, which must not happen during a capture); the second captures it on
 the lane's stream and launches the graph; every later call only launches the graph. A
 capture that fails leaves that work to run as it is on the lane from then on, logged
-once (``aiocuda`` logger).
+once (``aiocuda`` logger). So does work on memory of the request (``lane.empty`` or
+``lane.upload`` without ``out=`` during the lease): its lease frees that memory, and a
+replay would repeat its addresses for every later request.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
     try:
         with lane.stream.capture() as graph:
             _run(lane, work)
+            _check_lane_memory(lane)
     except CaptureError as exc:
         graphs[slot] = _EAGER
         _log.warning("aiocuda: lane %d runs %r as it is: its work could not be captured (%s)", lane.index, work, exc)
@@ -60,6 +63,20 @@ def replay(lane: Lane, work: Work, key: Hashable) -> None:
         return
     graphs[slot] = graph
     graph._enqueue(lane.stream)
+
+
+def _check_lane_memory(lane: Lane) -> None:
+    """Raise if the work being captured uses device memory of the current lease (freed
+    when it ends; memory the capture allocates itself is the graph's, and fine)."""
+    capture = lane.stream._capture
+    assert capture is not None
+    externals = capture.externals
+    if any(id(buffer) in externals for buffer in lane._buffers):
+        raise capture.refuse(
+            "work on memory of the request",
+            "the lease frees it when it ends, and a replay would repeat its addresses for every later request: "
+            "keep the arrays that replayed work uses in lane.state (made by setup)",
+        )
 
 
 def _make_room(lane: Lane, graphs: dict[Any, Any]) -> None:
