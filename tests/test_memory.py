@@ -99,6 +99,29 @@ async def test_bad_sizes_and_freed_buffers_raise_typed_errors(backend: _driver.D
         await s
 
 
+@pytest.mark.parametrize("value", [True, 1.5, "8", None, -1, 2**64])
+def test_pool_byte_counts_must_be_non_negative_ints(backend: _driver.Driver, value: object) -> None:
+    """A pool's limit, release threshold and trim target go to the driver as a size_t: a
+    bool, a float (truncated), a string or a size beyond 64 bits was taken as given, or
+    failed with an untyped TypeError."""
+    pool = MemoryPool.create(0)
+    with pytest.raises(ArgumentError, match="max_size must be a non-negative int"):
+        MemoryPool.create(0, max_size=value)  # type: ignore[arg-type]
+    with pytest.raises(ArgumentError, match="release_threshold must be a non-negative int"):
+        pool.release_threshold = value  # type: ignore[assignment]
+    with pytest.raises(ArgumentError, match="keep_bytes must be a non-negative int"):
+        pool.trim(value)  # type: ignore[arg-type]
+    assert pool.release_threshold == DEFAULT_RELEASE_THRESHOLD
+
+
+def test_pool_byte_counts_take_numpy_integers(backend: _driver.Driver) -> None:
+    pool = MemoryPool.create(0, max_size=np.int64(64 * MiB))  # type: ignore[arg-type]
+    assert pool.max_size == 64 * MiB and type(pool.max_size) is int
+    pool.release_threshold = np.uint32(MiB)  # type: ignore[assignment]
+    assert pool.release_threshold == MiB
+    pool.trim(np.int64(0))  # type: ignore[arg-type]
+
+
 async def test_release_threshold_and_trim(backend: _driver.Driver, anyio_backend: object) -> None:
     pool = MemoryPool.create(0)
     assert pool.release_threshold == DEFAULT_RELEASE_THRESHOLD

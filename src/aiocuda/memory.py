@@ -227,8 +227,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
             ipc: let other processes use the pool's memory (see :mod:`aiocuda.ipc`;
                 :func:`aiocuda.ipc.pool` gives each device one such pool).
         """
-        if max_size < 0:
-            raise invalid_value(f"max_size must be >= 0, got {max_size}")
+        max_size = _byte_count(max_size, "max_size")
         dev = _as_device(device)
         return cls._new(dev, _driver.PoolProps(dev.ordinal, max_size, ipc=ipc), release_threshold)
 
@@ -528,8 +527,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
 
     @release_threshold.setter
     def release_threshold(self, value: int) -> None:
-        if value < 0:
-            raise invalid_value(f"release_threshold must be >= 0, got {value}")
+        value = _byte_count(value, "release_threshold")
         self._driver.mempool_set_attribute(self._handle, "release_threshold", value)
 
     def trim(self, keep_bytes: int = 0) -> None:
@@ -543,8 +541,7 @@ class MemoryPool(metaclass=NoPublicConstructor):
         queued on the device so far has finished. Spare blocks (kept for reuse: see
         :mod:`aiocuda.memory`) are freed on their streams first, and given back so.
         """
-        if not isinstance(keep_bytes, int) or keep_bytes < 0:
-            raise invalid_value(f"keep_bytes must be a non-negative int, not {keep_bytes!r}")
+        keep_bytes = _byte_count(keep_bytes, "keep_bytes")
         self.device.make_current()
         self._freed_handle = None  # the next free notes its stream again
         if self._spares:
@@ -614,6 +611,19 @@ _pools: weakref.WeakSet[MemoryPool] = weakref.WeakSet()
 """Every pool, for an out-of-memory in one to trim the device's others."""
 _pools_lock = threading.Lock()
 _current_pools: dict[Device, MemoryPool] = {}
+
+
+def _byte_count(value: object, what: str) -> int:
+    """``value`` as a byte count the driver takes (a ``size_t``): an integer, numpy's
+    included but not a bool, from 0 to 2**64 - 1; else :class:`ArgumentError` naming
+    ``what``."""
+    try:
+        number = None if isinstance(value, bool) else operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or not 0 <= number < 1 << 64:
+        raise invalid_value(f"{what} must be a non-negative int below 2**64, not {value!r}")
+    return number
 
 
 def _pool_for(device: Device) -> MemoryPool:
