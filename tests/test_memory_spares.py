@@ -170,3 +170,38 @@ async def test_out_of_memory_on_another_stream_takes_a_spare_whose_stream_is_idl
         await t
         pool.allocate(MiB, s).free()
         await s
+
+
+class _GivenBackMeanwhile(dict[Any, list[Any]]):
+    """A pool's spares whose first lookup lets another thread's give-back (a trim, an
+    out-of-memory recovery) run between the allocation's lookup and its take."""
+
+    def __init__(self, pool: MemoryPool) -> None:
+        super().__init__(pool._spares)
+        self.pool: MemoryPool | None = pool
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool._give_back_spares()
+        return super().get(key, default)
+
+
+def test_a_spare_given_back_meanwhile_is_never_also_handed_out(sim_backend: _driver.Driver) -> None:
+    """A give-back freed each spare to the driver and left it in its list, where an
+    allocation that had found the list took it as well: two live buffers over one block
+    (the driver hands the freed block to the next allocation on that stream), and the
+    spare bytes went negative."""
+    pool = MemoryPool.create(0)
+    with Stream(0) as s:
+        pool.allocate(MiB, s).free()
+        assert pool._spare_bytes == MiB
+        pool._spares = _GivenBackMeanwhile(pool)
+        first = pool.allocate(MiB, s)
+        second = pool.allocate(MiB, s)
+        assert first.ptr != second.ptr, "one block handed out twice"
+        assert pool._spare_bytes == 0
+        stats = pool.statistics()
+        assert (stats.allocations, stats.frees, stats.live_buffers) == (3, 1, 2)
+        first.free()
+        second.free()

@@ -417,19 +417,25 @@ class MemoryPool(metaclass=NoPublicConstructor):
         allocation on ``onto`` reuses the memory at once, in stream order."""
         # The dict and its lists change only between bytecodes that cannot switch
         # threads (no calls into Python): a free of another thread never appends to a
-        # list taken here.
+        # list taken here. An allocation of another thread may have found a list before
+        # the swap and pop from it meanwhile: each block is popped, so that it goes
+        # either to that allocation or to the driver, and leaves the spare bytes once.
         spares, self._spares = self._spares, {}
-        self._spare_bytes = 0
         query = self._driver.stream_query
-        for (stream, _), held in spares.items():
+        for (stream, size), held in spares.items():
             waits = None
             if stream._closed:
                 waits = [stream._tail] if stream._tail is not None else None
             elif onto is not None and stream is not onto and onto._capture is None and query(stream._handle):
                 stream = onto
-            for ptr in held:
+            while held:
+                try:
+                    ptr = held.pop()
+                except IndexError:  # that allocation took the last one
+                    break
+                self._spare_bytes -= size
                 self._free_on(ptr, stream, waits)
-            self._frees -= len(held)  # counted when they became spares
+                self._frees -= 1  # counted when it became a spare
 
     def _after_free(self, stream: Stream) -> None:
         """A free was just enqueued on ``stream``, another than the previous one's, or
