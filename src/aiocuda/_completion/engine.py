@@ -36,11 +36,14 @@ code that awaits it (:class:`~.history.WaitHistory`): the waits after a copy and
 waits after a kernel, at two ``await`` lines, are told apart even on one stream.
 
 **Queued waits.** Waits on one stream finish in the order their points were recorded.
-Waits that began right after recording their point form a :class:`_Line` per stream,
-oldest first; only the oldest is working on its own part of the stream. A wait queued
-behind others is not queried at all until the one before it ends; then its own part is
-predicted from that moment, and the history learns only that part. (A queue expected to
-drain within the poll window is simply polled.)
+A loop's waits that began right after recording their point form a :class:`_Line` per
+stream, oldest first; only the oldest is working on its own part of the stream. A wait
+queued behind others is not queried at all until the one before it ends; then its own
+part is predicted from that moment, and the history learns only that part. (A queue
+expected to drain within the poll window is simply polled.) Each loop queues only behind
+its own waits: a wait behind another loop's would be found only once that loop had found
+the earlier one, and a loop that is stuck, or stopped with waits pending, would hold it
+up for good.
 
 **Errors.** A query that raises fails its wait with the error. A poisoned context never
 runs host functions, so doorbells do not ring; the waker's periodic check
@@ -231,33 +234,44 @@ class Waiter:
 
 class _Line:
     """The pending waits on one stream that began as their points were recorded, oldest
-    first (see "Queued waits" in the module docstring)."""
+    first, a queue per loop (see "Queued waits" in the module docstring)."""
 
-    __slots__ = ("_engine", "_waiters")
+    __slots__ = ("_engine", "_queues")
 
     def __init__(self, engine: CompletionEngine) -> None:
         self._engine = engine
-        self._waiters: collections.deque[Waiter] = collections.deque()
+        # A queue per loop, dropped once empty: nothing keeps a gone loop's adapter.
+        self._queues: dict[LoopAdapter, collections.deque[Waiter]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
 
     def join(self, waiter: Waiter) -> int:
-        """Queue ``waiter``; returns how many waits are ahead of it."""
+        """Queue ``waiter`` behind its loop's waits; returns how many are ahead of it."""
         with self._engine._lock:
-            self._waiters.append(waiter)
+            queue = self._queues.get(waiter.adapter)
+            if queue is None:
+                queue = self._queues[waiter.adapter] = collections.deque()
+            queue.append(waiter)
             waiter.line = self
-            return len(self._waiters) - 1
+            return len(queue) - 1
 
     def leave(self, waiter: Waiter) -> None:
-        """Drop ``waiter`` (any thread); if it was the oldest, the next one's own part of
-        the stream begins now."""
+        """Drop ``waiter`` (any thread); if it was the oldest of its loop's, the next one's
+        own part of the stream begins now."""
         engine = self._engine
         with engine._lock:
-            waiters = self._waiters
-            was_oldest = bool(waiters) and waiters[0] is waiter
+            queue = self._queues.get(waiter.adapter)
+            if queue is None:
+                return
+            was_oldest = queue[0] is waiter
             try:
-                waiters.remove(waiter)
+                queue.remove(waiter)
             except ValueError:
                 return
-            following = waiters[0] if was_oldest and waiters else None
+            if not queue:
+                del self._queues[waiter.adapter]
+            following = queue[0] if was_oldest and queue else None
         if following is not None:
             engine._promote(following, _perf())
 
@@ -472,7 +486,7 @@ class CompletionEngine:
         if line is None:
             with self._lock:
                 if len(self._lines) > _MAX_STREAMS:
-                    self._lines = {key: kept for key, kept in self._lines.items() if kept._waiters}
+                    self._lines = {key: kept for key, kept in self._lines.items() if kept}
                 line = self._lines.setdefault(stream, _Line(self))
         return line
 
