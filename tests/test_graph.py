@@ -389,6 +389,25 @@ async def test_operations_that_cannot_be_captured_raise_at_the_call(module: Modu
         np.testing.assert_array_equal(await x.to_host(stream=s), 2.0)
 
 
+async def test_synchronizing_the_device_during_a_capture_is_refused_at_the_call(
+    module: Module, anyio_backend: object
+) -> None:
+    """The driver refuses to synchronize a context while a stream of it captures, and
+    invalidates the capture: aiocuda refuses it first, and the capture goes on."""
+    add_one = module.kernel("add_one")
+    device = aiocuda.Device(0)
+    with Stream(0) as s:
+        x = await _device(0.0, s)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+            with pytest.raises(CaptureError, match="synchronizing the device"):
+                await device.synchronize()
+            add_one.launch(GRID, BLOCK, x, N, stream=s)
+        await device.synchronize()  # after the capture: as usual
+        await graph.launch(s)
+        np.testing.assert_array_equal(await x.to_host(stream=s), 2.0)
+
+
 async def test_an_event_recorded_in_a_capture_that_ended_says_so(module: Module, anyio_backend: object) -> None:
     """An event recorded during a capture marks a point in the graph, not in the stream:
     after the capture it is still refused, as the driver refuses it

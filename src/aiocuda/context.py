@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import anyio.to_thread
 
 from ._util import NoPublicConstructor, invalid_value
-from .errors import ArgumentError, ContextPoisonedError, CudaError
+from .errors import ArgumentError, CaptureError, ContextPoisonedError, CudaError
 
 if TYPE_CHECKING:
     from .device import Device
@@ -228,7 +228,18 @@ class Context(metaclass=NoPublicConstructor):
         """Wait until all work of the context has finished (``cuCtxSynchronize``), on a
         worker thread: the event loop keeps running. That thread waits as the context's
         ``schedule`` flag says (spinning a core under ``"auto"``). Cancelling the wait
-        abandons it; the worker returns once the device is idle."""
+        abandons it; the worker returns once the device is idle.
+
+        Refused (:class:`~aiocuda.errors.CaptureError`) while a stream of the context is
+        being captured into a graph (:meth:`aiocuda.Stream.capture`): the driver would
+        refuse it and fail the capture. Await the streams to wait for instead."""
+        if self.primary and self.device._captures:
+            raise CaptureError(
+                "synchronizing the device's context cannot be done while a stream of it is being captured into "
+                "a graph: the driver refuses it and fails the capture; await the streams to wait for, or "
+                "synchronize after the capture",
+                name="AIOCUDA_NOT_CAPTURABLE",
+            )
         await anyio.to_thread.run_sync(self._synchronize_here, abandon_on_cancel=True)
 
     def _synchronize_here(self) -> None:

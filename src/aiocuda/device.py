@@ -102,6 +102,7 @@ class Device:
 
     __slots__ = (
         "__weakref__",
+        "_captures",
         "_context_handle",
         "_context_value",
         "_driver",
@@ -120,6 +121,9 @@ class Device:
     _generation: int
     _name: str
     _primary: Context | None
+    _captures: int
+    """Captures in progress on streams of the primary context (counted by
+    ``aiocuda._graph.capture``): :meth:`Context.synchronize` is refused meanwhile."""
 
     def __new__(cls, ordinal: int = 0) -> Device:
         try:
@@ -148,6 +152,7 @@ class Device:
             self._context_handle = None
             self._context_value = -1
             self._primary = None
+            self._captures = 0
             self._generation = key[0]
             self._name = backend.device_name(handle)
             _registry[key] = self

@@ -23,7 +23,8 @@ aiocuda.copy_array(dst, src, stream=s)``) return as soon as the work is recorded
 
 **What cannot**, and raises :class:`~aiocuda.errors.CaptureError` at the call, the
 capture going on: waiting for captured work (``await stream``, ``synchronize()``,
-``query()``, awaiting or querying an event recorded in the capture, ``to_host()``
+``query()``, ``await device.synchronize()`` while any stream of the device captures,
+awaiting or querying an event recorded in the capture, ``to_host()``
 without a page-locked ``out=``), a copy of pageable host memory (it is staged through
 host threads: use :func:`aiocuda.pinned_empty`), and a wait of a capturing stream for work outside the
 capture (make the stream you launch the graph on wait instead). The driver refuses the

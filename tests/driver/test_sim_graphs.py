@@ -223,6 +223,20 @@ def test_waiting_for_a_capturing_stream_invalidates_the_capture(sim: SimDriver) 
     assert sim.stream_query(stream)  # out of capture mode again
 
 
+def test_synchronizing_the_context_of_a_capture_invalidates_it(sim: SimDriver) -> None:
+    """As the driver: a context (or device) is a broader handle than the capturing stream,
+    and synchronizing it is refused in every capture mode, invalidating the capture."""
+    stream = _stream(sim)  # on device 0, the calling thread's device
+    sim.stream_begin_capture(stream, "relaxed")
+    with pytest.raises(CaptureError) as caught:
+        sim.ctx_synchronize()
+    assert caught.value.code == ResultCode.STREAM_CAPTURE_UNSUPPORTED
+    with pytest.raises(CaptureError) as ended:
+        sim.stream_end_capture(stream)
+    assert ended.value.code == ResultCode.STREAM_CAPTURE_INVALIDATED
+    sim.ctx_synchronize()  # no capture any more
+
+
 def test_captured_events_cannot_be_queried(sim: SimDriver) -> None:
     stream = _stream(sim)
     event = sim.event_create(False, False)

@@ -98,6 +98,7 @@ class Capture:
         self.driver.stream_begin_capture(origin.handle, self.mode)
         origin._capture = self
         self.active = True
+        self.device._captures += 1  # (Context.synchronize is refused meanwhile)
         # A free on this thread while it captures makes the driver invalidate the capture
         # (a flaky STREAM_CAPTURE_INVALIDATED on an H100): buffers the collector finds
         # meanwhile are freed once it ends.
@@ -123,6 +124,7 @@ class Capture:
                 raise
         finally:
             self.active = False
+            self.device._captures -= 1
             for stream in self.streams:
                 stream._capture = None
             for stream in self._left:

@@ -14,7 +14,9 @@ Capture
     What cannot be captured raises and *invalidates* the capture, after which every
     operation on its streams, and the end of the capture, raise
     ``STREAM_CAPTURE_INVALIDATED``: a query or synchronize of a capturing stream
-    (``STREAM_CAPTURE_UNSUPPORTED``), a query, synchronize or timing of an event recorded
+    (``STREAM_CAPTURE_UNSUPPORTED``), a synchronize of the context of a capturing stream
+    (``ctx_synchronize``, in every mode: the driver refuses to synchronize a handle that
+    encompasses a capture), a query, synchronize or timing of an event recorded
     in a capture (``CAPTURED_EVENT``), a wait on an event recorded outside the capture
     (``STREAM_CAPTURE_ISOLATION``) or in another capture (``STREAM_CAPTURE_MERGE``), a
     copy to or from host memory that is not page-locked, freeing memory the capture did
@@ -302,6 +304,17 @@ class SimGraphs:
             raise capture.invalidate(
                 ResultCode.STREAM_CAPTURE_UNSUPPORTED, call, "the stream is being captured: its work does not run"
             )
+
+    def _refuse_capturing_context(self, ordinal: int, call: str) -> None:
+        """A synchronize of a context (or device) while one of its streams captures, in
+        any mode: it would wait for work that does not run. Invalidates the capture."""
+        for capture in list(self._captures):
+            if capture.origin.device.ordinal == ordinal:
+                raise capture.invalidate(
+                    ResultCode.STREAM_CAPTURE_UNSUPPORTED,
+                    call,
+                    "a stream of the context is being captured: its work does not run",
+                )
 
     def _wait_in_capture(self, stream: SimStream, ev: SimEvent) -> None:
         """``stream_wait_event`` where a capture is involved: join it, or refuse."""

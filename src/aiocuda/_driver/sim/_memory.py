@@ -182,6 +182,7 @@ class SimMemory:
     _wait_for: Callable[[SimPoint, str], None]
     _captures: set[SimCapture]
     _free_beside_captures: Callable[[], None]  # (by SimGraphs)
+    _refuse_capturing_context: Callable[[int, str], None]  # (by SimGraphs)
 
     # -- state ------------------------------------------------------------------------------
     def _mem(self) -> _MemoryState:
@@ -273,6 +274,8 @@ class SimMemory:
     def ctx_synchronize(self) -> None:
         ordinal = self._device_of_current()
         self._api("ctx_synchronize", ordinal)
+        if self._captures:
+            self._refuse_capturing_context(ordinal, "ctx_synchronize")
         for stream in self._devices[ordinal].streams():
             self._wait_for(SimPoint(stream, stream.submitted), "ctx_synchronize")
         self._observe_frees(ordinal, None)
