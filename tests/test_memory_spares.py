@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 
 import aiocuda.array as ga
 from aiocuda import _driver, memory
-from aiocuda.errors import OutOfMemoryError
+from aiocuda.errors import NoDeviceError, OutOfMemoryError
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
@@ -205,3 +206,34 @@ def test_a_spare_given_back_meanwhile_is_never_also_handed_out(sim_backend: _dri
         assert (stats.allocations, stats.frees, stats.live_buffers) == (3, 1, 2)
         first.free()
         second.free()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_never_takes_its_parents_spares(backend: _driver.Driver) -> None:
+    """A spare is the parent's memory, handed out without a driver call: a forked child
+    got a buffer over it instead of asking the driver, which gives the clear fork error
+    (the simulator's allocation itself does not check for fork: there it allocates)."""
+    pool = MemoryPool.create(0)
+    with Stream(0) as s:
+        pool.allocate(MiB, s).free()
+        assert pool._spare_bytes == MiB
+        calls = driver_calls(pool)
+        read_end, write_end = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: report what allocating does, then leave without cleanup
+            try:
+                pool.allocate(MiB, s)
+                message = f"allocated; driver calls {dict(calls)}".encode()
+            except NoDeviceError as exc:
+                message = str(exc).encode()
+            except BaseException as exc:
+                message = f"wrong error {type(exc).__name__}: {exc}".encode()
+            os.write(write_end, message)
+            os._exit(0)
+        os.close(write_end)
+        _, status = os.waitpid(pid, 0)
+        message = os.read(read_end, 4096).decode()
+        os.close(read_end)
+        assert status == 0
+        assert "forked" in message or message == "allocated; driver calls {'alloc': 1}", message
+        assert pool._spare_bytes == MiB  # the parent keeps its spares

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import atexit
 import operator
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -617,6 +618,18 @@ _pools: weakref.WeakSet[MemoryPool] = weakref.WeakSet()
 """Every pool, for an out-of-memory in one to trim the device's others."""
 _pools_lock = threading.Lock()
 _current_pools: dict[Device, MemoryPool] = {}
+
+
+def _forget_spares_in_child() -> None:
+    """In a forked child: drop (never free: the driver's state is the parent's) every
+    pool's spares, so that an allocation there reaches the driver, whose fork check
+    raises the clear error. Hooked here, the allocation hot path checks nothing."""
+    for pool in list(_pools):
+        pool._spares = {}
+        pool._spare_bytes = 0
+
+
+os.register_at_fork(after_in_child=_forget_spares_in_child)
 
 
 def _byte_count(value: object, what: str) -> int:
