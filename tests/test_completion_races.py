@@ -8,6 +8,7 @@ resumed at all is resumed within milliseconds)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable
 
@@ -17,6 +18,7 @@ import pytest
 
 from aiocuda import _driver
 from aiocuda._completion.engine import current_engine
+from aiocuda.errors import NoDeviceError
 from aiocuda.stream import Stream
 
 from .test_completion_predictions import _predict, steps
@@ -86,3 +88,46 @@ async def _until_async(condition: Callable[[], bool]) -> None:
     """:func:`_until` on a plain asyncio loop (no anyio backend chosen there)."""
     while not condition():  # noqa: ASYNC110 - engine state, set by another thread or task
         await asyncio.sleep(0.001)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_awaits_across_a_fork_fail_with_the_fork_error(backend: _driver.Driver) -> None:
+    """A stream and an event made (and awaited) in the parent, awaited in a forked
+    child: each await fails at once with the clear fork error -- on the simulator too,
+    whose awaits in the child used to hang (its worker threads do not survive a fork,
+    and its calls went on as if they did)."""
+    s = Stream(0)
+    event = s.record()
+
+    async def parent() -> None:
+        await s
+        await event
+
+    anyio.run(parent)
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: report what each await does, then leave without cleanup
+        outcomes = []
+        for awaitable in (s, event):
+
+            async def child(awaitable: object = awaitable) -> None:
+                with anyio.fail_after(HANG):
+                    await awaitable  # type: ignore[misc]
+
+            try:
+                anyio.run(child)
+                outcomes.append("no error")
+            except NoDeviceError as exc:
+                outcomes.append(str(exc))
+            except BaseException as exc:
+                outcomes.append(f"wrong error {type(exc).__name__}: {exc}")
+        os.write(write_end, "\n".join(outcomes).encode())
+        os._exit(0)
+    os.close(write_end)
+    _, status = os.waitpid(pid, 0)
+    with os.fdopen(read_end) as reader:
+        outcomes = reader.read().splitlines()
+    s.close()
+    assert status == 0
+    assert len(outcomes) == 2, outcomes
+    assert all("forked" in outcome and "spawn" in outcome for outcome in outcomes), outcomes

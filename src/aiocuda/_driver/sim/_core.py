@@ -38,7 +38,10 @@ Errors and poisoning
     (the real driver only returns sticky codes from a poisoned context), and with it
     every other device: a sticky error ends the process's use of CUDA. See
     ``_objects.py`` for errors raised by enqueued operations. A wait for work on a
-    poisoned device ends at once with ``ContextPoisonedError``.
+    poisoned device ends at once with ``ContextPoisonedError``. In a child forked from
+    the process that made the driver, every call raises the fork error
+    (``NoDeviceError``), as the real driver's calls fail there: the child has none of
+    the worker threads, and its waits would otherwise never end.
 
 Hooks for the other mixins (their public methods call ``_api`` first, then do the work
 directly or through ``_enqueue``; they must not call other public methods, which would
@@ -52,14 +55,17 @@ count those calls twice for fault injection):
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import STICKY_CODES, ResultCode
 from .._doorbell import SemaphoreDoorbell
+from .._fork import fork_error
 from .._pci import PCI_BUS_ID_FORMS, PciBusId, parse_pci_bus_id
 from .._protocol import Driver
 from ._attributes import H100_ATTRIBUTES
@@ -87,6 +93,22 @@ _PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
 _LEGACY_STREAM_VALUES = (0, 1)  # 0: the null stream; 1: CU_STREAM_LEGACY
 _SHUTDOWN_JOIN_S = 2.0
 _UUID_NAMESPACE = uuid.UUID("6b3c1f3e-5a0e-4d4e-9a57-a10c0da51a70")
+
+
+# Every simulated driver of the process: a forked child marks them all forked.
+_drivers: weakref.WeakSet[SimCore] = weakref.WeakSet()
+
+
+def _forked_in_child() -> None:
+    # The child has none of the parent's worker threads: work enqueued there would never
+    # run, so an await in the child would hang. Every call fails instead, as the real
+    # driver's do there (and its checked calls turn that into the fork error).
+    for sim in list(_drivers):
+        sim._forked = True
+        sim._closed = True
+
+
+os.register_at_fork(after_in_child=_forked_in_child)
 
 
 def _pci_bus_id(device: SimDevice) -> PciBusId:
@@ -119,7 +141,8 @@ class SimCore:
         self._tls = threading.local()
         self._workers = new_workers(self._bind_context)
         self._faults = FaultPlan()
-        self._closed = False
+        self._closed = False  # shut down, or forked: every seam call raises
+        self._forked = False  # this is a child forked from the process that made it
         self._devices: tuple[SimDevice, ...] = tuple(SimDevice(i, total_memory) for i in range(devices))
         for device in self._devices:
             device.process = self._devices
@@ -129,6 +152,7 @@ class SimCore:
         self._events: dict[int, SimEvent] = {}
         self._captures: set[SimCapture] = set()
         """Captures in progress (``_graphs.py``): while any is, seam calls check the unsafe ones."""
+        _drivers.add(self)
         super().__init__()
 
     def __repr__(self) -> str:
@@ -159,6 +183,8 @@ class SimCore:
 
     def _api_slow_path(self, name: str, device_ordinal: int | None) -> None:
         if self._closed:
+            if self._forked:
+                raise fork_error()
             raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
         if self._captures:
             self._check_unsafe(name)
