@@ -11,6 +11,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -18,6 +19,8 @@ import pytest
 
 from aiocuda import _driver
 from aiocuda._completion.engine import current_engine
+from aiocuda._completion.event_pool import EventPool
+from aiocuda.device import Device
 from aiocuda.errors import NoDeviceError
 from aiocuda.stream import Stream
 
@@ -131,3 +134,33 @@ def test_awaits_across_a_fork_fail_with_the_fork_error(backend: _driver.Driver) 
     assert status == 0
     assert len(outcomes) == 2, outcomes
     assert all("forked" in outcome and "spawn" in outcome for outcome in outcomes), outcomes
+
+
+class _TakenMeanwhile(list[Any]):
+    """An event pool's free list whose events another thread takes, once armed
+    (``take``), between the pool's look at it and its ``pop``."""
+
+    take = False
+    stolen: list[Any]
+
+    def pop(self, index: Any = -1) -> Any:
+        if self.take:
+            self.take = False
+            self.stolen = list(self)  # (what pops by a loop in another thread do, all at once)
+            self.clear()
+        return super().pop(index)
+
+
+def test_an_acquire_whose_last_free_event_another_thread_took_makes_one(backend: _driver.Driver) -> None:
+    """Two loops in two threads take events of one device's pool. When the other takes
+    the last free ones between this acquire's look and its take, this one makes an event
+    instead of failing (``await stream`` raised IndexError: pop from empty list)."""
+    pool = EventPool(Device(0))
+    free = pool._free = _TakenMeanwhile(pool._free)
+    pool.release = free.append
+    taken = [pool.acquire() for _ in range(len(free) - 1)]
+    free.take = True
+    taken.append(pool.acquire())
+    assert pool.statistics().made_by_caller == 1
+    for event in [*taken, *free.stolen]:
+        pool.release(event)

@@ -32,7 +32,8 @@ class EventPool:
     (:meth:`statistics` counts them).
 
     Not locked: ``list.append``/``pop`` are atomic under the GIL, which is all the pool
-    needs (events come back from any thread).
+    needs (events come back from any thread, and loops in several threads take them:
+    an empty list is found by the ``pop`` itself, never by a look before it).
     """
 
     __slots__ = ("_device", "_free", "_low", "_made", "_made_by_caller", "release")
@@ -55,10 +56,11 @@ class EventPool:
         free = self._free
         if len(free) <= self._low:
             run_off_loop(self._top_up, key=self)
-            if not free:
-                self._made_by_caller += 1
-                return self._make()
-        return free.pop()
+        try:
+            return free.pop()
+        except IndexError:  # none left (a loop in another thread may take the last one after any look)
+            self._made_by_caller += 1
+            return self._make()
 
     def _make(self) -> Any:
         self._device.make_current()
