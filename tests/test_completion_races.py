@@ -164,3 +164,37 @@ def test_an_acquire_whose_last_free_event_another_thread_took_makes_one(backend:
     assert pool.statistics().made_by_caller == 1
     for event in [*taken, *free.stolen]:
         pool.release(event)
+
+
+@pytest.mark.anyio
+async def test_waits_queued_behind_a_cancelled_one_are_resumed(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Three waits queue on one stream (none of the later two is queried while the one
+    ahead is pending); the oldest is cancelled, then the work finishes: the other two
+    are resumed."""
+    sim = sim_backend
+    with Stream(0) as s:
+        await steps(s, 0.003, 2)
+        _predict(s, 0.05)  # long enough that queued waits are not polled
+        sim.pause(s.handle)  # type: ignore[attr-defined]
+        finished: list[int] = []
+
+        async def waits(i: int, scope: anyio.CancelScope) -> None:
+            with scope:
+                await steps(s, 0.0)
+                finished.append(i)
+
+        scopes = [anyio.CancelScope() for _ in range(3)]
+        try:
+            with anyio.fail_after(HANG):
+                async with anyio.create_task_group() as tg:
+                    for i, scope in enumerate(scopes):
+                        tg.start_soon(waits, i, scope)
+                        await _until(lambda i=i: _lined(s) == i + 1)
+                    scopes[0].cancel()
+                    await _until(lambda: _lined(s) == 2)
+                    sim.resume(s.handle)  # type: ignore[attr-defined]
+        finally:
+            sim.resume(s.handle)  # type: ignore[attr-defined]
+        assert sorted(finished) == [1, 2]
