@@ -8,6 +8,7 @@ resumed at all is resumed within milliseconds)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import threading
 from collections.abc import Callable
@@ -34,6 +35,10 @@ def _lined(stream: Stream) -> int:
     """Waits in ``stream``'s lines (of every loop)."""
     line = current_engine()._lines.get(stream.handle)
     return 0 if line is None else sum(len(queue) for queue in line._queues.values())
+
+
+def _has_lined(stream: Stream, count: int) -> bool:
+    return _lined(stream) == count
 
 
 async def _until(condition: Callable[[], bool]) -> None:
@@ -191,7 +196,7 @@ async def test_waits_queued_behind_a_cancelled_one_are_resumed(
                 async with anyio.create_task_group() as tg:
                     for i, scope in enumerate(scopes):
                         tg.start_soon(waits, i, scope)
-                        await _until(lambda i=i: _lined(s) == i + 1)
+                        await _until(functools.partial(_has_lined, s, i + 1))
                     scopes[0].cancel()
                     await _until(lambda: _lined(s) == 2)
                     sim.resume(s.handle)  # type: ignore[attr-defined]
