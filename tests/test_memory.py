@@ -566,3 +566,24 @@ async def test_a_buffer_collected_in_one_cycle_with_its_stream_is_freed(
         await s
     assert pool.statistics().used_bytes == 0
     assert errors == []
+
+
+async def test_a_trim_settled_while_a_stream_of_the_device_captures_leaves_the_capture_valid(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A trim hands frees on busy streams to the off-loop thread, which synchronised the
+    whole context: while a stream of it captures, the driver refuses that and invalidates
+    the capture. The settling is left to the next trim instead."""
+    pool = MemoryPool.default(0)
+    held = threading.Event()
+    with Stream(0) as busy, Stream(0) as capturing:
+        _offloop.submit(held.wait, 10.0)  # the off-loop thread reaches the settling in the capture
+        buf = pool.allocate(1 << 20, stream=busy)
+        slow_op(busy, 0.05)
+        buf.free()
+        pool.trim()  # the free is on a busy stream: settled off the loop
+        with capturing.capture() as graph:  # (ends with CaptureError if it was invalidated)
+            held.set()
+            assert _offloop.drain(10.0)
+        await graph.launch(capturing)
+        await busy

@@ -106,6 +106,11 @@ class FreedStreams:
     def _settle(self, device: Device, pool_handle: Any, keep_bytes: int) -> None:
         with self._lock:
             self._settling = False
+            if device._captures:
+                # A context synchronisation while a stream of it captures would invalidate
+                # the capture (the driver refuses it): left to the next trim.
+                self._lost = True
+                return
         try:
             device.make_current()
             device._driver.ctx_synchronize()
