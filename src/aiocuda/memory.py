@@ -52,7 +52,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, final
+from typing import Any, NoReturn, final
 
 import anyio
 
@@ -622,11 +622,18 @@ _current_pools: dict[Device, MemoryPool] = {}
 
 def _forget_spares_in_child() -> None:
     """In a forked child: drop (never free: the driver's state is the parent's) every
-    pool's spares, so that an allocation there reaches the driver, whose fork check
-    raises the clear error. Hooked here, the allocation hot path checks nothing."""
+    pool's spares, and have its bound driver calls raise the fork error, so that an
+    allocation or a free there fails clearly. Hooked here, the hot paths check nothing."""
+    forked = _driver.was_forked()
     for pool in list(_pools):
         pool._spares = {}
         pool._spare_bytes = 0
+        if forked:  # (the bindings bound before the fork would call the parent's driver)
+            pool._alloc_call = pool._free_call = _refused_in_child
+
+
+def _refused_in_child(*_: object) -> NoReturn:
+    raise _driver.fork_error()
 
 
 os.register_at_fork(after_in_child=_forget_spares_in_child)

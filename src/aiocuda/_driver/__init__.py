@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
-from ._fork import check_not_forked, mark_used
+from ._fork import check_not_forked, fork_error, mark_used, was_forked
 from ._jit import Fallback, JitOptions, LinkInput
 from ._launch import Dim3, LaunchConfig
 from ._pci import PCI_BUS_ID_FORMS, PciBusId, parse_pci_bus_id
@@ -67,11 +67,13 @@ __all__ = [
     "current",
     "driver",
     "forget_backend",
+    "fork_error",
     "parse_pci_bus_id",
     "register_sim_kernel",
     "selection",
     "sim_image",
     "use_backend",
+    "was_forked",
 ]
 
 BACKENDS = ("cuda", "sim", "auto")

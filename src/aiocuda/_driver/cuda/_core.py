@@ -43,6 +43,36 @@ _INSTALL_HINT = (
 )
 
 
+class _ForkedBindings:
+    """What :data:`drv` becomes in a child forked after its parent used CUDA: every
+    driver function raises the fork error; types and constants pass through.
+
+    Calls in such a child do not fail by themselves: on the H200 machine, queries of the
+    parent's events and streams answered "done" from the copied state, and in the GPU
+    lane's many-threaded test process an await there never returned (a lock of the
+    driver, held by a parent's thread at the fork, stays held in the child)."""
+
+    __slots__ = ("_real",)
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._real, name)
+        if name.startswith("cu") and callable(value):
+            raise fork_error()
+        return value
+
+
+def _refuse_in_child() -> None:
+    global drv
+    if drv is not None and was_forked():
+        drv = _ForkedBindings(drv)
+
+
+os.register_at_fork(after_in_child=_refuse_in_child)  # (after _fork's hook: registered first)
+
+
 def _raise(err: Any, call: str) -> None:
     if was_forked():
         raise fork_error()

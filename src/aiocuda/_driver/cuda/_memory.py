@@ -14,6 +14,7 @@ the seam in between.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,15 @@ class _Bound:
 
 
 _bound: _Bound | None = None
+
+
+def _rebind_in_child() -> None:
+    """In a forked child, bind again from the refusing bindings (see ``_core``)."""
+    global _bound
+    _bound = None
+
+
+os.register_at_fork(after_in_child=_rebind_in_child)
 
 
 def _b() -> _Bound:
