@@ -76,6 +76,12 @@ def pinned_empty(
 
     ``device`` only chooses which context performs the allocation; the memory is
     portable, usable with every device.
+
+    The memory of collected pinned arrays is kept for reuse (up to 2 GiB), and a new
+    array of about the same size takes such a block at once. Otherwise the driver pins
+    new memory, which
+    takes 1-40 ms and blocks the calling thread: in a service, make pinned arrays at
+    start-up (a lifespan handler, ``Lanes`` setup), not per request.
     """
     dims = shape_tuple(shape)
     dt = np.dtype(dtype)
