@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -140,3 +142,36 @@ def test_a_pinned_array_collected_while_its_thread_holds_the_ranges_lock(frees: 
         del array
         gc.collect()  # the finaliser removes the range here
     assert pinned_ranges.owner(ptr, 1) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_another_thread_uses_the_pinned_cache_has_one_of_its_own() -> None:
+    """A fork while another thread held the pinned cache's lock left it held in the
+    child, where no thread would release it: the child's first pinned allocation waited
+    forever. The child starts with an empty cache of its own."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _pinned_cache._cache.lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: a take within 10 s (exit 0) or not (exit 1), and leave without cleanup
+            done = threading.Event()
+
+            def take() -> None:
+                if _pinned_cache.take(4096) is None:
+                    done.set()
+
+            threading.Thread(target=take, daemon=True).start()
+            os._exit(0 if done.wait(10) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the child's pinned cache waited for a lock no thread would release"

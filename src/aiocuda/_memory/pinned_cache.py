@@ -18,6 +18,7 @@ beyond that, and everything :func:`empty` drops, is freed on the off-loop thread
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -130,6 +131,16 @@ def _free_blocks(blocks: list[tuple[Device, int]]) -> None:
 
 
 _cache = _Cache()
+
+
+def _new_cache_in_child() -> None:
+    """In a forked child: a cache of its own. The parent's blocks are not the child's
+    to pin or free, and its lock may have been held by a thread the child lacks."""
+    global _cache
+    _cache = _Cache()
+
+
+os.register_at_fork(after_in_child=_new_cache_in_child)
 
 
 def take(size: int) -> int | None:
