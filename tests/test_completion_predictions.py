@@ -483,7 +483,10 @@ async def test_a_parked_wait_is_woken_to_find_its_end_in_its_own_task(
         resumed.clear()
         sim_backend.pause(stream.handle)
         held[0] = True
-        release_after = 1.0 if by_task else 0.03  # (a wait never woken: fail, don't hang)
+        # (A wait never woken: fail, don't hang. Ten seconds, not one: in the loaded CI
+        # run the task had not been woken after one -- a loop starved that long, by the
+        # machine or a full collection of the test process -- and the poller found it.)
+        release_after = 10.0 if by_task else 0.03
         asyncio.get_running_loop().call_later(release_after, let_go)
         await steps(stream, 0.0)
         if by_task:
