@@ -7,13 +7,25 @@ ticks stretches with the load instead of breaking.
 
 A race test makes another thread act at one exact point and then waits until that thread
 has finished or is blocked: :class:`WatchedLock` tells the second, with no sleep.
+
+Fork tests run code in a forked child and read what it did (:func:`forked_outcomes`), or
+fork while another thread holds a lock (:func:`forked_while_held`); a hung child fails
+its test instead of the whole run.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from types import TracebackType
+
+import pytest
+
+from aiocuda.errors import NoDeviceError
 
 
 class ControlClock:
@@ -53,3 +65,69 @@ class WatchedLock:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self._lock.release()
+
+
+def forked_outcomes(*actions: Callable[[], object]) -> list[str]:
+    """Run ``actions`` in turn in a child forked now and return what each did there: the
+    string it returned (else ``"no error"``), the message of the ``NoDeviceError`` it
+    raised, or ``"wrong error ..."`` for any other exception."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without cleanup
+        outcomes = []
+        for action in actions:
+            try:
+                result = action()
+                outcomes.append(result if isinstance(result, str) else "no error")
+            except NoDeviceError as exc:
+                outcomes.append(str(exc))
+            except BaseException as exc:
+                outcomes.append(f"wrong error {type(exc).__name__}: {exc}")
+        os.write(write_end, "\n".join(outcomes).encode())
+        os._exit(0)
+    os.close(write_end)
+    status = _exit_status(pid)
+    with os.fdopen(read_end) as reader:
+        outcomes = reader.read().splitlines()
+    assert status == 0
+    return outcomes
+
+
+def forked_while_held(lock: AbstractContextManager[object], action: Callable[[], object]) -> bool:
+    """Whether ``action`` returns within 10 s in a child forked while another thread holds
+    ``lock`` (a lock held at a fork stays held in the child, where no thread releases it)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # the child: done within 10 s (exit 0) or not (exit 1), and leave without cleanup
+            done = threading.Event()
+            threading.Thread(target=lambda: (action(), done.set()), daemon=True).start()
+            os._exit(0 if done.wait(10) else 1)
+        status = _exit_status(pid)
+    finally:
+        release.set()
+        holder.join()
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _exit_status(pid: int) -> int:
+    """The exit status of child ``pid``; a child still running after a minute (hung) is
+    killed and the test fails, instead of the whole run waiting for it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")

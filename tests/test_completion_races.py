@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import signal
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,9 +23,9 @@ from aiocuda import _driver
 from aiocuda._completion.engine import current_engine
 from aiocuda._completion.event_pool import EventPool
 from aiocuda.device import Device
-from aiocuda.errors import NoDeviceError
 from aiocuda.stream import Stream
 
+from ._control import forked_outcomes
 from .test_completion_predictions import _predict, steps
 
 HANG = 10.0
@@ -101,20 +99,6 @@ async def _until_async(condition: Callable[[], bool]) -> None:
         await asyncio.sleep(0.001)
 
 
-def _exit_status(pid: int) -> int:
-    """The exit status of child ``pid``; a child still running after a minute (hung) is
-    killed and the test fails, instead of the whole run waiting for it."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail("the forked child hung")
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_awaits_across_a_fork_fail_with_the_fork_error(backend: _driver.Driver) -> None:
     """A stream and an event made (and awaited) in the parent, awaited in a forked
@@ -130,38 +114,20 @@ def test_awaits_across_a_fork_fail_with_the_fork_error(backend: _driver.Driver) 
         await event
 
     anyio.run(parent)
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: report what each await does, then leave without cleanup
-        outcomes = []
-        for awaitable in (s, event):
 
-            async def child(awaitable: object = awaitable) -> None:
-                with anyio.fail_after(HANG):
-                    await awaitable  # type: ignore[misc]
+    def awaited(awaitable: object) -> None:
+        async def child() -> None:
+            with anyio.fail_after(HANG):
+                await awaitable  # type: ignore[misc]
 
-            try:
-                anyio.run(child)
-                outcomes.append("no error")
-            except NoDeviceError as exc:
-                outcomes.append(str(exc))
-            except BaseException as exc:
-                outcomes.append(f"wrong error {type(exc).__name__}: {exc}")
-        try:  # and memory from the parent's pool
-            aiocuda.empty(16, stream=s)
-            outcomes.append("no error")
-        except NoDeviceError as exc:
-            outcomes.append(str(exc))
-        except BaseException as exc:
-            outcomes.append(f"wrong error {type(exc).__name__}: {exc}")
-        os.write(write_end, "\n".join(outcomes).encode())
-        os._exit(0)
-    os.close(write_end)
-    status = _exit_status(pid)
-    with os.fdopen(read_end) as reader:
-        outcomes = reader.read().splitlines()
+        anyio.run(child)
+
+    outcomes = forked_outcomes(
+        lambda: awaited(s),
+        lambda: awaited(event),
+        lambda: aiocuda.empty(16, stream=s),  # and memory from the parent's pool
+    )
     s.close()
-    assert status == 0
     assert len(outcomes) == 3, outcomes
     assert all("forked" in outcome and "spawn" in outcome for outcome in outcomes), outcomes
 

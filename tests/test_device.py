@@ -28,6 +28,8 @@ from aiocuda.errors import (
 )
 from aiocuda.stream import Stream
 
+from ._control import forked_outcomes
+
 SRC = str(pathlib.Path(__file__).resolve().parents[1] / "src")
 
 
@@ -339,23 +341,7 @@ def test_error_classes_follow_result_codes() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_fork_child_gets_a_clear_error(backend: _driver.Driver) -> None:
     Stream(0).synchronize()  # the parent has used the driver
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: report what using the GPU does, then leave without cleanup
-        try:
-            Stream(0)
-            message = b"no error"
-        except NoDeviceError as exc:
-            message = str(exc).encode()
-        except BaseException as exc:
-            message = f"wrong error {type(exc).__name__}: {exc}".encode()
-        os.write(write_end, message)
-        os._exit(0)
-    os.close(write_end)
-    _, status = os.waitpid(pid, 0)
-    message = os.read(read_end, 4096).decode()
-    os.close(read_end)
-    assert status == 0
+    [message] = forked_outcomes(lambda: Stream(0))
     assert "forked" in message and "spawn" in message, message
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,8 @@ from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
 from aiocuda.errors import ArgumentError, OutOfMemoryError
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
+
+from ._control import forked_while_held
 
 pytestmark = pytest.mark.anyio
 
@@ -149,29 +150,10 @@ def test_a_child_forked_while_another_thread_uses_the_pinned_cache_has_one_of_it
     """A fork while another thread held the pinned cache's lock left it held in the
     child, where no thread would release it: the child's first pinned allocation waited
     forever. The child starts with an empty cache of its own."""
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with _pinned_cache._cache.lock:
-            held.set()
-            release.wait(30)
+    def take() -> None:
+        assert _pinned_cache.take(4096) is None  # (the parent's blocks are not the child's)
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
-        pid = os.fork()
-        if pid == 0:  # the child: a take within 10 s (exit 0) or not (exit 1), and leave without cleanup
-            done = threading.Event()
-
-            def take() -> None:
-                if _pinned_cache.take(4096) is None:
-                    done.set()
-
-            threading.Thread(target=take, daemon=True).start()
-            os._exit(0 if done.wait(10) else 1)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        release.set()
-        holder.join()
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's pinned cache waited for a lock no thread would release"
+    assert forked_while_held(_pinned_cache._cache.lock, take), (
+        "the child's pinned cache waited for a lock no thread would release"
+    )

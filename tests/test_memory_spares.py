@@ -11,10 +11,11 @@ import pytest
 
 import aiocuda.array as ga
 from aiocuda import _driver, memory
-from aiocuda.errors import NoDeviceError, OutOfMemoryError
+from aiocuda.errors import OutOfMemoryError
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
+from ._control import forked_outcomes
 from ._workload import trimmed
 
 MiB = 1 << 20
@@ -218,22 +219,11 @@ def test_a_forked_child_never_takes_its_parents_spares(backend: _driver.Driver) 
         pool.allocate(MiB, s).free()
         assert pool._spare_bytes == MiB
         calls = driver_calls(pool)
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # child: report what allocating does, then leave without cleanup
-            try:
-                pool.allocate(MiB, s)
-                message = f"allocated; driver calls {dict(calls)}".encode()
-            except NoDeviceError as exc:
-                message = str(exc).encode()
-            except BaseException as exc:
-                message = f"wrong error {type(exc).__name__}: {exc}".encode()
-            os.write(write_end, message)
-            os._exit(0)
-        os.close(write_end)
-        _, status = os.waitpid(pid, 0)
-        message = os.read(read_end, 4096).decode()
-        os.close(read_end)
-        assert status == 0
+
+        def allocate() -> str:
+            pool.allocate(MiB, s)
+            return f"allocated; driver calls {dict(calls)}"
+
+        [message] = forked_outcomes(allocate)
         assert "forked" in message or message == "allocated; driver calls {'alloc': 1}", message
         assert pool._spare_bytes == MiB  # the parent keeps its spares

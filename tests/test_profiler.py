@@ -5,7 +5,6 @@ that each range started is ended once, by its own id, whichever task ends it."""
 from __future__ import annotations
 
 import os
-import threading
 from typing import Any
 
 import anyio
@@ -19,6 +18,8 @@ from aiocuda._driver import _nvtx
 from aiocuda.profiler import NvtxRange, nvtx_available, nvtx_range, profile, start_range
 from aiocuda.stream import Stream
 from aiocuda.trace import Trace
+
+from ._control import forked_while_held
 
 
 def _pairs(sim: Any) -> dict[int, list[str]]:
@@ -137,24 +138,4 @@ def test_a_child_forked_while_another_thread_loads_nvtx_loads_it(monkeypatch: py
     keeps the loader as fork-safe as NVRTC's: the child loads NVTX (or finds none) at
     once."""
     monkeypatch.setattr(_nvtx, "_loaded", [])  # (not loaded yet: load() takes the lock)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with _nvtx._lock:
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
-        pid = os.fork()
-        if pid == 0:  # the child: load within 10 s (exit 0) or not (exit 1), and leave without cleanup
-            done = threading.Event()
-            threading.Thread(target=lambda: (_nvtx.load(), done.set()), daemon=True).start()
-            os._exit(0 if done.wait(10) else 1)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        release.set()
-        holder.join()
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's load() waited for a lock no thread would release"
+    assert forked_while_held(_nvtx._lock, _nvtx.load), "the child's load() waited for a lock no thread would release"

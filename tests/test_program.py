@@ -7,7 +7,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import threading
 import types
 from typing import Any
 
@@ -21,6 +20,8 @@ from aiocuda._kernels.compile_cache import CachedImage, CompileCache, cache_key,
 from aiocuda._kernels.signature import cpp_linkage_kernels, parse_signature, ptx_signatures, source_signatures
 from aiocuda.errors import ArgumentError, CompileError, LaunchError
 from aiocuda.program import Program, ProgramOptions
+
+from ._control import forked_while_held
 
 KEY_ARGS: dict[str, Any] = {
     "source": "__global__ void k() {}",
@@ -552,30 +553,11 @@ def test_a_child_forked_while_another_thread_loads_a_compiler_loads_it(
     lock held in the child, where no thread would release it: the child's own load()
     waited forever. The child now loads it (or says it is not installed) at once."""
     monkeypatch.setattr(loader, loaded, None)  # (not loaded yet: load() takes the lock)
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with getattr(loader, lock):
-            held.set()
-            release.wait(30)
+    def load() -> None:
+        with contextlib.suppress(CompileError):
+            loader.load()
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(10)
-        pid = os.fork()
-        if pid == 0:  # the child: load within 10 s (exit 0) or not (exit 1), and leave without cleanup
-            done = threading.Event()
-
-            def load() -> None:
-                with contextlib.suppress(CompileError):
-                    loader.load()
-                done.set()
-
-            threading.Thread(target=load, daemon=True).start()
-            os._exit(0 if done.wait(10) else 1)
-        _, status = os.waitpid(pid, 0)
-    finally:
-        release.set()
-        holder.join()
-    assert os.waitstatus_to_exitcode(status) == 0, "the child's load() waited for a lock no thread would release"
+    assert forked_while_held(getattr(loader, lock), load), (
+        "the child's load() waited for a lock no thread would release"
+    )
