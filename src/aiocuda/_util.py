@@ -7,6 +7,7 @@ may use it too; it imports nothing else from aiocuda.
 
 from __future__ import annotations
 
+import numbers
 import operator
 import os
 import threading
@@ -87,6 +88,14 @@ def at_least(value: object, least: int, what: str) -> int:
     if number < least:
         raise ValueError(f"{what} must be >= {least}, got {number}")
     return number
+
+
+def a_number(value: object, what: str, noun: str = "a number") -> float:
+    """``value`` as a float: a ``TypeError`` naming ``what`` if it is not a real number
+    (a bool is not one)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{what} must be {noun}, not {type(value).__name__}")
+    return float(value)
 
 
 def format_bytes(n: int) -> str:

@@ -53,7 +53,6 @@ Where the executor serialises (what to watch when scaling to many GPUs):
 
 from __future__ import annotations
 
-import numbers
 import threading
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
@@ -71,7 +70,7 @@ from ._executor.lane import PRIORITIES, Priority
 from ._executor.lanes import Lanes, default_count
 from ._executor.pipeline import Pipeline, reserve
 from ._executor.placement import Admission, PlacementName
-from ._util import at_least
+from ._util import a_number, at_least
 from .device import Device, devices
 from .errors import ClosedError, ContextPoisonedError, CudaError
 from .peer import enable_peer_access
@@ -135,10 +134,7 @@ class Executor:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         compute_streams = at_least(compute_streams, 1, "compute_streams")
         chunks_per_device = at_least(chunks_per_device, 1, "chunks_per_device")
-        fraction: object = memory_fraction  # (float to the type checker, anything from a caller)
-        if isinstance(fraction, bool) or not isinstance(fraction, numbers.Real):
-            raise TypeError(f"memory_fraction must be a number, not {type(fraction).__name__}")
-        memory_fraction = float(fraction)
+        memory_fraction = a_number(memory_fraction, "memory_fraction")
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
         self._requested = None if devices is None else list(devices)

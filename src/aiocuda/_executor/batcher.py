@@ -23,7 +23,6 @@ import collections.abc
 import contextlib
 import copy
 import math
-import numbers
 import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
@@ -36,7 +35,7 @@ import anyio.abc
 import numpy as np
 
 from .._completion.loops import LoopAdapter, current_adapter
-from .._util import at_least
+from .._util import a_number, at_least
 from ..errors import ClosedError
 from .chunk_map import exit_task_group
 
@@ -140,10 +139,7 @@ class Batcher(Generic[T, R]):
     def __init__(self, run: BatchFn[T, R], *, max_batch: int, max_delay: float, concurrency: int = 2) -> None:
         max_batch = at_least(max_batch, 1, "max_batch")
         concurrency = at_least(concurrency, 1, "concurrency")
-        delay: object = max_delay  # (float to the type checker, anything from a caller)
-        if isinstance(delay, bool) or not isinstance(delay, numbers.Real):
-            raise TypeError(f"max_delay must be a number of seconds, not {type(delay).__name__}")
-        max_delay = float(delay)
+        max_delay = a_number(max_delay, "max_delay", "a number of seconds")
         if not (max_delay >= 0 and math.isfinite(max_delay)):
             raise ValueError(f"max_delay must be a finite number of seconds >= 0, got {max_delay}")
         self._run = run

@@ -4,7 +4,6 @@ the per-actor load that placement reads."""
 from __future__ import annotations
 
 import math
-import numbers
 import os
 import warnings
 from collections.abc import Callable
@@ -15,7 +14,7 @@ import ray
 import ray.exceptions
 
 from .._executor.placement import Admission
-from .._util import NoPublicConstructor, at_least
+from .._util import NoPublicConstructor, a_number, at_least
 from ..errors import ClosedError
 from . import _refs, _transfer
 from ._actor import ActorStatistics, GpuActor
@@ -120,9 +119,9 @@ class ActorPool:
         options: dict[str, Any] | None = None,
     ) -> None:
         actors = at_least(actors, 1, "actors")
-        if _number(num_gpus, "num_gpus") <= 0:
+        if a_number(num_gpus, "num_gpus") <= 0:
             raise ValueError(f"a GPU actor needs num_gpus > 0, got {num_gpus}")
-        _number(num_cpus, "num_cpus")
+        a_number(num_cpus, "num_cpus")
         chunks_per_actor = at_least(chunks_per_actor, 1, "chunks_per_actor")
         if upload not in (None, "staging", "register"):
             raise ValueError(f"upload must be 'staging' or 'register', got {upload!r}")
@@ -303,13 +302,6 @@ class ActorPool:
             return f"<ActorPool not started actors={self._count}>"
         load = ", ".join("lost" if not s.alive else f"{s.chunks}" for s in self._slots)
         return f"<ActorPool [{len(self.live)}/{len(self._slots)} live | chunks: {load}]>"
-
-
-def _number(value: object, what: str) -> float:
-    """``value``, checked to be a number (a resource quantity for Ray)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} must be a number, not {type(value).__name__}")
-    return float(value)
 
 
 def _actor_options(num_gpus: float, num_cpus: float, options: dict[str, Any]) -> dict[str, Any]:
