@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from types import TracebackType
+from typing import Any
 
 import pytest
 
@@ -65,6 +66,29 @@ class WatchedLock:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self._lock.release()
+
+
+def unload_after(module: Any, backend: Any, call: str, monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:
+    """Make the next ``call`` of ``backend`` (a driver method) start ``module.unload()`` on
+    another thread once it has returned, and return only once that unload finished or
+    waits for the module's lock (a :class:`WatchedLock` from now on). The list returned
+    gets the unloading thread."""
+    progress = threading.Event()
+    module._lock = WatchedLock(progress)
+    unloaders: list[threading.Thread] = []
+    original = getattr(type(backend), call)
+
+    def unload_meanwhile(driver: Any, *args: Any) -> Any:
+        found = original(driver, *args)
+        if not unloaders:
+            unloader = threading.Thread(target=lambda: (module.unload(), progress.set()))
+            unloaders.append(unloader)
+            unloader.start()
+            assert progress.wait(10)
+        return found
+
+    monkeypatch.setattr(type(backend), call, unload_meanwhile)
+    return unloaders
 
 
 def forked_outcomes(*actions: Callable[[], object]) -> list[str]:

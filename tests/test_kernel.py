@@ -23,7 +23,7 @@ from aiocuda.module import Module
 from aiocuda.program import Program
 from aiocuda.stream import Stream, use_stream
 
-from ._control import WatchedLock
+from ._control import unload_after
 
 SOURCE = r"""
 extern "C" __global__ void saxpy(float a, const float* __restrict__ x, float* y, int n) {
@@ -669,23 +669,9 @@ def test_an_unload_racing_a_functions_look_up_leaves_no_stale_function(
     unloaded module's function stayed cached, and the kernel's every later use failed
     (or, on a GPU, launched a function the driver had dropped). Here the unload comes
     exactly there, and runs to its end or waits for the look-up."""
-    progress = threading.Event()  # the unload finished, or waits for the module's lock
-    module._lock = WatchedLock(progress)  # type: ignore[assignment]
-    unloaders: list[threading.Thread] = []
-    look_up = type(backend).module_get_function
-
-    def unload_meanwhile(driver: _driver.Driver, handle: Any, name: str) -> Any:
-        found = look_up(driver, handle, name)  # type: ignore[arg-type]
-        if not unloaders:
-            unloader = threading.Thread(target=lambda: (module.unload(), progress.set()))
-            unloaders.append(unloader)
-            unloader.start()
-            assert progress.wait(10)
-        return found
-
     fill = module.kernel("fill")
     module.handle(Device(0))  # (loaded here, so that the unload below has something to unload)
-    monkeypatch.setattr(type(backend), "module_get_function", unload_meanwhile)
+    unloaders = unload_after(module, backend, "module_get_function", monkeypatch)
     fill.function(0)
     unloaders[0].join(10)
     assert fill.attribute("num_regs") > 0  # the function of the module loaded again

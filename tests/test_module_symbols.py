@@ -5,7 +5,6 @@ implementations read the module's variables through ``launch.globals``."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ from aiocuda.module import JitOptions, Module
 from aiocuda.program import Program, ProgramOptions
 from aiocuda.stream import Stream, use_stream
 
-from ._control import WatchedLock
+from ._control import unload_after
 
 SOURCE = r"""
 __constant__ float coeffs[4];
@@ -253,22 +252,8 @@ def test_an_unload_racing_get_global_leaves_no_usable_array(
     the registration of its memory cleared the registry before the new memory joined
     it: that array kept working, on the unloaded module's memory. Here the unload comes
     exactly there, and runs to its end or waits for get_global."""
-    progress = threading.Event()  # the unload finished, or waits for the module's lock
-    module._lock = WatchedLock(progress)  # type: ignore[assignment]
-    unloaders: list[threading.Thread] = []
-    look_up = type(backend).module_get_global
-
-    def unload_meanwhile(driver: _driver.Driver, handle: Any, name: str) -> tuple[int, int]:
-        found: tuple[int, int] = look_up(driver, handle, name)  # type: ignore[arg-type]
-        if not unloaders:
-            unloader = threading.Thread(target=lambda: (module.unload(), progress.set()))
-            unloaders.append(unloader)
-            unloader.start()
-            assert progress.wait(10)
-        return found
-
     module.get_global("coeffs")  # (loaded here, so that the unload below has something to unload)
-    monkeypatch.setattr(type(backend), "module_get_global", unload_meanwhile)
+    unloaders = unload_after(module, backend, "module_get_global", monkeypatch)
     coeffs = module.get_global("coeffs")
     unloaders[0].join(10)
     with pytest.raises(ArgumentError, match="which was unloaded"):
