@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -102,7 +104,8 @@ async def test_blocks_freed_on_a_foreign_or_closed_stream_go_back_to_the_driver(
     backend: _driver.Driver, anyio_backend: object
 ) -> None:
     """A foreign stream may be destroyed by its owner at any time: nothing is kept for it.
-    A closed stream's spares are freed after the work it had when it closed."""
+    A closed stream takes no allocation: its spares are freed as it closes, after its
+    work, and a block freed on it afterwards is freed at once."""
     pool = MemoryPool.create(0)
     calls = driver_calls(pool)
     with Stream(0) as owner:
@@ -111,11 +114,145 @@ async def test_blocks_freed_on_a_foreign_or_closed_stream_go_back_to_the_driver(
         assert calls["free"] == 1
     s = Stream(0)
     pool.allocate(MiB, s).free()
+    late = pool.allocate(MiB // 2, s)
     s.close()
-    assert calls["free"] == 1
-    await trimmed(pool)
     assert calls["free"] == 2
+    late.free()
+    assert calls["free"] == 3
+    assert pool._spare_bytes == 0
+    await s
+    await trimmed(pool)
     assert pool.statistics().reserved_bytes == 0
+
+
+async def test_closing_a_stream_gives_its_spares_back_for_other_streams_to_keep(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A closed stream's spares stayed in its pool until the next trim: no allocation
+    could take them (none is made on a closed stream), yet they counted against
+    SPARE_BYTES, so the frees of the streams made after it went to the driver."""
+    monkeypatch.setattr(memory, "SPARE_BYTES", 2 * MiB)
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    with Stream(0) as t:
+        pool.allocate(MiB // 2, t).free()
+        s = Stream(0)
+        for size in (MiB // 2, MiB):  # two lists of s
+            pool.allocate(size, s).free()
+        assert (pool._spare_bytes, calls["free"]) == (2 * MiB, 0)
+        s.close()
+        assert (pool._spare_bytes, calls["free"]) == (MiB // 2, 2), "s's spares freed, t's kept"
+        assert all(stream is not s for stream, _ in pool._spares)
+        await s
+        assert pool.statistics().used_bytes == 0
+        with Stream(0) as u:
+            for size in (MiB, MiB // 2):
+                pool.allocate(size, u).free()
+            assert (pool._spare_bytes, calls["free"]) == (2 * MiB, 2), "u keeps what s had"
+            kept = pool.allocate(MiB // 2, t)
+            assert calls["alloc"] == 5, "t's spare still serves t"
+            kept.free()
+            await u
+        await t
+    await trimmed(pool)
+    assert pool.statistics().reserved_bytes == 0
+
+
+async def test_a_closed_streams_spares_are_freed_on_it_after_its_work(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Stream order keeps the memory from other streams until the work enqueued on the
+    stream before it closed has run; closing waits for none of it."""
+    pool = MemoryPool.create(0)
+    freed_on: list[Any] = []
+    free = pool._free_call
+
+    def spied(ptr: Any, handle: Any) -> Any:
+        freed_on.append(handle)
+        return free(ptr, handle)
+
+    pool._free_call = spied
+    s = Stream(0)
+    handle = s.handle
+    pool.allocate(MiB, s).free()
+    sim_backend.pause(handle)  # type: ignore[attr-defined]
+    sim_backend.enqueue(handle, lambda: None)  # work that has not run
+    s.close()  # returns at once: nothing waits for the paused stream
+    assert freed_on == [handle]
+    assert (pool._spare_bytes, pool.statistics().used_bytes) == (0, MiB), "the free waits for the work"
+    sim_backend.resume(handle)  # type: ignore[attr-defined]
+    await s
+    assert pool.statistics().used_bytes == 0
+    await trimmed(pool)
+    assert pool.statistics().reserved_bytes == 0
+
+
+def test_a_stream_closed_inside_a_capture_gives_its_spares_back_once_it_ends(sim_backend: _driver.Driver) -> None:
+    """A stream joined to a capture and closed inside the block is closed for good when
+    the capture ends: its spares are freed then, on it, and never into the graph."""
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    with Stream(0) as s:
+        side = Stream(0)
+        pool.allocate(MiB, side).free()
+        with s.capture() as graph:
+            side.wait(s)  # joins the capture
+            side.close()
+            assert (pool._spare_bytes, calls["free"]) == (MiB, 0)
+        assert side.closed
+        assert (pool._spare_bytes, calls["free"]) == (0, 1)
+        graph.close()
+        side.synchronize()
+        s.synchronize()
+
+
+class _TrimmedMeanwhile(dict[Any, list[Any]]):
+    """A pool's spares whose first pop, by a stream's close, lets another thread's
+    give-back of every spare (a trim) run between the close's look at the keys and its
+    take of the list."""
+
+    def __init__(self, pool: MemoryPool) -> None:
+        super().__init__(pool._spares)
+        self.pool: MemoryPool | None = pool
+
+    def pop(self, key: Any, default: Any = None) -> Any:
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            pool._give_back_spares()
+        return super().pop(key, default)
+
+
+def test_a_spare_given_back_by_a_trim_meanwhile_is_not_freed_again_by_its_streams_close(
+    sim_backend: _driver.Driver,
+) -> None:
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    s = Stream(0)
+    for buffer in [pool.allocate(size, s) for size in (MiB, MiB, MiB // 2)]:
+        buffer.free()
+    assert pool._spare_bytes == 2 * MiB + MiB // 2
+    pool._spares = _TrimmedMeanwhile(pool)
+    s.close()
+    assert (calls["free"], pool._spare_bytes) == (3, 0), "each block freed once"
+    stats = pool.statistics()
+    assert (stats.allocations, stats.frees, stats.live_buffers) == (3, 3, 0)
+    s.synchronize()
+
+
+def test_a_stream_dropped_with_spares_lives_until_they_are_given_back(backend: _driver.Driver) -> None:
+    """The pool keeps the stream (its spares' key) and frees them on it; then it is
+    collected as any other."""
+    pool = MemoryPool.create(0)
+    s = Stream(0)
+    pool.allocate(MiB, s).free()
+    dropped = weakref.ref(s)
+    del s
+    gc.collect()
+    assert dropped() is not None
+    pool.trim()
+    gc.collect()
+    assert dropped() is None
+    assert pool._spare_bytes == 0
 
 
 async def test_trimming_never_queries_a_foreign_stream(

@@ -27,8 +27,12 @@ Freed blocks are kept for reuse: a buffer freed on a stream that aiocuda owns go
 its pool's *spares* (up to :data:`SPARE_BYTES` per pool; none for pools shared with
 other processes), and the next allocation of the same size on the same stream takes it
 back without a driver call -- stream order makes that safe, as it makes the driver's own
-reuse safe. :meth:`MemoryPool.trim` and an out-of-memory recovery give the spares back
-to the driver first; pool statistics count them as free.
+reuse safe. Closing a stream gives its spares back (freed on it, after its work);
+:meth:`MemoryPool.trim` and an out-of-memory recovery give every spare back to the
+driver first; pool statistics count them as free. A pool keeps the streams it has
+spares for alive: a stream dropped without :meth:`~aiocuda.stream.Stream.close` is
+collected only once its spares are given back (at the latest when the pool keeps
+spares for too many streams).
 
 Out of memory: an allocation that fails trims the pool's cached memory
 (:meth:`MemoryPool.trim`) and retries, then trims the device's other pools and retries,
@@ -409,21 +413,43 @@ class MemoryPool(metaclass=NoPublicConstructor):
                 self._give_back_spares()
         held: list[Any] = []
         self._spares[stream, size] = held
+        # The stream gives its spares back when it closes (Stream.close calls
+        # _give_back_spares(of=stream) on the pools listed here). A list's append is
+        # atomic, so two threads freeing on the stream lose no entry; at worst one pool
+        # is listed twice, and its second give-back finds nothing.
+        listed = stream._spare_pools
+        if not any(ref() is self for ref in listed):
+            listed.append(weakref.ref(self))
         return held
 
-    def _give_back_spares(self, onto: Stream | None = None) -> None:
-        """Free every spare block: on the stream it was freed on (a closed stream's after
-        the work it had when it closed), or, given ``onto``, on ``onto`` where that
-        stream is idle now -- none of its work uses the block any more -- so that an
-        allocation on ``onto`` reuses the memory at once, in stream order."""
+    def _give_back_spares(self, onto: Stream | None = None, of: Stream | None = None) -> None:
+        """Free every spare block, or, given ``of``, those kept for that stream: each on
+        the stream it was freed on (a closed stream's after the work it had when it
+        closed), or, given ``onto``, on ``onto`` where that stream is idle now -- none
+        of its work uses the block any more -- so that an allocation on ``onto`` reuses
+        the memory at once, in stream order."""
         # The dict and its lists change only between bytecodes that cannot switch
         # threads (no calls into Python): a free of another thread never appends to a
         # list taken here. An allocation of another thread may have found a list before
-        # the swap and pop from it meanwhile: each block is popped, so that it goes
+        # it was taken and pop from it meanwhile: each block is popped, so that it goes
         # either to that allocation or to the driver, and leaves the spare bytes once.
-        spares, self._spares = self._spares, {}
+        # Two give-backs (a trim and a stream's close) may take the same list: so too.
+        if of is None:
+            spares, self._spares = self._spares, {}
+        else:
+            # tuple() copies the keys at once (a loop over the dict would fail when a
+            # free of another thread adds a key meanwhile); pop() takes each list once.
+            kept = self._spares
+            spares = {}
+            for key in tuple(kept):
+                if key[0] is of:
+                    held = kept.pop(key, None)
+                    if held is not None:
+                        spares[key] = held
         query = self._driver.stream_query
-        for (stream, size), held in spares.items():
+        # Over a copy of the items: a stream's close of another thread may pop a key from
+        # a dict taken here before the swap.
+        for (stream, size), held in tuple(spares.items()):
             waits = None
             if stream._closed:
                 waits = [stream._tail] if stream._tail is not None else None

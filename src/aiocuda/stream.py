@@ -154,7 +154,9 @@ class Stream:
             driver to its range (``Stream.priority_range()``).
 
     Use as a context manager, or call :meth:`close`, to destroy it promptly; otherwise it
-    is destroyed when collected. Closing never cancels work already enqueued.
+    is destroyed when collected. Closing never cancels work already enqueued. A stream
+    whose freed memory a pool keeps for reuse (see :mod:`aiocuda.memory`) is collected
+    only once the pool gives that memory back; closing gives it back at once.
     """
 
     __slots__ = (
@@ -168,6 +170,7 @@ class Stream:
         "_holds",
         "_owner",
         "_pool",
+        "_spare_pools",
         "_tail",
         "device",
         "owned",
@@ -193,6 +196,10 @@ class Stream:
         self._capture: Any = None
         """The capture (``aiocuda._graph.capture.Capture``) this stream's work goes to, if any."""
         self._pool = EventPool.for_device(device)
+        self._spare_pools: list[weakref.ref[Any]] = []
+        """Weak references to the memory pools (``aiocuda.memory``) that keep freed blocks
+        for reuse on this stream, listed by them: :meth:`close` has them give the blocks
+        back (a duck-typed call, as the layers below make on a capture)."""
         self._holds: _Holds = deque()
         self._engine = current_engine()
         self._engine.prepare(device)
@@ -444,12 +451,31 @@ class Stream:
                 capture.leave(self)  # (a stream joined to the capture is destroyed once it ends)
                 self._closed = True
                 return
+            if self._spare_pools:
+                self._give_back_spares()
             try:
                 self._tail = self.record()
             except CudaError:
                 self._tail = None  # a poisoned context: waiting on it can only fail anyway
             self._closed = True
             self._finalizer()
+
+    def _give_back_spares(self) -> None:
+        """Have the memory pools that keep freed blocks for this stream free them on it."""
+        # Freed here, while the stream is open: stream-ordered after its work, with no
+        # driver call that waits. Kept, a closed stream's blocks would count against
+        # their pool's spare budget (and stay reserved) until its next trim, and no
+        # allocation could take them (none can be made on a closed stream). A free of
+        # another thread racing this close may still leave one: the pool's next trim
+        # frees it after the stream's tail.
+        listed, self._spare_pools = self._spare_pools, []
+        for ref in listed:
+            pool = ref()
+            if pool is not None:
+                try:
+                    pool._give_back_spares(of=self)
+                except CudaError:
+                    pass  # a poisoned context: its memory goes with it
 
     def _close_after_capture(self) -> None:
         """Finish a :meth:`close` made while the stream took part in a capture (which has
