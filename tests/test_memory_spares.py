@@ -14,6 +14,7 @@ import pytest
 import aiocuda.array as ga
 from aiocuda import _driver, memory
 from aiocuda.errors import OutOfMemoryError
+from aiocuda.host import pinned_empty
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
@@ -204,6 +205,35 @@ def test_a_stream_closed_inside_a_capture_gives_its_spares_back_once_it_ends(sim
         graph.close()
         side.synchronize()
         s.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+async def test_a_stream_closed_while_another_captures_gives_its_spares_back_and_the_capture_holds(
+    backend: _driver.Driver, anyio_backend: object, mode: Any
+) -> None:
+    """The close's stream-ordered frees are not among the calls a capture forbids to the
+    other streams of its thread (allocating or freeing page-locked memory, loading
+    modules): the spares are freed and the capture stays valid, in every mode."""
+    pool = MemoryPool.create(0)
+    calls = driver_calls(pool)
+    host_in = pinned_empty(MiB // 4, np.float32)
+    host_out = pinned_empty(MiB // 4, np.float32)
+    with Stream(0) as s:
+        x = ga.empty(MiB // 4, np.float32, stream=s)
+        other = Stream(0)
+        pool.allocate(MiB, other).free()
+        async with s.capture(mode) as graph:
+            await x.copy_from(host_in, stream=s)
+            other.close()
+            await x.to_host(out=host_out, stream=s)
+        assert (pool._spare_bytes, calls["free"]) == (0, 1)
+        host_in[:] = 3
+        await graph.launch(s)
+        assert (host_out == 3).all()
+        graph.close()
+        await other
+    await trimmed(pool)
+    assert pool.statistics().reserved_bytes == 0
 
 
 class _TrimmedMeanwhile(dict[Any, list[Any]]):

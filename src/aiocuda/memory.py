@@ -50,6 +50,7 @@ memory to be freed: back-pressure for services.
 
 from __future__ import annotations
 
+import contextlib
 import atexit
 import operator
 import os
@@ -434,6 +435,13 @@ class MemoryPool(metaclass=NoPublicConstructor):
         # it was taken and pop from it meanwhile: each block is popped, so that it goes
         # either to that allocation or to the driver, and leaves the spare bytes once.
         # Two give-backs (a trim and a stream's close) may take the same list: so too.
+        if of is not None and _capturing.depth:
+            # This thread captures: a stream-ordered free on another stream now could
+            # invalidate its capture (see _defer_frees). Given back when the capture ends.
+            closed = _capturing.closed
+            assert closed is not None
+            closed.append((self, of))
+            return
         if of is None:
             spares, self._spares = self._spares, {}
         else:
@@ -957,6 +965,8 @@ class _Captures(threading.local):
     # the development machine, against 0.05 us for this read).
     depth = 0
     collected: list[DeviceBuffer] | None = None
+    closed: list[tuple[MemoryPool, Stream]] | None = None
+    """Streams closed meanwhile, with a pool that keeps spares for each: given back then too."""
 
 
 _capturing = _Captures()
@@ -974,6 +984,7 @@ def _defer_frees() -> None:
     depth = _capturing.depth
     if depth == 0:
         _capturing.collected = []
+        _capturing.closed = []
         with _threads_capturing_lock:
             _threads_capturing += 1
     _capturing.depth = depth + 1
@@ -987,5 +998,9 @@ def _end_deferral() -> None:
         with _threads_capturing_lock:
             _threads_capturing -= 1
         collected, _capturing.collected = _capturing.collected or [], None
+        closed, _capturing.closed = _capturing.closed or [], None
         for buffer in collected:
             buffer.__del__()  # the allocation hot path fills the slots itself (see _util)
+        for pool, stream in closed:
+            with contextlib.suppress(CudaError):  # a poisoned context: its memory goes with it
+                pool._give_back_spares(of=stream)
