@@ -50,8 +50,8 @@ memory to be freed: back-pressure for services.
 
 from __future__ import annotations
 
-import contextlib
 import atexit
+import contextlib
 import operator
 import os
 import threading
