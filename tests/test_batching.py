@@ -8,8 +8,10 @@ long as a test needs. Nothing depends on how long anything takes.
 
 from __future__ import annotations
 
+import gc
 import math
 import traceback
+import weakref
 from typing import Any
 
 import anyio
@@ -490,3 +492,34 @@ def test_a_submit_from_another_loop_of_the_same_thread_is_refused() -> None:
     finally:
         home.close()
     assert run.batches == []
+
+
+class Payload:
+    """An item or result a weak reference can watch."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+async def test_a_finished_batch_keeps_no_item_or_result_alive(anyio_backend: Any) -> None:
+    """Once its requests have their results, nothing of a batch stays referenced while the
+    batcher waits for the next one (the items may be large arrays or GPU buffers)."""
+
+    async def run(items: list[Payload]) -> list[Payload]:
+        return [Payload(item.value * 10) for item in items]
+
+    watched: list[weakref.ref[Payload]] = []
+    async with Batcher(run, max_batch=4, max_delay=NEVER) as batcher:
+
+        async def one(i: int) -> None:
+            item = Payload(i)
+            result = await batcher.submit(item)
+            assert result.value == i * 10
+            watched.extend([weakref.ref(item), weakref.ref(result)])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        await checkpoints()
+        gc.collect()
+        assert [ref() for ref in watched if ref() is not None] == []  # (the batcher is open, idle)

@@ -260,6 +260,7 @@ class Batcher(Generic[T, R]):
             if not batch:
                 return  # closing, and nothing left
             await self._run_batch(batch)
+            del batch  # (not kept, with its items and results, while the next batch gathers)
 
     async def _gather(self) -> list[_Request[T, R]]:
         """Wait until a batch is due and take it (nothing: the batcher closed with nothing
