@@ -523,3 +523,42 @@ async def test_a_finished_batch_keeps_no_item_or_result_alive(anyio_backend: Any
         await checkpoints()
         gc.collect()
         assert [ref() for ref in watched if ref() is not None] == []  # (the batcher is open, idle)
+
+
+async def test_a_failed_batch_is_freed_without_the_cyclic_garbage_collector(anyio_backend: Any) -> None:
+    """The items of a failed batch -- raised by the batch function, or an exception in
+    place of one result, or with a request cancelled while its batch ran -- are freed as
+    soon as the requests let go of their errors, not at some later collection."""
+
+    async def run(items: list[Payload]) -> list[Payload | BaseException]:
+        await gate.wait()
+        if any(item.value < 0 for item in items):
+            raise RuntimeError("the batch failed")
+        return [ValueError(f"bad item {item.value}") for item in items]
+
+    watched: list[weakref.ref[Payload]] = []
+    gc.collect()
+    gc.disable()
+    try:
+        for values in ([-1, 1, 2], [1, 2, 3]):
+            gate = anyio.Event()
+            async with Batcher(run, max_batch=3, max_delay=NEVER) as batcher:
+
+                async def one(value: int, scope: anyio.CancelScope) -> None:
+                    item = Payload(value)
+                    watched.append(weakref.ref(item))
+                    with scope, pytest.raises((RuntimeError, ValueError)):
+                        await batcher.submit(item)
+
+                async with anyio.create_task_group() as tg:
+                    doomed = anyio.CancelScope()
+                    for value in values:
+                        tg.start_soon(one, value, doomed if value == 2 else anyio.CancelScope())
+                    await checkpoints()
+                    doomed.cancel()  # (its batch runs: the request lets go, the batch goes on)
+                    await checkpoints()
+                    gate.set()
+                await checkpoints()
+                assert [ref().value for ref in watched if ref() is not None] == []  # type: ignore[union-attr]
+    finally:
+        gc.enable()

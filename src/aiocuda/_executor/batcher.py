@@ -225,7 +225,12 @@ class Batcher(Generic[T, R]):
             raise
         outcome = request.outcome
         if isinstance(outcome, BaseException):
-            raise outcome.with_traceback(request.traceback)
+            try:
+                raise outcome.with_traceback(request.traceback)
+            finally:
+                # The traceback keeps this frame: with these locals, frame and exception
+                # would form a cycle that only the cyclic garbage collector frees.
+                del outcome, request
         return outcome  # type: ignore[return-value]
 
     def _foreign(self) -> RuntimeError:
@@ -306,6 +311,10 @@ class Batcher(Generic[T, R]):
             self._running -= 1
             self._batches += 1
             self._items += len(batch)
+            # A failed batch's traceback keeps this frame, and its requests keep that
+            # exception: with this local, the batch (its items) would wait for the cyclic
+            # garbage collector.
+            del batch
 
     # -- state ---------------------------------------------------------------------------------
     def statistics(self) -> BatcherStatistics:
