@@ -562,3 +562,40 @@ async def test_a_failed_batch_is_freed_without_the_cyclic_garbage_collector(anyi
                 assert [ref().value for ref in watched if ref() is not None] == []  # type: ignore[union-attr]
     finally:
         gc.enable()
+
+
+class CodeError(Exception):
+    """An error that writes its message from its arguments, as many do."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"error code {code}")
+        self.code = code
+
+
+async def test_each_request_of_a_failed_batch_sees_the_error_as_raised(anyio_backend: Any) -> None:
+    """Every request of a failed batch raises the batch function's error with its message,
+    attributes and notes as they were raised; a note one request adds (a handler saying
+    which request it was) stays on that request's error."""
+
+    async def failing(items: list[str]) -> list[str]:
+        error = CodeError(7)
+        error.add_note("(on device 0)")
+        raise error
+
+    seen: dict[str, tuple[str, int, list[str]]] = {}
+    async with Batcher(failing, max_batch=3, max_delay=NEVER) as batcher:
+
+        async def one(user: str) -> None:
+            try:
+                await batcher.submit(user)
+            except CodeError as exc:
+                exc.add_note(f"(the request of {user})")
+                await checkpoints(5)  # the other requests add theirs meanwhile
+                seen[user] = (str(exc), exc.code, exc.__notes__)
+
+        async with anyio.create_task_group() as tg:
+            for user in ("alice", "bob", "carol"):
+                tg.start_soon(one, user)
+    assert seen == {
+        user: ("error code 7", 7, ["(on device 0)", f"(the request of {user})"]) for user in ("alice", "bob", "carol")
+    }

@@ -351,8 +351,9 @@ def _fail(batch: list[_Request[Any, Any]], exc: BaseException) -> None:
 def _each_its_own(exc: BaseException, count: int) -> list[BaseException]:
     """``exc`` for a batch's first request and a copy of it for each other one: one object
     raised in several tasks would carry each task's context (``__context__``: the error
-    its handler was handling) into the others' tracebacks."""
+    its handler was handling) and the notes each adds into the others' tracebacks."""
     out = [exc]
+    notes = getattr(exc, "__notes__", None)
     for _ in range(count - 1):
         try:
             twin = copy.copy(exc)
@@ -361,6 +362,12 @@ def _each_its_own(exc: BaseException, count: int) -> list[BaseException]:
         if type(twin) is not type(exc):
             twin = exc
         elif twin is not exc:
+            # copy.copy calls the class with exc.args: a class that writes its message
+            # from its arguments writes it again ("error code error code 7"), so the
+            # args are put back; it shares exc's attributes, the list of notes included.
+            twin.args = exc.args
+            if isinstance(notes, list):
+                twin.__notes__ = list(notes)  # type: ignore[attr-defined]
             twin.__cause__, twin.__suppress_context__ = exc.__cause__, exc.__suppress_context__
             twin.__context__, twin.__traceback__ = exc.__context__, exc.__traceback__
         out.append(twin)
