@@ -599,3 +599,23 @@ async def test_each_request_of_a_failed_batch_sees_the_error_as_raised(anyio_bac
     assert seen == {
         user: ("error code 7", 7, ["(on device 0)", f"(the request of {user})"]) for user in ("alice", "bob", "carol")
     }
+
+
+def test_max_delay_is_measured_on_the_event_loops_clock() -> None:
+    """Under trio's MockClock (a test's virtual time, jumping ahead whenever every task
+    sleeps) a partial batch starts once ``max_delay`` has passed on that clock, as the
+    loop's own timeouts do."""
+    trio = pytest.importorskip("trio")
+    mock_clock = pytest.importorskip("trio.testing").MockClock
+
+    run = Recorder()
+
+    async def scenario() -> float:
+        async with Batcher(run, max_batch=100, max_delay=0.5) as batcher:
+            start = trio.current_time()
+            assert await batcher.submit(1) == 10
+            return float(trio.current_time() - start)
+
+    waited = trio.run(scenario, clock=mock_clock(autojump_threshold=0))
+    assert 0.4 < waited < 0.6, waited  # (it jumped ahead some thousand times, half a second each)
+    assert run.batches == [[1]]
