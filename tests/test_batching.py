@@ -619,3 +619,16 @@ def test_max_delay_is_measured_on_the_event_loops_clock() -> None:
     waited = trio.run(scenario, clock=mock_clock(autojump_threshold=0))
     assert 0.4 < waited < 0.6, waited  # (it jumped ahead some thousand times, half a second each)
     assert run.batches == [[1]]
+
+
+async def test_a_zero_dimensional_array_for_results_is_refused_with_the_batchers_message(anyio_backend: Any) -> None:
+    """An array of no dimension (a reduction where a stacked result was meant) is no
+    sequence of results: the requests are told what the batch function must return,
+    not numpy's ``len() of unsized object``."""
+
+    async def reduced(items: list[int]) -> Any:
+        return np.array(sum(items))
+
+    async with Batcher(reduced, max_batch=1, max_delay=0) as batcher:
+        with pytest.raises(TypeError, match=r"sequence of results in item order.*not a 0-d array"):
+            await batcher.submit(1)

@@ -338,12 +338,15 @@ class Batcher(Generic[T, R]):
 
 
 def _check_results(results: object, items: int) -> None:
-    if isinstance(results, (str, bytes, collections.abc.Set, collections.abc.Mapping)) or not isinstance(
-        results, (collections.abc.Sequence, np.ndarray)
+    scalar_array = isinstance(results, np.ndarray) and results.ndim == 0  # (it has no len())
+    if (
+        scalar_array
+        or isinstance(results, (str, bytes, collections.abc.Set, collections.abc.Mapping))
+        or not isinstance(results, (collections.abc.Sequence, np.ndarray))
     ):
         raise TypeError(
             f"the batch function must return a sequence of results in item order (a list, tuple or "
-            f"array), not {type(results).__name__}"
+            f"array), not {'a 0-d array' if scalar_array else type(results).__name__}"
         )
     if len(results) != items:
         raise ValueError(f"the batch function returned {len(results)} results for {items} items")
