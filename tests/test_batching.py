@@ -632,3 +632,44 @@ async def test_a_zero_dimensional_array_for_results_is_refused_with_the_batchers
     async with Batcher(reduced, max_batch=1, max_delay=0) as batcher:
         with pytest.raises(TypeError, match=r"sequence of results in item order.*not a 0-d array"):
             await batcher.submit(1)
+
+
+class Abort(BaseException):
+    """A BaseException that is not a cancellation (as KeyboardInterrupt and SystemExit are)."""
+
+
+async def test_a_batch_function_raising_a_base_exception_stops_the_batcher_and_says_so(anyio_backend: Any) -> None:
+    """A batch function that raises a BaseException other than a cancellation stops the
+    batcher (it leaves the ``async with`` block with it); the requests of that batch are
+    told what happened, not that the batcher was cancelled."""
+
+    async def run(items: list[int]) -> list[int]:
+        raise Abort("stop serving")
+
+    errors: list[BaseException] = []
+    entered = anyio.Event()
+    holder: list[Batcher[int, int]] = []
+
+    async def lifespan() -> None:
+        with pytest.raises(BaseException) as stopped:  # (in an exception group)
+            async with Batcher(run, max_batch=2, max_delay=NEVER) as batcher:
+                holder.append(batcher)
+                entered.set()
+                await anyio.sleep_forever()
+        assert stopped.group_contains(Abort, depth=None)
+
+    async def one(i: int) -> None:
+        try:
+            await holder[0].submit(i)
+        except ClosedError as exc:
+            errors.append(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lifespan)
+            await entered.wait()
+            tg.start_soon(one, 1)
+            tg.start_soon(one, 2)
+    assert len(errors) == 2
+    for error in errors:
+        assert "the batch function raised Abort" in str(error) and isinstance(error.__cause__, Abort), error

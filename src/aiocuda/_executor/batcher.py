@@ -309,8 +309,14 @@ class Batcher(Generic[T, R]):
                     error.__cause__ = exc
                     _fail(batch, error)
                     return
+                if isinstance(exc, anyio.get_cancelled_exc_class()):
+                    why, cause = "the batcher was cancelled while this request's batch ran", None
+                else:  # (KeyboardInterrupt, SystemExit, ...: it stops the batcher too)
+                    why, cause = f"the batch function raised {type(exc).__name__}, which stops the batcher", exc
                 for request in batch:
-                    request.resolve(ClosedError("the batcher was cancelled while this request's batch ran"))
+                    closed = ClosedError(why)
+                    closed.__cause__ = cause
+                    request.resolve(closed)
                 raise
             for request, result in zip(batch, results, strict=True):
                 request.resolve(result)
