@@ -673,3 +673,44 @@ async def test_a_batch_function_raising_a_base_exception_stops_the_batcher_and_s
     assert len(errors) == 2
     for error in errors:
         assert "the batch function raised Abort" in str(error) and isinstance(error.__cause__, Abort), error
+
+
+async def test_leaving_the_block_with_an_exception_stops_at_once(anyio_backend: Any) -> None:
+    """A lifespan that ends with an exception (or is cancelled) does not drain: the running
+    batch is cancelled, and its requests and the queued ones raise ``ClosedError``; the
+    block's exception comes out as it was."""
+    run = Recorder()
+    run.gate = anyio.Event()  # (never set: the batch runs until cancelled)
+    errors: dict[int, str] = {}
+    entered, crash = anyio.Event(), anyio.Event()
+    holder: list[Batcher[int, int]] = []
+
+    async def lifespan() -> None:
+        with pytest.raises(LookupError, match="the lifespan failed"):
+            async with Batcher(run, max_batch=2, max_delay=NEVER, concurrency=1) as batcher:
+                holder.append(batcher)
+                entered.set()
+                await crash.wait()
+                raise LookupError("the lifespan failed")
+
+    async def one(i: int) -> None:
+        try:
+            await holder[0].submit(i)
+        except ClosedError as exc:
+            errors[i] = str(exc)
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lifespan)
+            await entered.wait()
+            for i in range(5):  # [0, 1] runs, [2, 3] and 4 queued
+                tg.start_soon(one, i)
+                await checkpoints(5)
+            await checkpoints()
+            assert (holder[0].statistics().running, holder[0].statistics().queued) == (1, 3)
+            crash.set()
+    assert [sorted(batch) for batch in run.batches] == [[0, 1]]
+    assert errors == {
+        **{i: "the batcher was cancelled while this request's batch ran" for i in (0, 1)},
+        **{i: "the batcher closed before this request ran" for i in (2, 3, 4)},
+    }

@@ -28,7 +28,9 @@ Semantics a service relies on:
   one result fails that request alone.
 * **Shutdown**: leaving the ``async with`` block refuses new items
   (:class:`~aiocuda.errors.ClosedError`), runs what is queued without waiting for
-  ``max_delay``, and waits for every batch to finish.
+  ``max_delay``, and waits for every batch to finish. Leaving it with an exception (or
+  cancelled) stops at once instead: running batches are cancelled, and their requests
+  and the queued ones raise :class:`~aiocuda.errors.ClosedError`.
 * **One event loop**: a batcher belongs to the loop that entered it, as asyncio's queues
   and locks do. ``submit`` from any task of that loop; from another loop or thread it
   raises ``RuntimeError`` at once (hand the call to the batcher's loop instead:

@@ -179,7 +179,11 @@ class Batcher(Generic[T, R]):
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool | None:
         """Graceful: new submits fail with :class:`~aiocuda.errors.ClosedError`; queued
-        items run at once (no more waiting for ``max_delay``) and every batch finishes."""
+        items run at once (no more waiting for ``max_delay``) and every batch finishes.
+
+        Left with an exception (or cancelled), it stops at once: running batches are
+        cancelled, and their requests and the queued ones raise
+        :class:`~aiocuda.errors.ClosedError`; the exception comes out as it was."""
         assert self._task_group is not None
         self._state = "closing"
         self._wake()
