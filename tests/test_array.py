@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import aiocuda.array as ga
-from aiocuda import _driver
+from aiocuda import _driver, managed
 from aiocuda._memory import offloop as _offloop
 from aiocuda.errors import ArgumentError
 from aiocuda.host import is_pinned, pinned_zeros, register_host
@@ -273,6 +273,34 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
     freed.buffer.free()
     with pytest.raises(ArgumentError, match="freed"):
         await freed.to_host()
+
+
+@pytest.mark.parametrize(
+    ("dtype", "match"),
+    [
+        (str, "no bytes"),
+        (bytes, "no bytes"),
+        ("V0", "no bytes"),
+        ((np.float32, (3,)), "subarray dtype"),
+    ],
+)
+async def test_dtypes_numpy_arrays_would_not_keep_are_refused(
+    backend: _driver.Driver, anyio_backend: object, dtype: Any, match: str
+) -> None:
+    """numpy makes an array of an unsized string dtype with size 1, and one of a
+    subarray dtype with its base and a longer shape: to_host() gave an array unlike the
+    DeviceArray, and of the unsized ones copied bytes the device array does not have
+    (16 from an empty buffer); ``zeros`` wrote them. A typed error at creation instead."""
+    for make in (
+        lambda: ga.empty(4, dtype),
+        lambda: ga.empty_pitched((2, 3), dtype),  # (a ZeroDivisionError for the unsized ones)
+        lambda: managed.empty(4, dtype),
+        lambda: ga.DeviceArray(4, dtype, buffer=ga.empty(64, np.uint8).buffer),
+    ):
+        with pytest.raises(ArgumentError, match=match):
+            make()
+    with pytest.raises(ArgumentError, match=match):
+        await ga.zeros(4, dtype)
 
 
 async def test_a_device_and_a_stream_of_another_device_are_refused(

@@ -60,9 +60,24 @@ _Shape = tuple[int, ...]
 
 
 def _check_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
+    """``dtype`` as a numpy dtype that device arrays can have: ArgumentError for one
+    holding Python objects, one of no bytes (``str``, ``bytes``, ``"V0"``) and a
+    subarray dtype (``(np.float32, (3,))``)."""
     dt = np.dtype(dtype)
     if dt.hasobject:
         raise invalid_value(f"dtype {dt} holds Python objects and cannot live in device memory")
+    # numpy makes arrays of the next two with another dtype (an unsized string dtype
+    # becomes one of size 1; a subarray dtype becomes its base, the subarray's shape
+    # appended), so the host side of every copy would differ from the device array:
+    # to_host() copied 16 bytes of a '<U1' out of a '<U0' array's empty memory.
+    if dt.itemsize == 0:
+        raise invalid_value(f"dtype {dt} has elements of no bytes: give it a size (e.g. 'U8', 'S8', 'V8')")
+    if dt.subdtype is not None:
+        base, sub = dt.subdtype
+        raise invalid_value(
+            f"dtype {dt} is a subarray dtype, which numpy arrays do not keep: use dtype {base} and append "
+            f"{sub} to the shape"
+        )
     return dt
 
 

@@ -40,7 +40,7 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray, _device_of, _stream_of_new
+from .array import DeviceArray, _check_dtype, _device_of, _stream_of_new
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
@@ -251,9 +251,7 @@ def empty(
     exceeded, unless ``oversubscribe=True``.
     """
     dims = shape_tuple(shape)
-    dt = np.dtype(dtype)
-    if dt.hasobject:
-        raise invalid_value(f"dtype {dt} holds Python objects and cannot live in managed memory")
+    dt = _check_dtype(dtype)
     nbytes = math.prod(dims) * dt.itemsize
     if pool is not None:
         if not isinstance(pool, ManagedPool):  # (its memory is the device's alone: no host view, no attach)
