@@ -326,6 +326,27 @@ async def test_a_device_and_a_stream_of_another_device_are_refused(
     await ga.copy(ga.empty(4, np.float32, device=1), x, stream=other)  # between devices: ordered both ways
 
 
+async def test_a_device_and_a_pool_of_another_device_are_refused(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """``device=`` beside a pool of another device was ignored: the array went to the
+    pool's device, not to the one asked for."""
+    pool = MemoryPool.for_device(0)
+    with Stream(1) as other:
+        for make in (
+            lambda: ga.empty(4, device=1, pool=pool),
+            lambda: ga.empty(4, device=1, stream=other, pool=pool),
+            lambda: ga.empty_pitched((2, 3), device=1, pool=pool),
+        ):
+            with pytest.raises(ArgumentError, match="device 1 and a pool of device 0"):
+                make()
+        with pytest.raises(ArgumentError, match="device 1 and a pool of device 0"):
+            await ga.to_device(np.zeros(4, np.float32), device=1, pool=pool)
+        with pytest.raises(ArgumentError, match="device 1 and a pool of device 0"):
+            await ga.zeros(4, device=1, pool=pool)
+    assert ga.empty(4, device=0, pool=pool).device.ordinal == 0  # the same device: fine
+
+
 async def test_cancel_mid_copy_keeps_data_and_leaks_nothing(backend: _driver.Driver, anyio_backend: object) -> None:
     pool = MemoryPool.for_device(0)
     host = rng.integers(0, 256, 3 << 20, dtype=np.uint8)

@@ -478,6 +478,15 @@ def _stream_of_new(device: Device | int | None, pool: MemoryPool | None) -> Stre
     return _stream_for_new(pool.device, "a pool of device")
 
 
+def _check_pool(device: Device | int, pool: MemoryPool) -> None:
+    """ArgumentError unless ``device`` (given with ``pool``) is the pool's device."""
+    if _as_device(device) is not pool.device:
+        raise invalid_value(
+            f"device {_as_device(device).ordinal} and a pool of device {pool.device.ordinal} were both given: "
+            "pass one, or a pool of that device"
+        )
+
+
 def _device_of(device: Device | int | None, stream: Stream | None) -> Device:
     """The device of a new array: ``stream``'s, which ``device``, if given too, must be."""
     if stream is None:
@@ -504,7 +513,11 @@ def empty(
     ``stream`` defaults to the task's current stream (:func:`~aiocuda.use_stream`),
     whose device ``device`` or the pool's must then be (else ArgumentError), and
     without one to the default stream of ``device`` (default 0) or the pool's.
+    ``device``, ``stream`` and ``pool``, where more than one is given, must be of one
+    device (else ArgumentError).
     """
+    if device is not None and pool is not None:
+        _check_pool(device, pool)
     # The path of every new array (Lane.empty and Lane.upload too): the helpers' common
     # cases are written out here, as each call costs about 0.05 us.
     kind = type(dtype)
@@ -565,6 +578,8 @@ def empty_pitched(
     """
     dims = shape_tuple(shape)
     dt, itemsize = _dtype_and_itemsize(dtype)
+    if device is not None and pool is not None:
+        _check_pool(device, pool)
     if alignment <= 0 or alignment & (alignment - 1) or alignment % itemsize:
         raise invalid_value(
             f"alignment must be a power of two and a multiple of the item size ({itemsize}), not {alignment}"
@@ -628,6 +643,8 @@ async def to_device(
     """
     host = np.asarray(array)
     _check_dtype(host.dtype)
+    if device is not None and pool is not None:
+        _check_pool(device, pool)
     if not host.flags.c_contiguous:
         host = np.ascontiguousarray(host)
     if stream is not None:
