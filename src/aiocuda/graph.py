@@ -17,7 +17,13 @@
 between device arrays and from or to page-locked host memory, fills, stream-ordered
 allocations and frees, ``Stream.hold``, waits between streams. A stream that waits on
 captured work (``other.wait(stream)``, or on an event recorded in it) joins the capture,
-and is joined back into the capturing stream when the block ends. Awaited operations
+and is joined back into the capturing stream when the block ends. A stream that joins
+another way (another library waiting on an event recorded in the capture) must be
+joined back by the block: work left forked on it fails the capture with a
+:class:`~aiocuda.errors.CaptureError` coded ``STREAM_CAPTURE_UNJOINED`` naming the
+stream. Whenever a capture fails -- so too when the block raises, its exception
+propagating as it was -- every stream of it leaves the capture and takes ordinary work
+again. Awaited operations
 that only enqueue device work (``await array.fill(0, stream=s)``, ``await
 aiocuda.copy_array(dst, src, stream=s)``) return as soon as the work is recorded.
 
@@ -229,12 +235,13 @@ class Graph(metaclass=NoPublicConstructor):
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     # -- the end of the capture -------------------------------------------------------------------
-    def _finish(self, failed: bool) -> None:
-        """End the capture and read the graph's nodes; the graph is unusable when ``failed``."""
+    def _finish(self, failed: bool, cause: BaseException | None = None) -> None:
+        """End the capture and read the graph's nodes; the graph is unusable when ``failed``
+        (the block raised ``cause``, which propagates unchanged)."""
         capture, self._capture = self._capture, None
         assert capture is not None
         self._state = "failed"
-        handle = capture.end(failed=failed)
+        handle = capture.end(failed=failed, cause=cause)
         if handle is None:
             return
         replays = self._replays = _Replays(self.device, handle)
@@ -541,7 +548,9 @@ class GraphCapture(metaclass=NoPublicConstructor):
     """The capture of a stream's work into a :class:`Graph` (:meth:`aiocuda.Stream.capture`):
     ``with stream.capture() as graph:`` or ``async with`` (which instantiates the graph
     off the event loop). The graph is ready once the block ends; a block that raises
-    discards it."""
+    discards it, and its exception propagates as it was (a driver error met while ending
+    the capture is added to it as a note). Either way every stream of the capture leaves
+    it and takes ordinary work again."""
 
     __slots__ = ("_graph", "_mode", "_stream")
     _factories = "Stream.capture()"
@@ -572,7 +581,7 @@ class GraphCapture(metaclass=NoPublicConstructor):
     ) -> None:
         graph = self._graph
         assert graph is not None
-        graph._finish(failed=exc_type is not None)
+        graph._finish(failed=exc_type is not None, cause=exc)
         if exc_type is None:
             graph._instantiate()
 
@@ -584,7 +593,7 @@ class GraphCapture(metaclass=NoPublicConstructor):
     ) -> None:
         graph = self._graph
         assert graph is not None
-        graph._finish(failed=exc_type is not None)  # on this thread: a capture ends where it began
+        graph._finish(failed=exc_type is not None, cause=exc)  # on this thread: a capture ends where it began
         if exc_type is None:
             # (shielded: a cancellation landing here left a captured graph that could never
             # be launched; it takes effect at the next checkpoint instead)

@@ -207,6 +207,97 @@ def test_unjoined_fork_fails_at_the_end(sim: SimDriver) -> None:
     sim.stream_synchronize(side)
 
 
+def test_capture_status_and_ids(sim: SimDriver) -> None:
+    """cuStreamGetCaptureInfo: a capture's id is shared by every stream in it and unique in
+    the process; the streams are out of it once the origin ends it, even unjoined."""
+    origin, side, other = _stream(sim), _stream(sim), _stream(sim)
+    _, op = recorder()
+    assert sim.stream_capture_status(origin) == ("none", 0)
+    sim.stream_begin_capture(origin, "thread_local")
+    sim.stream_begin_capture(other, "relaxed")
+    status, ident = sim.stream_capture_status(origin)
+    assert status == "active" and ident and sim.stream_capture_status(other)[1] not in (0, ident)
+    fork = sim.event_create(False, False)
+    sim.event_record(fork, origin)
+    sim.stream_wait_event(side, fork)
+    sim.enqueue(side, op("lost"))
+    assert sim.stream_capture_status(side) == ("active", ident)
+    with pytest.raises(CaptureError):
+        sim.stream_end_capture(origin)  # unjoined
+    assert sim.stream_capture_status(origin) == sim.stream_capture_status(side) == ("none", 0)
+    sim.stream_end_capture(other)
+
+
+def test_joining_a_captures_sinks_lets_it_end(sim: SimDriver) -> None:
+    """cuStreamUpdateCaptureDependencies with the nodes nothing depends on: the forks that
+    were not joined back are joined, and the end succeeds."""
+    origin, side = _stream(sim), _stream(sim)
+    log, op = recorder()
+    fork = sim.event_create(False, False)
+    sim.stream_begin_capture(origin, "thread_local")
+    sim.enqueue(origin, op("first"))
+    sim.event_record(fork, origin)
+    sim.stream_wait_event(side, fork)
+    sim.enqueue(side, op("side"))
+    sim.enqueue(origin, op("origin"))
+    assert sim.stream_join_capture_sinks(origin) == ("op",)
+    assert sim.stream_join_capture_sinks(origin) == ()  # nothing left to join
+    sim.enqueue(origin, op("last"))
+    graph = sim.stream_end_capture(origin)
+    assert [n.dependencies for n in sim.graph_nodes(graph)] == [(), (0,), (0,), (1, 2)]
+    sim.graph_launch(sim.graph_instantiate(graph), origin)
+    sim.stream_synchronize(origin)
+    assert log == ["first", "side", "origin", "last"]
+    with pytest.raises(CudaError) as caught:
+        sim.stream_join_capture_sinks(origin)
+    assert caught.value.code == ResultCode.ILLEGAL_STATE
+
+
+def test_an_invalidated_capture_refuses_waits_and_joins(sim: SimDriver) -> None:
+    """Once invalidated, "further use of any streams which are being captured or captured
+    events associated with the graph is invalid and will return an error" (the programming
+    guide): a stream of the capture cannot wait, another stream cannot join it, and its
+    streams report the invalidated status until the origin ends it."""
+    origin, side, idle = _stream(sim), _stream(sim), _stream(sim)
+    fork, join = sim.event_create(False, False), sim.event_create(False, False)
+    sim.stream_begin_capture(origin, "relaxed")
+    sim.event_record(fork, origin)
+    sim.stream_wait_event(side, fork)
+    with pytest.raises(CaptureError):
+        sim.stream_synchronize(side)  # invalidates
+    assert sim.stream_capture_status(side) == ("invalidated", 0)
+    with pytest.raises(CaptureError) as member:
+        sim.stream_wait_event(origin, fork)
+    assert member.value.code == ResultCode.STREAM_CAPTURE_INVALIDATED
+    with pytest.raises(CudaError) as outsider:
+        sim.stream_wait_event(idle, fork)
+    assert outsider.value.code == ResultCode.INVALID_VALUE
+    assert sim.stream_capture_status(idle) == ("none", 0)  # it did not join
+    with pytest.raises(CaptureError) as joining:
+        sim.event_record(join, side)
+    assert joining.value.code == ResultCode.STREAM_CAPTURE_INVALIDATED
+    with pytest.raises(CaptureError) as sinks:
+        sim.stream_join_capture_sinks(origin)
+    assert sinks.value.code == ResultCode.STREAM_CAPTURE_INVALIDATED
+    with pytest.raises(CaptureError) as ended:
+        sim.stream_end_capture(origin)
+    assert ended.value.code == ResultCode.STREAM_CAPTURE_INVALIDATED
+    assert sim.stream_capture_status(origin) == sim.stream_capture_status(side) == ("none", 0)
+    sim.stream_synchronize(side)  # usable again
+
+
+def test_the_null_streams_status_while_a_blocking_stream_captures(sim: SimDriver) -> None:
+    """cuStreamGetCaptureInfo on the legacy stream while a blocking stream of its context
+    captures: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT (the capture goes on)."""
+    blocking = sim.stream_create(non_blocking=False, priority=0)
+    sim.stream_begin_capture(blocking, "relaxed")
+    with pytest.raises(CudaError) as caught:
+        sim.stream_capture_status(0)
+    assert caught.value.code == ResultCode.STREAM_CAPTURE_IMPLICIT
+    sim.stream_end_capture(blocking)
+    assert sim.stream_capture_status(0) == ("none", 0)
+
+
 # -- what cannot be captured -----------------------------------------------------------------------
 def test_waiting_for_a_capturing_stream_invalidates_the_capture(sim: SimDriver) -> None:
     stream = _stream(sim)

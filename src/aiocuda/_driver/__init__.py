@@ -33,6 +33,7 @@ from ._pci import PCI_BUS_ID_FORMS, PciBusId, parse_pci_bus_id
 from ._protocol import (
     CAPTURE_MODES,
     CaptureMode,
+    CaptureStatus,
     Doorbell,
     Driver,
     GraphNodeInfo,
@@ -49,6 +50,7 @@ __all__ = [
     "PCI_BUS_ID_FORMS",
     "SIM_DEFAULT_DEVICES",
     "CaptureMode",
+    "CaptureStatus",
     "Dim3",
     "Doorbell",
     "Driver",

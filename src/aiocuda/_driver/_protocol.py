@@ -46,6 +46,10 @@ capturing thread (``"thread_local"``) or none (``"relaxed"``)."""
 
 CAPTURE_MODES: tuple[CaptureMode, ...] = ("global", "thread_local", "relaxed")
 
+CaptureStatus = Literal["none", "active", "invalidated"]
+"""A stream's part in a capture (``CUstreamCaptureStatus``): none, in a capture, or in a
+capture that an error invalidated and that only its end on the origin stream terminates."""
+
 
 @dataclass(frozen=True, slots=True)
 class GraphNodeInfo:
@@ -534,7 +538,23 @@ class Driver(Protocol):
     def stream_end_capture(self, stream: Handle) -> Handle:
         """End the capture begun on ``stream`` and return its graph. ``CaptureError`` if
         the capture was invalidated or work forked to another stream was not joined back
-        (the capture ends either way)."""
+        (the capture ends either way, for every stream that joined it, as the CUDA
+        programming guide documents; aiocuda checks, see ``_graph/capture.py``)."""
+
+    def stream_capture_status(self, stream: Handle) -> tuple[CaptureStatus, int]:
+        """``(status, id)`` of ``stream`` (``cuStreamGetCaptureInfo``): the id, unique in
+        the process and shared by every stream of one capture, while the status is
+        ``"active"``; 0 otherwise. Refuses nothing and invalidates nothing."""
+
+    def stream_join_capture_sinks(self, stream: Handle) -> tuple[str, ...]:
+        """Make the next work of the capturing ``stream`` (a capture's origin) depend on
+        every node of the capture that no node depends on and that its dependencies do
+        not hold yet: work forked onto other streams and never joined back, which would
+        make the end fail with ``STREAM_CAPTURE_UNJOINED`` (``cuStreamGetCaptureInfo``,
+        ``cuGraphGetNodes``/``cuGraphGetEdges``, ``cuStreamUpdateCaptureDependencies``).
+        Returns those nodes' kinds (as ``GraphNodeInfo.kind``), empty when there were none.
+        ``CaptureError`` if the capture was invalidated, ``ILLEGAL_STATE`` if ``stream``
+        is not capturing."""
 
     def graph_nodes(self, graph: Handle) -> Sequence[GraphNodeInfo]:
         """The graph's nodes in an order where every node comes after its dependencies

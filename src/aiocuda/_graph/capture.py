@@ -14,7 +14,13 @@ paths:
 * ``Stream.hold`` keeps the objects with the graph, for every replay (:meth:`Capture.hold`).
 * A stream that waits on captured work joins the capture; a capturing stream cannot wait
   for work outside it (:meth:`Capture.check_wait`). At the end, every stream that joined
-  is joined back into the origin stream (the driver requires it).
+  is joined back into the origin stream (the driver requires it). Work forked onto a
+  stream that joined outside aiocuda (another library's wait on an event recorded in the
+  capture) and never joined back fails the capture with an error naming the stream
+  (:meth:`Capture.end`).
+* Ending: whatever happens -- the block raised, the driver invalidated the capture, a
+  fork was not joined back -- the capture ends and every stream of it leaves it, checked
+  with the driver rather than assumed (:meth:`Capture.end`).
 * Memory: an allocation on a capturing stream is the graph's (:meth:`Capture.allocated`):
   the capture frees it at its end, inside the graph, so every replay allocates and frees
   it, at the same address, and the buffer counts as freed afterwards. Captured uses are
@@ -30,17 +36,19 @@ paths:
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
 from typing import TYPE_CHECKING, Any
 
 from .. import memory
-from .._driver import CaptureMode
+from .._driver import CaptureMode, CaptureStatus
 from ..errors import CaptureError, CudaError, ResultCode
+from ..stream import Stream
 
 if TYPE_CHECKING:
     from ..event import Event
     from ..memory import DeviceBuffer, MemoryPool
-    from ..stream import Stream
 
 __all__ = ["Capture"]
 
@@ -54,6 +62,7 @@ class Capture:
         "_deferred",
         "_last_use",
         "_left",
+        "_strangers",
         "active",
         "device",
         "driver",
@@ -86,6 +95,8 @@ class Capture:
         on another stream waits for)."""
         self._left: list[Stream] = []
         """Joined streams closed during the capture: closed for good once it ends."""
+        self._strangers: list[Stream] = []
+        """Streams found in the capture at its end that joined it outside aiocuda."""
         self.active = False
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -104,24 +115,46 @@ class Capture:
         # meanwhile are freed once it ends.
         memory._defer_frees()
 
-    def end(self, *, failed: bool) -> Any:
+    def end(self, *, failed: bool, cause: BaseException | None = None) -> Any:
         """End the capture and return the driver's graph (``None`` when ``failed``: the
-        block raised; the driver's graph is then destroyed). Raises the driver's
-        :class:`CaptureError` if it refused the capture. The streams leave the capture
-        whatever happens."""
+        block raised ``cause``; the driver's graph is then destroyed). Raises the driver's
+        :class:`CaptureError` if it refused the capture, and one coded
+        ``STREAM_CAPTURE_UNJOINED`` naming the streams when work forked onto streams that
+        joined outside aiocuda was not joined back. The streams leave the capture
+        whatever happens (:meth:`_settle`); what goes wrong on the way while the block's
+        own exception propagates is added to that exception as a note, never raised
+        instead of it."""
         origin = self.origin
         graph = None
-        error: BaseException | None = None
-        if not failed:
+        error: BaseException | None = None  # raised instead of returning the graph
+        if failed:
+            # Joined back even though the graph is discarded: the end then fails only if
+            # the capture was invalidated (which, documented, still ends it for every
+            # stream), never because of the block's forks.
+            self._join_back(quietly=True)
+            with contextlib.suppress(CudaError):  # (and forks onto streams aiocuda does not know)
+                self.driver.stream_join_capture_sinks(origin.handle)
+        else:
             try:
                 self._wrap_up()
+                error = self._unjoined()
             except BaseException as exc:  # the capture is lost, but it must still end
-                error, failed = exc, True
+                error = exc
+        lost = failed or error is not None
+        told = cause if failed else error  # the exception that propagates: it notes what else went wrong
         try:
-            graph = self.driver.stream_end_capture(origin.handle)
-        except CudaError:
-            if not failed:
-                raise
+            try:
+                graph = self.driver.stream_end_capture(origin.handle)
+            except CudaError as exc:
+                if lost:
+                    _note(told, f"aiocuda: ending the capture failed too: {exc}")
+                else:
+                    error = told = exc
+                lost = True
+            if lost:
+                stuck = self._settle()
+                if stuck:
+                    _note(told, _stuck_message(stuck))
         finally:
             self.active = False
             self.device._captures -= 1
@@ -129,6 +162,8 @@ class Capture:
                 stream._capture = None
             for stream in self._left:
                 stream._close_after_capture()
+            for stream in self._strangers:
+                self._record_holds_again(stream)
             for buffer in self._allocated.values():
                 buffer._forget()  # its memory is the graph's (or went with a failed capture)
             self._allocated.clear()
@@ -137,7 +172,7 @@ class Capture:
                     pool._free_on(ptr, stream, waits)
             self._deferred.clear()
             memory._end_deferral()
-        if failed and graph is not None:
+        if lost and graph is not None:
             with contextlib.suppress(CudaError):
                 self.driver.graph_destroy(graph)
             graph = None
@@ -145,15 +180,144 @@ class Capture:
             raise error
         return graph
 
+    def _record_holds_again(self, stream: Stream) -> None:
+        """Holds taken while the driver captured ``stream`` behind aiocuda's back were
+        recorded in the graph, where an event never completes: recorded again, they let go
+        once the stream's real work has run. (A method of its own: the frame of
+        :meth:`end`, kept by the traceback of what it raises, keeps no held object.)"""
+        for event in [entry[0] for entry in stream._holds]:
+            with contextlib.suppress(CudaError):
+                self.driver.event_record(event, stream._handle)
+
     def _wrap_up(self) -> None:
         """Before the driver's end: free the capture's allocations still in use (free nodes,
         after their last captured use) and join every stream that joined back into the origin."""
         for buffer in list(self._allocated.values()):
             if not buffer.freed:
                 buffer.free()  # on the stream of its last use (see freeing())
+        self._join_back()
+
+    def _join_back(self, *, quietly: bool = False) -> None:
+        """Join every stream that joined back into the origin (``quietly``: as far as the
+        driver lets, for a capture that is lost anyway). Those closed during the capture
+        were joined as they closed."""
         for stream in self.streams[1:]:
-            if stream not in self._left:  # (those were joined as they closed)
-                self.origin.wait(stream)
+            if stream in self._left:
+                continue
+            try:
+                self._join_one(stream)
+            except CudaError:
+                if not quietly:
+                    raise
+
+    def _join_one(self, stream: Stream) -> None:
+        pool = stream._pool
+        event = pool.acquire()
+        try:
+            self.driver.event_record(event, stream._handle)
+            self.driver.stream_wait_event(self.origin._handle, event)
+        finally:
+            pool.release(event)  # (the wait keeps the point it was given)
+
+    def _unjoined(self) -> CaptureError | None:
+        """Before the driver's end of a capture whose block ended: work forked onto
+        streams that joined the capture outside aiocuda -- another library's wait on an
+        event recorded in it, a raw driver call -- and never joined back. It is joined,
+        so that the capture ends cleanly whatever the driver would make of an unjoined
+        end, and the error naming those streams is returned (None when there is none)."""
+        driver, origin = self.driver, self.origin
+        try:
+            kinds = driver.stream_join_capture_sinks(origin.handle)
+            if not kinds:
+                return None
+            _, capture_id = driver.stream_capture_status(origin.handle)
+        except CudaError:
+            return None  # (an invalidated capture: the end says so)
+        self._strangers = self._find_strangers(capture_id)
+        counts = collections.Counter(kinds)
+        work = ", ".join(f"{n} {kind} node{'s' if n > 1 else ''}" for kind, n in counts.items())
+        several = len(self._strangers) > 1
+        if self._strangers:
+            names = ", ".join(repr(stream) for stream in self._strangers)
+            where = f"{'streams' if several else 'stream'} {names}"
+        else:
+            where = "a stream aiocuda does not know (another library's)"
+        return CaptureError(
+            f"work forked onto {where} was not joined back into the capturing stream ({work}): every stream "
+            "that waits on captured work must be waited for by the capturing stream before the capture ends. "
+            f"aiocuda joins back the streams that wait through Stream.wait; {'these' if several else 'this one'} "
+            "joined outside it (another library's wait on an event recorded in the capture, or a raw driver "
+            "call). The capture is discarded and its streams take work again",
+            code=ResultCode.STREAM_CAPTURE_UNJOINED,
+            name="CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+        )
+
+    def _find_strangers(self, capture_id: int) -> list[Stream]:
+        """aiocuda's open streams of the device that are in this capture without having
+        joined it through aiocuda (an error path: every object is looked at). Wrappers of
+        a raw foreign handle are left out: nothing keeps their stream alive, and the
+        driver reads a destroyed stream's handle as a stream all the same."""
+        driver = self.driver
+        seen = {driver.handle_value(stream._handle) for stream in self.streams}
+        found: list[Stream] = []
+        for obj in gc.get_objects():
+            if not isinstance(obj, Stream) or obj.device is not self.device or obj._closed:
+                continue
+            if not obj.owned and obj._owner is None:
+                continue
+            value = driver.handle_value(obj._handle)
+            if value in seen:
+                continue
+            seen.add(value)
+            try:
+                status, ident = driver.stream_capture_status(obj._handle)
+            except CudaError:
+                continue
+            if status == "active" and ident == capture_id:
+                found.append(obj)
+        return found
+
+    def _settle(self) -> list[tuple[Stream, CaptureStatus]]:
+        """After the end of a capture that failed: make sure that no stream is left in it,
+        asking the driver rather than trusting it.
+
+        The CUDA programming guide says that the end takes every stream of the capture
+        out of it, invalidated or not, and the simulator does so. Two other outcomes are
+        handled too: the origin still capturing (the driver refused the end and kept the
+        capture, as it does for an end from the wrong thread, and as ROCm's HIP did for
+        an unjoined fork): everything is joined and the capture ended again; and a
+        stream that joined still in a capture once the origin's has ended: the capture
+        is ended on that stream. Returns the streams left in one all the same."""
+        origin = self.origin
+        if self._status(origin) != "none":
+            self._join_back(quietly=True)
+            with contextlib.suppress(CudaError):
+                self.driver.stream_join_capture_sinks(origin._handle)
+            self._end_quietly(origin)
+        stuck: list[tuple[Stream, CaptureStatus]] = []
+        for stream in (origin, *self.streams[1:], *self._strangers):
+            status = self._status(stream)
+            if status != "none" and stream is not origin:
+                self._end_quietly(stream)
+                status = self._status(stream)
+            if status != "none":
+                stuck.append((stream, status))
+        return stuck
+
+    def _status(self, stream: Stream) -> CaptureStatus:
+        try:
+            return self.driver.stream_capture_status(stream._handle)[0]
+        except CudaError:  # (a poisoned context: nothing runs on the stream any more anyway)
+            return "none"
+
+    def _end_quietly(self, stream: Stream) -> None:
+        """End a capture on ``stream`` as far as the driver lets, discarding its graph."""
+        try:
+            graph = self.driver.stream_end_capture(stream._handle)
+        except CudaError:
+            return
+        with contextlib.suppress(CudaError):
+            self.driver.graph_destroy(graph)
 
     def leave(self, stream: Stream) -> None:
         """``stream``, joined, is being closed: join its captured work into the origin now
@@ -255,3 +419,17 @@ class Capture:
             return stream if found is None else found[1]
         self._deferred.append((pool, ptr, stream, waits))
         return None
+
+
+def _note(exc: BaseException | None, text: str) -> None:
+    """Add ``text`` to the notes of ``exc``, which propagates (Python 3.11 and later show them)."""
+    if exc is not None and hasattr(exc, "add_note"):
+        exc.add_note(text)
+
+
+def _stuck_message(stuck: list[tuple[Stream, CaptureStatus]]) -> str:
+    streams = ", ".join(f"{stream!r} ({status})" for stream, status in stuck)
+    return (
+        f"aiocuda: the driver left {streams} in capture mode after the capture ended, and ending it there "
+        "did not release it: work enqueued there fails; close the stream and use another"
+    )

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...errors import ResultCode, error_for_code
 from .._launch import LaunchConfig
-from .._protocol import GraphNodeInfo, KernelParams
+from .._protocol import CaptureStatus, GraphNodeInfo, KernelParams
 from . import _core
 from ._core import check
 
@@ -35,6 +35,12 @@ _NODE_KINDS = {
     "EVENT_RECORD": "event_record",
     "MEM_ALLOC": "mem_alloc",
     "MEM_FREE": "mem_free",
+}
+
+_CAPTURE_STATUS: dict[str, CaptureStatus] = {
+    "CU_STREAM_CAPTURE_STATUS_NONE": "none",
+    "CU_STREAM_CAPTURE_STATUS_ACTIVE": "active",
+    "CU_STREAM_CAPTURE_STATUS_INVALIDATED": "invalidated",
 }
 
 
@@ -65,6 +71,60 @@ class CudaGraphs:
 
     def stream_end_capture(self, stream: Any) -> Any:
         return check(_core.drv.cuStreamEndCapture(stream), "cuStreamEndCapture")
+
+    def stream_capture_status(self, stream: Any) -> tuple[CaptureStatus, int]:
+        drv = _core.drv
+        # (status, id, graph, dependencies, [edge data,] count): the same first two in
+        # cuda-bindings 12 (cuStreamGetCaptureInfo_v2) and 13 (_v3)
+        result = drv.cuStreamGetCaptureInfo(stream)
+        if result[0] == getattr(drv.CUresult, "CUDA_ERROR_LOSSY_QUERY", None):
+            # (edges with data, which another library's work may have added): the status alone
+            status = _CAPTURE_STATUS.get(check(drv.cuStreamIsCapturing(stream), "cuStreamIsCapturing").name, "none")
+            return status, 0
+        info = check(result, "cuStreamGetCaptureInfo")
+        status = _CAPTURE_STATUS.get(info[0].name, "none")
+        return status, (int(info[1]) if status == "active" else 0)
+
+    def stream_join_capture_sinks(self, stream: Any) -> tuple[str, ...]:
+        drv = _core.drv
+        call = "cuStreamGetCaptureInfo"
+        info = check(drv.cuStreamGetCaptureInfo(stream), call)
+        status = _CAPTURE_STATUS.get(info[0].name, "none")
+        if status != "active":
+            code, name = (
+                (ResultCode.STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED")
+                if status == "invalidated"
+                else (ResultCode.ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE")
+            )
+            raise error_for_code(code, name, f"the stream's capture is {status}", call)
+        graph, count = info[2], int(info[-1])
+        joined = {int(node) for node in list(info[3] or ())[:count]}
+        _, node_count = check(drv.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+        nodes = list(check(drv.cuGraphGetNodes(graph, node_count), "cuGraphGetNodes")[0])[:node_count]
+        edges = check(drv.cuGraphGetEdges(graph, 0), "cuGraphGetEdges")
+        edge_count = int(edges[-1])
+        sources: set[int] = set()
+        if edge_count:
+            edges = check(drv.cuGraphGetEdges(graph, edge_count), "cuGraphGetEdges")
+            sources = {int(node) for node in edges[0][:edge_count]}
+        loose = [node for node in nodes if int(node) not in sources and int(node) not in joined]
+        if not loose:
+            return ()
+        flag = int(drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_ADD_CAPTURE_DEPENDENCIES)
+        update = getattr(drv, "cuStreamUpdateCaptureDependencies_v2", None)  # (12.x's with edge data)
+        if update is not None:
+            result = update(stream, loose, None, len(loose), flag)
+        else:
+            try:  # (13.x's own takes edge data)
+                result = drv.cuStreamUpdateCaptureDependencies(stream, loose, None, len(loose), flag)
+            except TypeError:  # (an older one does not)
+                result = drv.cuStreamUpdateCaptureDependencies(stream, loose, len(loose), flag)
+        check(result, "cuStreamUpdateCaptureDependencies")
+        kinds = []
+        for node in loose:
+            node_type = check(drv.cuGraphNodeGetType(node), "cuGraphNodeGetType")
+            kinds.append(_NODE_KINDS.get(node_type.name.removeprefix("CU_GRAPH_NODE_TYPE_"), "other"))
+        return tuple(kinds)
 
     # -- reading a graph ----------------------------------------------------------------------
     def graph_nodes(self, graph: Any) -> Sequence[GraphNodeInfo]:

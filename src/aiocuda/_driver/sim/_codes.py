@@ -179,6 +179,8 @@ _CU_CALLS: dict[str, str] = {
     # graphs
     "stream_begin_capture": "cuStreamBeginCapture",
     "stream_end_capture": "cuStreamEndCapture",
+    "stream_capture_status": "cuStreamGetCaptureInfo",
+    "stream_join_capture_sinks": "cuStreamUpdateCaptureDependencies",
     "graph_nodes": "cuGraphGetNodes",
     "graph_kernel_node_arguments": "cuGraphKernelNodeGetParams",
     "graph_instantiate": "cuGraphInstantiate",

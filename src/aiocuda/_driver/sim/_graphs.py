@@ -7,12 +7,18 @@ Capture
     depends on. ``event_record`` in a capturing stream only marks that set in the event;
     ``stream_wait_event`` on such an event makes any other stream join the capture (its
     next nodes depend on the set), and joins dependency sets of streams already in it.
-    ``stream_end_capture`` on the origin stream ends it for every stream that joined;
-    every node nobody depends on must then be in the origin's set (a fork joined back),
-    else ``STREAM_CAPTURE_UNJOINED``.
+    ``stream_end_capture`` on the origin stream ends it for every stream that joined,
+    whatever it returns (the programming guide: "All streams being captured to the same
+    capture graph are taken out of capture mode upon cudaStreamEndCapture()", and so for
+    an invalidated capture); every node nobody depends on must then be in the origin's
+    set (a fork joined back), else ``STREAM_CAPTURE_UNJOINED`` and no graph.
+    ``stream_join_capture_sinks`` adds such nodes to a stream's set
+    (``cuStreamUpdateCaptureDependencies``); ``stream_capture_status`` reads a stream's
+    status and its capture's id, unique in the process.
 
     What cannot be captured raises and *invalidates* the capture, after which every
-    operation on its streams, and the end of the capture, raise
+    operation on its streams, a wait of another stream on an event recorded in it
+    (``INVALID_VALUE``: it does not join), and the end of the capture raise
     ``STREAM_CAPTURE_INVALIDATED``: a query or synchronize of a capturing stream
     (``STREAM_CAPTURE_UNSUPPORTED``), a synchronize of the context of a capturing stream
     (``ctx_synchronize``, in every mode: the driver refuses to synchronize a handle that
@@ -48,13 +54,14 @@ another graph only if the allocations' addresses match (they never do for two ca
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...errors import CudaError, ResultCode
 from .._launch import LaunchConfig
-from .._protocol import CAPTURE_MODES, GraphNodeInfo
+from .._protocol import CAPTURE_MODES, CaptureStatus, GraphNodeInfo
 from ._codes import sim_error
 from ._objects import HOST_FUNCTION, SimDevice, SimEvent, SimPoint, SimStream, StreamWait, next_handle_value
 
@@ -94,6 +101,9 @@ _KINDS = {
 """Node kinds by the name their operation was enqueued under; anything else is ``"op"``."""
 
 Operation = Callable[[], object]
+
+_capture_ids = itertools.count(1)
+"""Capture ids, unique in the process as the driver's (``next`` is atomic under the GIL)."""
 
 
 class SimNode:
@@ -148,9 +158,10 @@ class SimGraph:
 class SimCapture:
     """A capture in progress: its graph, origin stream, mode, and each stream's dependency set."""
 
-    __slots__ = ("active", "error", "graph", "mode", "origin", "tails", "thread")
+    __slots__ = ("active", "error", "graph", "id", "mode", "origin", "tails", "thread")
 
     def __init__(self, origin: SimStream, mode: str) -> None:
+        self.id = next(_capture_ids)
         self.graph = SimGraph(origin.device)
         self.origin = origin
         self.mode = mode
@@ -160,6 +171,13 @@ class SimCapture:
         self.error: CudaError | None = None
         """What invalidated the capture (the first error wins)."""
         self.active = True
+
+    def loose(self, stream: SimStream) -> list[SimNode]:
+        """The nodes nothing depends on that ``stream``'s set does not hold (unjoined forks)."""
+        nodes = self.graph.nodes
+        depended = {dep for node in nodes for dep in node.deps}
+        joined = self.tails[stream]
+        return [node for node in nodes if node.index not in depended and node.index not in joined]
 
     def add(self, stream: SimStream, op: Operation, name: str) -> int:
         """Record ``op`` as a node on ``stream``; returns 0 (nothing was enqueued)."""
@@ -252,8 +270,7 @@ class SimGraphs:
         graph = capture.graph
         error = capture.error
         if error is None:
-            depended = {dep for node in graph.nodes for dep in node.deps}
-            loose = [n.index for n in graph.nodes if n.index not in depended and n.index not in capture.tails[sim]]
+            loose = [node.index for node in capture.loose(sim)]
             if loose:
                 error = sim_error(
                     ResultCode.STREAM_CAPTURE_UNJOINED,
@@ -269,6 +286,44 @@ class SimGraphs:
             self._release_graph_memory(graph)
             raise error
         return graph
+
+    def stream_capture_status(self, stream: Any) -> tuple[CaptureStatus, int]:
+        sim = self._resolve_stream(stream)
+        self._api("stream_capture_status", sim.device.ordinal)
+        capture: SimCapture | None = sim.capture
+        if capture is None:
+            if sim is sim.device.null_stream and self._blocking_capture(sim):
+                raise sim_error(
+                    ResultCode.STREAM_CAPTURE_IMPLICIT,
+                    "stream_capture_status",
+                    "the legacy null stream depends on a capturing blocking stream",
+                )
+            return "none", 0
+        if capture.error is not None:
+            return "invalidated", 0
+        return "active", capture.id
+
+    def _blocking_capture(self, null: SimStream) -> bool:
+        """Whether a stream of ``null``'s device that is not non-blocking is capturing."""
+        return any(
+            member.device is null.device and not member.non_blocking
+            for capture in list(self._captures)
+            for member in list(capture.tails)
+        )
+
+    def stream_join_capture_sinks(self, stream: Any) -> tuple[str, ...]:
+        call = "stream_join_capture_sinks"
+        sim = self._resolve_stream(stream)
+        self._api(call, sim.device.ordinal)
+        capture: SimCapture | None = sim.capture
+        if capture is None:
+            raise sim_error(ResultCode.ILLEGAL_STATE, call, "the stream is not capturing")
+        if capture.error is not None:
+            raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, call, f"the capture failed earlier: {capture.error}")
+        loose = capture.loose(sim)
+        if loose:
+            capture.tails[sim] = tuple(sorted({*capture.tails[sim], *(node.index for node in loose)}))
+        return tuple(node.kind for node in loose)
 
     def _check_unsafe(self, name: str) -> None:
         """Raise (and invalidate the captures concerned) if a capture forbids call ``name``
@@ -320,6 +375,8 @@ class SimGraphs:
         """``stream_wait_event`` where a capture is involved: join it, or refuse."""
         call = "stream_wait_event"
         mine: SimCapture | None = stream.capture
+        if mine is not None and mine.error is not None:  # (any use of its streams)
+            raise sim_error(ResultCode.STREAM_CAPTURE_INVALIDATED, call, f"the capture failed earlier: {mine.error}")
         if ev.captured is None:
             assert mine is not None
             raise mine.invalidate(
@@ -328,6 +385,13 @@ class SimGraphs:
         theirs, deps = ev.captured
         if not theirs.active:
             raise sim_error(ResultCode.CAPTURED_EVENT, call, "the event was recorded in a capture that has ended")
+        if mine is None and theirs.error is not None:
+            # The programming guide: once a capture is invalidated, "further use of ... captured
+            # events associated with the graph is invalid and will return an error"; the code
+            # is INVALID_VALUE on CUDA (as ROCm's clr reports it matched, rocm-systems PR 11589).
+            raise sim_error(
+                ResultCode.INVALID_VALUE, call, f"the event was recorded in a capture that failed: {theirs.error}"
+            )
         if mine is None:  # the stream joins the capture
             stream.capture = theirs
             theirs.tails[stream] = deps
