@@ -714,3 +714,38 @@ async def test_leaving_the_block_with_an_exception_stops_at_once(anyio_backend: 
         **{i: "the batcher was cancelled while this request's batch ran" for i in (0, 1)},
         **{i: "the batcher closed before this request ran" for i in (2, 3, 4)},
     }
+
+
+async def test_one_exception_returned_for_several_items_is_each_requests_own(anyio_backend: Any) -> None:
+    """A batch function may fail several items with one exception instance (``[error] *
+    len(items)``): each request still raises an exception of its own, whose context and
+    traceback another request's raise does not change."""
+    overloaded = RuntimeError("overloaded")
+
+    async def run(items: list[str]) -> list[BaseException]:
+        return [overloaded] * len(items)
+
+    raised: dict[str, BaseException] = {}
+    contexts: dict[str, str] = {}
+    depths: dict[str, int] = {}
+    async with Batcher(run, max_batch=3, max_delay=NEVER) as batcher:
+
+        async def one(user: str) -> None:
+            try:
+                raise KeyError(f"session of {user}")
+            except KeyError:
+                try:
+                    await batcher.submit(user)
+                except RuntimeError as exc:
+                    raised[user] = exc
+                    await checkpoints(5)  # the other requests raise meanwhile
+                    contexts[user] = str(exc.__context__)
+                    depths[user] = len(traceback.extract_tb(exc.__traceback__))
+
+        async with anyio.create_task_group() as tg:
+            for user in ("alice", "bob", "carol"):
+                tg.start_soon(one, user)
+    assert len({id(exc) for exc in raised.values()}) == 3
+    assert all(str(exc) == "overloaded" for exc in raised.values())
+    assert contexts == {user: f"'session of {user}'" for user in ("alice", "bob", "carol")}
+    assert len(set(depths.values())) == 1, depths
