@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import inspect
 from typing import Any
 
 import anyio
@@ -273,6 +274,48 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
     freed.buffer.free()
     with pytest.raises(ArgumentError, match="freed"):
         await freed.to_host()
+
+
+class _ForeignStream:
+    """Another library's stream: ``__cuda_stream__``, and a ``device`` of its own."""
+
+    device = "cuda:0"
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, 1)
+
+
+@pytest.mark.parametrize("stream", [0, _ForeignStream()], ids=["raw handle", "foreign stream"])
+async def test_a_stream_that_is_not_an_aiocuda_stream_is_refused(
+    backend: _driver.Driver, anyio_backend: object, stream: Any
+) -> None:
+    """A raw handle or another library's stream given as ``stream=`` failed with an
+    AttributeError (``'int' object has no attribute 'device'``), or for one with a
+    ``device`` of its own with an error about device ordinals: a TypeError that says
+    what to pass instead."""
+    x = await ga.to_device(np.zeros((2, 3), np.float32))
+    host = np.ones((2, 3), np.float32)
+    uses = [
+        lambda: ga.empty(4, stream=stream),
+        lambda: ga.empty(4, stream=stream, pool=MemoryPool.for_device(0)),
+        lambda: ga.empty_pitched((2, 3), stream=stream),
+        lambda: ga.to_device(host, stream=stream),
+        lambda: ga.zeros(4, stream=stream),
+        lambda: x.to_host(stream=stream),
+        lambda: x.fill(1.0, stream=stream),
+        lambda: x.copy_from(host, stream=stream),
+        lambda: x.copy_from(x, stream=stream),
+        lambda: x.copy(stream=stream),
+        lambda: ga.copy(x, x, stream=stream),
+        lambda: managed.empty(4, stream=stream),
+        lambda: managed.empty(4, device=0).prefetch(0, stream=stream),
+    ]
+    for use in uses:
+        with pytest.raises(TypeError, match=r"stream must be an aiocuda Stream, not .*Stream\.wrap"):
+            result = use()
+            if inspect.isawaitable(result):
+                await result
+    np.testing.assert_array_equal(await x.to_host(), np.zeros((2, 3), np.float32))
 
 
 @pytest.mark.parametrize(

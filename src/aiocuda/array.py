@@ -273,6 +273,8 @@ class DeviceArray:
         array's device unless ``any_device`` (a stream of another device would leave the
         memory's free unordered after the work: :func:`copy` orders both ways itself)."""
         if any_device:
+            if stream is not None:
+                _check_stream(stream)
             chosen = stream if stream is not None else current_stream(self.device)
         else:
             chosen = _stream_on(self.device, stream)
@@ -310,6 +312,8 @@ class DeviceArray:
                 )
             if not out.flags.writeable:
                 raise invalid_value("out is read-only")
+        if stream is not None:
+            _check_stream(stream)
         chosen = stream if stream is not None else current_stream(self.device)
         if chosen._capture is not None and (out is None or not (out.flags.c_contiguous and self.is_c_contiguous)):
             raise chosen._capture.refuse(
@@ -456,11 +460,23 @@ def _leave(buffer: Any, stream: Stream) -> None:
         buffer.stream.wait(stream)
 
 
+def _check_stream(stream: object) -> None:
+    """TypeError unless ``stream`` (a ``stream=`` given) is an aiocuda :class:`Stream`."""
+    if not isinstance(stream, Stream):
+        # (a raw handle, or a PyTorch, CuPy or Numba stream: each has a ``device`` of its
+        # own, or none, and failed later with an AttributeError or a wrong device)
+        foreign = isinstance(stream, int) or hasattr(stream, "__cuda_stream__")
+        hint = " (Stream.wrap(obj) adopts a foreign stream or a raw handle)" if foreign else ""
+        raise TypeError(f"stream must be an aiocuda Stream, not {type(stream).__name__}{hint}")
+
+
 def _stream_on(device: Device, stream: Stream | None) -> Stream:
     """The stream for work on memory of ``device``: ``stream``, which must be of that
     device (ArgumentError otherwise), else the device's current stream."""
     if stream is None:
         return current_stream(device)
+    if not isinstance(stream, Stream):  # (the check written out: a call costs 0.05 us)
+        _check_stream(stream)
     if stream.device is not device:
         raise invalid_value(
             f"a stream of device {stream.device.ordinal} for an array of device {device.ordinal}: "
@@ -491,6 +507,8 @@ def _device_of(device: Device | int | None, stream: Stream | None) -> Device:
     """The device of a new array: ``stream``'s, which ``device``, if given too, must be."""
     if stream is None:
         return _as_device(device)
+    if not isinstance(stream, Stream):
+        _check_stream(stream)
     if device is not None and _as_device(device) is not stream.device:
         raise invalid_value(
             f"device {_as_device(device).ordinal} and a stream of device {stream.device.ordinal} "
@@ -540,6 +558,8 @@ def empty(
         on = stream.device
     elif pool is None:
         on = _device_of(device, stream)
+    elif not isinstance(stream, Stream):
+        _check_stream(stream)
     if pool is None:
         # MemoryPool.for_device. Through the module: Python 3.12 calls a method of a
         # name bound by an import without its method-call shortcut (a bound method each
@@ -580,6 +600,8 @@ def empty_pitched(
     dt, itemsize = _dtype_and_itemsize(dtype)
     if device is not None and pool is not None:
         _check_pool(device, pool)
+    if stream is not None:
+        _check_stream(stream)
     if alignment <= 0 or alignment & (alignment - 1) or alignment % itemsize:
         raise invalid_value(
             f"alignment must be a power of two and a multiple of the item size ({itemsize}), not {alignment}"
@@ -692,6 +714,8 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     access). ``stream`` defaults to the current stream of ``src``'s device."""
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
+    if stream is not None:
+        _check_stream(stream)
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)

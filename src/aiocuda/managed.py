@@ -40,7 +40,7 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray, _check_dtype, _device_of, _stream_of_new
+from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _stream_of_new
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
@@ -264,6 +264,8 @@ def empty(
             raise invalid_value("the pool refuses to oversubscribe: create it with oversubscribe=True")
         if stream is None:
             stream = _stream_of_new(None, pool)
+        else:
+            _check_stream(stream)
         return ManagedArray(dims, dt, buffer=pool.allocate(nbytes, stream))
     if attach not in ("global", "host"):
         raise invalid_value(f"attach must be 'global' or 'host', not {attach!r}")
