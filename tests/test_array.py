@@ -276,6 +276,18 @@ async def test_bad_input_raises_typed_errors(backend: _driver.Driver, anyio_back
         await freed.to_host()
 
 
+async def test_copy_array_takes_device_arrays_only(backend: _driver.Driver, anyio_backend: object) -> None:
+    """A numpy array given to copy_array failed with an error about device ordinals (its
+    ``device`` is ``"cpu"``) or an AttributeError: a TypeError that says what to call."""
+    x = await ga.to_device(np.zeros(4, np.float32))
+    host = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match=r"src is a ndarray \(to_device\(\) and copy_from\(\)"):
+        await ga.copy(x, host)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dst is a ndarray"):
+        await ga.copy(host, x)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(await x.to_host(), np.zeros(4, np.float32))
+
+
 class _ForeignStream:
     """Another library's stream: ``__cuda_stream__``, and a ``device`` of its own."""
 

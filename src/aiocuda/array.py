@@ -711,7 +711,17 @@ async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype, any layouts: non-contiguous ones
     with 2D/3D copies), on one device or between two (a peer copy, which needs no peer
-    access). ``stream`` defaults to the current stream of ``src``'s device."""
+    access). ``stream`` defaults to the current stream of ``src``'s device.
+
+    Both must be DeviceArrays (TypeError otherwise): :func:`to_device` and
+    :meth:`DeviceArray.copy_from` copy from host arrays, :meth:`DeviceArray.to_host` to them.
+    """
+    for name, array in (("dst", dst), ("src", src)):
+        if not isinstance(array, DeviceArray):
+            raise TypeError(
+                f"copy_array copies between DeviceArrays; {name} is a {type(array).__name__} (to_device() and "
+                "copy_from() copy from the host, to_host() to it; as_device_array() wraps another library's)"
+            )
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
     if stream is not None:
