@@ -173,6 +173,52 @@ async def test_device_to_device_copy(backend: _driver.Driver, anyio_backend: obj
     np.testing.assert_array_equal(await dst.to_host(), host[::-1])
 
 
+async def test_copies_between_views_that_share_memory(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``a[1:]`` from ``a[:-1]`` and the like get the source's values as they were, as in
+    numpy: ``a[::-1]`` from ``a``, copied row by row, overwrote rows before it read them.
+    And no driver copy reads bytes it writes: CUDA's copies may not overlap (a copy
+    engine moves chunks in its own order); the simulator's move overlapping bytes as
+    memmove does, so its copies are watched."""
+    overlapping: list[str] = []
+    if backend.name == "sim":
+
+        def watch(name: str, spans: Any) -> None:
+            real = getattr(backend, name)
+
+            def watched(*args: Any) -> None:
+                (dst, dst_end), (src, src_end) = spans(*args)
+                if dst < src_end and src < dst_end:
+                    overlapping.append(f"{name}{args[:-1]}")
+                real(*args)
+
+            monkeypatch.setattr(backend, name, watched)
+
+        def pitched_span(side: Any, copy: Any) -> tuple[int, int]:
+            rows = (copy.depth - 1) * side.rows + copy.height - 1
+            return side.address, side.address + rows * side.pitch + copy.width
+
+        watch("memcpy_dtod_async", lambda dst, src, size, stream: ((dst, dst + size), (src, src + size)))
+        watch("memcpy_pitched_async", lambda copy, stream: (pitched_span(copy.dst, copy), pitched_span(copy.src, copy)))
+    host = np.arange(8 * 64, dtype=np.float32).reshape(8, 64)
+    dev = await ga.to_device(host)
+    for dst, src in [
+        (np.s_[:, 1:], np.s_[:, :-1]),  # one 2D copy whose rows overlap
+        (np.s_[1:], np.s_[:-1]),  # one contiguous run
+        (np.s_[:-2], np.s_[2:]),
+        (np.s_[::-1], np.s_[:]),  # a row per copy, the middle ones onto themselves
+        (np.s_[:4, ::2], np.s_[4:, 1::2]),  # disjoint: the same either way
+    ]:
+        await ga.copy(dev[dst], dev[src])
+        host[dst] = host[src]  # (numpy copies overlapping sources first)
+        np.testing.assert_array_equal(await dev.to_host(), host, err_msg=f"{dst} from {src}")
+    await dev[1:].copy_from(dev[:-1])
+    host[1:] = host[:-1].copy()
+    np.testing.assert_array_equal(await dev.to_host(), host)
+    assert not overlapping, overlapping
+
+
 @pytest.mark.multi_gpu
 async def test_peer_copy_between_devices(backend: _driver.Driver, anyio_backend: object) -> None:
     host = _random((1000,), np.float64)

@@ -711,7 +711,9 @@ async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype, any layouts: non-contiguous ones
     with 2D/3D copies), on one device or between two (a peer copy, which needs no peer
-    access). ``stream`` defaults to the current stream of ``src``'s device.
+    access). ``stream`` defaults to the current stream of ``src``'s device. Where the
+    two share memory (``a[1:]`` from ``a[:-1]``), ``src`` is copied to new memory first,
+    so that ``dst`` gets its values as they were before the copy, as numpy does.
 
     Both must be DeviceArrays (TypeError otherwise): :func:`to_device` and
     :meth:`DeviceArray.copy_from` copy from host arrays, :meth:`DeviceArray.to_host` to them.
@@ -729,7 +731,29 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     s = stream if stream is not None else current_stream(src.device)
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
-    _copies.copy_strided(dst._layout(), src._layout(), src.shape, src.itemsize, s)
+    if src.size and _may_overlap(dst, src):
+        # A copy of several driver copies overwrote what later ones had yet to read
+        # (a[::-1] from a: row by row), and one driver copy must not read bytes it
+        # writes either ("the memory areas may not overlap": a copy engine moves chunks
+        # in an order of its own; the simulator's move them as memmove does).
+        staged = empty(src.shape, src.dtype, stream=s)
+        try:
+            _copies.copy_strided(staged._layout(), src._layout(), src.shape, src.itemsize, s)
+            _copies.copy_strided(dst._layout(), staged._layout(), src.shape, src.itemsize, s)
+        finally:
+            staged.buffer.free()  # stream-ordered: after the copies enqueued above
+    else:
+        _copies.copy_strided(dst._layout(), src._layout(), src.shape, src.itemsize, s)
     _leave(src.buffer, s)
     _leave(dst.buffer, s)
     await _finished(s)
+
+
+def _may_overlap(a: DeviceArray, b: DeviceArray) -> bool:
+    """Whether two arrays with elements may share bytes: their byte spans meet (two
+    allocations of aiocuda's pools never do)."""
+    if a.buffer is not b.buffer and type(a.buffer) is _memory.DeviceBuffer and type(b.buffer) is _memory.DeviceBuffer:
+        return False
+    a_lo, a_hi = byte_span(a.shape, a.strides, a.itemsize)
+    b_lo, b_hi = byte_span(b.shape, b.strides, b.itemsize)
+    return a.ptr + a_lo < b.ptr + b_hi and b.ptr + b_lo < a.ptr + a_hi
