@@ -16,6 +16,8 @@ import aiocuda
 from aiocuda import _driver, managed
 from aiocuda.errors import ArgumentError, CudaError, OversubscriptionError
 
+from ._workload import Gate
+
 pytestmark = pytest.mark.anyio
 
 MiB = 1 << 20
@@ -135,6 +137,28 @@ async def test_managed_arrays_follow_the_current_streams_device(backend: _driver
         np.testing.assert_array_equal(await array.to_host(), np.zeros(16, np.float32))
         with pytest.raises(ArgumentError, match=r"device 0 .*current stream .*device 1"):
             managed.empty(16, device=0)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("use", ["prefetch", "attach"])
+async def test_work_on_a_stream_of_another_device_comes_before_the_free(
+    backend: _driver.Driver, anyio_backend: object, use: str
+) -> None:
+    """A prefetch or an attach on a stream of another device than the array's left the
+    array's own stream, where its memory is freed, unordered after it: the memory could
+    be freed while the prefetch still moved it."""
+    with aiocuda.Stream(0) as own, aiocuda.Stream(1) as other:
+        array = managed.empty(1024, np.float32, device=0, stream=own)
+        with Gate(other):  # the other device's stream works until the end of the block
+            if use == "prefetch":
+                array.prefetch(1, stream=other)
+            else:
+                array.attach(other, "global")
+            after = array.stream.record()  # where a free would go now
+            with anyio.move_on_after(0.2) as waiting:
+                await after
+            assert waiting.cancelled_caught, f"the array's stream is not ordered after the {use}"
+        await after
 
 
 async def test_oversubscription_is_refused_unless_asked_for(backend: _driver.Driver, anyio_backend: object) -> None:

@@ -271,7 +271,8 @@ class DeviceArray:
     def _stream_for(self, stream: Stream | None, *, any_device: bool = False) -> Stream:
         """The stream to enqueue on, ordered after the array's previous work: of the
         array's device unless ``any_device`` (a stream of another device would leave the
-        memory's free unordered after the work: :func:`copy` orders both ways itself)."""
+        memory's free unordered after the work: a caller that allows one orders the free
+        after its work with :func:`_leave`, as :func:`copy` does)."""
         if any_device:
             if stream is not None:
                 _check_stream(stream)

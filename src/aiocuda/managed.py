@@ -40,7 +40,7 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _stream_of_new
+from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _leave, _stream_of_new
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
@@ -89,6 +89,7 @@ class ManagedArray(DeviceArray):
         if nbytes:
             s.device.make_current()
             s.device._driver.mem_prefetch_async(start, nbytes, target, s.handle)
+            _leave(self.buffer, s)  # (on another device's stream: the free waits for it)
         return s.record()
 
     def advise(self, advice: Advice, location: Location | None = None, *, unset: bool = False) -> None:
@@ -128,6 +129,7 @@ class ManagedArray(DeviceArray):
         s = self._stream_for(stream, any_device=True)
         s.device.make_current()
         s.device._driver.stream_attach_mem_async(s.handle, buffer.ptr, scope)
+        _leave(buffer, s)
 
     def host_view(self) -> npt.NDArray[Any]:
         """The array's memory as a numpy array, without copying: host code reads and
