@@ -236,6 +236,19 @@ async def test_a_dlpack_export_refuses_dtypes_dlpack_lacks(
         ga.empty(4, dtype).__dlpack__(stream=-1)
 
 
+async def test_a_dlpack_export_refuses_strides_of_part_of_an_element(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """DLPack counts strides in elements: a stride of 6 bytes between float32 elements
+    (an array made over a buffer, or imported from a record array's field) was exported
+    as 1, and the consumer read other elements."""
+    dev = await ga.to_device(np.arange(8, dtype=np.float32))
+    odd = ga.DeviceArray((5,), np.float32, (6,), buffer=dev.buffer)
+    with pytest.raises(BufferError, match=r"strides \(6,\) are not whole multiples of the item size \(4"):
+        odd.__dlpack__(stream=-1)
+    assert (await odd.copy()).__dlpack__(stream=-1) is not None
+
+
 @pytest.mark.parametrize("dtype", ["?", "i1", "u2", "i4", "u8", "f2", "f4", "f8", "c8", "c16"])
 async def test_dlpack_round_trips_every_dtype_it_exchanges(
     backend: _driver.Driver, anyio_backend: object, dtype: str

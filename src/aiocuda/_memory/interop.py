@@ -315,6 +315,14 @@ def to_dlpack(
             f"dtype {array.dtype} ({array.dtype.str}) has no DLPack equivalent: DLPack exchanges bool, "
             "ints of 1 to 8 bytes, IEEE float16/32/64 and complex64/128, in native byte order"
         )
+    itemsize = array.dtype.itemsize
+    if any(step % itemsize for step in array.strides):
+        # (DLPack counts strides in elements: such a stride was rounded down, and the
+        # consumer read other elements than the array's)
+        raise BufferError(
+            f"strides {array.strides} are not whole multiples of the item size ({itemsize} bytes), which "
+            "DLPack cannot describe: copy the array first (array.copy())"
+        )
     consumer = _order_consumer(array, stream)
     # One constructor call per struct and one int64 array for the shape and strides:
     # setting the fields one by one, with a ctypes.cast for each pointer, took 13 us on
@@ -322,7 +330,6 @@ def to_dlpack(
     # twice).
     shape = array.shape
     ndim = len(shape)
-    itemsize = array.dtype.itemsize
     storage = _int64s(2 * ndim or 1)(*shape, *(s // itemsize for s in array.strides))
     dims = ctypes.addressof(storage)
     tensor = _DLTensor(
