@@ -373,6 +373,7 @@ async def test_an_import_refuses_a_stream_of_another_device(
         ({"mask": _Interface({"shape": (8,), "typestr": "|b1", "data": (8, False), "version": 3})}, "has a mask"),
         ({"stream": 0}, "0 is not allowed"),
         ({"stream": "1"}, "names the stream '1'"),
+        ({"strides": (4, 4)}, r"2 strides \(4, 4\) for the 1 dimensions"),  # (was zip()'s ValueError)
     ],
 )
 async def test_a_cai_import_refuses_what_it_would_get_wrong(
@@ -386,7 +387,7 @@ async def test_a_cai_import_refuses_what_it_would_get_wrong(
     interface = dict(dev.__cuda_array_interface__, **entry)
     with pytest.raises(ArgumentError, match=match):
         as_device_array(_Interface(interface))
-    assert as_device_array(_Interface(dict(interface, mask=None, stream=1))).ptr == dev.ptr
+    assert as_device_array(_Interface(dict(interface, mask=None, stream=1, strides=None))).ptr == dev.ptr
 
 
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:

@@ -447,6 +447,11 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     dtype = _check_dtype(cai["typestr"])
     shape = shape_tuple(tuple(int(d) for d in cai["shape"]))
     strides = tuple(int(s) for s in cai["strides"]) if cai.get("strides") else None
+    if strides is not None and len(strides) != len(shape):
+        raise invalid_value(
+            f"the __cuda_array_interface__ of {type(obj).__name__} has {len(strides)} strides {strides} for "
+            f"the {len(shape)} dimensions of shape {shape}"
+        )
     if ptr:
         probe_driver = Device(0)._driver
         device = Device(probe_driver.pointer_device_ordinal(int(ptr)))
