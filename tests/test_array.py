@@ -144,6 +144,20 @@ async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_back
         dev.view(np.int16)
 
 
+async def test_iteration_gives_views_along_the_first_axis(backend: _driver.Driver, anyio_backend: object) -> None:
+    """A 0-d array iterated as empty (Python's iteration through ``__getitem__`` met its
+    IndexError at once), where numpy raises a TypeError."""
+    host = np.arange(6, dtype=np.int16).reshape(3, 2)
+    dev = await ga.to_device(host)
+    rows = list(dev)
+    assert [row.shape for row in rows] == [(2,)] * 3 and all(row.buffer is dev.buffer for row in rows)
+    for row, expected in zip(rows, host, strict=True):
+        np.testing.assert_array_equal(await row.to_host(), expected)
+    assert list(dev[:0]) == []
+    with pytest.raises(TypeError, match="iteration over a 0-d DeviceArray"):
+        iter(dev[1, 1])
+
+
 async def test_fill(backend: _driver.Driver, anyio_backend: object) -> None:
     for dtype, value in [
         (np.uint8, 7),

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import Any, NoReturn
 
 import numpy as np
@@ -196,6 +196,15 @@ class DeviceArray:
         if not self.shape:
             raise TypeError("len() of a 0-d DeviceArray")
         return self.shape[0]
+
+    def __iter__(self) -> Iterator[DeviceArray]:
+        """The views ``array[0]``, ``array[1]``, ... along the first axis; TypeError for
+        a 0-d array, as numpy raises."""
+        # (without it Python iterates through __getitem__ until an IndexError, which a
+        # 0-d array raises at once: it iterated as empty)
+        if not self.shape:
+            raise TypeError("iteration over a 0-d DeviceArray")
+        return (self[i] for i in range(self.shape[0]))
 
     def __repr__(self) -> str:
         layout = "" if self.is_c_contiguous else f" strides={self.strides}"
