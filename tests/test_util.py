@@ -35,8 +35,11 @@ def test_shape_tuple_takes_integers_only() -> None:
     assert shape_tuple(3) == (3,) and shape_tuple((2, np.int64(4))) == (2, 4) and shape_tuple(()) == ()
     with pytest.raises(ArgumentError, match="negative dimension"):
         shape_tuple((2, -1))
-    with pytest.raises(TypeError):
-        shape_tuple(2.5)  # type: ignore[arg-type]
+    for shape in (2.5, [2, 3], (2, 3.0), np.array([2, 3]), True, "3"):
+        # (operator.index's "'list' object cannot be interpreted as an integer", and a
+        # bool taken as 1)
+        with pytest.raises(TypeError, match=r"a shape must be an int or a tuple of ints, not "):
+            shape_tuple(shape)  # type: ignore[arg-type]
 
 
 def test_strides_and_byte_span() -> None:

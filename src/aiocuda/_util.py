@@ -111,13 +111,21 @@ def format_bytes(n: int) -> str:
 
 
 def shape_tuple(shape: int | tuple[int, ...]) -> tuple[int, ...]:
-    """A shape as a tuple of ints: an int or a tuple of integers (``TypeError`` for
-    anything else, such as a float); ArgumentError for a negative dimension."""
+    """A shape as a tuple of ints: an int or a tuple of integers (``TypeError`` saying
+    so for anything else, such as a float, a list or a bool); ArgumentError for a
+    negative dimension."""
     if type(shape) is int and shape >= 0:
         return (shape,)
     # map() and min() rather than generator expressions: each of those cost about
     # 0.2 us, and every new array and view comes through here.
-    dims = (operator.index(shape),) if not isinstance(shape, tuple) else tuple(map(operator.index, shape))
+    try:
+        if isinstance(shape, bool):  # (an int to Python, a mistake here, as numpy says)
+            raise TypeError
+        dims = (operator.index(shape),) if not isinstance(shape, tuple) else tuple(map(operator.index, shape))
+    except TypeError:
+        # (operator.index's own message, "'list' object cannot be interpreted as an
+        # integer", did not say that the shape was meant)
+        raise TypeError(f"a shape must be an int or a tuple of ints, not {type(shape).__name__} {shape!r}") from None
     if dims and min(dims) < 0:
         raise invalid_value(f"negative dimension in shape {dims}")
     return dims
