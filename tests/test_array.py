@@ -144,6 +144,21 @@ async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_back
         dev.view(np.int16)
 
 
+async def test_an_array_over_a_buffer_takes_integer_strides_and_offset(
+    sim_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A float offset (or stride) was kept: the array's address was a float, and its
+    first copy failed only when the simulator ran it, poisoning the device's context
+    (every later call on the device failed)."""
+    base = await ga.to_device(np.arange(8, dtype=np.float32))
+    for strides, offset in (((8.0,), 0), (None, 4.0), (8, 0)):
+        with pytest.raises(TypeError, match="strides must be a tuple of ints and offset an int"):
+            ga.DeviceArray((2,), np.float32, strides, buffer=base.buffer, offset=offset)  # type: ignore[arg-type]
+    view = ga.DeviceArray((2,), np.float32, (np.int64(8),), buffer=base.buffer, offset=np.int64(4))
+    assert type(view.ptr) is int and type(view.strides[0]) is int
+    np.testing.assert_array_equal(await view.to_host(), [1.0, 3.0])
+
+
 async def test_iteration_gives_views_along_the_first_axis(backend: _driver.Driver, anyio_backend: object) -> None:
     """A 0-d array iterated as empty (Python's iteration through ``__getitem__`` met its
     IndexError at once), where numpy raises a TypeError."""
