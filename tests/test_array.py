@@ -140,6 +140,9 @@ async def test_views_and_slices_share_memory(backend: _driver.Driver, anyio_back
             dev[mask]
     with pytest.raises(ArgumentError):
         dev[:, ::2].reshape(-1)
+    for shape in ([6, 20], (6.0, 20)):  # ("'list' object cannot be interpreted as an integer")
+        with pytest.raises(TypeError, match="reshape takes ints or a tuple of ints"):
+            dev.reshape(shape)  # type: ignore[arg-type]
     with pytest.raises(ArgumentError):
         dev.view(np.int16)
 

@@ -268,7 +268,10 @@ class DeviceArray:
         """A view with a new shape (one dimension may be -1); C-contiguous arrays only."""
         first = shape[0] if len(shape) == 1 else None
         given: tuple[Any, ...] = first if isinstance(first, tuple) else shape
-        dims = [operator.index(d) for d in given]
+        try:
+            dims = [operator.index(d) for d in given]
+        except TypeError:  # (operator.index's own message did not say that a shape was meant)
+            raise TypeError(f"reshape takes ints or a tuple of ints, not {shape!r}") from None
         if not self.is_c_contiguous:
             raise invalid_value("only a C-contiguous DeviceArray can be reshaped without a copy")
         if dims.count(-1) > 1:
