@@ -61,6 +61,7 @@ async def test_a_managed_array_prefetched_and_read_by_a_kernel(
     np.testing.assert_array_equal(await array.to_host(stream=stream), values * 2)
     half = array[: n // 2]
     assert isinstance(half, managed.ManagedArray)
+    assert repr(half) == f"<ManagedArray shape=({n // 2},) dtype=float32 device=0>"  # (was "<DeviceArray ...")
     await half.prefetch(aiocuda.Device(0), stream=stream)
 
 

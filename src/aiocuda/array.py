@@ -221,7 +221,7 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         layout = "" if self.is_c_contiguous else f" strides={self.strides}"
-        return f"<DeviceArray shape={self.shape} dtype={self.dtype}{layout} device={self.device.ordinal}>"
+        return f"<{type(self).__name__} shape={self.shape} dtype={self.dtype}{layout} device={self.device.ordinal}>"
 
     # -- views -----------------------------------------------------------------------------------
     def __getitem__(self, key: Any) -> DeviceArray:
