@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiocuda
@@ -109,6 +110,85 @@ def test_plan_folds_common_views_into_one_copy() -> None:
     contiguous = count(base)
     assert contiguous.count == 1 and contiguous.layout.contiguous
     assert count(base[:0]).count == 0
+
+
+# -- DeviceArray views against numpy ------------------------------------------------------------------
+
+_DTYPES = ("?", "i1", "u1", "i2", "u2", "i4", "u4", "i8", "u8", "f2", "f4", "f8", "c8", "c16")
+
+
+@st.composite
+def _keys(draw: Any, shape: tuple[int, ...]) -> tuple[Any, ...]:
+    """A basic index of an array of ``shape``: per axis an int, a slice (steps of either
+    sign, bounds past the ends) or the whole axis, new axes, and maybe an ellipsis."""
+    key: list[Any] = []
+    for n in shape:
+        kind = draw(st.sampled_from(("int", "slice", "all", "new axis")))
+        if kind == "int" and n:
+            key.append(draw(st.integers(-n, n - 1)))
+        elif kind == "slice":
+            bound = st.none() | st.integers(-n - 2, n + 2)
+            step = st.none() | st.sampled_from((1, 2, 3, -1, -2, 7))
+            key.append(slice(draw(bound), draw(bound), draw(step)))
+        elif kind == "new axis":
+            key += [None, slice(None)]
+        else:
+            key.append(slice(None))
+    if key and draw(st.booleans()):
+        key = [*key[: draw(st.integers(0, len(key)))], Ellipsis]
+    return tuple(key)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@settings(max_examples=40)
+@given(
+    shape=st.lists(st.integers(0, 5), max_size=4).map(tuple),
+    dtype=st.sampled_from(_DTYPES),
+    order=st.sampled_from("CF"),
+    pinned=st.booleans(),
+    data=st.data(),
+)
+def test_views_read_write_fill_and_copy_as_numpy_does(
+    loop: str, shape: tuple[int, ...], dtype: str, order: str, pinned: bool, data: Any
+) -> None:
+    """Any basic index of any array (0-d, empty, Fortran-ordered; every dtype DLPack
+    knows) gives the view numpy gives: read into a new array, a page-locked one or one
+    laid out in reverse; written from the host or from a device array walked backwards;
+    copied onto itself reversed (memory shared by both sides); copied; filled."""
+    _driver.use_backend("sim", devices=1)
+    host = np.asarray(rng.integers(0, 100, shape)).astype(dtype, order=order)
+    key = data.draw(_keys(shape), label="key")
+    expected = np.array(host[key])
+    update = np.asarray(rng.integers(100, 200, expected.shape)).astype(dtype)
+    reverse = (*(slice(None, None, -1),) * expected.ndim, Ellipsis)  # (a 0-d array stays one)
+
+    async def scenario() -> None:
+        dev = await ga.to_device(host)
+        view = dev[key]
+        assert (view.shape, view.dtype) == (expected.shape, expected.dtype)
+        np.testing.assert_array_equal(await view.to_host(), expected)
+        out = pinned_empty(expected.shape, dtype) if pinned else np.empty(expected.shape, dtype)
+        assert await view.to_host(out=out) is out
+        np.testing.assert_array_equal(out, expected)
+        backwards = np.zeros(expected.shape, dtype)[reverse]
+        np.testing.assert_array_equal(await view.to_host(out=backwards), expected)
+        await view.copy_from(update)
+        host[key] = update
+        np.testing.assert_array_equal(await dev.to_host(), host)
+        await view.copy_from((await ga.to_device(np.array(update[reverse])))[reverse])
+        np.testing.assert_array_equal(await dev.to_host(), host)
+        await ga.copy(view, view[reverse])
+        host[key] = np.array(np.asarray(host[key])[reverse])
+        np.testing.assert_array_equal(await dev.to_host(), host)
+        copied = await view.copy()
+        assert copied.is_c_contiguous and copied.buffer is not dev.buffer
+        np.testing.assert_array_equal(await copied.to_host(), host[key])
+        if view.size:
+            await view.fill(update.flat[0])
+            host[key] = update.flat[0]
+            np.testing.assert_array_equal(await dev.to_host(), host)
+
+    anyio.run(scenario, backend=loop)
 
 
 # -- DeviceArray on both backends -------------------------------------------------------------------
