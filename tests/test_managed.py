@@ -14,6 +14,7 @@ import pytest
 
 import aiocuda
 from aiocuda import _driver, managed
+from aiocuda._memory import managed_budget as _budget
 from aiocuda.errors import ArgumentError, CudaError, OversubscriptionError
 
 from ._workload import Gate
@@ -160,6 +161,36 @@ async def test_work_on_a_stream_of_another_device_comes_before_the_free(
                 await after
             assert waiting.cancelled_caught, f"the array's stream is not ordered after the {use}"
         await after
+
+
+async def test_a_cancelled_zeros_lets_its_memory_go_even_if_the_exception_is_kept(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """Whatever keeps a cancellation (a log record, an exception group) keeps the frames
+    its traceback references: the memory, and its count against the device's managed
+    memory, stayed as long as that, as aiocuda.zeros no longer lets happen."""
+    device = aiocuda.Device(0)
+    kept: list[BaseException] = []
+    with aiocuda.Stream(0) as stream:
+        await stream
+        before = _budget.managed_bytes(device)
+        with Gate(stream):  # the fill cannot finish before the cancellation arrives
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                try:
+                    await managed.zeros(MiB, np.uint8, stream=stream)
+                except anyio.get_cancelled_exc_class() as exc:
+                    kept.append(exc)
+                    raise
+        assert kept, "zeros was not cancelled"
+        await stream
+        for _ in range(200):
+            stream.hold()  # holds are let go lazily: give the stream a chance
+            if _budget.managed_bytes(device) == before:
+                break
+            await anyio.sleep(0.01)
+        else:
+            pytest.fail("the cancelled array's managed memory was kept with the exception")
 
 
 async def test_oversubscription_is_refused_unless_asked_for(backend: _driver.Driver, anyio_backend: object) -> None:

@@ -40,7 +40,7 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _leave, _stream_of_new
+from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _filled, _leave, _stream_of_new
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
@@ -296,7 +296,8 @@ async def zeros(
     stream: Stream | None = None,
     oversubscribe: bool = False,
 ) -> ManagedArray:
-    """Like :func:`empty`, filled with zeros on the GPU (awaited)."""
+    """Like :func:`empty`, filled with zeros on the GPU (awaited). If the fill fails or
+    is cancelled, the memory is let go at once, as by :func:`aiocuda.zeros`."""
     array = empty(shape, dtype, device=device, pool=pool, stream=stream, oversubscribe=oversubscribe)
-    await array.fill(0, stream=stream)
+    await _filled(array, array.fill(0, stream=stream))
     return array
