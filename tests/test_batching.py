@@ -8,6 +8,7 @@ long as a test needs. Nothing depends on how long anything takes.
 
 from __future__ import annotations
 
+import collections
 import gc
 import math
 import traceback
@@ -749,3 +750,92 @@ async def test_one_exception_returned_for_several_items_is_each_requests_own(any
     assert all(str(exc) == "overloaded" for exc in raised.values())
     assert contexts == {user: f"'session of {user}'" for user in ("alice", "bob", "carol")}
     assert len(set(depths.values())) == 1, depths
+
+
+class ScanCountingQueue(collections.deque[Any]):
+    """A batcher's queue that counts the entries its searches walk (``remove``, ``index``,
+    ``in``, iteration): work that grows with the queue, per call."""
+
+    scanned = 0
+
+    def remove(self, value: Any) -> None:
+        self.scanned += len(self)
+        super().remove(value)
+
+    def index(self, value: Any, *args: Any) -> int:
+        self.scanned += len(self)
+        return super().index(value, *args)
+
+    def __contains__(self, value: object) -> bool:
+        self.scanned += len(self)
+        return super().__contains__(value)
+
+    def __iter__(self) -> Any:
+        self.scanned += len(self)
+        return super().__iter__()
+
+
+async def test_cancelling_queued_requests_does_not_search_the_queue(anyio_backend: Any) -> None:
+    """Cancelling each of n queued requests (clients gone while the service is overloaded)
+    costs the same whatever is queued: the queue is not searched for the request, which
+    made cancelling them all cost n*n/2 steps on the loop (seconds for 40,000). Counted,
+    not timed: the queue counts what its searches walk. The requests queued after them
+    are batched as if the cancelled ones had never come."""
+    run = Recorder()
+    n = 2000
+    batcher = Batcher(run, max_batch=n + 1, max_delay=NEVER, concurrency=1)
+    queue = batcher._queue = ScanCountingQueue()
+    results: list[int] = []
+    async with anyio.create_task_group() as tg:
+        async with batcher:
+            doomed = [anyio.CancelScope() for _ in range(n)]
+
+            async def queued(i: int) -> None:
+                with doomed[i]:
+                    await batcher.submit(i)
+
+            async def one(i: int) -> None:
+                results.append(await batcher.submit(i))
+
+            for i in range(n):
+                tg.start_soon(queued, i)
+            await checkpoints()
+            assert batcher.statistics().queued == n
+            for scope in doomed:
+                scope.cancel()
+            await checkpoints()
+            assert batcher.statistics().queued == 0
+            assert queue.scanned <= n, queue.scanned  # (no search per cancellation: n*n/2 were)
+            tg.start_soon(one, n)
+            tg.start_soon(one, n + 1)
+            await checkpoints()
+            assert batcher.statistics().queued == 2
+        # (leaving the block ran what was queued)
+    assert [sorted(batch) for batch in run.batches] == [[n, n + 1]]
+    assert sorted(results) == [10 * n, 10 * (n + 1)]
+    assert queue.scanned <= n and batcher.statistics().items == 2
+
+
+async def test_a_request_cancelled_while_queued_does_not_count_toward_max_batch(anyio_backend: Any) -> None:
+    """A batch is full with ``max_batch`` requests that were not cancelled."""
+    run = Recorder()
+    async with Batcher(run, max_batch=3, max_delay=NEVER, concurrency=1) as batcher:
+        async with anyio.create_task_group() as tg:
+            doomed = anyio.CancelScope()
+
+            async def one(i: int, scope: anyio.CancelScope) -> None:
+                with scope:
+                    await batcher.submit(i)
+
+            tg.start_soon(one, 0, anyio.CancelScope())
+            await checkpoints()
+            tg.start_soon(one, 1, doomed)
+            await checkpoints()
+            doomed.cancel()
+            await checkpoints()
+            tg.start_soon(one, 2, anyio.CancelScope())
+            await checkpoints()
+            assert run.batches == [] and batcher.statistics().queued == 2
+            tg.start_soon(one, 3, anyio.CancelScope())
+            await checkpoints()
+            assert run.batches == [[0, 2, 3]]

@@ -6,7 +6,8 @@ queued item, keeps gathering until ``max_batch`` items or ``max_delay`` after th
 one, takes the batch, lets go of the lock (the next worker starts gathering the next
 batch) and runs it. A request suspends its own task on the loop adapter
 (:mod:`aiocuda._completion.loops`) until its batch resolves it; nothing a request does --
-being cancelled above all -- reaches a worker.
+being cancelled above all -- reaches a worker. A request cancelled while queued is only
+marked withdrawn, and the gathering worker drops it when it comes to it.
 
 A batcher belongs to the event loop that entered it, as asyncio's own queues and locks
 do: its queue, its wake-ups and the suspensions of its requests are that loop's, touched
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import collections.abc
-import contextlib
 import copy
 import math
 import threading
@@ -71,12 +71,17 @@ class _Request(Generic[T, R]):
     """One request's item, and how its task learns the outcome: a suspended wait of the
     loop adapter (:class:`~aiocuda._completion.loops.Suspended`)."""
 
-    __slots__ = ("adapter", "arrived", "done", "item", "outcome", "token", "traceback")
+    __slots__ = ("adapter", "arrived", "done", "item", "outcome", "position", "token", "traceback", "withdrawn")
 
-    def __init__(self, item: T, adapter: LoopAdapter) -> None:
+    def __init__(self, item: T, adapter: LoopAdapter, position: int) -> None:
         self.item = item
         self.adapter = adapter
         self.arrived = _clock()
+        self.position = position
+        """Its place in the order of arrival: it is queued while fewer requests than that
+        have been taken off the front of the queue (:attr:`Batcher._taken`)."""
+        self.withdrawn = False
+        """Cancelled while queued: left in the queue, for the gathering worker to drop."""
         # The result or the exception to raise. It travels on this object, never as the
         # future's exception: a task cancelled just after its future was set would leave
         # that exception unretrieved.
@@ -150,6 +155,15 @@ class Batcher(Generic[T, R]):
         self.max_delay = max_delay
         self._concurrency = concurrency
         self._queue: collections.deque[_Request[T, R]] = collections.deque()
+        # A request cancelled while queued stays in the queue, withdrawn, until the
+        # gathering worker drops it: taking it out (deque.remove) scanned the queue, so
+        # cancelling n queued requests (clients gone under overload) cost n*n/2 steps on
+        # the loop, some seconds for 40,000. Both counts make that check and the number
+        # of requests waiting O(1).
+        self._taken = 0
+        """Requests taken off the front of the queue so far (into batches, or dropped)."""
+        self._withdrawn = 0
+        """Withdrawn requests in the queue: ``len(self._queue)`` less these wait."""
         self._adapter: LoopAdapter | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         """The running asyncio loop that entered the batcher (None under trio)."""
@@ -191,8 +205,13 @@ class Batcher(Generic[T, R]):
             return await exit_task_group(self._task_group, exc_type, exc, tb)
         finally:
             self._state = "closed"
-            while self._queue:
-                self._queue.popleft().resolve(ClosedError("the batcher closed before this request ran"))
+            queue = self._queue
+            self._taken += len(queue)
+            self._withdrawn = 0
+            while queue:
+                request = queue.popleft()
+                if not request.withdrawn:
+                    request.resolve(ClosedError("the batcher closed before this request ran"))
 
     # -- requests ------------------------------------------------------------------------------
     async def submit(self, item: T) -> R:
@@ -212,18 +231,21 @@ class Batcher(Generic[T, R]):
         if _thread_id() != self._thread:  # (another loop of this thread: see the except clause)
             raise self._foreign()
         assert self._adapter is not None
-        request: _Request[T, R] = _Request(item, self._adapter)
         queue = self._queue
+        request: _Request[T, R] = _Request(item, self._adapter, self._taken + len(queue))
         queue.append(request)
         try:
-            # The gathering worker sleeps until the first item arrives, then until the
-            # batch is full or due: only those two arrivals wake it.
-            if self._wakeup is not None and (len(queue) == 1 or len(queue) >= self.max_batch):
+            # The gathering worker sleeps until the first item arrives (the queue was
+            # empty: it drops withdrawn requests before it sleeps), then until the batch
+            # is full or due: only those two arrivals wake it.
+            if self._wakeup is not None and (len(queue) == 1 or len(queue) - self._withdrawn >= self.max_batch):
                 self._wake()
             await request
         except BaseException as exc:
-            with contextlib.suppress(ValueError):  # (not there: its batch took it, and runs)
-                queue.remove(request)
+            if request.position >= self._taken:  # still queued (otherwise its batch runs)
+                request.withdrawn = True
+                self._withdrawn += 1
+                del request.item  # (freed now, not when the worker comes to the request)
             if _running_loop() is not self._loop:
                 # Another asyncio loop of the batcher's thread (the batcher's own is not
                 # running, then): asyncio refused the await of its future, or waking the
@@ -281,20 +303,41 @@ class Batcher(Generic[T, R]):
         queued)."""
         queue = self._queue
         while True:
+            while queue and queue[0].withdrawn:
+                queue.popleft()
+                self._taken += 1
+                self._withdrawn -= 1
             if not queue:
                 if self._state != "open":
                     return []
                 await self._sleep(math.inf)
                 continue
-            if len(queue) >= self.max_batch or self._state != "open":
+            if len(queue) - self._withdrawn >= self.max_batch or self._state != "open":
                 break
             first = queue[0]
             remaining = first.arrived + self.max_delay - _clock()
             if remaining <= 0:
                 break
-            if not await self._sleep(remaining) and queue and queue[0] is first:
+            if not await self._sleep(remaining) and queue and queue[0] is first and not first.withdrawn:
                 break  # (max_delay has passed on the loop's clock)
-        return [queue.popleft() for _ in range(min(len(queue), self.max_batch))]
+        return self._take(min(len(queue) - self._withdrawn, self.max_batch))
+
+    def _take(self, count: int) -> list[_Request[T, R]]:
+        """The first ``count`` requests of the queue that are not withdrawn (dropping the
+        withdrawn ones among them)."""
+        queue = self._queue
+        if not self._withdrawn:
+            self._taken += count
+            return [queue.popleft() for _ in range(count)]
+        batch: list[_Request[T, R]] = []
+        while len(batch) < count:
+            request = queue.popleft()
+            self._taken += 1
+            if request.withdrawn:
+                self._withdrawn -= 1
+            else:
+                batch.append(request)
+        return batch
 
     async def _run_batch(self, batch: list[_Request[T, R]]) -> None:
         self._running += 1
@@ -344,7 +387,7 @@ class Batcher(Generic[T, R]):
     # -- state ---------------------------------------------------------------------------------
     def statistics(self) -> BatcherStatistics:
         return BatcherStatistics(
-            queued=len(self._queue), running=self._running, batches=self._batches, items=self._items
+            queued=len(self._queue) - self._withdrawn, running=self._running, batches=self._batches, items=self._items
         )
 
     def __repr__(self) -> str:
