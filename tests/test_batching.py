@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from aiocuda._cli.demo import ScaleStage, scale_reference
 from aiocuda.batching import Batcher
-from aiocuda.errors import ClosedError
+from aiocuda.errors import ClosedError, QueueFullError
 from aiocuda.lanes import Lanes
 
 pytestmark = pytest.mark.anyio
@@ -231,6 +231,14 @@ async def test_bad_arguments_and_bad_batch_functions(anyio_backend: Any) -> None
     with pytest.raises(TypeError, match="max_batch"):
         Batcher(Recorder(), max_batch=True, max_delay=0)
     assert Batcher(Recorder(), max_batch=2, max_delay=np.float32(0.5)).max_delay == 0.5
+    with pytest.raises(ValueError, match="max_queue must be >= 1"):
+        Batcher(Recorder(), max_batch=2, max_delay=0, max_queue=0)
+    with pytest.raises(TypeError, match="max_queue must be an int"):
+        Batcher(Recorder(), max_batch=2, max_delay=0, max_queue=2.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="max_queue must be an int"):
+        Batcher(Recorder(), max_batch=2, max_delay=0, max_queue=True)
+    assert Batcher(Recorder(), max_batch=2, max_delay=0, max_queue=np.int64(8)).max_queue == 8
+    assert Batcher(Recorder(), max_batch=2, max_delay=0).max_queue is None
 
     async def short(items: list[int]) -> list[int]:
         return items[:-1]
@@ -839,3 +847,58 @@ async def test_a_request_cancelled_while_queued_does_not_count_toward_max_batch(
             tg.start_soon(one, 3, anyio.CancelScope())
             await checkpoints()
             assert run.batches == [[0, 2, 3]]
+
+
+async def test_a_full_queue_refuses_new_requests_at_once(anyio_backend: Any) -> None:
+    """With ``max_queue`` items waiting for a batch, a submit raises ``QueueFullError`` at
+    once, saying the limit and what to answer, and is counted; the items of a running
+    batch and the requests cancelled while queued do not count toward the limit."""
+    run = Recorder()
+    run.gate = anyio.Event()
+    results: dict[int, int] = {}
+    async with anyio.create_task_group() as tg:
+        async with Batcher(run, max_batch=2, max_delay=NEVER, concurrency=1, max_queue=3) as batcher:
+            assert "max_queue=3" in repr(batcher)
+            scopes = {i: anyio.CancelScope() for i in range(8)}
+
+            async def one(i: int) -> None:
+                with scopes[i]:
+                    results[i] = await batcher.submit(i)
+
+            for i in range(5):  # [0, 1] runs (held at the gate); 2, 3 and 4 wait
+                tg.start_soon(one, i)
+                await checkpoints(5)
+            await checkpoints()
+            assert (batcher.statistics().running, batcher.statistics().queued) == (1, 3)
+            with pytest.raises(QueueFullError, match=r"max_queue=3.*503") as refused:
+                await batcher.submit(5)
+            assert isinstance(refused.value, RuntimeError)
+            assert (batcher.statistics().queued, batcher.statistics().rejected) == (3, 1)
+            assert "1 rejected" in repr(batcher)
+            scopes[3].cancel()
+            await checkpoints()
+            tg.start_soon(one, 6)  # room again: 3 was withdrawn
+            await checkpoints()
+            assert (batcher.statistics().queued, batcher.statistics().rejected) == (3, 1)
+            with pytest.raises(QueueFullError):
+                await batcher.submit(7)
+            run.gate.set()
+        # (leaving the block ran what was queued)
+    assert results == {i: 10 * i for i in (0, 1, 2, 4, 6)}
+    assert batcher.statistics().rejected == 2
+
+
+async def test_without_max_queue_nothing_is_refused(anyio_backend: Any) -> None:
+    run = Recorder()
+    results: list[int] = []
+    async with anyio.create_task_group() as tg:
+        async with Batcher(run, max_batch=1000, max_delay=NEVER) as batcher:
+
+            async def one(i: int) -> None:
+                results.append(await batcher.submit(i))
+
+            for i in range(500):
+                tg.start_soon(one, i)
+            await checkpoints()
+            assert batcher.statistics().queued == 500
+    assert len(results) == 500 and batcher.statistics().rejected == 0

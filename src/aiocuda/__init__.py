@@ -40,6 +40,7 @@ from .errors import (
     NoDeviceError,
     OutOfMemoryError,
     OversubscriptionError,
+    QueueFullError,
     SimulatedBackendWarning,
 )
 from .event import Event
@@ -101,6 +102,7 @@ __all__ = [
     "PoolStatistics",
     "Program",
     "ProgramOptions",
+    "QueueFullError",
     "SimulatedBackendWarning",
     "Stream",
     "StreamCallback",

@@ -26,6 +26,10 @@ Semantics a service relies on:
 * **Errors reach only the requests concerned**: an exception raised by the stage fails
   every request of that batch (and no other); an exception instance returned in place of
   one result fails that request alone.
+* **Back-pressure**: with ``max_queue=n``, a submit that finds ``n`` items waiting for
+  a batch raises :class:`~aiocuda.errors.QueueFullError` at once instead of waiting
+  behind them (a web service answers 503 with ``Retry-After``); without it, the queue
+  has no bound, and under overload every request waits longer.
 * **Shutdown**: leaving the ``async with`` block refuses new items
   (:class:`~aiocuda.errors.ClosedError`), runs what is queued without waiting for
   ``max_delay``, and waits for every batch to finish. Leaving it with an exception (or

@@ -22,6 +22,8 @@ for the situations callers branch on:
   Also a :class:`ValueError`.
 * :class:`ClosedError` -- request lanes or a batcher are shutting down or closed: the
   request was not started (a service answers "unavailable").
+* :class:`QueueFullError` -- a batcher already has ``max_queue`` requests waiting: the
+  request was refused at once (a service answers "unavailable, retry later").
 * :class:`CaptureError` -- an operation cannot be captured into a graph (a wait for the
   GPU, a synchronous call, a pageable copy that needs staging), or the capture it was
   part of failed.
@@ -60,6 +62,7 @@ __all__ = [
     "NoDeviceError",
     "OutOfMemoryError",
     "OversubscriptionError",
+    "QueueFullError",
     "ResultCode",
     "SimulatedBackendWarning",
     "error_for_code",
@@ -316,6 +319,14 @@ class ClosedError(RuntimeError):
     a new request was not started. Requests already
     started finish normally. (One that was never started raises a plain ``RuntimeError``
     that says so.)"""
+
+
+class QueueFullError(RuntimeError):
+    """A batcher (:class:`aiocuda.batching.Batcher`) made with ``max_queue`` already had
+    that many requests waiting for a batch, so a new one was refused at once rather than
+    queued: the service is overloaded. Nothing of the request ran. A web service answers
+    503 (Service Unavailable), with a ``Retry-After`` header; a client retries later,
+    backing off."""
 
 
 class BlockingCallWarning(RuntimeWarning):

@@ -36,7 +36,7 @@ import numpy as np
 
 from .._completion.loops import LoopAdapter, current_adapter
 from .._util import a_number, at_least
-from ..errors import ClosedError
+from ..errors import ClosedError, QueueFullError
 from .chunk_map import exit_task_group
 
 __all__ = ["BatchFn", "Batcher", "BatcherStatistics"]
@@ -120,6 +120,9 @@ class BatcherStatistics:
     """Batches finished so far."""
     items: int
     """Items in those batches."""
+    rejected: int
+    """Submits refused so far because ``max_queue`` items were waiting
+    (:class:`~aiocuda.errors.QueueFullError`)."""
 
 
 class Batcher(Generic[T, R]):
@@ -137,6 +140,9 @@ class Batcher(Generic[T, R]):
         concurrency: batches running at once, at most (gathering goes on meanwhile).
             A batch function that submits to its own batcher and awaits the result
             holds a worker meanwhile: once every worker does, nothing runs those items.
+        max_queue: the most items waiting for a batch (not counting those of running
+            batches); a submit beyond raises :class:`~aiocuda.errors.QueueFullError` at
+            once. None (the default): no limit.
 
     Use as ``async with Batcher(...) as batcher:`` (in a lifespan): it runs tasks of its
     own for as long as the block. Submit from the event loop it was entered on (any task
@@ -144,15 +150,26 @@ class Batcher(Generic[T, R]):
     :meth:`submit` from another loop or thread raises ``RuntimeError``.
     """
 
-    def __init__(self, run: BatchFn[T, R], *, max_batch: int, max_delay: float, concurrency: int = 2) -> None:
+    def __init__(
+        self,
+        run: BatchFn[T, R],
+        *,
+        max_batch: int,
+        max_delay: float,
+        concurrency: int = 2,
+        max_queue: int | None = None,
+    ) -> None:
         max_batch = at_least(max_batch, 1, "max_batch")
         concurrency = at_least(concurrency, 1, "concurrency")
+        if max_queue is not None:
+            max_queue = at_least(max_queue, 1, "max_queue")
         max_delay = a_number(max_delay, "max_delay", "a number of seconds")
         if not (max_delay >= 0 and math.isfinite(max_delay)):
             raise ValueError(f"max_delay must be a finite number of seconds >= 0, got {max_delay}")
         self._run = run
         self.max_batch = max_batch
         self.max_delay = max_delay
+        self.max_queue = max_queue
         self._concurrency = concurrency
         self._queue: collections.deque[_Request[T, R]] = collections.deque()
         # A request cancelled while queued stays in the queue, withdrawn, until the
@@ -177,6 +194,7 @@ class Batcher(Generic[T, R]):
         self._running = 0
         self._batches = 0
         self._items = 0
+        self._rejected = 0
 
     # -- lifetime ------------------------------------------------------------------------------
     async def __aenter__(self) -> Batcher[T, R]:
@@ -217,6 +235,9 @@ class Batcher(Generic[T, R]):
     async def submit(self, item: T) -> R:
         """Queue ``item`` for the next batch and return its result (raise its error).
 
+        With ``max_queue`` items already waiting, raise
+        :class:`~aiocuda.errors.QueueFullError` at once instead (answer 503).
+
         Cancelling the caller takes the item out of the queue if its batch has not
         started, and otherwise leaves the batch running (the result is dropped).
 
@@ -232,6 +253,17 @@ class Batcher(Generic[T, R]):
             raise self._foreign()
         assert self._adapter is not None
         queue = self._queue
+        # Refused, not made to wait for room: under overload a queue without bound only
+        # lengthens every request's wait (Triton's max_queue_size and Ray Serve's
+        # max_queued_requests refuse too), where a 503 lets the client or the balancer
+        # go elsewhere or back off. Without max_queue, this costs one comparison.
+        max_queue = self.max_queue
+        if max_queue is not None and len(queue) - self._withdrawn >= max_queue:
+            self._rejected += 1
+            raise QueueFullError(
+                f"the batcher's queue is full: max_queue={max_queue} items wait for a batch already. "
+                "The service is overloaded: answer 503 Service Unavailable (with Retry-After), or retry later"
+            )
         request: _Request[T, R] = _Request(item, self._adapter, self._taken + len(queue))
         queue.append(request)
         try:
@@ -387,14 +419,20 @@ class Batcher(Generic[T, R]):
     # -- state ---------------------------------------------------------------------------------
     def statistics(self) -> BatcherStatistics:
         return BatcherStatistics(
-            queued=len(self._queue) - self._withdrawn, running=self._running, batches=self._batches, items=self._items
+            queued=len(self._queue) - self._withdrawn,
+            running=self._running,
+            batches=self._batches,
+            items=self._items,
+            rejected=self._rejected,
         )
 
     def __repr__(self) -> str:
         s = self.statistics()
+        bound = "" if self.max_queue is None else f" max_queue={self.max_queue}"
+        rejected = "" if self.max_queue is None else f", {s.rejected} rejected"
         return (
-            f"<Batcher {self._state} max_batch={self.max_batch} max_delay={self.max_delay} "
-            f"[{s.queued} queued, {s.running} running, {s.batches} done]>"
+            f"<Batcher {self._state} max_batch={self.max_batch} max_delay={self.max_delay}{bound} "
+            f"[{s.queued} queued, {s.running} running, {s.batches} done{rejected}]>"
         )
 
 
