@@ -205,6 +205,38 @@ async def test_device_to_device_copy(backend: _driver.Driver, anyio_backend: obj
     np.testing.assert_array_equal(await dst.to_host(), host[::-1])
 
 
+async def test_a_device_copy_reversing_an_axis_takes_a_few_driver_copies_not_one_per_row(
+    backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A DMA copy cannot reverse: an axis walked forwards on one side and backwards on
+    the other took one driver copy per row along it, 65536 of them here, enqueued on the
+    loop's thread (about a second on the simulator, a minute for 16M elements on a GPU).
+    Such a copy goes through the host instead: a handful of copies, whatever the size."""
+    calls: list[str] = []
+    for name in ("memcpy_dtod_async", "memcpy_pitched_async", "memcpy_htod_async", "memcpy_dtoh_async"):
+        real = getattr(backend, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name) -> Any:
+            calls.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(backend, name, counted)
+    host = np.arange(1 << 16, dtype=np.float32)
+    dev = await ga.to_device(host)
+    grid = await ga.to_device(host.reshape(256, 256))
+    calls.clear()
+    flipped = await dev[::-1].copy()
+    np.testing.assert_array_equal(await flipped.to_host(), host[::-1])
+    await ga.copy(grid[:, ::-1], grid[::-1, :])  # both axes: one backwards on each side
+    np.testing.assert_array_equal(await grid.to_host(), host.reshape(256, 256)[::-1, ::-1])
+    assert len(calls) <= 12, f"{len(calls)} driver copies"
+    rows, source = ga.empty((4, 1 << 14), np.float32), await ga.to_device(host.reshape(4, -1))
+    calls.clear()
+    await ga.copy(rows, source[::-1])
+    assert calls == ["memcpy_dtod_async"] * 4, "four rows reversed: copied row by row on the device"
+    np.testing.assert_array_equal(await rows.to_host(), host.reshape(4, -1)[::-1])
+
+
 async def test_copies_between_views_that_share_memory(
     backend: _driver.Driver, anyio_backend: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

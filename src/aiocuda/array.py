@@ -737,7 +737,10 @@ async def _filled(array: DeviceArray, filling: Awaitable[None]) -> DeviceArray:
 async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = None) -> None:
     """Copy ``src`` into ``dst`` (same shape and dtype, any layouts: non-contiguous ones
     with 2D/3D copies), on one device or between two (a peer copy, which needs no peer
-    access). ``stream`` defaults to the current stream of ``src``'s device. Where the
+    access). A layout that would take very many of those -- an axis walked forwards on
+    one side and backwards on the other, as in ``copy(dst, src[::-1])``, takes one per
+    row -- goes through the host instead: downloaded, reordered there, uploaded.
+    ``stream`` defaults to the current stream of ``src``'s device. Where the
     two share memory (``a[1:]`` from ``a[:-1]``), ``src`` is copied to new memory first,
     so that ``dst`` gets its values as they were before the copy, as numpy does.
 
@@ -755,6 +758,17 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
     if stream is not None:
         _check_stream(stream)
     s = stream if stream is not None else current_stream(src.device)
+    if (
+        src.size
+        and s._capture is None
+        and _copies.cheaper_through_host(src.shape, src.itemsize, dst.strides, src.strides)
+    ):
+        # (65536 elements reversed took 65536 driver copies, enqueued on the loop's
+        # thread: about a second on the simulator. The host's copy also reads all of
+        # src before dst is written, so views that share memory need nothing more.)
+        host = await src.to_host(stream=s)
+        await dst.copy_from(host, stream=s if s.device is dst.device else None)
+        return
     _enter(src.buffer, s)
     _enter(dst.buffer, s)
     if src.size and _may_overlap(dst, src):

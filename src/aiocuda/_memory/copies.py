@@ -20,6 +20,7 @@ Everything here only enqueues: nothing waits for the GPU.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -303,6 +304,18 @@ def gathers_span(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int
     if plan.count > max(1, wasted // _GATHER_BYTES_PER_COPY):
         return True
     return plan.layout.width < _NARROW_ROW and hi - lo <= 8 * nbytes
+
+
+def cheaper_through_host(
+    shape: tuple[int, ...], itemsize: int, dst_strides: tuple[int, ...], src_strides: tuple[int, ...]
+) -> bool:
+    """Whether a copy between two device layouts is cheaper through the host (one
+    download, a reorder there, one upload) than as :func:`copy_strided` plans it: when
+    the plan takes more than one driver copy per :data:`_GATHER_BYTES_PER_COPY` bytes of
+    the elements (at least :data:`_MAX_DIRECT_COPIES`). An axis walked forwards on one
+    side and backwards on the other takes a copy per row along it: a DMA cannot reverse."""
+    plan = _strided.plan(shape, itemsize, dst_strides, src_strides)
+    return plan.count > max(_MAX_DIRECT_COPIES, itemsize * math.prod(shape) // _GATHER_BYTES_PER_COPY)
 
 
 def fill(dst: Strided, shape: tuple[int, ...], itemsize: int, pattern: bytes, stream: Stream) -> bool:
