@@ -7,6 +7,7 @@ import gc
 import importlib.util
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -346,14 +347,19 @@ class _Interface:
         self.__cuda_array_interface__ = interface
 
 
+def _itself(array: ga.DeviceArray) -> ga.DeviceArray:
+    return array
+
+
 @pytest.mark.multi_gpu
-@pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly])
+@pytest.mark.parametrize("wrapper", [_DLPackOnly, _CAIOnly, _itself])
 async def test_an_import_refuses_a_stream_of_another_device(
-    backend: _driver.Driver, anyio_backend: object, wrapper: type
+    backend: _driver.Driver, anyio_backend: object, wrapper: Callable[[ga.DeviceArray], Any]
 ) -> None:
     """A device-0 array given a device-1 stream was taken, its last use recorded on a
-    stream of the other device (what the array's own calls refuse); a zero-size
-    interface (null pointer) goes to the stream's device, not to device 0."""
+    stream of the other device (what the array's own calls refuse), and an aiocuda array
+    was returned as it was, unchecked; a zero-size interface (null pointer) goes to the
+    stream's device, not to device 0."""
     from aiocuda.errors import ArgumentError
 
     on0 = await ga.to_device(np.arange(8, dtype=np.float32), device=0)

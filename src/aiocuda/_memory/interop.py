@@ -486,6 +486,8 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     told to order its pending work before it.
     """
     if isinstance(obj, DeviceArray):
+        if stream is not None:
+            _stream_on(obj.device, stream)  # (checked as for another library's array)
         return obj
     dlpack_device = getattr(obj, "__dlpack_device__", None)
     if dlpack_device is not None and hasattr(obj, "__dlpack__"):
