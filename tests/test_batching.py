@@ -9,6 +9,7 @@ long as a test needs. Nothing depends on how long anything takes.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import math
 import traceback
@@ -902,3 +903,86 @@ async def test_without_max_queue_nothing_is_refused(anyio_backend: Any) -> None:
             await checkpoints()
             assert batcher.statistics().queued == 500
     assert len(results) == 500 and batcher.statistics().rejected == 0
+
+
+class AsyncCallable:
+    """A batch function that is an object with an ``async def __call__``."""
+
+    async def __call__(self, items: list[int]) -> list[int]:
+        return [10 * i for i in items]
+
+
+async def scaled(factor: int, items: list[int]) -> list[int]:
+    return [factor * i for i in items]
+
+
+def test_a_batch_function_that_plainly_returns_no_awaitable_is_refused_at_once() -> None:
+    """What cannot return an awaitable is refused when the batcher is made, with a
+    ``TypeError`` that says what a batch function must be; a generator function is the
+    one kind of plain ``def`` told apart (a ``types.coroutine`` one is awaitable)."""
+
+    def generator(items: list[int]) -> Any:
+        yield from items
+
+    async def async_generator(items: list[int]) -> Any:
+        for item in items:
+            yield item
+
+    class YieldingCall:
+        async def __call__(self, items: list[int]) -> Any:
+            yield items
+
+    with pytest.raises(TypeError, match=r"must be callable \(an 'async def' function\), not int"):
+        Batcher(42, max_batch=2, max_delay=0)  # type: ignore[arg-type]
+    for run in (generator, functools.partial(generator)):
+        with pytest.raises(TypeError, match=r"'async def' function that returns the results, and .*generator\b"):
+            Batcher(run, max_batch=2, max_delay=0)
+    for run in (async_generator, functools.partial(async_generator), YieldingCall()):
+        with pytest.raises(TypeError, match=r"async generator function \(it yields\): return the results instead"):
+            Batcher(run, max_batch=2, max_delay=0)
+
+
+async def test_batch_functions_that_return_an_awaitable_are_accepted(anyio_backend: Any) -> None:
+    """``async def`` functions, methods, callable objects and partials, and plain functions
+    (lambdas included) that return an awaitable, all serve."""
+    import types
+
+    @types.coroutine
+    def iterable_coroutine(items: list[int]) -> Any:
+        yield from anyio.lowlevel.checkpoint().__await__()
+        return [10 * i for i in items]
+
+    def returns_a_coroutine(items: list[int]) -> Any:
+        return scaled(10, items)
+
+    runs: list[Any] = [
+        Recorder(),
+        AsyncCallable(),
+        functools.partial(scaled, 10),
+        lambda items: scaled(10, items),
+        returns_a_coroutine,
+        iterable_coroutine,
+    ]
+    for run in runs:
+        async with Batcher(run, max_batch=1, max_delay=0) as batcher:
+            assert await batcher.submit(3) == 30, run
+
+
+async def test_a_batch_function_returning_no_awaitable_fails_its_batch_and_says_so(anyio_backend: Any) -> None:
+    """A plain function that returns its results (not an awaitable of them) cannot be told
+    at once: each batch's requests fail with a ``TypeError`` that says what it returned
+    and what it must return, not Python's "can't be used in 'await' expression"."""
+
+    def synchronous(items: list[int]) -> list[int]:
+        return [10 * i for i in items]
+
+    class SynchronousCall:
+        def __call__(self, items: list[int]) -> tuple[int, ...]:
+            return tuple(items)
+
+    for run, returned in ((synchronous, "list"), (SynchronousCall(), "tuple")):
+        async with Batcher(run, max_batch=1, max_delay=0) as batcher:  # type: ignore[arg-type]
+            for item in (1, 2):
+                with pytest.raises(TypeError, match=rf"returned {returned}, not an awaitable.*'async def'"):
+                    await batcher.submit(item)
+        assert batcher.statistics().batches == 2

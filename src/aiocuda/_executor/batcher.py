@@ -22,6 +22,8 @@ import asyncio
 import collections
 import collections.abc
 import copy
+import functools
+import inspect
 import math
 import threading
 import time
@@ -133,7 +135,10 @@ class Batcher(Generic[T, R]):
         run: ``async def run(items: list) -> Sequence``: one batched stage over the
             items, returning one result per item, in order. An exception instance in
             place of a result fails that item's request alone; an exception raised by
-            ``run`` fails every request of the batch.
+            ``run`` fails every request of the batch. A plain function that returns an
+            awaitable (a lambda calling an ``async def``) does too; a generator function
+            or what cannot be called raises ``TypeError`` here, and a function that
+            returns no awaitable fails each batch's requests with one.
         max_batch: the most items in one batch.
         max_delay: seconds a batch waits for more items after its first one arrived
             (0: take what is queued at once).
@@ -159,6 +164,7 @@ class Batcher(Generic[T, R]):
         concurrency: int = 2,
         max_queue: int | None = None,
     ) -> None:
+        _check_batch_function(run)
         max_batch = at_least(max_batch, 1, "max_batch")
         concurrency = at_least(concurrency, 1, "concurrency")
         if max_queue is not None:
@@ -375,7 +381,13 @@ class Batcher(Generic[T, R]):
         self._running += 1
         try:
             try:
-                results = await self._run([request.item for request in batch])
+                pending = self._run([request.item for request in batch])
+                if not inspect.isawaitable(pending):  # (a function that is not async def)
+                    raise TypeError(
+                        f"the batch function returned {type(pending).__name__}, not an awaitable: it must "
+                        "return an awaitable of the results (make it an 'async def' function)"
+                    )
+                results = await pending
                 _check_results(results, len(batch))
             except Exception as exc:
                 _fail(batch, exc)
@@ -433,6 +445,32 @@ class Batcher(Generic[T, R]):
         return (
             f"<Batcher {self._state} max_batch={self.max_batch} max_delay={self.max_delay}{bound} "
             f"[{s.queued} queued, {s.running} running, {s.batches} done{rejected}]>"
+        )
+
+
+def _check_batch_function(run: object) -> None:
+    """Refuse, with a ``TypeError``, a batch function whose call plainly returns no
+    awaitable: what cannot be called, a generator function (of a partial, or a callable
+    object's ``__call__``)."""
+    # A plain function is not refused, though it is not async def: it may return an
+    # awaitable (a lambda calling an async def). _run_batch checks what it returns.
+    if not callable(run):
+        raise TypeError(f"the batch function must be callable (an 'async def' function), not {type(run).__name__}")
+    function: Any = run
+    while isinstance(function, functools.partial):
+        function = function.func
+    if not (inspect.isroutine(function) or isinstance(function, type)):
+        function = type(function).__call__  # a callable object: its method
+    name = getattr(function, "__qualname__", repr(function))
+    if inspect.isasyncgenfunction(function):
+        raise TypeError(
+            f"the batch function must be an 'async def' function that returns the results, and {name} is an "
+            "async generator function (it yields): return the results instead"
+        )
+    if inspect.isgeneratorfunction(function) and not function.__code__.co_flags & inspect.CO_ITERABLE_COROUTINE:
+        raise TypeError(
+            f"the batch function must be an 'async def' function that returns the results, and {name} is a "
+            "generator function (it yields, and its call returns no awaitable)"
         )
 
 
