@@ -81,6 +81,9 @@ async def test_bad_sizes_and_freed_buffers_raise_typed_errors(backend: _driver.D
         for size in (2**64, 2**70):
             with pytest.raises(ArgumentError, match="64-bit"):
                 pool.allocate(size, s)
+        for stream in (s.handle, 0, "s"):  # (an AttributeError of the stream's slots before)
+            with pytest.raises(TypeError, match="stream must be an aiocuda Stream"):
+                pool.allocate(256, stream)  # type: ignore[arg-type]
         with pytest.raises(ArgumentError, match="negative"):
             pool.trim(-1)
         with pytest.raises(ArgumentError, match="non-negative int"):

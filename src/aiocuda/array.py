@@ -48,7 +48,7 @@ from ._memory import staging as _staging
 from ._util import byte_span, c_strides, invalid_value, shape_tuple
 from .device import Device, _as_device
 from .memory import MemoryPool, _pool_for
-from .stream import Stream, _stream_for_new, current_stream
+from .stream import Stream, _check_stream, _stream_for_new, current_stream
 
 __all__ = ["PITCH_ALIGNMENT", "DeviceArray", "copy", "empty", "empty_pitched", "to_device", "zeros"]
 
@@ -484,16 +484,6 @@ def _leave(buffer: Any, stream: Stream) -> None:
     stream (where it will be freed) ordered after that work."""
     if buffer.device is not stream.device:
         buffer.stream.wait(stream)
-
-
-def _check_stream(stream: object) -> None:
-    """TypeError unless ``stream`` (a ``stream=`` given) is an aiocuda :class:`Stream`."""
-    if not isinstance(stream, Stream):
-        # (a raw handle, or a PyTorch, CuPy or Numba stream: each has a ``device`` of its
-        # own, or none, and failed later with an AttributeError or a wrong device)
-        foreign = isinstance(stream, int) or hasattr(stream, "__cuda_stream__")
-        hint = " (Stream.wrap(obj) adopts a foreign stream or a raw handle)" if foreign else ""
-        raise TypeError(f"stream must be an aiocuda Stream, not {type(stream).__name__}{hint}")
 
 
 def _stream_on(device: Device, stream: Stream | None) -> Stream:

@@ -40,12 +40,12 @@ from ._memory import managed_budget as _budget
 from ._memory import offloop as _offloop
 from ._memory.buffers import OwnedBuffer
 from ._util import byte_span, invalid_value, shape_tuple
-from .array import DeviceArray, _check_dtype, _check_stream, _device_of, _filled, _leave, _stream_of_new
+from .array import DeviceArray, _check_dtype, _device_of, _filled, _leave, _stream_of_new
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
 from .event import Event
 from .memory import DEFAULT_RELEASE_THRESHOLD, DeviceBuffer, MemoryPool
-from .stream import Stream, _stream_for_new
+from .stream import Stream, _check_stream, _stream_for_new
 
 __all__ = ["Advice", "Location", "ManagedArray", "ManagedPool", "empty", "zeros"]
 

@@ -67,7 +67,7 @@ from ._memory.observed_frees import FreedStreams
 from ._util import NoPublicConstructor, format_bytes, invalid_value
 from .device import Device, _as_device
 from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
-from .stream import Stream, current_stream
+from .stream import Stream, _check_stream, current_stream
 
 __all__ = ["DEFAULT_RELEASE_THRESHOLD", "SPARE_BYTES", "DeviceBuffer", "MemoryPool", "PoolStatistics"]
 
@@ -264,7 +264,12 @@ class MemoryPool(metaclass=NoPublicConstructor):
             stream = current_stream(self.device)
         # The stream's slots are read directly: the ``handle`` property (a closed check)
         # would cost a Python call, a fifth of this path's own work.
-        if type(nbytes) is not int or nbytes <= 0 or stream._closed or stream._capture is not None:
+        try:
+            unusual = type(nbytes) is not int or nbytes <= 0 or stream._closed or stream._capture is not None
+        except AttributeError:  # (not a Stream: a try costs nothing until it catches)
+            _check_stream(stream)
+            raise
+        if unusual:
             return self._allocate_unusual(nbytes, stream)
         ptr = None
         spares = self._spares

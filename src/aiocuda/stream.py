@@ -506,6 +506,16 @@ _current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("aiocud
 _defaults: dict[Device, Stream] = {}
 
 
+def _check_stream(stream: object) -> None:
+    """TypeError unless ``stream`` (a ``stream=`` given) is an aiocuda :class:`Stream`."""
+    if not isinstance(stream, Stream):
+        # (a raw handle, or a PyTorch, CuPy or Numba stream: each has a ``device`` of its
+        # own, or none, and failed later with an AttributeError or a wrong device)
+        foreign = isinstance(stream, int) or hasattr(stream, "__cuda_stream__")
+        hint = " (Stream.wrap(obj) adopts a foreign stream or a raw handle)" if foreign else ""
+        raise TypeError(f"stream must be an aiocuda Stream, not {type(stream).__name__}{hint}")
+
+
 def current_stream(device: Device | int | None = None) -> Stream:
     """The task's current stream (set with :func:`use_stream`) if it is on ``device``;
     otherwise the device's default aiocuda stream (non-blocking, created on first use)."""
