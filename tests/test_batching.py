@@ -12,6 +12,10 @@ import collections
 import functools
 import gc
 import math
+import pathlib
+import subprocess
+import sys
+import textwrap
 import traceback
 import weakref
 from typing import Any
@@ -986,3 +990,56 @@ async def test_a_batch_function_returning_no_awaitable_fails_its_batch_and_says_
                 with pytest.raises(TypeError, match=rf"returned {returned}, not an awaitable.*'async def'"):
                     await batcher.submit(item)
         assert batcher.statistics().batches == 2
+
+
+USER_CODE = """
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from aiocuda import Batcher
+
+Vector = npt.NDArray[np.float32]
+
+
+async def stacked(items: list[Vector]) -> Vector:
+    return np.stack(items) * 2
+
+
+async def listed(items: list[int]) -> list[int | ValueError]:
+    return [ValueError("negative") if i < 0 else i * 2 for i in items]
+
+
+async def tupled(items: list[str]) -> tuple[str, ...]:
+    return tuple(items)
+
+
+async def serve() -> None:
+    rows: Batcher[Vector, Vector] = Batcher(stacked, max_batch=8, max_delay=0)
+    doubled = Batcher(listed, max_batch=8, max_delay=0, max_queue=64)
+    same = Batcher(tupled, max_batch=8, max_delay=0)
+    async with rows, doubled, same:
+        row: Vector = await rows.submit(np.zeros(3, np.float32))
+        n: int = await doubled.submit(1)
+        text: str = await same.submit("a")
+        print(row, n + 1, text.upper(), doubled.statistics().rejected)
+"""
+
+
+@pytest.mark.slow
+def test_batch_functions_returning_what_the_batcher_takes_pass_mypy_strict(tmp_path: pathlib.Path) -> None:
+    """``BatchFn`` says what the batcher takes: a batch function returning an array, a
+    list (exceptions in it included) or a tuple passes ``mypy --strict``."""
+    pytest.importorskip("mypy")
+    user = tmp_path / "user_service.py"
+    user.write_text(textwrap.dedent(USER_CODE))
+    src = pathlib.Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run(
+        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), str(user)],
+        env={"MYPYPATH": str(src), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr

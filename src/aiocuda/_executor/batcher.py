@@ -35,6 +35,7 @@ from typing import Any, Generic, Literal, TypeVar
 import anyio
 import anyio.abc
 import numpy as np
+import numpy.typing as npt
 
 from .._completion.loops import LoopAdapter, current_adapter
 from .._util import a_number, at_least
@@ -46,9 +47,11 @@ __all__ = ["BatchFn", "Batcher", "BatcherStatistics"]
 T = TypeVar("T")
 R = TypeVar("R")
 
-BatchFn = Callable[[list[T]], Awaitable[Sequence[R | BaseException]]]
-"""``await run(items)``: the results in item order (an exception instance in place of a
-result fails that item's request alone)."""
+BatchFn = Callable[[list[T]], Awaitable[Sequence[R | BaseException] | npt.NDArray[Any]]]
+"""``await run(items)``: the results in item order: a sequence (not a ``str``, ``bytes``,
+set or mapping; an exception instance in place of a result fails that item's request
+alone) or an array whose rows are the results. With an array, a type checker cannot
+tell what one result is: say so, ``Batcher[np.ndarray, np.ndarray]``."""
 
 # Batching exists to cut the host cost per request, so a request is one object and one
 # suspension on the loop adapter. Host us per item, 64 tasks submitting to a batch
@@ -132,13 +135,14 @@ class Batcher(Generic[T, R]):
     :mod:`aiocuda.batching`).
 
     Args:
-        run: ``async def run(items: list) -> Sequence``: one batched stage over the
-            items, returning one result per item, in order. An exception instance in
-            place of a result fails that item's request alone; an exception raised by
-            ``run`` fails every request of the batch. A plain function that returns an
-            awaitable (a lambda calling an ``async def``) does too; a generator function
-            or what cannot be called raises ``TypeError`` here, and a function that
-            returns no awaitable fails each batch's requests with one.
+        run: ``async def run(items: list) -> Sequence | np.ndarray``: one batched
+            stage over the items, returning one result per item, in order (an array:
+            one row per item). An exception instance in place of a result fails that
+            item's request alone; an exception raised by ``run`` fails every request of
+            the batch. A plain function that returns an awaitable (a lambda calling an
+            ``async def``) does too; a generator function or what cannot be called
+            raises ``TypeError`` here, and a function that returns no awaitable fails
+            each batch's requests with one.
         max_batch: the most items in one batch.
         max_delay: seconds a batch waits for more items after its first one arrived
             (0: take what is queued at once).
