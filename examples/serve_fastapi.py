@@ -12,7 +12,8 @@ Endpoints (bodies are raw float32 values; results too):
   finished in time (the lane goes back at once; its work finishes on the GPU and its
   memory is freed after).
 * ``POST /affine/batched`` -- the same, but gathered with concurrent requests into one
-  launch of up to 64 requests (``aiocuda.Batcher``): for many small requests.
+  launch of up to 64 requests (``aiocuda.Batcher``): for many small requests. 503 with
+  ``Retry-After`` when ``MAX_QUEUE`` requests already wait for a batch (overload).
 * ``GET /health`` -- 200 while the GPU works (with the backend: ``cuda``, or ``sim`` where
   no GPU was found), 503 once a kernel fault poisoned it.
 
@@ -38,6 +39,7 @@ from aiocuda import (
     Kernel,
     Lanes,
     Program,
+    QueueFullError,
     current_backend,
     register_sim_kernel,
 )
@@ -49,6 +51,7 @@ extern "C" __global__ void affine(const float* x, float* y, int n, float a, floa
 }
 """
 BLOCK = 256
+MAX_QUEUE = 4096  # requests waiting for a batch before new ones are turned away (503)
 
 
 def affine_on_the_simulator(launch: object, x: np.ndarray, y: np.ndarray, n: int, a: float, b: float) -> None:
@@ -64,7 +67,9 @@ class GPU:
     def __init__(self, lanes: Lanes, kernel: Kernel) -> None:
         self.lanes = lanes
         self.kernel = kernel
-        self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(self.affine_batch, max_batch=64, max_delay=0.002)
+        self.batcher: Batcher[np.ndarray, np.ndarray] = Batcher(
+            self.affine_batch, max_batch=64, max_delay=0.002, max_queue=MAX_QUEUE
+        )
 
     async def affine_batch(self, items: list[np.ndarray]) -> list[np.ndarray]:
         """One batched stage: every request's values in one upload, launch and download."""
@@ -101,6 +106,11 @@ app = FastAPI(lifespan=lifespan)
 @app.exception_handler(ContextPoisonedError)
 async def gpu_failed(request: Request, exc: ContextPoisonedError) -> JSONResponse:
     return JSONResponse({"error": f"the GPU failed: {exc}"}, status_code=503)
+
+
+@app.exception_handler(QueueFullError)
+async def overloaded(request: Request, exc: QueueFullError) -> JSONResponse:
+    return JSONResponse({"error": "overloaded, retry later"}, status_code=503, headers={"Retry-After": "1"})
 
 
 @app.exception_handler(ClosedError)

@@ -302,3 +302,33 @@ async def test_the_torch_example_serves_its_model(backend: Any, anyio_backend: A
                 np.testing.assert_allclose(results[i].reshape(expected.shape), expected, rtol=2e-2, atol=2e-2)
         assert (await client.get("/health")).json()["status"] == "ok"
     assert gc.get_freeze_count() == 0  # given back at shut-down
+
+
+async def test_the_batched_endpoint_turns_requests_away_once_its_queue_is_full(
+    sim_backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overload: with both batches on a stalled GPU and MAX_QUEUE requests waiting, the
+    next one is answered 503 with Retry-After at once; those waiting are served later."""
+    module = example("serve_fastapi")
+    monkeypatch.setattr(module, "MAX_QUEUE", 3)
+    async with serving(module.app) as served, httpx.AsyncClient(base_url=served.url) as client:
+        batcher = served.app.state.gpu.batcher
+        hold_all(sim_backend, served.lanes)
+        inputs = [body(10 + i, seed=i) for i in range(5)]
+        results: dict[int, np.ndarray] = {}
+
+        async def one(i: int) -> None:
+            results[i] = decoded(await client.post("/affine/batched", content=inputs[i].tobytes()))
+
+        async with anyio.create_task_group() as tg:
+            for i, (field, count) in enumerate([("running", 1), ("running", 2), ("queued", 1), ("queued", 2)]):
+                tg.start_soon(one, i)
+                await until(lambda f=field, c=count: getattr(batcher.statistics(), f) == c, f"{field} {count}")
+            tg.start_soon(one, 4)
+            await until(lambda: batcher.statistics().queued == 3, "three waiting")
+            refused = await client.post("/affine/batched", content=body(8).tobytes())
+            assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
+            assert "overloaded" in refused.json()["error"] and batcher.statistics().rejected == 1
+            release_all(sim_backend, served.lanes)
+        for i, host in enumerate(inputs):
+            np.testing.assert_allclose(results[i], 2 * host + 1, rtol=1e-6)
