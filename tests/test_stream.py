@@ -483,6 +483,14 @@ def test_priority_and_flags_getters(backend: _driver.Driver) -> None:
         assert clamped.priority == greatest
 
 
+def test_priorities_beyond_a_c_int_are_clamped_too(backend: _driver.Driver) -> None:
+    """The driver takes a C int: a larger priority raised the bindings' OverflowError on
+    the real driver (the simulator clamped it) instead of being clamped as documented."""
+    least, greatest = Stream.priority_range(0)
+    with Stream(0, priority=-(2**40)) as urgent, Stream(0, priority=2**63) as lax:
+        assert (urgent.priority, lax.priority) == (greatest, least)
+
+
 @pytest.mark.anyio
 async def test_external_event_records_complete_like_others(backend: _driver.Driver, anyio_backend: object) -> None:
     with Stream(0) as s:

@@ -44,6 +44,8 @@ __all__ = ["Stream", "StreamCallback", "current_stream", "use_stream"]
 
 _Holds = deque[tuple[Any, tuple[Any, ...]]]
 
+_C_INT_MIN, _C_INT_MAX = -(2**31), 2**31 - 1
+
 # Holds of streams that were closed or collected while work was still in flight.
 _orphans: list[tuple[Any, EventPool, _Holds]] = []
 
@@ -181,6 +183,9 @@ class Stream:
             priority = operator.index(priority)
         except TypeError:
             raise TypeError(f"a stream's priority is an int, not {type(priority).__name__}") from None
+        # The driver clamps to its range, but takes a C int: the bindings raise
+        # OverflowError for one beyond it.
+        priority = min(max(priority, _C_INT_MIN), _C_INT_MAX)
         dev = _as_device(device)
         dev.make_current()
         self._setup(dev, dev._driver.stream_create(non_blocking, priority), owned=True, owner=None)
