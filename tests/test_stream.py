@@ -203,6 +203,9 @@ def test_streams_take_streams_and_int_priorities(backend: _driver.Driver) -> Non
             pass
     with pytest.raises(TypeError, match="priority is an int, not float"):
         Stream(0, priority=1.5)  # type: ignore[arg-type]
+    # (True was taken as 1: the least urgent priority once clamped, not a high one)
+    with pytest.raises(TypeError, match="priority is an int, not bool"):
+        Stream(0, priority=True)
     with Stream(0, priority=np.int64(0)) as s:  # type: ignore[arg-type]
         assert s.priority == 0
 

@@ -179,10 +179,10 @@ class Stream:
     )
 
     def __init__(self, device: Device | int | None = None, *, non_blocking: bool = True, priority: int = 0):
-        try:
-            priority = operator.index(priority)
-        except TypeError:
-            raise TypeError(f"a stream's priority is an int, not {type(priority).__name__}") from None
+        # (a bool was taken as 1: True, the least urgent priority once clamped)
+        if isinstance(priority, bool) or not hasattr(type(priority), "__index__"):
+            raise TypeError(f"a stream's priority is an int, not {type(priority).__name__}")
+        priority = operator.index(priority)
         # The driver clamps to its range, but takes a C int: the bindings raise
         # OverflowError for one beyond it.
         priority = min(max(priority, _C_INT_MIN), _C_INT_MAX)
