@@ -374,6 +374,24 @@ def test_wrap_foreign_stream_without_ownership(backend: _driver.Driver) -> None:
     owner.close()
 
 
+@pytest.mark.parametrize(
+    "returned",
+    [None, (0,), (0, 1, 2), (0, 1.5), (0, None), (0, "1"), (0, True), (3, 1), 1],
+    ids=["None", "one", "three", "float", "no-handle", "str", "bool", "version-3", "int"],
+)
+def test_wrap_refuses_what_is_not_the_cuda_stream_protocol(backend: _driver.Driver, returned: object) -> None:
+    """``__cuda_stream__()`` returns ``(0, handle)``. Anything else failed with an
+    unpacking error naming no stream, or, for (0, 1.5), wrapped the legacy default stream
+    (``int(1.5)``) instead of failing; an unknown version was taken as version 0."""
+
+    class Foreign:
+        def __cuda_stream__(self) -> object:
+            return returned
+
+    with pytest.raises(TypeError, match=r"Foreign.__cuda_stream__\(\) returned .*, not \(0, handle\)"):
+        Stream.wrap(Foreign())
+
+
 def test_current_stream_is_task_local(backend: _driver.Driver) -> None:
     default = current_stream()
     assert current_stream(0) is default

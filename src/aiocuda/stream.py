@@ -114,8 +114,7 @@ def _foreign_handle(obj: Any) -> tuple[int, Any]:
         return obj, None
     proto = getattr(obj, "__cuda_stream__", None)
     if proto is not None:
-        _, value = proto() if callable(proto) else proto
-        return int(value), obj
+        return _protocol_handle(obj, proto() if callable(proto) else proto), obj
     for attr in ("cuda_stream", "ptr"):  # PyTorch, CuPy
         value = getattr(obj, attr, None)
         if isinstance(value, int):
@@ -130,6 +129,20 @@ def _foreign_handle(obj: Any) -> tuple[int, Any]:
     raise TypeError(
         f"cannot use {type(obj).__name__} as a CUDA stream: expected an aiocuda Stream, an object "
         f"with __cuda_stream__, a CuPy/PyTorch/Numba stream, or a raw stream handle (int)"
+    )
+
+
+def _protocol_handle(obj: Any, returned: Any) -> int:
+    """The raw handle in what ``obj.__cuda_stream__()`` returned: ``(0, handle)``."""
+    if isinstance(returned, (tuple, list)) and len(returned) == 2 and returned[0] == 0:
+        value = returned[1]
+        # (int() took 1.5 for the legacy default stream 1, and "1" too)
+        if not isinstance(value, bool) and hasattr(type(value), "__index__"):
+            return operator.index(value)
+    name = type(obj).__name__
+    raise TypeError(
+        f"cannot use {name} as a CUDA stream: {name}.__cuda_stream__() returned {returned!r}, not (0, handle) "
+        "with an int handle (version 0 of the CUDA stream protocol)"
     )
 
 
