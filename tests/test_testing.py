@@ -73,6 +73,27 @@ async def test_a_paused_stream_keeps_its_awaits_pending(sim: aiocuda.testing.Sim
         assert (await x.to_host() == 2).all()
 
 
+@pytest.mark.anyio
+async def test_a_kernel_implementation_that_fails_the_test_fails_the_await(
+    sim: aiocuda.testing.Simulator, anyio_backend: object
+) -> None:
+    """pytest.fail() (a BaseException, as are pytest.skip() and sys.exit()) in a kernel's
+    implementation reaches the awaiting task as the device's error, with the failure as
+    its cause; it used to end the worker thread and leave the await pending forever."""
+
+    def fails(launch: aiocuda.testing.KernelLaunch, x: npt.NDArray[np.float32], n: np.int32) -> None:
+        pytest.fail("the kernel saw a wrong argument")
+
+    sim.register_kernel("add_one", fails)
+    kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
+    with aiocuda.Stream() as stream:
+        x = aiocuda.empty(64, np.float32, stream=stream)
+        kernel.launch(1, 64, x, 64, stream=stream)
+        with anyio.fail_after(10), pytest.raises(ContextPoisonedError, match="raised Failed: the kernel saw") as info:
+            await stream
+    assert isinstance(info.value.__cause__, pytest.fail.Exception)
+
+
 def test_latency_makes_operations_take_time(sim: aiocuda.testing.Simulator) -> None:
     kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
     sim.set_latency("launch_kernel", 0.05)

@@ -35,9 +35,11 @@ stream order, once for the whole grid (write vectorised numpy, not per-thread co
   the length you need (NULL arrives as None);
 * a scalar arrives as a numpy scalar of the declared type.
 
-An ``IndexError`` or ``ValueError`` it raises poisons the device as an out-of-bounds
-access would. Implementations must not wait for other simulated work (no GPU kernel may
-either). ``Program.compile()`` still compiles with NVRTC where it is installed, so the
+Whatever it raises -- an ``IndexError``, as an out-of-bounds access would on a GPU, a
+failed ``assert``, ``pytest.fail()`` -- poisons the device: the awaits and later calls
+raise :class:`~aiocuda.errors.ContextPoisonedError`, whose ``__cause__`` is what the
+implementation raised. Implementations must not wait for other simulated work (no GPU
+kernel may either). ``Program.compile()`` still compiles with NVRTC where it is installed, so the
 CUDA source is checked too.
 """
 

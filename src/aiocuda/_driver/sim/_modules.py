@@ -34,10 +34,11 @@ the stream's worker thread, in stream order, as ``impl(launch, *args)``:
 * a scalar arrives as a numpy scalar of the declared type; a struct or vector argument
   as a numpy record (``np.void``) of its dtype (fields by name: ``v["x"]``).
 
-It computes the whole grid's result at once (vectorised numpy), not per thread. An
-``IndexError``/``ValueError`` it raises poisons the device with ``ILLEGAL_ADDRESS``, as
-an out-of-bounds access would on a GPU. For a template kernel the implementation is
-looked up under the full name expression (``"axpy<float>"``) first, then the bare name.
+It computes the whole grid's result at once (vectorised numpy), not per thread.
+Whatever it raises (an ``IndexError``, as an out-of-bounds access would on a GPU; any
+``BaseException``) poisons the device with ``ILLEGAL_ADDRESS``, chained to it. For a
+template kernel the implementation is looked up under the full name expression
+(``"axpy<float>"``) first, then the bare name.
 """
 
 from __future__ import annotations

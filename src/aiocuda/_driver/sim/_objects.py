@@ -23,7 +23,8 @@ Operations themselves run outside the lock.
 Failure model (what ``SimCore._enqueue`` documents): an operation raising a
 :class:`CudaError` with a non-sticky code leaves that error on the device for its next
 seam call; a sticky code poisons the device; any other exception (a kernel
-implementation's ``IndexError``, ...) poisons it with ``CUDA_ERROR_ILLEGAL_ADDRESS``.
+implementation's ``IndexError``, a ``pytest.fail()``: any ``BaseException``) poisons it
+with ``CUDA_ERROR_ILLEGAL_ADDRESS``.
 Once the device is poisoned or the driver stopped, a worker runs nothing more -- host
 functions (doorbells) included, as on the real driver.
 """
@@ -555,11 +556,15 @@ class SimStream:
             return False
         try:
             fn()
-        except Exception as exc:
+        except BaseException as exc:
+            # BaseException too: pytest.fail(), pytest.skip() and sys.exit() in a kernel's
+            # implementation raise one, and escaping here it ended the worker thread (the
+            # stream still scheduled, so its work and every await of it stayed pending).
+            # No signal reaches a worker thread, so this catches no KeyboardInterrupt.
             self._fail(name, exc)
         return True
 
-    def _fail(self, name: str, exc: Exception) -> None:
+    def _fail(self, name: str, exc: BaseException) -> None:
         where = f"operation {name!r} on stream {self.value:#x}"
         if isinstance(exc, CudaError) and exc.code is not None:
             if exc.code not in STICKY_CODES:
