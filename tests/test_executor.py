@@ -472,6 +472,29 @@ async def test_map_needs_an_open_executor_and_valid_options(sim_backend: Any, an
         await ex.submit(ScaleStage(REPS), np.ones(4, np.float32))
 
 
+async def test_map_refuses_bad_options_at_the_call_naming_them(sim_backend: Any, anyio_backend: Any) -> None:
+    """map() checks its options when called, as the constructor does: a float in_flight
+    reached anyio's semaphore ('initial_value must be an integer') on entering, a string
+    failed a comparison, a truthy ordered="no" was taken as True, and a stage or output
+    that cannot be called failed every chunk with "'NoneType' object is not callable"."""
+    inputs = chunks(2)
+    async with Executor([0]) as ex:
+        for options, error, match in [
+            ({"in_flight": 2.5}, TypeError, "in_flight must be an int"),
+            ({"in_flight": "3"}, TypeError, "in_flight must be an int"),
+            ({"in_flight": True}, TypeError, "in_flight must be an int"),
+            ({"in_flight": 0}, ValueError, "in_flight must be >= 1"),
+            ({"ordered": "no"}, TypeError, "ordered must be True or False, not str"),
+            ({"ordered": None}, TypeError, "ordered must be True or False, not NoneType"),
+            ({"output": 5}, TypeError, "output must be callable"),
+        ]:
+            with pytest.raises(error, match=match):
+                ex.map(ScaleStage(REPS), inputs, **options)
+        with pytest.raises(TypeError, match="stage must be callable"):
+            ex.map(None, inputs)  # type: ignore[arg-type]
+        assert len(await ex.run(ScaleStage(REPS), inputs, in_flight=np.int64(1))) == 2
+
+
 def test_bad_executor_options_are_refused_when_made_naming_the_option() -> None:
     """Each option's own type and range are checked by the constructor: a float chunk
     count was taken, then refused on entering as the lanes' 'count'."""

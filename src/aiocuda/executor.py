@@ -322,11 +322,17 @@ class Executor:
                 back-pressure and errors as without.
         """
         self._check_open()
-        if not isinstance(graph, bool):
-            raise TypeError(f"graph must be True or False, not {type(graph).__name__}")
-        limit = in_flight if in_flight is not None else self._chunks_per_device * len(self._device_streams)
-        if limit < 1:
-            raise ValueError(f"in_flight must be >= 1, got {limit}")
+        if not callable(stage):
+            raise TypeError(f"stage must be callable: stage(ctx, x) -> DeviceArray | None, not {type(stage).__name__}")
+        if output is not None and not callable(output):
+            raise TypeError(f"output must be callable: output(index, result) -> ndarray, not {type(output).__name__}")
+        for flag, value in (("ordered", ordered), ("graph", graph)):
+            if not isinstance(value, bool):  # (a truthy "no" or None was taken as its truth value)
+                raise TypeError(f"{flag} must be True or False, not {type(value).__name__}")
+        if in_flight is None:
+            limit = self._chunks_per_device * len(self._device_streams)
+        else:  # (a float or numpy integer reached anyio's semaphore: "initial_value must be an integer")
+            limit = at_least(in_flight, 1, "in_flight")
         if on_error not in ("raise", "continue"):
             raise ValueError(f"on_error must be 'raise' or 'continue', got {on_error!r}")
         if placement not in ("round_robin", "least_loaded"):
