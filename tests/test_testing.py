@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import pathlib
 import subprocess
 import sys
@@ -104,6 +105,20 @@ def test_latency_makes_operations_take_time(sim: aiocuda.testing.Simulator) -> N
         end = stream.record(timing=True)
         stream.synchronize()
         assert end.elapsed_ms(since=start) >= 50.0
+
+
+@pytest.mark.parametrize("seconds", [-1.0, math.inf, math.nan, 1e300])
+@pytest.mark.anyio
+async def test_a_latency_that_cannot_be_waited_is_refused(
+    sim: aiocuda.testing.Simulator, seconds: float, anyio_backend: object
+) -> None:
+    """An infinite (or too long to wait) latency used to end the worker thread that timed
+    it, and then every worker after it: every stream stalled. NaN meant none at all."""
+    with pytest.raises(ValueError, match="latency"):
+        sim.set_latency("memcpy_htod_async", seconds)
+    with aiocuda.Stream() as stream, anyio.fail_after(10):
+        x = await aiocuda.to_device(np.ones(4, np.float32), stream=stream)
+        assert (await x.to_host(stream=stream) == 1).all()
 
 
 def test_an_injected_fault_fails_that_call(sim: aiocuda.testing.Simulator) -> None:

@@ -185,7 +185,10 @@ class Simulator(metaclass=NoPublicConstructor):
     def set_latency(self, operation: Operation, seconds: float) -> None:
         """Make every ``operation`` wait ``seconds`` on its stream before it runs (0:
         none), so that events around it measure at least that long and work on other
-        streams overlaps with it, as on a GPU. No thread is held meanwhile."""
+        streams overlaps with it, as on a GPU. No thread is held meanwhile.
+
+        ``seconds`` is finite (a ValueError otherwise): to hold a stream's work until
+        you let it go, :meth:`pause` the stream."""
         self._sim.set_latency(operation, seconds)
 
     def inject_fault(self, code: int = ResultCode.UNKNOWN, *, at_call: int = 1, call: str | None = None) -> None:

@@ -357,8 +357,15 @@ class SimCore:
         ``"event_record"``, ``"stream_wait_event"``, ``"launch_doorbell"`` here; the
         memory and module mixins document theirs.
         """
-        if seconds < 0:
-            raise ValueError(f"latency must be >= 0 seconds, got {seconds}")
+        # The timekeeper waits for a latency on a Condition, which refuses a timeout
+        # beyond threading.TIMEOUT_MAX (about 292 years on Linux): the OverflowError ended
+        # that worker, and every worker that took its place, so every stream stalled.
+        # (NaN fails the comparison: it meant no latency at all.)
+        if not 0 <= seconds <= threading.TIMEOUT_MAX:
+            raise ValueError(
+                f"latency must be between 0 and {threading.TIMEOUT_MAX:.0f} seconds, got {seconds} "
+                "(to hold a stream's work until you let it go, pause the stream)"
+            )
         if seconds:
             self._workers.latency[name] = seconds
         else:
