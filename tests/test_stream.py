@@ -352,6 +352,20 @@ def test_wrap_takes_a_library_default_streams_device(backend: _driver.Driver) ->
         assert Stream.wrap(TorchLike(int(s1))).device is Device(1)
 
 
+@pytest.mark.multi_gpu
+def test_wrap_refuses_a_device_the_stream_is_not_of(backend: _driver.Driver) -> None:
+    """``device=`` names the device of a default stream (0, 1, 2), which the value does
+    not; a stream of its own is of the device the driver says. Taken as another device,
+    every await, record and hold of the wrapper failed with the driver's error for an
+    event of one device recorded into a stream of another."""
+    with Stream(1) as s1:
+        for foreign in (int(s1), s1):
+            with pytest.raises(ArgumentError, match="is a stream of device 1, not of device 0"):
+                Stream.wrap(foreign, device=0)
+        assert Stream.wrap(int(s1), device=1).device is Device(1)
+        assert Stream.wrap(s1, device=Device(1)) is s1
+
+
 def test_wrap_foreign_stream_without_ownership(backend: _driver.Driver) -> None:
     owner = Stream(0)
     raw = owner.__cuda_stream__()[1]

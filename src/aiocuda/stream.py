@@ -146,6 +146,16 @@ def _protocol_handle(obj: Any, returned: Any) -> int:
     )
 
 
+def _check_wrapped_device(what: object, dev: Device, device: Device | int | None) -> None:
+    """ArgumentError unless ``device`` (``Stream.wrap``'s) is None or ``dev``, the
+    device of the stream ``what``."""
+    if device is not None and _as_device(device) is not dev:
+        raise invalid_value(
+            f"{what} is a stream of device {dev.ordinal}, not of device {_as_device(device).ordinal} "
+            "(a device given names the device of a default stream: 0, 1 or 2)"
+        )
+
+
 def _declared_ordinal(obj: Any) -> int | None:
     """The device a library's stream object says it is of, where it says: PyTorch's
     ``device_index``, CuPy's ``device_id``, cuda.core's ``device.device_id``."""
@@ -251,23 +261,30 @@ class Stream:
 
         The device is the stream's; for a default stream (0, 1 or 2: PyTorch's and CuPy's
         default streams among them) it is the device its object names, and a raw 0, 1 or
-        2 is device 0's unless ``device`` says otherwise.
+        2 is device 0's unless ``device`` says otherwise. A ``device`` other than that of
+        a stream of its own raises :class:`~aiocuda.errors.ArgumentError`.
         """
         if isinstance(obj, Stream):
+            _check_wrapped_device(obj, obj.device, device)
             return obj
         value, owner = _foreign_handle(obj)
-        if device is None and value in (0, 1, 2):
-            # A default stream's value names no device (PyTorch's default stream is 0 on
-            # every device; the driver answers for the thread's current context): taken
-            # as device 0's, an await on device 1's waited for device 0's work instead.
-            device = _declared_ordinal(owner)
-        if device is None:
-            backend = Device(0)._driver
-            dev = Device(backend.stream_device_ordinal(backend.stream_from_value(value))) if value > 2 else Device(0)
+        if value > 2:
+            driver = Device(0)._driver
+            handle = driver.stream_from_value(value)
+            dev = Device(driver.stream_device_ordinal(handle))
+            # (taken as another device, every await, record and hold of the wrapper
+            # failed: an event of one device cannot be recorded into another's stream)
+            _check_wrapped_device(f"handle {value:#x}", dev, device)
         else:
+            if device is None:
+                # A default stream's value names no device (PyTorch's default stream is 0
+                # on every device; the driver answers for the thread's current context):
+                # taken as device 0's, an await on device 1's waited for device 0's work.
+                device = _declared_ordinal(owner)
             dev = _as_device(device)
+            handle = dev._driver.stream_from_value(value)
         self = object.__new__(cls)
-        self._setup(dev, dev._driver.stream_from_value(value), owned=False, owner=owner)
+        self._setup(dev, handle, owned=False, owner=owner)
         return self
 
     @staticmethod
