@@ -495,6 +495,17 @@ async def test_map_refuses_bad_options_at_the_call_naming_them(sim_backend: Any,
         assert len(await ex.run(ScaleStage(REPS), inputs, in_flight=np.int64(1))) == 2
 
 
+async def test_run_refuses_the_options_it_cannot_honour(sim_backend: Any, anyio_backend: Any) -> None:
+    """run() returns values in input order and raises the first error: it took ordered
+    and on_error and overrode them, so on_error="continue" raised all the same."""
+    async with Executor([0]) as ex:
+        for options in ({"on_error": "continue"}, {"ordered": False}):
+            with pytest.raises(TypeError, match="unexpected keyword argument"):
+                await ex.run(failing_at(1), chunks(3), **options)
+        values = await ex.run(ScaleStage(REPS), chunks(3), in_flight=2, placement="least_loaded", name="scale")
+    assert len(values) == 3
+
+
 def test_bad_executor_options_are_refused_when_made_naming_the_option() -> None:
     """Each option's own type and range are checked by the constructor: a float chunk
     count was taken, then refused on entering as the lanes' 'count'."""

@@ -442,13 +442,22 @@ class Executor:
         self,
         stage: Stage,
         inputs: Iterable[npt.NDArray[Any]] | AsyncIterable[npt.NDArray[Any]],
-        **options: Any,
+        *,
+        in_flight: int | None = None,
+        placement: PlacementName = "round_robin",
+        output: OutputFn | None = None,
+        name: str | None = None,
+        graph: bool = False,
     ) -> list[npt.NDArray[Any]]:
-        """Run :meth:`map` to the end and return the results in input order (raising the
-        first chunk's error)."""
-        options["ordered"] = True
-        options["on_error"] = "raise"
-        async with self.map(stage, inputs, **options) as results:
+        """Run :meth:`map` to the end and return the results in input order, raising the
+        first chunk's error. The options are :meth:`map`'s; for results as they complete,
+        or failures delivered rather than raised, use :meth:`map` itself."""
+        # (ordered and on_error are not options: run() took them and overrode them, so
+        # on_error="continue" still raised and ordered=False still waited for the order.)
+        pipeline = self.map(
+            stage, inputs, in_flight=in_flight, placement=placement, output=output, name=name, graph=graph
+        )
+        async with pipeline as results:
             return [r.value async for r in results]
 
     # -- state ------------------------------------------------------------------------------
