@@ -569,6 +569,20 @@ async def test_one_task_reads_a_maps_results(slow_sim: Any, anyio_backend: Any) 
     assert len(errors) == 1 and "one task iterates a map" in str(errors[0])
 
 
+async def test_reading_a_map_after_its_block_says_the_block_was_left(sim_backend: Any, anyio_backend: Any) -> None:
+    """Results left when the block ended are gone: reading them raises an error that says
+    why (it was anyio's ClosedResourceError with no message); a map read to its end
+    simply ends again."""
+    async with Executor([0]) as ex:
+        async with ex.map(ScaleStage(REPS), chunks(4)) as left_early:
+            await left_early.__anext__()
+        with pytest.raises(anyio.ClosedResourceError, match="block has been left"):
+            await left_early.__anext__()
+        async with ex.map(ScaleStage(REPS), chunks(2)) as read_through:
+            assert len([r async for r in read_through]) == 2
+        assert [r async for r in read_through] == []
+
+
 async def test_an_input_error_comes_after_the_results_before_it(sim_backend: Any, anyio_backend: Any) -> None:
     async def inputs() -> Any:
         for array in chunks(3):

@@ -153,7 +153,10 @@ class ChunkMap:
                     raise error
                 raise StopAsyncIteration
             if self._closed:
-                raise anyio.ClosedResourceError
+                raise anyio.ClosedResourceError(
+                    "this map's block has been left, which ended it: read its results inside the block "
+                    "(async with ....map(...) as results: async for r in results: ...)"
+                )
             if not arrived:  # (results already sent are taken without a trip through the loop)
                 if self._arrival is not None:
                     raise RuntimeError("another task is reading these results: one task iterates a map")
