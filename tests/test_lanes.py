@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 from aiocuda import _driver
 from aiocuda._cli.demo import ScaleStage, scale_reference
 from aiocuda._completion.engine import current_engine
+from aiocuda._executor import lane as lane_module
+from aiocuda._executor import lanes as lanes_module
 from aiocuda.device import Device
-from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError
+from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError, OutOfMemoryError
 from aiocuda.host import pinned_empty
 from aiocuda.lanes import Lane, Lanes, Priority
 from aiocuda.memory import MemoryPool
@@ -628,6 +630,39 @@ async def test_setup_runs_once_per_lane_at_start(sim_backend: Any, anyio_backend
         assert seen == [0, 1, 2]
         assert [lane.state for lane in lanes.lanes] == ["state 0", "state 1", "state 2"]
         assert "3 lanes: 0 leased" in repr(lanes)
+    with pytest.raises(ClosedError):
+        async with lanes.lease():
+            pass
+
+
+@pytest.mark.parametrize("failing", ["stream", "staging"])
+async def test_a_start_that_runs_out_of_memory_leaves_no_stream_behind(
+    backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """The driver refuses the third lane's high-priority stream, or its staging block:
+    start() raises that error, the pool is closed, and every stream made for it before
+    is closed too (they were made off the loop, before the pool had any lane)."""
+    made: list[Stream] = []
+
+    def make_stream(*args: Any, **kwargs: Any) -> Stream:
+        if failing == "stream" and len(made) == 4:
+            raise OutOfMemoryError("out of memory (injected)")
+        made.append(Stream(*args, **kwargs))
+        return made[-1]
+
+    def staging(*args: Any, **kwargs: Any) -> np.ndarray:
+        if len(made) == 6:
+            raise OutOfMemoryError("out of memory (injected)")
+        return pinned_empty(*args, **kwargs)
+
+    monkeypatch.setattr(lanes_module, "Stream", make_stream)
+    if failing == "staging":
+        monkeypatch.setattr(lane_module, "pinned_empty", staging)
+    lanes = Lanes(count=4, priorities=("normal", "high"))
+    with pytest.raises(OutOfMemoryError, match="injected"):
+        await lanes.start()
+    assert is_closed(lanes) and len(made) == {"stream": 4, "staging": 6}[failing]
+    assert all(stream.closed for stream in made)
     with pytest.raises(ClosedError):
         async with lanes.lease():
             pass

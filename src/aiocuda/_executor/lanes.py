@@ -255,15 +255,32 @@ class Lanes:
         count = self._count if self._count is not None else default_count(device)
         value = {p: stream_priority(device, p) for p in self._priorities}
         lanes = []
-        for index in range(count):
-            streams = {p: Stream(device, priority=value[p]) for p in self._priorities}
-            lanes.append(Lane(index, device, streams, self._staging))
-        # Awaits and holds record pooled events: make enough for every lane at once now
-        # rather than on the loop under load.
-        pool = EventPool.for_device(device)
-        events = [pool.acquire() for _ in range(4 * count * len(self._priorities))]
-        for event in events:
-            pool.release(event)
+        made: list[Stream] = []
+        try:
+            for index in range(count):
+                streams = {}
+                for p in self._priorities:
+                    streams[p] = stream = Stream(device, priority=value[p])
+                    made.append(stream)
+                lanes.append(Lane(index, device, streams, self._staging))
+            # Awaits and holds record pooled events: make enough for every lane at once now
+            # rather than on the loop under load.
+            pool = EventPool.for_device(device)
+            events: list[Any] = []
+            try:
+                for _ in range(4 * count * len(self._priorities)):
+                    events.append(pool.acquire())
+            finally:
+                for event in events:
+                    pool.release(event)
+        except BaseException:
+            # (Out of memory or streams at lane k: the streams made so far would outlive
+            # the pool, which never saw them. Nothing is enqueued on them yet; the staging
+            # blocks go with their lanes.)
+            for stream in made:
+                with contextlib.suppress(CudaError):
+                    stream.close()
+            raise
         return tuple(lanes)
 
     async def aclose(self) -> None:
