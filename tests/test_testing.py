@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import typing
 from collections.abc import Iterator
 
 import anyio
@@ -119,6 +120,15 @@ async def test_a_latency_that_cannot_be_waited_is_refused(
     with aiocuda.Stream() as stream, anyio.fail_after(10):
         x = await aiocuda.to_device(np.ones(4, np.float32), stream=stream)
         assert (await x.to_host(stream=stream) == 1).all()
+
+
+def test_a_latency_names_an_operation_the_simulator_runs(sim: aiocuda.testing.Simulator) -> None:
+    """A misspelt name used to be kept and slow nothing down."""
+    with pytest.raises(ValueError, match=r"set_latency\('launch_kernal'\).*launch_kernel"):
+        sim.set_latency("launch_kernal", 0.01)  # type: ignore[arg-type]
+    for operation in typing.get_args(aiocuda.testing.Operation):
+        sim.set_latency(operation, 0.01)
+        sim.set_latency(operation, 0)
 
 
 def test_an_injected_fault_fails_that_call(sim: aiocuda.testing.Simulator) -> None:

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy.typing as npt
 
@@ -79,11 +79,15 @@ Operation = Literal[
     "event_record",
     "stream_wait_event",
     "launch_doorbell",
+    "graph_launch",
 ]
 """The simulated operations :meth:`Simulator.set_latency` can slow down: copies host to
 device, device to host, device to device and between devices; 2D and 3D copies; memsets;
 kernel launches; stream-ordered frees; managed-memory prefetches and attachments; event
-records; cross-stream waits; host functions."""
+records; cross-stream waits; host functions; a CUDA graph's replay as a whole (its nodes
+take their own operations' latencies too)."""
+
+_OPERATIONS = frozenset(get_args(Operation))
 
 
 class KernelLaunch(Protocol):
@@ -187,8 +191,15 @@ class Simulator(metaclass=NoPublicConstructor):
         none), so that events around it measure at least that long and work on other
         streams overlaps with it, as on a GPU. No thread is held meanwhile.
 
-        ``seconds`` is finite (a ValueError otherwise): to hold a stream's work until
-        you let it go, :meth:`pause` the stream."""
+        ``operation`` is one of :data:`Operation` and ``seconds`` is finite (a
+        ValueError otherwise): to hold a stream's work until you let it go,
+        :meth:`pause` the stream."""
+        if operation not in _OPERATIONS:
+            # (A name the simulator runs nothing under was kept, and slowed nothing.)
+            raise ValueError(
+                f"set_latency({operation!r}): not an operation the simulator runs on a stream; "
+                f"one of {', '.join(sorted(_OPERATIONS))}"
+            )
         self._sim.set_latency(operation, seconds)
 
     def inject_fault(self, code: int = ResultCode.UNKNOWN, *, at_call: int = 1, call: str | None = None) -> None:
