@@ -14,7 +14,7 @@ import pytest
 import aiocuda
 from aiocuda import _driver
 from aiocuda.device import Device
-from aiocuda.errors import ArgumentError, BlockingCallWarning
+from aiocuda.errors import ArgumentError, BlockingCallWarning, CudaError
 from aiocuda.event import Event
 from aiocuda.stream import Stream, current_stream, use_stream
 
@@ -505,6 +505,39 @@ async def test_elapsed_ms_is_the_drivers_figure(backend: _driver.Driver, anyio_b
         elapsed = end.elapsed_ms(since=start)
         assert elapsed == backend.event_elapsed_ms(start.handle, end.handle)
         assert 45 <= elapsed <= host_ms, (elapsed, host_ms)
+
+
+def test_elapsed_ms_says_what_is_wrong(backend: _driver.Driver) -> None:
+    """An event never recorded, or not yet complete, or no Event at all: the real driver
+    says only "invalid resource handle" or "device not ready", and a ``since`` that is no
+    Event was told it needs timing=True."""
+    with Stream(0) as s:
+        start, end, never = (Event(0, timing=True) for _ in range(3))
+        start.record(s)
+        with Gate(s):
+            end.record(s)
+            with pytest.raises(CudaError, match=r"elapsed_ms: this event has not completed yet: await it"):
+                end.elapsed_ms(since=start)
+        end.synchronize()
+        with pytest.raises(ArgumentError, match=r"elapsed_ms: since= was never recorded"):
+            end.elapsed_ms(since=never)
+        with pytest.raises(ArgumentError, match=r"elapsed_ms: this event was never recorded"):
+            never.elapsed_ms(since=start)
+        with pytest.raises(TypeError, match="elapsed_ms takes since=an Event, not int"):
+            end.elapsed_ms(since=3)  # type: ignore[arg-type]
+        assert end.elapsed_ms(since=start) >= 0
+
+
+@pytest.mark.multi_gpu
+def test_elapsed_ms_refuses_events_of_two_devices(backend: _driver.Driver) -> None:
+    """The real driver fails cuEventElapsedTime for events of two devices (with "invalid
+    resource handle"); the simulator measured them."""
+    with Stream(0) as s0, Stream(1) as s1:
+        start, end = Event(0, timing=True).record(s0), Event(1, timing=True).record(s1)
+        start.synchronize()
+        end.synchronize()
+        with pytest.raises(ArgumentError, match="events of device 1 and device 0"):
+            end.elapsed_ms(since=start)
 
 
 def test_priority_and_flags_getters(backend: _driver.Driver) -> None:

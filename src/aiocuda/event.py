@@ -20,7 +20,7 @@ from ._completion.engine import current_engine
 from ._completion.event_pool import EventPool
 from ._completion.loops import warn_if_on_loop
 from .device import Device, _as_device
-from .errors import ArgumentError, CaptureError, ResultCode
+from .errors import ArgumentError, CaptureError, CudaError, ResultCode
 
 __all__ = ["Event"]
 
@@ -225,13 +225,34 @@ class Event:
             self._give_back()
 
     def elapsed_ms(self, since: Event) -> float:
-        """GPU milliseconds from ``since`` to this event; both need ``timing=True`` and
-        must have completed."""
+        """GPU milliseconds from ``since`` to this event: two events of one device, made
+        with ``timing=True``, recorded, and complete (``await`` this one first).
+
+        Raises :class:`~aiocuda.errors.ArgumentError` for events without timing, of two
+        devices, or never recorded, and :class:`~aiocuda.errors.CudaError` (code
+        ``NOT_READY``) for one that has not completed yet."""
+        if not isinstance(since, Event):
+            raise TypeError(f"elapsed_ms takes since=an Event, not {type(since).__name__}")
+        start, end = since._live(), self._live()
+        # The real driver says only "invalid resource handle" for all but the first of
+        # these, and the simulator measured events of two devices.
         if not (self.timing and since.timing):
-            raise ArgumentError(
-                "elapsed_ms needs two events created with timing=True", name="CUDA_ERROR_INVALID_HANDLE"
+            raise _invalid_handle("elapsed_ms needs two events created with timing=True")
+        if since._device is not self._device:
+            raise _invalid_handle(
+                f"elapsed_ms: events of device {self._device.ordinal} and device {since._device.ordinal}: the GPU "
+                "times events of one device only"
             )
-        return self._driver.event_elapsed_ms(since._live(), self._live())
+        for event, which in ((self, "this event"), (since, "since=")):
+            if event._stream_handle is None:
+                raise _invalid_handle(f"elapsed_ms: {which} was never recorded")
+        try:
+            return self._driver.event_elapsed_ms(start, end)
+        except CudaError as exc:
+            if exc.code != ResultCode.NOT_READY:
+                raise
+            which = "since=" if self._driver.event_query(end) else "this event"
+            raise CudaError.like(exc, f"elapsed_ms: {which} has not completed yet: await it first") from None
 
     def close(self) -> None:
         """Release the event now instead of when it is garbage-collected (once awaits of it
@@ -249,6 +270,11 @@ class Event:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "unrecorded" if self._stream_handle is None else "recorded"
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"
+
+
+def _invalid_handle(message: str) -> ArgumentError:
+    """The error for events the driver would refuse as ``CUDA_ERROR_INVALID_HANDLE``."""
+    return ArgumentError(message, code=ResultCode.INVALID_HANDLE, name="CUDA_ERROR_INVALID_HANDLE")
 
 
 def _captured(what: str, capture: Any) -> CaptureError:
