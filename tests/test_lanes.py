@@ -668,6 +668,38 @@ async def test_a_start_that_runs_out_of_memory_leaves_no_stream_behind(
             pass
 
 
+@pytest.mark.parametrize("raises", ["sync", "async"])
+async def test_a_setup_that_raises_fails_the_start_and_frees_what_it_made(
+    backend: Any, anyio_backend: Any, raises: str
+) -> None:
+    """The second lane's setup allocates its scratch, then runs out of memory (or
+    raises, after an await): start() raises that error, the pool is closed, and the
+    memory every setup made -- the failing one's too -- is freed with it."""
+    baseline = used_bytes()
+
+    def make_scratch(lane: Lane) -> Any:
+        scratch = lane.empty(1 << 16, np.uint8)
+        if lane.index == 1:
+            lane.empty(2 * lane.device.total_memory, np.uint8)
+        return scratch
+
+    async def make_scratch_then_fail(lane: Lane) -> Any:
+        scratch = lane.empty(1 << 16, np.uint8)
+        await anyio.lowlevel.checkpoint()
+        if lane.index == 1:
+            raise ValueError("setup failed")
+        return scratch
+
+    setup = make_scratch if raises == "sync" else make_scratch_then_fail
+    lanes = Lanes(count=3, setup=setup)
+    with pytest.raises(OutOfMemoryError if raises == "sync" else ValueError):
+        await lanes.start()
+    assert is_closed(lanes) and all(lane.stream.closed for lane in lanes.lanes)
+    for lane in lanes.lanes:
+        await lane.stream  # (closed: the frees enqueued before it closed have run)
+    assert used_bytes() == baseline
+
+
 async def test_default_count_comes_from_the_device(sim_backend: Any, anyio_backend: Any) -> None:
     async with Lanes() as lanes:
         sms = Device(0).multiprocessor_count

@@ -238,6 +238,8 @@ class Lanes:
                 self._last[lane.index] = lane.stream
                 lane._leased = False
         except BaseException:
+            for lane in self._lanes:  # what a failed setup made is no lane's own: freed as by a lease
+                lane._end()
             self._free = list(self._lanes)
             self.close()
             raise
