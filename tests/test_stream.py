@@ -253,6 +253,32 @@ async def test_a_closed_stream_holds_objects_until_its_work_is_done(
     assert alive() is None
 
 
+async def test_a_closed_current_stream_holds_objects_too(backend: _driver.Driver, anyio_backend: object) -> None:
+    """A closed stream's holds are kept by a live stream of its device, made to wait for
+    its end: that was the task's current stream, so inside ``use_stream(s)`` the closed
+    ``s`` itself, which refused them (ArgumentError: closed)."""
+
+    class Kept:
+        pass
+
+    s = Stream(0)
+    with use_stream(s):
+        slow_op(s, 0.05)
+        s.close()
+        kept = Kept()
+        alive = weakref.ref(kept)
+        s.hold(kept)
+        del kept
+        gc.collect()
+        assert alive() is not None
+        await s
+    keeper = current_stream(0)
+    await keeper
+    await keeper  # (an await drops the holds done before it starts)
+    gc.collect()
+    assert alive() is None
+
+
 def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
     with Stream(0) as s:
         for event in (Event(0).record(s), s.record()):

@@ -442,7 +442,8 @@ class Stream:
             self._capture.hold(objs)
             return
         if self._closed:  # kept by the device's stream, made to wait for this one's end
-            keeper = current_stream(self.device)
+            # (not the current stream: inside use_stream(self), that is this closed one)
+            keeper = _default_stream(self.device)
             keeper.wait(self)
             keeper.hold(*objs)
             return
@@ -549,6 +550,14 @@ def _check_stream(stream: object) -> None:
         foreign = isinstance(stream, int) or hasattr(stream, "__cuda_stream__")
         hint = " (Stream.wrap(obj) adopts a foreign stream or a raw handle)" if foreign else ""
         raise TypeError(f"stream must be an aiocuda Stream, not {type(stream).__name__}{hint}")
+
+
+def _default_stream(device: Device) -> Stream:
+    """``device``'s default aiocuda stream, made on first use and after it was closed."""
+    stream = _defaults.get(device)
+    if stream is None or stream._closed:
+        stream = _defaults[device] = Stream(device)
+    return stream
 
 
 def current_stream(device: Device | int | None = None) -> Stream:
