@@ -71,6 +71,22 @@ def test_replays_of_one_executable_graph_run_one_after_another(sim: SimDriver) -
     assert log == ["x", "x", "after"]
 
 
+def test_a_graph_launch_latency_slows_a_replay_once(sim: SimDriver) -> None:
+    """``set_latency("graph_launch", s)`` makes a replay as a whole take ``s``; it was
+    applied twice, before the replay's nodes and again to its closing operation."""
+    stream = _stream(sim)
+    log, op = recorder()
+    gexec = sim.graph_instantiate(_capture(sim, stream, op("x")))
+    start, end = (sim.event_create(timing=True, blocking_sync=False) for _ in range(2))
+    sim.set_latency("graph_launch", 0.25)
+    sim.event_record(start, stream)
+    sim.graph_launch(gexec, stream)
+    sim.event_record(end, stream)
+    sim.stream_synchronize(stream)
+    assert log == ["x"]
+    assert 250 <= sim.event_elapsed_ms(start, end) < 400  # twice: 500
+
+
 def test_doorbell_captured_rings_on_every_replay(sim: SimDriver) -> None:
     stream = _stream(sim)
     bell = SemaphoreDoorbell()

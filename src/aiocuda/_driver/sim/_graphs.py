@@ -491,7 +491,9 @@ class SimGraphs:
                     op.event.point, op.event.captured = point, None
                 else:
                     self._submit(sim, op, name)
-            seq = self._submit(sim, _ReplayDone(self, gexec), "graph_launch")
+            # (Not named "graph_launch": a latency set for that slows the replay once,
+            # at its start, not again at its end.)
+            seq = self._submit(sim, _ReplayDone(self, gexec), _REPLAY_DONE)
         except BaseException:
             gexec.pending -= 1
             raise
@@ -582,6 +584,10 @@ class _ReplayDone:
         gexec.pending -= 1
         if gexec.destroyed and not gexec.pending:
             self.driver._exec_done(gexec)
+
+
+_REPLAY_DONE = "graph_replay_done"
+"""The name a replay's closing operation (:class:`_ReplayDone`) is enqueued under."""
 
 
 def _nothing() -> None:
