@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import traceback
+import warnings
 from collections.abc import AsyncIterator, Iterator
 from functools import partial
 from typing import Any
@@ -256,6 +257,32 @@ async def test_breaking_out_early_cancels_the_rest(slow_sim: Any, anyio_backend:
                 break
         await ex.synchronize()
         assert used_bytes() == baseline
+
+
+@pytest.mark.parametrize("source", ["list", "async generator"])
+async def test_a_map_ended_early_leaves_no_generator_of_its_own_unclosed(
+    sim_backend: Any, source: str, anyio_backend: Any
+) -> None:
+    """The feeder reads the inputs through an async generator of its own; a map ended
+    while the feeder waited for a slot left it to the garbage collector, and trio warned
+    (ResourceWarning: Async generator '..._aiter' was garbage collected before it had
+    been exhausted)."""
+
+    async def generated(inputs: list[np.ndarray]) -> AsyncIterator[np.ndarray]:
+        for host in inputs:
+            yield host
+
+    async with Executor([0]) as ex:
+        inputs = chunks(10)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            async with ex.map(
+                ScaleStage(REPS), inputs if source == "list" else generated(inputs), in_flight=2
+            ) as results:
+                async for _ in results:
+                    break
+            gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
 class Boom(Exception):

@@ -14,8 +14,9 @@ is raised to the consumer, with a note saying where it ran, and cancels the rest
 from __future__ import annotations
 
 import collections
+import contextlib
 import sys
-from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
 from typing import Any, Literal
 
@@ -206,13 +207,18 @@ class ChunkMap:
     async def _feed(self) -> None:
         index = 0
         try:
-            async for host in _aiter(self._inputs):
-                array = as_input(host)
-                self._input_read(index, array)
-                if not self._take_slot_nowait():
-                    await self._slots.acquire()
-                await self._start_chunk(index, array)
-                index += 1
+            # Closed when the feeder ends, however it ends: left to the garbage collector
+            # (the map ended early, the feeder cancelled between inputs), trio warned
+            # "Async generator '..._aiter' was garbage collected before it had been
+            # exhausted" and asyncio scheduled a task to close it.
+            async with contextlib.aclosing(_aiter(self._inputs)) as inputs:
+                async for host in inputs:
+                    array = as_input(host)
+                    self._input_read(index, array)
+                    if not self._take_slot_nowait():
+                        await self._slots.acquire()
+                    await self._start_chunk(index, array)
+                    index += 1
         except Exception as exc:
             self._send_result(_InputFailed(exc, index))
             return
@@ -271,7 +277,7 @@ def as_input(host: Any) -> npt.NDArray[Any]:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
 
-async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncIterator[Any]:
+async def _aiter(inputs: Iterable[Any] | AsyncIterable[Any]) -> AsyncGenerator[Any, None]:
     if isinstance(inputs, AsyncIterable):
         async for item in inputs:
             yield item
