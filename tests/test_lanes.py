@@ -581,6 +581,33 @@ async def test_lanes_not_started_say_so(sim_backend: Any, anyio_backend: Any) ->
         Lanes(staging="1M")  # type: ignore[arg-type]
 
 
+async def test_bad_arguments_are_refused_with_what_was_wrong(sim_backend: Any, anyio_backend: Any) -> None:
+    """A count of millions would pin memory until the host ran out; a str or None for
+    priorities, a setup that cannot be called or that yields (a teardown expected after
+    it) only failed later, with Python's own words or not at all."""
+    with pytest.raises(ValueError, match="count must be at most 1024 lanes, got 10000000"):
+        Lanes(count=10_000_000)
+    for priorities in ("normal", None):
+        with pytest.raises(TypeError, match="priorities must be a tuple"):
+            Lanes(priorities=priorities)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="setup must be a function of the lane"):
+        Lanes(setup=5)  # type: ignore[arg-type]
+
+    def scratch(lane: Lane) -> Any:
+        yield lane.empty(8)
+
+    async def async_scratch(lane: Lane) -> Any:
+        yield lane.empty(8)
+
+    for setup in (scratch, async_scratch):
+        lanes = Lanes(count=2, setup=setup)
+        with pytest.raises(TypeError, match="is a generator function"):
+            await lanes.start()
+        assert is_closed(lanes)
+        with pytest.raises(RuntimeError, match="runs once, on new lanes: these are closed"):
+            await lanes.start()
+
+
 async def test_a_failure_handled_inside_the_lease_is_still_the_pools(sim_backend: Any, anyio_backend: Any) -> None:
     async with Lanes(count=2) as lanes:
         async with lanes.lease() as lane:

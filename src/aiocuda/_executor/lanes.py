@@ -32,7 +32,7 @@ import inspect
 import math
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, Literal, NoReturn
@@ -56,6 +56,13 @@ Setup = Callable[["Lane"], Any]
 """``setup(lane)`` (sync or async) prepares one lane at start-up; its result is ``lane.state``."""
 
 _thread_id = threading.get_ident  # a lease from another thread is refused: 0.05 us a lease
+
+MAX_COUNT = 1024
+"""The most lanes a pool may have."""
+# A lane is a request on the GPU at once: a device runs at most 128 kernels at a time
+# (compute capability 9.0) over at most 32 hardware queues, so lanes beyond a few hundred
+# only cost their streams, events and pinned staging (1 GiB at 1024 of 1 MiB). A count
+# of millions (a typo) would pin memory off the loop until the host ran out, not cancellable.
 
 
 def default_count(device: Device) -> int:
@@ -136,15 +143,17 @@ class Lanes:
 
     Args:
         device: a :class:`~aiocuda.device.Device` or ordinal (default 0).
-        count: how many lanes, i.e. requests on the GPU at once (default: from the
-            device, :func:`default_count`).
-        priorities: the priorities leases may ask for: ``("normal",)`` or
+        count: how many lanes, i.e. requests on the GPU at once, at most 1024 (default:
+            from the device, :func:`default_count`).
+        priorities: the priorities leases may ask for, a tuple: ``("normal",)`` or
             ``("normal", "high")`` (a second stream per lane, of the device's greatest
             priority).
         staging: page-locked bytes per lane for copies of pageable host memory
             (default 1 MiB); a request that needs more borrows cached pinned blocks.
-        setup: ``setup(lane)``, sync or async, run once per lane at start-up on the event
-            loop; its result becomes ``lane.state``. The lane is awaited after it.
+        setup: ``setup(lane)``, a function or an ``async def`` (not a generator), run
+            once per lane at start-up on the event loop; its result becomes ``lane.state``.
+            The lane is awaited after it. Memory it makes with :meth:`Lane.empty` is the
+            lane's own, freed when the lanes close: nothing to tear down.
 
     Use as ``async with Lanes(...) as lanes:`` (in a lifespan), or call :meth:`start`
     and :meth:`aclose`.
@@ -160,7 +169,19 @@ class Lanes:
         setup: Setup | None = None,
     ) -> None:
         count = None if count is None else at_least(count, 1, "count")
+        if count is not None and count > MAX_COUNT:
+            raise ValueError(
+                f"count must be at most {MAX_COUNT} lanes, got {count}: a lane is a request on the GPU at "
+                "once, and requests beyond the lanes wait on the host for one (back-pressure)"
+            )
         staging = at_least(staging, 0, "staging (bytes)")
+        if isinstance(priorities, str) or not isinstance(priorities, Iterable):
+            raise TypeError(
+                f"priorities must be a tuple, ('normal',) or ('normal', 'high'), not {type(priorities).__name__} "
+                f"{priorities!r}"
+            )
+        if setup is not None and not callable(setup):
+            raise TypeError(f"setup must be a function of the lane (or an async def), not {type(setup).__name__}")
         unknown = [p for p in priorities if p not in PRIORITIES]
         if unknown or "normal" not in priorities:
             raise ValueError(f"priorities must include 'normal' and be among {PRIORITIES}, got {priorities!r}")
@@ -212,7 +233,7 @@ class Lanes:
         driver calls), then run ``setup`` on each lane and await it (on the loop: libraries
         keep per-thread state too)."""
         if self._state != "new":
-            raise RuntimeError(f"Lanes.start() called twice (the pool is {self._state})")
+            raise RuntimeError(f"Lanes.start() runs once, on new lanes: these are {self._state} already")
         self._state = "starting"
         self._started = anyio.Event()
         self._thread = _thread_id()
@@ -228,6 +249,16 @@ class Lanes:
                     state = self._setup(lane)
                     if inspect.isawaitable(state):
                         state = await state
+                    elif inspect.isgenerator(state) or inspect.isasyncgen(state):
+                        if inspect.isgenerator(state):
+                            state.close()
+                        else:
+                            await state.aclose()
+                        raise TypeError(
+                            f"setup must return the lane's state, and {self._setup!r} is a generator function (it "
+                            "yields): return the state instead. What setup makes with lane.empty() is freed when "
+                            "the lanes close"
+                        )
                     lane.state = state
                     lane._kept_for_life.extend(lane._buffers)  # setup's memory is the lane's own
                     lane._buffers.clear()
