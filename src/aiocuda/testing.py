@@ -206,8 +206,8 @@ class Simulator(metaclass=NoPublicConstructor):
         """Make the ``at_call``-th driver call from now fail with result ``code``.
 
         ``call`` counts only calls of that name (``"launch_kernel"``,
-        ``"memcpy_htod_async"``, ``"event_query"``, ...; a name the driver does not have
-        is a ValueError). The failing call raises the :class:`~aiocuda.errors.CudaError`
+        ``"memcpy_htod_async"``, ``"event_query"``, ...; a name no driver call counts
+        under is a ValueError, as is ``code`` 0). The failing call raises the :class:`~aiocuda.errors.CudaError`
         for ``code`` (see :class:`~aiocuda.errors.ResultCode`) before doing anything; a
         sticky code (``ILLEGAL_ADDRESS``, ...) also poisons that call's device. Several
         faults may be armed at once.

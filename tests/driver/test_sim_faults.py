@@ -102,6 +102,29 @@ def test_inject_fault_validates_its_arguments(sim: SimDriver) -> None:
     sim.inject_fault(ResultCode.INVALID_VALUE, call="launch_kernel")  # a seam name of another mixin
 
 
+@pytest.mark.parametrize(
+    ("call", "counted_as"),
+    [
+        ("prepare_launch", "launch_kernel"),
+        ("mem_async_calls", "mem_alloc_async"),
+        ("handle_value", "no driver call"),
+        ("graph_exec_copy_setter", "no driver call"),
+    ],
+)
+def test_inject_fault_refuses_a_call_that_is_never_counted(sim: SimDriver, call: str, counted_as: str) -> None:
+    """Driver methods whose name no call counts under were accepted, and the fault never fired."""
+    with pytest.raises(ValueError, match=f"{call}.*{counted_as}"):
+        sim.inject_fault(ResultCode.INVALID_VALUE, call=call)
+    assert not sim._faults.armed
+
+
+def test_inject_fault_refuses_success(sim: SimDriver) -> None:
+    """Code 0 used to fail the call with a CudaError saying CUDA_SUCCESS, no error."""
+    with pytest.raises(ValueError, match="CUDA_SUCCESS"):
+        sim.inject_fault(ResultCode.SUCCESS, call="stream_create")
+    assert not sim._faults.armed
+
+
 def test_two_faults_due_on_the_same_call_fire_one_after_the_other(sim: SimDriver) -> None:
     stream = sim.stream_create(non_blocking=True, priority=0)
     sim.inject_fault(ResultCode.INVALID_VALUE)

@@ -95,6 +95,15 @@ _SHUTDOWN_JOIN_S = 2.0
 _UUID_NAMESPACE = uuid.UUID("6b3c1f3e-5a0e-4d4e-9a57-a10c0da51a70")
 
 
+_NOT_COUNTED = {
+    "handle_value": "it reads a handle and makes no driver call",
+    "prepare_launch": "the launches it prepares count as 'launch_kernel'",
+    "mem_async_calls": "the allocations and frees it hands out count as 'mem_alloc_async' and 'mem_free_async'",
+    "graph_exec_copy_setter": "it makes no driver call; only a fault without call= reaches the setter's updates",
+}
+"""Methods of the Driver protocol that never count for fault injection under their own
+name, and why: a fault armed for one would never fire."""
+
 # Every simulated driver of the process: a forked child marks them all forked.
 _drivers: weakref.WeakSet[SimCore] = weakref.WeakSet()
 
@@ -327,11 +336,16 @@ class SimCore:
         ``"event_query"``) only calls of that name count. The failing call raises
         before doing anything; a sticky ``code`` also poisons the device that call
         works on. Several faults may be armed at once; each counts on its own.
-        A ``call`` that is not a method of the ``Driver`` protocol is a ValueError (a
-        misspelt name would otherwise never fire).
+        A ``call`` that is not a method of the ``Driver`` protocol, or one that is
+        never counted (:data:`_NOT_COUNTED`), is a ValueError, as is ``code`` 0
+        (``CUDA_SUCCESS``): such a fault would never fire as asked.
         """
         if call is not None and (call.startswith("_") or not callable(getattr(Driver, call, None))):
             raise ValueError(f"inject_fault(call={call!r}): not a method of the Driver protocol")
+        if call in _NOT_COUNTED:
+            raise ValueError(f"inject_fault(call={call!r}): no call counts under that name ({_NOT_COUNTED[call]})")
+        if code == ResultCode.SUCCESS:
+            raise ValueError("inject_fault needs an error code, not 0 (CUDA_SUCCESS): see aiocuda.errors.ResultCode")
         self._faults.add(code, at_call, call)
 
     def poison(self, device_ordinal: int, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
