@@ -279,6 +279,28 @@ async def test_a_closed_current_stream_holds_objects_too(backend: _driver.Driver
     assert alive() is None
 
 
+def test_record_takes_a_stream_and_an_event(backend: _driver.Driver) -> None:
+    """Anything else failed with an AttributeError (``'int' object has no attribute
+    'handle'``, or ``'record'``)."""
+    with Stream(0) as s:
+        array = aiocuda.empty(4, np.float32, stream=s)  # (a device, no handle)
+        for foreign in (3, None, type("TorchLike", (), {"device": "cuda:0"})(), array):
+            with pytest.raises(TypeError, match=r"Event\.record takes an aiocuda Stream, not"):
+                Event(0).record(foreign)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"Stream\.record takes an Event, not int"):
+            s.record(3)  # type: ignore[arg-type]
+
+
+@pytest.mark.multi_gpu
+def test_an_event_is_recorded_on_a_stream_of_its_device(backend: _driver.Driver) -> None:
+    """The real driver refuses the record with "invalid resource handle"."""
+    with Stream(0) as s:
+        with pytest.raises(ArgumentError, match=r"an Event of device 1 is recorded on streams of device 1, not 0"):
+            Event(1).record(s)
+        with pytest.raises(ArgumentError, match=r"an Event of device 1 is recorded on streams of device 1, not 0"):
+            s.record(Event(1, timing=True))
+
+
 def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
     with Stream(0) as s:
         for event in (Event(0).record(s), s.record()):

@@ -31,6 +31,9 @@ class _OnStream(Protocol):
     @property
     def handle(self) -> Any: ...
 
+    @property
+    def device(self) -> Device: ...
+
 
 def _complete() -> Generator[Any, Any, None]:
     """An await that ends at once."""
@@ -171,12 +174,22 @@ class Event:
         ``external=True`` records with ``CU_EVENT_RECORD_EXTERNAL``: inside a stream
         capture the record becomes a node of the captured graph, so that each launch of
         the graph records the event (for waits outside the graph); outside a capture it
-        is an ordinary record."""
+        is an ordinary record.
+
+        ``stream`` is an aiocuda Stream (``Stream.wrap`` adopts a foreign one) of the
+        event's device; one of another device raises
+        :class:`~aiocuda.errors.ArgumentError`."""
+        try:
+            on, stream_handle = stream.device, stream.handle
+        except AttributeError:
+            on = None
+        if on is not self._device:
+            raise _not_recordable(self._device, stream)
         if external:
-            self._driver.event_record_external(self._live(), stream.handle)
+            self._driver.event_record_external(self._live(), stream_handle)
         else:
-            self._driver.event_record(self._live(), stream.handle)
-        self._stream_handle = stream.handle
+            self._driver.event_record(self._live(), stream_handle)
+        self._stream_handle = stream_handle
         # An external record in a capture is a node: each replay records the event, which
         # can then be awaited like any other; a plain one only marks the capture's work.
         self._capture = None if external else getattr(stream, "_capture", None)
@@ -270,6 +283,24 @@ class Event:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "unrecorded" if self._stream_handle is None else "recorded"
         return f"<Event device={self._device.ordinal} {state} timing={self.timing}>"
+
+
+def _not_recordable(device: Device, stream: object) -> Exception:
+    """The error for recording an event of ``device`` on ``stream``, which is not a
+    Stream of that device."""
+    from .stream import Stream  # (stream.py imports this module)
+
+    if not isinstance(stream, Stream):
+        return TypeError(
+            f"Event.record takes an aiocuda Stream, not {type(stream).__name__} (Stream.wrap adopts a foreign "
+            "stream or a raw handle)"
+        )
+    # (the real driver refuses it with "invalid resource handle")
+    on = stream.device.ordinal
+    return _invalid_handle(
+        f"an Event of device {device.ordinal} is recorded on streams of device {device.ordinal}, not {on}: "
+        f"make the event with Event({on})"
+    )
 
 
 def _invalid_handle(message: str) -> ArgumentError:

@@ -384,6 +384,8 @@ class Stream:
         enqueued before it closed (the same Event every time).
         """
         if event is not None:
+            if not isinstance(event, Event):
+                raise TypeError(f"Stream.record takes an Event, not {type(event).__name__}")
             return event.record(self)
         if self._closed and not timing:
             return self._end()
