@@ -152,6 +152,39 @@ def test_poison_fails_every_later_call_on_every_device(sim: aiocuda.testing.Simu
         aiocuda.Stream(0)  # as on GPUs: a sticky error ends the process's use of CUDA
 
 
+def test_the_controls_of_a_replaced_simulator_refuse_to_act() -> None:
+    """use_simulator() blocks do not nest: the inner one shuts the outer one down. The
+    outer one's controls used to act on that dead simulator: a fault, a latency or a
+    poison set through them did nothing, silently."""
+    with aiocuda.testing.use_simulator(devices=2) as outer:
+        with aiocuda.testing.use_simulator(devices=1) as inner:
+            stream = aiocuda.Stream()
+            for control in (
+                lambda: outer.inject_fault(ResultCode.UNKNOWN, call="stream_create"),
+                lambda: outer.set_latency("launch_kernel", 0.1),
+                lambda: outer.poison(0),
+                lambda: outer.pause(stream),
+            ):
+                with pytest.raises(aiocuda.BackendError, match=r"shut down.*later use_simulator\(\)"):
+                    control()
+            inner.resume(stream)  # (resuming does nothing harmful: nothing to refuse)
+            aiocuda.Stream().close()  # nothing was armed or poisoned
+        with pytest.raises(aiocuda.BackendError, match="closed"):
+            inner.inject_fault(ResultCode.UNKNOWN)
+
+
+def test_pause_says_what_is_wrong_with_the_stream() -> None:
+    """A stream of another backend (made before this simulator) was paused on its own dead
+    simulator, silently; something not a Stream failed with an AttributeError."""
+    with aiocuda.testing.use_simulator(devices=1):
+        stale = aiocuda.Stream()
+    with aiocuda.testing.use_simulator(devices=1) as fresh:
+        with pytest.raises(aiocuda.BackendError, match="another backend"):
+            fresh.pause(stale)
+        with pytest.raises(TypeError, match="aiocuda Stream, not int"):
+            fresh.pause(3)  # type: ignore[arg-type]
+
+
 def test_close_lets_the_next_call_choose_again(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AIOCUDA_BACKEND", "sim")
     monkeypatch.setenv("AIOCUDA_SIM_DEVICES", "3")

@@ -58,7 +58,7 @@ from ._util import NoPublicConstructor
 from .device import Device
 from .errors import BackendError, ResultCode
 from .kernel import register_sim_kernel
-from .stream import Stream
+from .stream import Stream, _check_stream
 
 __all__ = ["KernelImpl", "KernelLaunch", "Operation", "Simulator", "current_simulator", "use_simulator"]
 
@@ -137,6 +137,8 @@ class Simulator(metaclass=NoPublicConstructor):
 
     Use it as a context manager, or call :meth:`close`, to shut it down at the end of a
     test; the next aiocuda call then chooses a backend again from ``AIOCUDA_BACKEND``.
+    Once it is shut down -- closed, or replaced by a later :func:`use_simulator` -- its
+    controls that would change something raise :class:`~aiocuda.errors.BackendError`.
     """
 
     __slots__ = ("_sim",)
@@ -162,6 +164,17 @@ class Simulator(metaclass=NoPublicConstructor):
         """How many simulated devices there are."""
         return int(self._sim.device_count())
 
+    def _check_open(self, control: str) -> None:
+        """BackendError if this simulator was shut down."""
+        # Its controls reached a driver nothing uses any more: a fault, a latency or a
+        # poison set there did nothing, silently (the outer block of nested ones).
+        if self._sim.closed:
+            raise BackendError(
+                f"Simulator.{control}(): this simulator was shut down -- closed, or replaced by a later "
+                "use_simulator() (the blocks do not nest: the inner one shuts the outer one down); "
+                "use the Simulator of the backend in use"
+            )
+
     # -- streams --------------------------------------------------------------------------
     def pause(self, stream: Stream) -> None:
         """Start nothing more on ``stream`` until :meth:`resume`.
@@ -169,8 +182,21 @@ class Simulator(metaclass=NoPublicConstructor):
         Work enqueued meanwhile queues up and awaits of it stay pending; an operation
         already running finishes. A blocking ``stream.synchronize()`` on a paused stream
         waits until it is resumed: do not call it from the thread that will resume it.
+        ``stream`` is a live aiocuda :class:`~aiocuda.Stream` of this simulator.
         """
+        self._check_open("pause")
+        _check_stream(stream)
+        if not self._made_here(stream):
+            # (A stream made before the switch to this simulator: its own, dead one was
+            # paused, silently.)
+            raise BackendError(
+                f"Simulator.pause(): {stream!r} was made on another backend (before the switch to this "
+                "simulator); make the streams of a test after use_simulator()"
+            )
         self._sim.pause(stream.handle)
+
+    def _made_here(self, stream: Stream) -> bool:
+        return stream._driver is self._sim
 
     def resume(self, stream: Stream) -> None:
         """Let a paused stream run its queued work (closed since, too)."""
@@ -194,6 +220,7 @@ class Simulator(metaclass=NoPublicConstructor):
         ``operation`` is one of :data:`Operation` and ``seconds`` is finite (a
         ValueError otherwise): to hold a stream's work until you let it go,
         :meth:`pause` the stream."""
+        self._check_open("set_latency")
         if operation not in _OPERATIONS:
             # (A name the simulator runs nothing under was kept, and slowed nothing.)
             raise ValueError(
@@ -212,6 +239,7 @@ class Simulator(metaclass=NoPublicConstructor):
         sticky code (``ILLEGAL_ADDRESS``, ...) also poisons that call's device. Several
         faults may be armed at once.
         """
+        self._check_open("inject_fault")
         self._sim.inject_fault(code, at_call=at_call, call=call)
 
     def poison(self, device: Device | int = 0, code: int = ResultCode.ILLEGAL_ADDRESS) -> None:
@@ -220,6 +248,7 @@ class Simulator(metaclass=NoPublicConstructor):
         :class:`~aiocuda.errors.ContextPoisonedError` -- and on the other devices too, as
         on GPUs, where a sticky error ends the whole process's use of CUDA. ``code`` must
         be sticky."""
+        self._check_open("poison")
         ordinal = device.ordinal if isinstance(device, Device) else device
         self._sim.poison(ordinal, code)
 
@@ -250,7 +279,9 @@ def use_simulator(*, devices: int = _driver.SIM_DEFAULT_DEVICES, total_memory: i
     each, and return its controls.
 
     Every device, stream and buffer made before the switch becomes unusable: call it
-    before creating any (at the start of each test).
+    before creating any (at the start of each test). The blocks do not nest: a second
+    ``use_simulator()`` shuts the first simulator down, and when its block ends the next
+    aiocuda call chooses a backend again from ``AIOCUDA_BACKEND``.
     """
     return Simulator._create(_driver.use_backend("sim", devices=devices, total_memory=total_memory))
 

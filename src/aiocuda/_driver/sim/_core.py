@@ -171,6 +171,11 @@ class SimCore:
             f"events={len(self._events)} poisoned={poisoned}{' closed' if self._closed else ''}>"
         )
 
+    @property
+    def closed(self) -> bool:
+        """Whether it was shut down (or is a forked child's copy): every seam call raises."""
+        return self._closed
+
     # -- hooks for the other mixins --------------------------------------------------------
     def _api(self, name: str, device_ordinal: int | None = None) -> None:
         """Start of every public sim method: fault injection, then the device's error.
