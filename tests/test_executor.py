@@ -230,6 +230,37 @@ async def test_cancel_with_chunks_waiting_in_tasks_returns_memory(slow_sim: Any,
         assert all(per_device.chunks == 0 and per_device.reserved == 0 for per_device in ex.device_streams)
 
 
+async def test_large_inputs_that_are_not_contiguous_are_copied_off_the_loop(
+    sim_backend: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: Any
+) -> None:
+    """An input that is not C-contiguous is copied into one that is before its upload;
+    one larger than an inline copy is copied on a worker thread, as pageable copies
+    are: on the loop's thread a 32 MiB chunk of a transposed array held the loop for
+    80 ms. Small ones are still copied at once."""
+    import threading
+
+    copied_on: list[tuple[int, bool]] = []  # (bytes, on the loop's thread)
+    loop_thread = threading.get_ident()
+    ascontiguousarray = np.ascontiguousarray
+
+    def watched(array: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        copied_on.append((array.nbytes, threading.get_ident() == loop_thread))
+        return ascontiguousarray(array, *args, **kwargs)
+
+    monkeypatch.setattr(np, "ascontiguousarray", watched)
+    big = np.arange(2 * LARGE, dtype=np.float32).reshape(-1, 2)  # columns: 3 MiB, strided
+    small = np.arange(2000, dtype=np.float32).reshape(-1, 2)
+    async with Executor([0]) as ex:
+        values = await ex.run(ScaleStage(REPS), [big[:, 0], small[:, 1], big[:, 1]])
+        submitted = await ex.submit(ScaleStage(REPS), big[:, 0])
+    for value, host in zip(values, [big[:, 0], small[:, 1], big[:, 1]], strict=True):
+        np.testing.assert_allclose(value, scale_reference(host.copy(), REPS), rtol=1e-5)
+    np.testing.assert_allclose(submitted, values[0], rtol=1e-5)
+    large = [on_loop for nbytes, on_loop in copied_on if nbytes == big[:, 0].nbytes]
+    assert large == [False, False, False]
+    assert (small[:, 1].nbytes, True) in copied_on
+
+
 async def test_a_result_from_outside_the_chunk_is_downloaded(backend: Any, anyio_backend: Any) -> None:
     """A stage may return an array the chunk did not make (its own, on its own stream):
     downloaded after the stage like any result, and left alone afterwards."""

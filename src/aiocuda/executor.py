@@ -63,7 +63,7 @@ import numpy.typing as npt
 
 from ._completion.loops import being_cancelled
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
-from ._executor.chunk_map import OnError, as_input
+from ._executor.chunk_map import OnError, as_input, contiguous
 from ._executor.device_streams import DeviceStreams
 from ._executor.graph_lanes import GraphLanes
 from ._executor.lane import PRIORITIES, Priority
@@ -293,7 +293,9 @@ class Executor:
                 ``ctx.empty(...)``. It must not wait for the GPU. See
                 :class:`ChunkContext`.
             inputs: numpy arrays (a sync or async iterable), read lazily: at most
-                ``in_flight`` are taken ahead of the consumer.
+                ``in_flight`` are taken ahead of the consumer. An array that is not
+                C-contiguous is copied into one that is first (a large one on a worker
+                thread); pass C-contiguous, pinned arrays to save the copies.
             ordered: yield results in input order (default) or as they complete.
             in_flight: chunks admitted and not yet taken by the consumer, at most
                 (default ``chunks_per_device`` times the number of devices). This is the
@@ -403,6 +405,8 @@ class Executor:
         nbytes = reserve(array)
         self._submitting += 1
         try:
+            if not array.flags.c_contiguous:
+                array = await contiguous(array)
             placed, self._cursor = await self._admission.admit(
                 placement, self._device_streams, nbytes, self._cursor, urgent=priority == "high"
             )
