@@ -463,6 +463,25 @@ def test_current_stream_is_task_local(backend: _driver.Driver) -> None:
         assert current_stream() is default
 
 
+async def test_tasks_started_inside_use_stream_keep_it(backend: _driver.Driver, anyio_backend: object) -> None:
+    """As use_stream's docstring says: the current stream is a context variable, so a
+    task started inside the block has it, after the block too; the starter does not."""
+    seen: list[Stream] = []
+    go_on = anyio.Event()
+
+    async def child() -> None:
+        await go_on.wait()
+        seen.append(current_stream())
+
+    with Stream(0) as s:
+        async with anyio.create_task_group() as tg:
+            with use_stream(s):
+                tg.start_soon(child)
+            assert current_stream() is not s
+            go_on.set()
+        assert seen == [s]
+
+
 def test_priority_range_and_synchronize(backend: _driver.Driver) -> None:
     least, greatest = Stream.priority_range(0)
     assert greatest <= least

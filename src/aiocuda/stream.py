@@ -615,7 +615,12 @@ def _stream_for_new(device: Device | int | None, given: str = "device") -> Strea
 
 @contextlib.contextmanager
 def use_stream(stream: Stream) -> Iterator[Stream]:
-    """Make ``stream`` the current stream of this task (and tasks it spawns) inside the block.
+    """Make ``stream`` the current stream of this task inside the block.
+
+    A task started inside the block (``asyncio.create_task``, a task group's or trio
+    nursery's ``start_soon``, ``to_thread``) starts with ``stream`` current, and keeps it
+    after the block ends: each starts with a copy of its starter's context variables. A
+    task started before the block, or elsewhere, is not affected.
 
     Work given no ``stream=`` goes to ``stream``: kernel launches, and operations on
     arrays of ``stream.device`` (those of another device use that device's default
