@@ -498,6 +498,34 @@ async def test_move_copies_between_devices(backend: Any, anyio_backend: Any) -> 
         np.testing.assert_allclose(value, scale_reference(scale_reference(host, REPS), REPS), rtol=1e-5)
 
 
+async def test_move_takes_a_device_array_of_the_chunks_device(sim_backend: Any, anyio_backend: Any) -> None:
+    """ctx.move refuses what it cannot move, saying why: a numpy array raised an
+    AttributeError ('is_c_contiguous'); an array on another device than the chunk's was
+    copied with the chunk's device named as the source of the peer copy, or, moved to its
+    own device, handed back while the chunk stayed on its device."""
+    from aiocuda.errors import ArgumentError
+
+    elsewhere = {ordinal: aiocuda.empty(4, np.float32, device=ordinal) for ordinal in (0, 1)}
+    refused: list[str] = []
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
+        other = 1 - ctx.device.ordinal
+        with pytest.raises(TypeError, match="move\\(\\) takes a DeviceArray, not ndarray"):
+            ctx.move(np.ones(4, np.float32), other)  # type: ignore[arg-type]
+        for target in (other, ctx.device.ordinal):
+            with pytest.raises(ArgumentError, match=f"on the chunk's device {ctx.device.ordinal}, not one on device"):
+                ctx.move(elsewhere[other], target)
+            refused.append(f"{ctx.index}->{target}")
+        return ctx.move(x, other)  # its own array still moves
+
+    inputs = chunks(2)
+    async with Executor([0, 1]) as ex:
+        values = await ex.run(stage, inputs)
+    assert len(refused) == 4
+    for value, host in zip(values, inputs, strict=True):
+        np.testing.assert_array_equal(value, host)
+
+
 async def test_stage_returning_a_wrong_type_fails_that_chunk(sim_backend: Any, anyio_backend: Any) -> None:
     async with Executor() as ex:
         with pytest.raises(TypeError, match="DeviceArray or None"):

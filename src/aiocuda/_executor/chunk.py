@@ -163,13 +163,24 @@ class ChunkContext(metaclass=NoPublicConstructor):
         return self._allocate(shape, dtype, self.device_streams, self.stream)
 
     def move(self, array: DeviceArray, device: Device | int) -> DeviceArray:
-        """Copy ``array`` to ``device`` (one of the executor's) GPU to GPU and continue
-        the chunk there: afterwards :attr:`stream` is that device's compute stream,
-        ordered after the copy. Uses the direct peer path where the devices allow it.
+        """Copy ``array``, a C-contiguous array on the chunk's device (:attr:`device`), to
+        ``device`` (one of the executor's) GPU to GPU and continue the chunk there:
+        afterwards :attr:`stream` is that device's compute stream, ordered after the
+        copy. Uses the direct peer path where the devices allow it. ``array`` itself when
+        ``device`` is the chunk's.
 
         The copy runs on the source device's ``p2p`` stream, so neither device's compute
         stream stalls for it.
         """
+        if not isinstance(array, DeviceArray):  # (a numpy array failed on its missing is_c_contiguous)
+            raise TypeError(f"move() takes a DeviceArray, not {type(array).__name__}")
+        if array.device is not self.device:
+            # (the copy named the chunk's device as the source, and a move to the array's
+            # own device returned it while the chunk stayed where it was)
+            raise invalid_value(
+                f"move() takes an array on the chunk's device {self.device.ordinal}, not one on device "
+                f"{array.device.ordinal}"
+            )
         target = self._streams_of(_as_device(device))
         if target is self.device_streams:
             return array
