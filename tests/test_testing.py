@@ -196,6 +196,23 @@ def test_close_lets_the_next_call_choose_again(monkeypatch: pytest.MonkeyPatch) 
     assert aiocuda.device_count() == 3  # chosen again from the environment
 
 
+@pytest.mark.anyio
+async def test_what_was_made_on_a_replaced_simulator_says_why_it_fails(anyio_backend: object) -> None:
+    """Objects made before a switch used to fail with only 'the simulated driver was shut
+    down', not saying that a later use_simulator() (or close) was the cause."""
+    with aiocuda.testing.use_simulator(devices=1):
+        stream = aiocuda.Stream()
+        x = aiocuda.empty(4, np.float32, stream=stream)
+        with aiocuda.testing.use_simulator(devices=1):
+            why = "shut down.*later use_simulator"
+            with pytest.raises(CudaError, match=why):
+                await stream
+            with pytest.raises(CudaError, match=why):
+                await x.to_host(stream=stream)
+            with pytest.raises(CudaError, match=why):
+                aiocuda.Stream(stream.device)
+
+
 USER_CODE = """
 from __future__ import annotations
 

@@ -75,6 +75,7 @@ from ._graphs import ExternalRecord, SimCapture
 from ._objects import (
     HOST_FUNCTION,
     REMOTE_POLL,
+    SHUT_DOWN,
     RemotePoint,
     SimContext,
     SimDevice,
@@ -199,7 +200,7 @@ class SimCore:
         if self._closed:
             if self._forked:
                 raise fork_error()
-            raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+            raise sim_error(ResultCode.DEINITIALIZED, name, SHUT_DOWN)
         if self._captures:
             self._check_unsafe(name)
         if not self._faults.armed:
@@ -619,7 +620,7 @@ class SimCore:
         if error is not None:
             raise error
         if not point.reached():
-            raise sim_error(ResultCode.DEINITIALIZED, call, "the simulated driver was shut down")
+            raise sim_error(ResultCode.DEINITIALIZED, call, SHUT_DOWN)
 
     # -- events ----------------------------------------------------------------------------
     def event_create(self, timing: bool, blocking_sync: bool) -> SimEvent:
@@ -700,7 +701,7 @@ class SimCore:
             generation = ev.remote.recorded
             while ev.remote.completed() < generation:
                 if self._closed:
-                    raise sim_error(ResultCode.DEINITIALIZED, "event_synchronize", "the simulated driver was shut down")
+                    raise sim_error(ResultCode.DEINITIALIZED, "event_synchronize", SHUT_DOWN)
                 time.sleep(REMOTE_POLL)
             return
         if ev.point is not None:

@@ -47,6 +47,7 @@ from ._workers import Workers
 __all__ = [
     "DEFAULT_LIMITS",
     "HOST_FUNCTION",
+    "SHUT_DOWN",
     "Poison",
     "RemotePoint",
     "SimContext",
@@ -289,6 +290,12 @@ class SimEvent:
         return f"<SimEvent {self.value:#x} device={self.device_ordinal} {state}>"
 
 
+SHUT_DOWN = (
+    "the simulated driver was shut down (its Simulator closed, or replaced by a later use_simulator() "
+    "or use_backend()): what was made with it cannot be used"
+)
+"""Why a call on a simulated driver's objects fails once it is shut down (DEINITIALIZED)."""
+
 _IDLE_EXIT_S = 1.0
 """How long an idle worker thread lingers before leaving (new work starts one again)."""
 
@@ -390,7 +397,7 @@ class SimStream:
         """Queue ``fn`` after everything before it; returns its sequence number (1-based)."""
         with self._cond:
             if self._workers.stopping.is_set():
-                raise sim_error(ResultCode.DEINITIALIZED, name, "the simulated driver was shut down")
+                raise sim_error(ResultCode.DEINITIALIZED, name, SHUT_DOWN)
             self._ops.append((fn, name))
             self.submitted += 1
             seq = self.submitted
