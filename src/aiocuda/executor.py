@@ -295,7 +295,11 @@ class Executor:
             inputs: numpy arrays (a sync or async iterable), read lazily: at most
                 ``in_flight`` are taken ahead of the consumer. An array that is not
                 C-contiguous is copied into one that is first (a large one on a worker
-                thread); pass C-contiguous, pinned arrays to save the copies.
+                thread); pass C-contiguous, pinned arrays to save the copies. If reading
+                them raises, or an item is refused (a ``TypeError`` for one that holds
+                Python objects), the results of the inputs before it are delivered, then
+                the iteration raises that error, whatever ``on_error`` says (it is no
+                chunk's failure).
             ordered: yield results in input order (default) or as they complete.
             in_flight: chunks admitted and not yet taken by the consumer, at most
                 (default ``chunks_per_device`` times the number of devices). This is the
@@ -307,8 +311,10 @@ class Executor:
             placement: ``"round_robin"`` or ``"least_loaded"`` (fewest bytes in
                 flight); both skip devices at their chunk or memory budget.
             output: ``output(index, device_result) -> numpy array`` to download chunk
-                ``index`` into (same shape and dtype; pinned for full speed, e.g. a
-                slice of one big pinned array). Default: a new pageable array.
+                ``index`` into: C-contiguous and writable, of the result's dtype and size
+                (its shape is the value's); pinned for full speed, e.g. a slice of one
+                big pinned array. Another array fails the chunk with an ``ArgumentError``
+                saying why. Default: a new pageable array.
             name: the stage's name in traces (default ``stage.__name__``).
             graph: graph mode: capture each chunk's upload, stage and download once per
                 device (and per graph lane) into a CUDA graph and replay it for later
