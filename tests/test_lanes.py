@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import sys
+import threading
 from typing import Any, Literal
 
 import anyio
@@ -324,6 +325,63 @@ async def scaled_copy(lane: Lane, host: np.ndarray) -> np.ndarray:
     out = lane.download(lane.upload(host))
     await lane
     return out
+
+
+async def test_tasks_of_one_request_sharing_its_lane_each_get_their_downloads(
+    sim_backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two tasks of a request copy through its lane and await it (asyncio.gather of two
+    helpers, say). The second enqueues its copies while the first waits, behind a
+    kernel still running when the first one's copies are done: the first await must
+    not fill the second's download from the staging (not written yet) nor recycle the
+    staging under its copies. It waits for them too, and each task gets its data."""
+    gates = [threading.Event(), threading.Event()]  # two slow kernels, one per task
+    woken = anyio.Event()  # the first task's wait is over: it returned, or waits again
+    watching = False
+    loop_thread = threading.get_ident()
+    record = sim_backend.event_record
+
+    def noting_record(event: Any, stream: Any) -> Any:
+        if watching and threading.get_ident() == loop_thread:  # (a wait begins: an event recorded)
+            woken.set()
+        return record(event, stream)
+
+    monkeypatch.setattr(sim_backend, "event_record", noting_record)
+    results: dict[str, np.ndarray] = {}
+    first_waits = anyio.Event()
+    async with Lanes(count=1) as lanes:
+        (lane,) = lanes.lanes
+
+        async def first() -> None:
+            sim_backend.enqueue(lane.stream.handle, gates[0].wait)
+            out = lane.download(lane.upload(np.full(1000, 1, np.float32)))
+            first_waits.set()
+            await lane
+            results["first"] = out
+            woken.set()
+
+        async def second() -> None:
+            await first_waits.wait()
+            sim_backend.enqueue(lane.stream.handle, gates[1].wait)
+            out = lane.download(lane.upload(np.full(1000, 2, np.float32)))
+            await lane
+            results["second"] = out
+
+        try:
+            with anyio.fail_after(30):  # (only a hang reaches it)
+                async with lanes.lease(), anyio.create_task_group() as tg:
+                    tg.start_soon(first)
+                    tg.start_soon(second)
+                    await checkpoints()
+                    watching = True
+                    gates[0].set()  # the first task's copies run; the second's wait
+                    await woken.wait()
+                    gates[1].set()
+        finally:
+            for gate in gates:
+                gate.set()
+    np.testing.assert_array_equal(results["first"], 1)
+    np.testing.assert_array_equal(results["second"], 2)
 
 
 async def test_downloads_of_a_lease_that_awaited_its_stream_are_filled(sim_backend: Any, anyio_backend: Any) -> None:

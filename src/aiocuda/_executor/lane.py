@@ -74,6 +74,7 @@ class Lane:
         "_kept_for_life",
         "_leased",
         "_pool",
+        "_settles",
         "_staged",
         "_staging",
         "_staging_ptr",
@@ -98,6 +99,8 @@ class Lane:
         self._staging_size = staging
         self._staged = 0
         """Bytes of the staging block handed out since the lane was last awaited."""
+        self._settles = 0
+        """How many times the lane's copies were settled (:meth:`_settle`)."""
         self._awaited = False
         """Whether this lease awaited :attr:`stream` and staged nothing since: the stream
         is then idle as far as the lane's own memory goes (see Lanes._acquire)."""
@@ -287,15 +290,36 @@ class Lane:
     # -- waiting -------------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, Any, None]:
         """Wait for everything enqueued on :attr:`stream` so far, then fill the host
-        arrays of :meth:`download`. The one await a request needs."""
+        arrays of :meth:`download`. The one await a request needs.
+
+        Tasks of one request may share its lane: an await that finds copies enqueued
+        by another task while it waited waits for those too."""
         self._check_leased()
+        # Its settle needs everything it fills or recycles done: what another task staged
+        # meanwhile moved _staged, what it kept (spills, pinned arrays) _keep, and another
+        # await's settle _settles.
+        staged, kept, settles = self._staged, len(self._keep), self._settles
         try:
             yield from self.stream.__await__()
         except ContextPoisonedError as exc:
             self._failure = exc
             raise
+        if staged != self._staged or kept != len(self._keep) or settles != self._settles:
+            yield from self._await_copies_of_other_tasks()
         self._awaited = True
         self._settle()
+
+    def _await_copies_of_other_tasks(self) -> Generator[Any, Any, None]:
+        """Await :attr:`stream` until no copy was enqueued during the wait."""
+        while True:
+            staged, kept, settles = self._staged, len(self._keep), self._settles
+            try:
+                yield from self.stream.__await__()
+            except ContextPoisonedError as exc:
+                self._failure = exc
+                raise
+            if staged == self._staged and kept == len(self._keep) and settles == self._settles:
+                return
 
     def _settle(self) -> None:
         """Everything enqueued so far has completed: finish downloads, recycle staging."""
@@ -304,6 +328,7 @@ class Lane:
         self._copy_outs.clear()
         self._keep.clear()
         self._staged = 0
+        self._settles += 1
 
     # -- leases --------------------------------------------------------------------------------
     def _begin(self, priority: Priority) -> None:
