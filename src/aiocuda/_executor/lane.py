@@ -60,7 +60,10 @@ class Lane:
         device: the lane's device.
         index: the lane's position in its :class:`Lanes`.
         state: what the ``setup`` function returned for this lane at start-up (scratch
-            arrays, a library's warmed-up objects); ``None`` without one.
+            arrays, a library's warmed-up objects); ``None`` without one. It stays with
+            the lane from lease to lease: a request that replaces it replaces it for
+            every later one, so put only the lane's own memory in it (arrays from
+            :meth:`empty` during a lease are freed when the lease ends).
     """
 
     __slots__ = (
@@ -171,12 +174,14 @@ class Lane:
     def upload(self, host: npt.ArrayLike, out: DeviceArray | None = None) -> DeviceArray:
         """Enqueue the copy of ``host`` to the device on :attr:`stream` and return the
         device array (``out``, or a new one as from :meth:`empty`). Returns at once: the
-        copy runs in stream order, and ``host`` may be changed right away.
+        copy runs in stream order.
 
         Pageable ``host`` memory is copied into the lane's page-locked staging first (on
         the calling thread: meant for request-sized data; stage megabytes with
-        :func:`aiocuda.to_device` instead). Pinned memory is copied directly and kept
-        alive until the lane is awaited.
+        :func:`aiocuda.to_device` instead), so it may be changed right away. Pinned
+        memory (:func:`aiocuda.pinned_empty`) is copied directly by the GPU when the
+        stream gets there: leave it unchanged until the lane is awaited (it is kept
+        alive until then).
         """
         self._check_leased()
         array = np.asarray(host)
