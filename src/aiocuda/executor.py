@@ -293,7 +293,10 @@ class Executor:
                 ``ctx.empty(...)``. It must not wait for the GPU. See
                 :class:`ChunkContext`.
             inputs: numpy arrays (a sync or async iterable), read lazily: at most
-                ``in_flight`` are taken ahead of the consumer. An array that is not
+                ``in_flight`` are taken ahead of the consumer. Each array is copied to the
+                device while its chunk runs, after the iterator has moved on: leave it
+                unchanged until its result has been delivered (an iterator that refills
+                one buffer for every item sends later items' data). An array that is not
                 C-contiguous is copied into one that is first (a large one on a worker
                 thread); pass C-contiguous, pinned arrays to save the copies. If reading
                 them raises, or an item is refused (a ``TypeError`` for one that holds
