@@ -401,6 +401,28 @@ def test_wrap_takes_a_library_default_streams_device(backend: _driver.Driver) ->
 
 
 @pytest.mark.multi_gpu
+async def test_a_wrapped_default_stream_is_its_devices_whatever_is_current(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A default stream's value (0 or 1) means the default stream of the context current
+    on the calling thread. The wrapper of device 1's, used while device 0's context was
+    current, failed to await, record and hold (an event of device 1 recorded into device
+    0's stream), and its query asked about device 0's stream."""
+    Stream(0).close()  # device 0 current on this thread
+    for value in (0, 1):
+        wrapped = Stream.wrap(value, device=1)
+        with Gate(wrapped):
+            Stream(0).close()
+            assert not wrapped.query(), "device 1's default stream is busy"
+            event = wrapped.record()
+            wrapped.hold(object())
+            Stream(0).close()
+        await wrapped
+        await event
+        assert wrapped.query()
+
+
+@pytest.mark.multi_gpu
 def test_wrap_refuses_a_device_the_stream_is_not_of(backend: _driver.Driver) -> None:
     """``device=`` names the device of a default stream (0, 1, 2), which the value does
     not; a stream of its own is of the device the driver says. Taken as another device,

@@ -262,7 +262,9 @@ class Stream:
         The device is the stream's; for a default stream (0, 1 or 2: PyTorch's and CuPy's
         default streams among them) it is the device its object names, and a raw 0, 1 or
         2 is device 0's unless ``device`` says otherwise. A ``device`` other than that of
-        a stream of its own raises :class:`~aiocuda.errors.ArgumentError`.
+        a stream of its own raises :class:`~aiocuda.errors.ArgumentError`. Such a value
+        means the default stream of the context current on the calling thread, so the
+        wrapper of a default stream makes its device current whenever it is used.
         """
         if isinstance(obj, Stream):
             _check_wrapped_device(obj, obj.device, device)
@@ -282,7 +284,9 @@ class Stream:
                 # taken as device 0's, an await on device 1's waited for device 0's work.
                 device = _declared_ordinal(owner)
             dev = _as_device(device)
+            dev.make_current()  # (the simulator resolves the value now)
             handle = dev._driver.stream_from_value(value)
+            cls = _DefaultStream
         self = object.__new__(cls)
         self._setup(dev, handle, owned=False, owner=owner)
         return self
@@ -535,6 +539,22 @@ class Stream:
         state = "closed" if self._closed else f"handle={self._driver.handle_value(self._handle):#x}"
         kind = "" if self.owned else " foreign"
         return f"<Stream{kind} device={self.device.ordinal} {state} holds={len(self._holds)}>"
+
+
+class _DefaultStream(Stream):
+    """A wrapped default stream: its value (0, 1 or 2) means the default stream of the
+    context current on the calling thread when it is used, so each use of its handle
+    makes the stream's device current first."""
+
+    __slots__ = ()
+
+    # (with another device's context current, an await, record or hold of it failed: an
+    # event of its device recorded into the other device's default stream)
+    @property
+    def handle(self) -> Any:
+        handle = super().handle
+        self.device.make_current()
+        return handle
 
 
 _current: contextvars.ContextVar[Stream | None] = contextvars.ContextVar("aiocuda_current_stream", default=None)
