@@ -46,7 +46,7 @@ async def main(trace_file: pathlib.Path) -> None:
     saxpy = Program(SOURCE).compile().kernel("saxpy")
 
     def stage(ctx: ChunkContext, x: DeviceArray) -> DeviceArray:
-        y = ctx.empty(x.shape, x.dtype)  # freed for us once the download is enqueued
+        y = ctx.empty(x.shape, x.dtype)  # freed for us once the chunk's download has completed
         saxpy.launch((x.size + 255) // 256, 256, 2.0, x, y, x.size, stream=ctx.stream)
         return y
 
