@@ -96,6 +96,27 @@ async def test_a_kernel_implementation_that_fails_the_test_fails_the_await(
     assert isinstance(info.value.__cause__, pytest.fail.Exception)
 
 
+def test_register_kernel_refuses_what_cannot_be_run(sim: aiocuda.testing.Simulator) -> None:
+    """Arguments swapped, or an implementation that cannot be called, were accepted: the
+    launch then failed far from the mistake (no implementation found, or the device
+    poisoned by a TypeError). A launch with none names the calls a user has (it named
+    the simulator's internal SimDriver.register_kernel)."""
+    with pytest.raises(TypeError, match=r"name.*str, not function"):
+        sim.register_kernel(add_one, "add_one")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"register_kernel\('add_one', impl\).*callable.*not int"):
+        sim.register_kernel("add_one", 3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="callable"):
+        aiocuda.register_sim_kernel("add_one", "add_one")  # type: ignore[arg-type]
+    kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
+    with aiocuda.Stream() as stream:
+        x = aiocuda.empty(64, np.float32, stream=stream)
+        kernel.launch(1, 64, x, 64, stream=stream)  # still the fixture's implementation
+        stream.synchronize()
+    sim.register_kernel("add_one", None)
+    with pytest.raises(aiocuda.LaunchError, match=r"aiocuda.register_sim_kernel\('add_one', impl\)"):
+        kernel.launch(1, 64, x, 64)
+
+
 def test_latency_makes_operations_take_time(sim: aiocuda.testing.Simulator) -> None:
     kernel = aiocuda.Program(SOURCE).compile().kernel("add_one")
     sim.set_latency("launch_kernel", 0.05)

@@ -212,7 +212,20 @@ def _image_contents(image: bytes) -> tuple[frozenset[str], Variables]:
 
 
 def register_kernel(name: str, impl: KernelImpl | None) -> None:
-    """Run ``impl(launch, *args)`` for launches of kernel ``name`` (None unregisters)."""
+    """Run ``impl(launch, *args)`` for launches of kernel ``name`` (None unregisters).
+    TypeError for a name that is not a str or an implementation that cannot be called."""
+    # (Accepted, either failed only at the launch, far from the mistake: no implementation
+    # found, or the device poisoned by the TypeError of calling it.)
+    if not isinstance(name, str):
+        raise TypeError(
+            f"register_kernel(name, impl): name is the kernel's name, a str, not {type(name).__name__} "
+            "(the name comes first)"
+        )
+    if impl is not None and not callable(impl):
+        raise TypeError(
+            f"register_kernel({name!r}, impl): impl must be callable as impl(launch, *args), "
+            f"or None to remove it, not {type(impl).__name__}"
+        )
     with _registry_lock:
         if impl is None:
             _registry.pop(name, None)
@@ -475,7 +488,8 @@ class _KernelRun:
         if impl is None:
             raise LaunchError(
                 f"{call}: kernel {fn.name!r} has no simulated implementation: register one with "
-                f"SimDriver.register_kernel({fn.name!r}, impl) (or aiocuda.register_sim_kernel)",
+                f"aiocuda.register_sim_kernel({fn.name!r}, impl) or, in a test, "
+                f"aiocuda.testing's sim.register_kernel({fn.name!r}, impl)",
                 code=ResultCode.NOT_FOUND,
                 name="CUDA_ERROR_NOT_FOUND",
                 call=call,
