@@ -359,6 +359,29 @@ async def test_go_on_mode_reports_the_failure_and_finishes_the_rest(backend: Any
             np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
 
 
+class Interrupt(BaseException):
+    """Not an Exception: what a KeyboardInterrupt raised in a stage's Python looks like."""
+
+
+async def test_a_stage_raising_a_base_exception_gives_its_chunk_back(sim_backend: Any, anyio_backend: Any) -> None:
+    """A plain stage that raises what is not an Exception ends the pipeline with it; the
+    chunk stayed admitted, so its device ran one chunk fewer (and reserved its bytes) for
+    every later map and submit of the executor."""
+
+    def stage(ctx: ChunkContext, x: DeviceArray) -> None:
+        if ctx.index == 2:
+            raise Interrupt
+
+    baseline = used_bytes()
+    async with Executor([0], chunks_per_device=2) as ex:
+        with pytest.raises(BaseException) as caught:
+            await ex.run(stage, chunks(5))
+        assert caught.type is Interrupt or caught.group_contains(Interrupt)
+        await ex.synchronize()
+        assert (ex.device_streams[0].chunks, ex.device_streams[0].reserved) == (0, 0)
+        assert used_bytes() == baseline
+
+
 async def test_failing_input_iterable_raises_its_error(sim_backend: Any, anyio_backend: Any) -> None:
     def source() -> Iterator[np.ndarray]:
         yield from chunks(2)

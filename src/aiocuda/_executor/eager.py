@@ -62,6 +62,12 @@ class EagerMode:
             ctx._abandon()
             self._finish(index, host, device_streams, None, exc)
             return
+        except BaseException:  # (a KeyboardInterrupt in the stage, say: the pipeline is over)
+            # Without this the chunk stayed admitted: its device took one chunk fewer, and
+            # its bytes fewer, for the rest of the executor's life.
+            ctx._abandon()
+            self._finish(index, host, device_streams, None, None)
+            raise
         self._start(self._go_on, ctx, device_streams, steps, awaiting)
 
     async def _go_on(self, ctx: ChunkContext, admitted: DeviceStreams, steps: Steps, awaiting: Awaitable[Any]) -> None:
