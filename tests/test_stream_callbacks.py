@@ -128,6 +128,30 @@ async def test_results_and_errors_reach_the_awaiting_task(backend: _driver.Drive
         stream.call_when_done(coroutine_function)
 
 
+async def test_a_callback_returning_an_awaitable_fails_and_says_so(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """An object with an async ``__call__``, or a plain function calling an async one,
+    passes the plain-function check; its coroutine was the callback's result, never run
+    (Python warned that it was never awaited once it was collected)."""
+    stream = aiocuda.Stream(0)
+    ran: list[str] = []
+
+    async def work() -> None:
+        ran.append("work")
+
+    class Handler:
+        async def __call__(self) -> None:
+            ran.append("handler")
+
+    for callback in (Handler(), lambda: work()):
+        handle = stream.call_when_done(callback)
+        with pytest.raises(TypeError, match="returned a coroutine, which call_when_done does not await"):
+            await handle
+    assert await stream.call_when_done(lambda: "next") == "next"
+    assert ran == []
+
+
 async def test_a_stream_being_captured_calls_nothing_back(backend: _driver.Driver, anyio_backend: object) -> None:
     stream = aiocuda.Stream(0)
     async with stream.capture():

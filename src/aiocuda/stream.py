@@ -430,8 +430,9 @@ class Stream:
         ``await`` it for what ``callback`` returned).
 
         ``callback`` is a plain function run on the loop's thread, never on a driver
-        thread, so it may use aiocuda. If the device's context is poisoned before the
-        GPU gets there, it is never called: the handle fails with
+        thread, so it may use aiocuda; if it returns an awaitable, that is not awaited,
+        and the handle fails with a TypeError. If the device's context is poisoned before
+        the GPU gets there, it is never called: the handle fails with
         :class:`~aiocuda.errors.ContextPoisonedError` instead.
         """
         return _callbacks.call_when_done(self, callback, args)

@@ -102,9 +102,16 @@ class StreamCallback:
             return
         self._state = "called"
         try:
-            self._result = self._fn(*self._args)
+            result = self._fn(*self._args)
         except BaseException as exc:  # (any: it must not stop the task serving the stream's queue)
             self._error, self._traceback = exc, exc.__traceback__
+        else:
+            # (an object with an async __call__, or a lambda calling an async function,
+            # passes call_when_done's check: its coroutine was the result, never run)
+            if result is not None and inspect.isawaitable(result):
+                self._error = _not_awaited(self._fn, result)
+            else:
+                self._result = result
         finally:
             self._fn = self._args = None  # type: ignore[assignment]
             self._finished.set()
@@ -122,6 +129,17 @@ class StreamCallback:
 
     def __repr__(self) -> str:
         return f"<StreamCallback {self._state}>"
+
+
+def _not_awaited(fn: Callable[..., Any], result: Any) -> TypeError:
+    """The error of a callback ``fn`` that returned the awaitable ``result``."""
+    if inspect.iscoroutine(result):
+        result.close()  # (never to run: no "never awaited" warning when it is collected)
+    kind = "a coroutine" if inspect.iscoroutine(result) else f"an awaitable ({type(result).__name__})"
+    return TypeError(
+        f"{fn!r} returned {kind}, which call_when_done does not await: it calls a plain function; start "
+        "async work from it (asyncio.create_task, a nursery), or await the stream in a task instead"
+    )
 
 
 class _Queue:
