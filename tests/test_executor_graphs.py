@@ -210,6 +210,37 @@ async def test_replays_that_fault_fail_their_chunks(sim_backend: Any, anyio_back
     assert all(isinstance(r.error, ContextPoisonedError) for r in got[1:])
 
 
+class Interrupt(BaseException):
+    """Not an Exception: what a KeyboardInterrupt raised in an ``output()`` looks like."""
+
+
+async def test_an_output_function_raising_a_base_exception_gives_its_chunk_back(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """output() is called by the feeder for a replay; one that raises what is not an
+    Exception ends the pipeline with it, and the chunk stayed admitted: its device ran
+    one chunk fewer (its bytes reserved) for every later map and submit of the executor."""
+    out = pinned_chunks(8)
+
+    def output(index: int, result: DeviceArray) -> np.ndarray:
+        if index == 6:  # a replay: its device warmed up and captured by then
+            raise Interrupt
+        return out[index]
+
+    stage = ScaleStage(REPS)
+    inputs = pinned_chunks(8)
+    async with Executor([0], chunks_per_device=2) as ex:
+        with pytest.raises(BaseException) as caught:
+            await ex.run(stage, inputs, graph=True, in_flight=1, output=output)
+        assert caught.type is Interrupt or caught.group_contains(Interrupt)
+        assert ex._graph_lanes[stage][0].state == "ready"  # chunk 6 was a replay
+        await ex.synchronize()
+        assert [(d.chunks, d.reserved) for d in ex.device_streams] == [(0, 0)]
+        again = await ex.run(stage, inputs, graph=True)
+    for host, value in zip(inputs, again, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+
+
 async def test_later_pipelines_of_a_stage_replay_its_graphs(devices: int, anyio_backend: Any) -> None:
     stage = CountingStage()
     inputs = pinned_chunks(6 * devices)

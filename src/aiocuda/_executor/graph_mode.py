@@ -363,6 +363,10 @@ class GraphMode:
             lane.busy = False
             self._finish(index, host, device_streams, None, exc)
             return "replay"
+        except BaseException:  # (a KeyboardInterrupt in output(), say: the pipeline is over)
+            lane.busy = False  # (else the chunk stayed admitted for the executor's life)
+            self._finish(index, host, device_streams, None, None)
+            raise
         queue.add(_Replay(index, host, dest, staged, keep, lane, event, span))
         return "replay"
 
