@@ -629,6 +629,8 @@ def test_bad_executor_options_are_refused_when_made_naming_the_option() -> None:
         ({"memory_fraction": True}, TypeError, "memory_fraction must be a number"),
         ({"memory_fraction": float("nan")}, ValueError, "memory_fraction must be in"),
         ({"memory_fraction": 0}, ValueError, "memory_fraction must be in"),
+        ({"devices": 0}, TypeError, r"devices is a sequence of devices or ordinals, e.g. Executor\(\[0\]\), not int"),
+        ({"devices": "01"}, TypeError, "devices is a sequence of devices or ordinals"),
     ]:
         with pytest.raises(error, match=match):
             Executor(**options)

@@ -137,6 +137,10 @@ class Executor:
         memory_fraction = a_number(memory_fraction, "memory_fraction")
         if not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if isinstance(devices, (int, Device, str)):  # (an int raised "'int' object is not iterable")
+            raise TypeError(
+                f"devices is a sequence of devices or ordinals, e.g. Executor([0]), not {type(devices).__name__}"
+            )
         self._requested = None if devices is None else list(devices)
         self._compute_streams = compute_streams
         self._chunks_per_device = chunks_per_device
