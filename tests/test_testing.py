@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -232,6 +233,28 @@ async def test_what_was_made_on_a_replaced_simulator_says_why_it_fails(anyio_bac
                 await x.to_host(stream=stream)
             with pytest.raises(CudaError, match=why):
                 aiocuda.Stream(stream.device)
+
+
+@pytest.mark.slow
+def test_the_modules_example_runs(tmp_path: pathlib.Path) -> None:
+    """The module docstring's example is a pytest module that passes, on asyncio and
+    trio. (It was a sketch: placeholders, and a task's done() to look at, which trio has
+    not and which an asyncio task not yet started answers False to anyway.)"""
+    after = (aiocuda.testing.__doc__ or "").split("::\n\n", 1)[1]
+    block = re.split(r"\n(?=\S)", after, maxsplit=1)[0]  # up to the first line not indented
+    user = tmp_path / "test_example.py"
+    user.write_text(
+        textwrap.dedent(block)
+        + '\n\n@pytest.fixture(params=["asyncio", "trio"])\ndef anyio_backend(request):\n    return request.param\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "error", str(user)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout + done.stderr
 
 
 USER_CODE = """

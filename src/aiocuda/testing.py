@@ -7,24 +7,41 @@ what a GPU cannot: stop a stream at a point of your choosing, make operations ta
 time, fail the Nth driver call, poison a device. Code under test needs no change: it uses
 ``aiocuda`` as it would on a GPU.
 
-A pytest fixture::
+A pytest module (it runs as it stands, on asyncio and trio)::
 
+    import anyio
+    import numpy as np
     import pytest
+    import aiocuda
     import aiocuda.testing
+
+    SOURCE = '''
+    extern "C" __global__ void twice(float* x, int n) {
+        int i = blockIdx.x * blockDim.x + threadIdx.x;
+        if (i < n) x[i] *= 2;
+    }
+    '''
+
+    def twice(launch, x, n):                 # what the kernel computes, on numpy
+        x[: int(n)] *= 2
 
     @pytest.fixture
     def sim():
         with aiocuda.testing.use_simulator(devices=2) as sim:
-            sim.register_kernel("saxpy", saxpy_on_numpy)
+            sim.register_kernel("twice", twice)
             yield sim
 
     @pytest.mark.anyio                       # anyio's pytest plugin runs async tests
-    async def test_a_request_waits_for_its_copy(sim: aiocuda.testing.Simulator) -> None:
-        stream = aiocuda.Stream()
-        with sim.paused(stream):             # nothing on the stream runs meanwhile
-            pending = start_request(stream)  # your code: enqueues work, awaits it
-            assert not pending.done()
-        assert await pending == expected
+    async def test_the_result_waits_for_the_kernel(sim: aiocuda.testing.Simulator) -> None:
+        kernel = aiocuda.Program(SOURCE).compile().kernel("twice")
+        with aiocuda.Stream() as stream:
+            x = await aiocuda.to_device(np.ones(1000, np.float32), stream=stream)
+            with sim.paused(stream):         # nothing on the stream runs meanwhile
+                kernel.launch(4, 256, x, 1000, stream=stream)
+                done = stream.record()
+                await anyio.sleep(0.01)
+                assert not done.query()      # the "GPU" has not run the kernel
+            assert (await x.to_host(stream=stream) == 2).all()
 
 A kernel implementation is called as ``impl(launch, *args)`` on a worker thread, in
 stream order, once for the whole grid (write vectorised numpy, not per-thread code):
@@ -39,8 +56,8 @@ Whatever it raises -- an ``IndexError``, as an out-of-bounds access would on a G
 failed ``assert``, ``pytest.fail()`` -- poisons the device: the awaits and later calls
 raise :class:`~aiocuda.errors.ContextPoisonedError`, whose ``__cause__`` is what the
 implementation raised. Implementations must not wait for other simulated work (no GPU
-kernel may either). ``Program.compile()`` still compiles with NVRTC where it is installed, so the
-CUDA source is checked too.
+kernel may either). ``Program.compile()`` still compiles with NVRTC where it is
+installed, so the CUDA source is checked too.
 """
 
 from __future__ import annotations
@@ -234,10 +251,18 @@ class Simulator(metaclass=NoPublicConstructor):
 
         ``call`` counts only calls of that name (``"launch_kernel"``,
         ``"memcpy_htod_async"``, ``"event_query"``, ...; a name no driver call counts
-        under is a ValueError, as is ``code`` 0). The failing call raises the :class:`~aiocuda.errors.CudaError`
-        for ``code`` (see :class:`~aiocuda.errors.ResultCode`) before doing anything; a
-        sticky code (``ILLEGAL_ADDRESS``, ...) also poisons that call's device. Several
-        faults may be armed at once.
+        under is a ValueError, as is ``code`` 0). The failing call raises the
+        :class:`~aiocuda.errors.CudaError` for ``code`` (see
+        :class:`~aiocuda.errors.ResultCode`) before doing anything; a sticky code
+        (``ILLEGAL_ADDRESS``, ...) also poisons that call's device. Several faults may be
+        armed at once.
+
+        Without ``call`` every driver call counts, aiocuda's own among them -- such as
+        the ``event_query`` polls it makes while a task awaits, whose number depends on
+        timing: name the call for a count you can rely on. aiocuda recovers from some
+        failures itself: an allocation out of memory is retried after trimming cached
+        memory, so one fault on ``"mem_alloc_async"`` may never reach your code (arm
+        one per attempt, or give the devices little memory with ``total_memory=``).
         """
         self._check_open("inject_fault")
         self._sim.inject_fault(code, at_call=at_call, call=call)
