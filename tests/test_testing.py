@@ -205,6 +205,8 @@ def test_pause_says_what_is_wrong_with_the_stream() -> None:
             fresh.pause(stale)
         with pytest.raises(TypeError, match="aiocuda Stream, not int"):
             fresh.pause(3)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="aiocuda Stream, not int"):
+            fresh.resume(3)  # type: ignore[arg-type]
 
 
 def test_close_lets_the_next_call_choose_again(monkeypatch: pytest.MonkeyPatch) -> None:

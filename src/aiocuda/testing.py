@@ -217,6 +217,7 @@ class Simulator(metaclass=NoPublicConstructor):
 
     def resume(self, stream: Stream) -> None:
         """Let a paused stream run its queued work (closed since, too)."""
+        _check_stream(stream)  # (not an AttributeError of a raw handle's missing slot)
         self._sim.resume(stream._handle)  # (a closed stream's queued work still runs)
 
     @contextlib.contextmanager
