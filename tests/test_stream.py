@@ -301,6 +301,52 @@ def test_an_event_is_recorded_on_a_stream_of_its_device(backend: _driver.Driver)
             s.record(Event(1, timing=True))
 
 
+CLOSED_AFTER_A_FAULT = """
+import anyio
+from aiocuda.stream import Stream
+from aiocuda.errors import ContextPoisonedError
+from _workload import _kernel, poison_op
+
+
+async def main():
+    stream = Stream(0)
+    if stream.device._driver.name != "sim":
+        _kernel(stream, "poison")  # compiled and loaded before the fault
+    poison_op(stream)
+    try:
+        await stream
+    except ContextPoisonedError:
+        pass
+    stream.close()
+    for name, call in [("query", stream.query), ("synchronize", stream.synchronize), ("record", stream.record)]:
+        try:
+            call()
+        except ContextPoisonedError:
+            print("POISONED", name)
+    try:
+        await stream
+    except ContextPoisonedError:
+        print("POISONED await")
+
+anyio.run(main, backend="{lib}")
+"""
+
+
+@pytest.mark.parametrize("lib", ["asyncio", "trio"])
+def test_a_closed_stream_of_a_poisoned_context_says_so(backend: _driver.Driver, lib: str) -> None:
+    """Closed after a fault, a stream has no end to wait for (its record failed): an
+    await, query, synchronize or record of it raised ArgumentError (closed), where every
+    later call on a poisoned device raises ContextPoisonedError (in a process of its own:
+    on the GPU a poisoned context stays poisoned)."""
+    from .test_completion import run_script
+
+    if lib == "trio":
+        pytest.importorskip("trio")
+    proc = run_script(CLOSED_AFTER_A_FAULT.replace("{lib}", lib), backend.name)
+    poisoned = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("POISONED")]
+    assert poisoned == ["query", "synchronize", "record", "await"], proc.stdout + proc.stderr
+
+
 def test_a_closed_event_says_so(backend: _driver.Driver) -> None:
     with Stream(0) as s:
         for event in (Event(0).record(s), s.record()):

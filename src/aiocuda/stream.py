@@ -33,7 +33,7 @@ from ._completion.event_pool import EventPool
 from ._completion.loops import warn_if_on_loop
 from ._util import invalid_value
 from .device import Device, _as_device
-from .errors import ArgumentError, CudaError
+from .errors import ArgumentError, ContextPoisonedError, CudaError
 from .event import Event
 
 if TYPE_CHECKING:
@@ -197,6 +197,7 @@ class Stream:
         "_pool",
         "_spare_pools",
         "_tail",
+        "_tail_failure",
         "device",
         "owned",
     )
@@ -221,6 +222,8 @@ class Stream:
         self._owner = owner
         self._closed = False
         self._tail: Event | None = None
+        self._tail_failure: CudaError | None = None
+        """Why the end of the work could not be recorded when the stream closed."""
         self._capture: Any = None
         """The capture (``aiocuda._graph.capture.Capture``) this stream's work goes to, if any."""
         self._pool = EventPool.for_device(device)
@@ -325,6 +328,10 @@ class Stream:
     def _end(self) -> Event:
         """A closed stream's end: the point after the work enqueued before it closed."""
         if self._tail is None:
+            # (a poisoned context: the closed stream has no end to wait for, and every
+            # later call on the device raises its error, as this does)
+            if isinstance(self._tail_failure, ContextPoisonedError):
+                raise ContextPoisonedError.earlier(self._tail_failure, f"device {self.device.ordinal}")
             raise self._closed_error()
         return self._tail
 
@@ -498,8 +505,8 @@ class Stream:
                 self._give_back_spares()
             try:
                 self._tail = self.record()
-            except CudaError:
-                self._tail = None  # a poisoned context: waiting on it can only fail anyway
+            except CudaError as exc:
+                self._tail_failure = exc  # a poisoned context: waiting on it can only fail anyway
             self._closed = True
             self._finalizer()
 
