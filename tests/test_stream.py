@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import time
 import warnings
@@ -520,6 +521,28 @@ def test_wrap_refuses_what_is_not_the_cuda_stream_protocol(backend: _driver.Driv
 
     with pytest.raises(TypeError, match=r"Foreign.__cuda_stream__\(\) returned .*, not \(0, handle\)"):
         Stream.wrap(Foreign())
+
+
+def test_wrap_refuses_objects_that_are_no_streams(backend: _driver.Driver) -> None:
+    """A ``.handle`` is a stream's for a Numba stream only (a ctypes ``c_void_p`` or a
+    ``CUstream``), a ``.ptr`` for a CuPy stream only (which has a ``device_id``). Others
+    were read as stream handles: an aiocuda Event's handle, an array's or a CuPy event's
+    pointer (on the real driver, one in readable host memory passed the handle checks
+    and was read as a stream object), a str's digits, 1.5 as the legacy default stream."""
+
+    class Handled:
+        def __init__(self, handle: object) -> None:
+            self.handle = handle
+
+    class CupyEventLike:
+        ptr = 0x1000
+
+    with Stream(0) as s:
+        array = aiocuda.empty(4, np.float32, stream=s)
+        for obj in (Event(0), array, CupyEventLike(), Handled("abc"), Handled("123"), Handled(1.5)):
+            with pytest.raises(TypeError, match=f"cannot use {type(obj).__name__} as a CUDA stream"):
+                Stream.wrap(obj)
+        assert int(Stream.wrap(Handled(ctypes.c_void_p(int(s))))) == int(s)  # a Numba stream's
 
 
 def test_current_stream_is_task_local(backend: _driver.Driver) -> None:

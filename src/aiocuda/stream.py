@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import ctypes
 import gc
 import operator
 import weakref
@@ -115,17 +116,20 @@ def _foreign_handle(obj: Any) -> tuple[int, Any]:
     proto = getattr(obj, "__cuda_stream__", None)
     if proto is not None:
         return _protocol_handle(obj, proto() if callable(proto) else proto), obj
-    for attr in ("cuda_stream", "ptr"):  # PyTorch, CuPy
-        value = getattr(obj, attr, None)
-        if isinstance(value, int):
-            return value, obj
-    handle = getattr(obj, "handle", None)  # numba: .handle is a ctypes c_void_p or CUstream
-    if handle is not None:
-        value = getattr(handle, "value", handle)
-        try:
-            return int(value or 0), obj
-        except TypeError:
-            pass
+    # Each library's attribute, only where it holds a stream: other objects' pointers and
+    # handles were read as streams (on the real driver, a readable one as a stream object:
+    # an aiocuda Event's handle, a pinned buffer's or a CuPy event's ptr).
+    value = getattr(obj, "cuda_stream", None)  # PyTorch
+    if isinstance(value, int):
+        return value, obj
+    value = getattr(obj, "ptr", None)  # CuPy: a stream has a device_id beside its ptr
+    if isinstance(value, int) and isinstance(getattr(obj, "device_id", None), int):
+        return value, obj
+    handle: Any = getattr(obj, "handle", None)  # Numba: a ctypes c_void_p or a CUstream
+    if isinstance(handle, ctypes.c_void_p):
+        return handle.value or 0, obj
+    if type(handle).__name__ == "CUstream":
+        return int(handle), obj
     raise TypeError(
         f"cannot use {type(obj).__name__} as a CUDA stream: expected an aiocuda Stream, an object "
         f"with __cuda_stream__, a CuPy/PyTorch/Numba stream, or a raw stream handle (int)"
