@@ -521,8 +521,10 @@ def register_sim_kernel(name: str, impl: Callable[..., object] | None) -> None:
       it to the length you need (NULL arrives as ``None``);
     * a scalar arrives as a numpy scalar of the declared type.
 
-    An ``IndexError`` or ``ValueError`` it raises poisons the device with
-    ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an out-of-bounds access would on a GPU. For the
+    Anything it raises (an ``IndexError`` of an out-of-bounds index, a failed assert, a
+    ``pytest.fail()``) poisons the device with ``CUDA_ERROR_ILLEGAL_ADDRESS``, as an
+    out-of-bounds access would on a GPU; the awaiting task gets
+    :class:`~aiocuda.errors.ContextPoisonedError` with that exception as its cause. For the
     simulator's other controls in your tests (pausing a stream, latencies, faults), see
     :mod:`aiocuda.testing`.
     """
