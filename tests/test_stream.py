@@ -195,6 +195,8 @@ def test_a_closed_stream_takes_no_work_and_says_what_to_do(backend: _driver.Driv
     s.close()  # idempotent
     with pytest.raises(ArgumentError, match=r"closed.*stream="):
         Event(0).record(s)
+    with pytest.raises(ArgumentError, match=r"closed.*stream="):
+        s.record(timing=True)
     assert "closed" in repr(s)
 
 

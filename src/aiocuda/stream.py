@@ -395,8 +395,10 @@ class Stream:
         """Mark the current end of this stream's work and return the Event.
 
         Without ``event`` a pooled event is used (no driver allocation) unless
-        ``timing=True`` asks for a timing event. On a closed stream, the end of the work
-        enqueued before it closed (the same Event every time).
+        ``timing=True`` asks for a timing event. On a closed stream, ``record()`` returns
+        the end of the work enqueued before it closed (the same Event every time); an
+        ``event`` or ``timing=True`` there, which needs a new record, raises
+        :class:`~aiocuda.errors.ArgumentError`.
         """
         if event is not None:
             if not isinstance(event, Event):
