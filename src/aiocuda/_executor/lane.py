@@ -304,27 +304,17 @@ class Lane:
         # meanwhile moved _staged, what it kept (spills, pinned arrays) _keep, and another
         # await's settle _settles.
         staged, kept, settles = self._staged, len(self._keep), self._settles
-        try:
-            yield from self.stream.__await__()
-        except ContextPoisonedError as exc:
-            self._failure = exc
-            raise
-        if staged != self._staged or kept != len(self._keep) or settles != self._settles:
-            yield from self._await_copies_of_other_tasks()
-        self._awaited = True
-        self._settle()
-
-    def _await_copies_of_other_tasks(self) -> Generator[Any, Any, None]:
-        """Await :attr:`stream` until no copy was enqueued during the wait."""
         while True:
-            staged, kept, settles = self._staged, len(self._keep), self._settles
             try:
                 yield from self.stream.__await__()
             except ContextPoisonedError as exc:
                 self._failure = exc
                 raise
             if staged == self._staged and kept == len(self._keep) and settles == self._settles:
-                return
+                break
+            staged, kept, settles = self._staged, len(self._keep), self._settles  # again, for those
+        self._awaited = True
+        self._settle()
 
     def _settle(self) -> None:
         """Everything enqueued so far has completed: finish downloads, recycle staging."""
