@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import time
@@ -231,41 +232,21 @@ async def test_a_closed_stream_can_still_be_waited_for(backend: _driver.Driver, 
         assert (await x.to_host(stream=other) == np.arange(8)).all()
 
 
+@pytest.mark.parametrize("current", [False, True], ids=["other", "current"])
 async def test_a_closed_stream_holds_objects_until_its_work_is_done(
-    backend: _driver.Driver, anyio_backend: object
+    backend: _driver.Driver, anyio_backend: object, current: bool
 ) -> None:
+    """A closed stream's holds are kept by a live stream of its device, made to wait for
+    its end. Inside ``use_stream(s)`` (``current``) that live stream was the task's
+    current one, the closed ``s`` itself, which refused them (ArgumentError: closed)."""
     # (How memory owned elsewhere -- managed arrays, a PyTorch tensor's -- is given back
     # after its last stream closed: held until that stream's work is done, not at once.)
-    class Kept:
-        pass
-
-    s = Stream(0)
-    slow_op(s, 0.05)
-    s.close()
-    kept = Kept()
-    alive = weakref.ref(kept)
-    s.hold(kept)
-    del kept
-    gc.collect()
-    assert alive() is not None
-    await s
-    keeper = current_stream(0)
-    await keeper  # its hold's event, recorded after s's work, is done once this returns...
-    await keeper  # ...and dropped by the next await (an await drops holds done before it starts)
-    gc.collect()
-    assert alive() is None
-
-
-async def test_a_closed_current_stream_holds_objects_too(backend: _driver.Driver, anyio_backend: object) -> None:
-    """A closed stream's holds are kept by a live stream of its device, made to wait for
-    its end: that was the task's current stream, so inside ``use_stream(s)`` the closed
-    ``s`` itself, which refused them (ArgumentError: closed)."""
 
     class Kept:
         pass
 
     s = Stream(0)
-    with use_stream(s):
+    with use_stream(s) if current else contextlib.nullcontext():
         slow_op(s, 0.05)
         s.close()
         kept = Kept()
@@ -276,8 +257,8 @@ async def test_a_closed_current_stream_holds_objects_too(backend: _driver.Driver
         assert alive() is not None
         await s
     keeper = current_stream(0)
-    await keeper
-    await keeper  # (an await drops the holds done before it starts)
+    await keeper  # its hold's event, recorded after s's work, is done once this returns...
+    await keeper  # ...and dropped by the next await (an await drops holds done before it starts)
     gc.collect()
     assert alive() is None
 
