@@ -396,6 +396,24 @@ async def test_downloads_of_a_lease_that_awaited_its_stream_are_filled(sim_backe
             np.testing.assert_array_equal(out, host)
 
 
+async def test_a_lease_that_ends_with_its_downloads_not_done_warns(sim_backend: Any, anyio_backend: Any) -> None:
+    """A block that forgot ``await lane`` got arrays never filled, without a word; it
+    gets a RuntimeWarning pointing at the block. Downloads whose copies are done by the
+    lease's end are filled, silently."""
+    async with Lanes(count=1) as lanes:
+        host = np.arange(256, dtype=np.float32)
+        with pytest.warns(RuntimeWarning, match="not awaited: their arrays were not filled") as caught:
+            async with lanes.lease() as lane:
+                sim_backend.pause(lane.stream.handle)
+                lane.download(lane.upload(host))
+        assert caught[0].filename == __file__
+        sim_backend.resume(lane.stream.handle)
+        async with lanes.lease() as lane:
+            out = lane.download(lane.upload(host))
+            await lane.stream
+        np.testing.assert_array_equal(out, host)
+
+
 async def test_closing_the_pool_at_once_leaves_leased_lanes_to_their_requests(
     sim_backend: Any, anyio_backend: Any
 ) -> None:
@@ -818,6 +836,7 @@ it awaits its work, ends its lease without awaiting it, or is cancelled (in line
 lane, or awaiting its work, as the requests before it have it)."""
 
 
+@pytest.mark.filterwarnings("ignore:a lease of lane:RuntimeWarning")  # (the abandoned requests')
 @pytest.mark.parametrize("loop", ["asyncio", "trio"])
 @settings(max_examples=30)
 @given(

@@ -204,7 +204,8 @@ class Lane:
     def download(self, array: DeviceArray, out: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
         """Enqueue the copy of ``array`` to the host on :attr:`stream` and return the host
         array (``out``, C-contiguous and writeable, or a new one). Its contents are valid
-        once the lane has been awaited (``await lane``), not before.
+        once the lane has been awaited (``await lane``), not before; a lease that ends
+        with its downloads not done warns (``RuntimeWarning``): they are never filled.
 
         Pinned ``out`` memory is written by the DMA directly; pageable memory goes
         through the lane's staging and is filled when the await completes.

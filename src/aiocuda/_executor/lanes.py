@@ -32,6 +32,7 @@ import inspect
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import FrameType, TracebackType
@@ -135,6 +136,13 @@ class _Lease:
             with contextlib.suppress(CudaError):
                 if lane.stream.query():
                     lane._settle()
+                else:
+                    warnings.warn(
+                        f"a lease of lane {lane.index} ended with downloads not awaited: their arrays were not "
+                        "filled (await lane inside the lease's block, before using them)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         self._lanes._release(lane, exc)
 
 
