@@ -117,7 +117,10 @@ class Executor:
     lane, or running) finish, then the GPU work the executor enqueued is awaited (on
     devices that have not failed) and its streams are closed. Left cancelled, or by an
     asyncio task unwinding from its cancellation, it closes them at once: enqueued work
-    still runs, and nothing is freed under it.
+    still runs, and nothing is freed under it. Maps are not waited for: end each one
+    (its ``async with``) inside the executor's block; a map another task still reads
+    when the block is left ends with :class:`~aiocuda.errors.ClosedError`, and chunks it
+    had in flight may fail with the closed streams' error.
     """
 
     def __init__(
