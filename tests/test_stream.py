@@ -273,6 +273,11 @@ def test_record_takes_a_stream_and_an_event(backend: _driver.Driver) -> None:
                 Event(0).record(foreign)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=r"Stream\.record takes an Event, not int"):
             s.record(3)  # type: ignore[arg-type]
+        with pytest.raises(ArgumentError, match="the event given has no timing"):
+            s.record(Event(0), timing=True)  # (timing was ignored: elapsed_ms failed later)
+        timed = Event(0, timing=True)
+        assert s.record(timed, timing=True) is timed
+        s.synchronize()
 
 
 @pytest.mark.multi_gpu

@@ -395,14 +395,20 @@ class Stream:
         """Mark the current end of this stream's work and return the Event.
 
         Without ``event`` a pooled event is used (no driver allocation) unless
-        ``timing=True`` asks for a timing event. On a closed stream, ``record()`` returns
-        the end of the work enqueued before it closed (the same Event every time); an
-        ``event`` or ``timing=True`` there, which needs a new record, raises
-        :class:`~aiocuda.errors.ArgumentError`.
+        ``timing=True`` asks for a timing event; with an ``event`` made without timing,
+        ``timing=True`` raises :class:`~aiocuda.errors.ArgumentError`. On a closed
+        stream, ``record()`` returns the end of the work enqueued before it closed (the
+        same Event every time); an ``event`` or ``timing=True`` there, which needs a new
+        record, raises :class:`~aiocuda.errors.ArgumentError`.
         """
         if event is not None:
             if not isinstance(event, Event):
                 raise TypeError(f"Stream.record takes an Event, not {type(event).__name__}")
+            if timing and not event.timing:
+                raise invalid_value(
+                    "timing=True asks for a new timing event, and the event given has no timing: "
+                    "make it with Event(timing=True), or leave the event out"
+                )
             return event.record(self)
         if self._closed and not timing:
             return self._end()
