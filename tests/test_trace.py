@@ -435,3 +435,26 @@ def test_a_span_given_back_after_its_trace_closed_destroys_its_events(sim_backen
         trace.close()
         Trace._discard(pending)  # (the chunk, cancelled after the close)
         assert len(sim_backend._events) == before
+
+
+def test_a_span_open_when_its_trace_closed_is_dropped_and_the_trace_stays_readable(sim_backend: Any) -> None:
+    """A span whose block ended after its trace closed was kept with the closed clock's
+    destroyed origin: every later read of the trace failed (invalid handle), and the
+    resolving of an executor's span in flight at the close failed alike."""
+    with Stream(0) as s:
+        before = len(sim_backend._events)
+        trace = Trace()
+        in_flight = trace._start(s, "compute", "in flight")
+        Trace._stop(in_flight, s)
+        with trace.span(s, "compute", "open at the close"):
+            trace.close()
+        s.synchronize()
+        trace._resolve(in_flight)  # (the executor's chunk, done after the close)
+        assert trace.spans == ()
+        assert len(sim_backend._events) == before
+        with trace.span(s, "compute", "after"):  # a closed trace used again starts a new clock
+            pass
+        s.synchronize()
+        assert [sp.name for sp in trace.spans] == ["after"]
+        trace.close()
+        assert len(sim_backend._events) == before

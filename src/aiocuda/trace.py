@@ -262,7 +262,8 @@ class Trace:
         :meth:`to_chrome` is next used after its work has completed: await the stream
         first. A trace that is rarely read also reads its finished spans itself, now and
         then, so that the timing events of unread spans do not pile up. A block left by
-        an exception records nothing.
+        an exception records nothing, nor does a block during which the trace was
+        closed (:meth:`close` drops unfinished spans).
         """
         if isinstance(track, bool) or not isinstance(track, int) or track < 0:
             raise ValueError(f"track must be an int >= 0, got {track!r}")
@@ -272,8 +273,13 @@ class Trace:
         except BaseException:
             self._discard(pending)
             raise
-        self._stop(pending, stream)
         with self._lock:
+            # A span open while the trace closed: its clock's origin event is destroyed,
+            # so reading it would fail, and every later read of the trace with it.
+            if pending.clock.closed:
+                self._discard(pending)
+                return
+            self._stop(pending, stream)
             self._pending.append(pending)
             full = len(self._pending) >= self._collect_at
         if full:
@@ -322,10 +328,11 @@ class Trace:
 
     def _resolve(self, *pending: _PendingSpan) -> None:
         """Turn spans whose work has completed into :class:`Span` s and recycle their
-        events. Call only after awaiting work enqueued after every span's end."""
+        events. Call only after awaiting work enqueued after every span's end. Spans of
+        a clock closed meanwhile (:meth:`close`) are dropped."""
         for p in pending:
             clock = p.clock
-            if p.end is None:
+            if p.end is None or clock.closed:  # (a closed clock's origin is destroyed)
                 self._discard(p)
                 continue
             elapsed = clock.driver.event_elapsed_ms
