@@ -458,3 +458,23 @@ def test_a_span_open_when_its_trace_closed_is_dropped_and_the_trace_stays_readab
         assert [sp.name for sp in trace.spans] == ["after"]
         trace.close()
         assert len(sim_backend._events) == before
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        (Span(0, "kernel", 0, "k", None, 0.0, 1.0), "unknown unit 'kernel'"),
+        (Span(-1, "h2d", 0, "h2d", None, 0.0, 1.0), "device must be an int >= 0"),
+        (Span(0, "h2d", -2, "h2d", None, 0.0, 1.0), "track must be an int >= 0"),
+    ],
+)
+def test_add_refuses_a_span_the_trace_cannot_show(bad: Span, words: str) -> None:
+    """add() took any span: one of an unknown unit made every later summary() fail
+    ("max() arg is an empty sequence") and to_chrome() too ("x not in tuple")."""
+    trace = Trace()
+    good = Span(0, "h2d", 0, "h2d", None, 0.0, 1.0)
+    with pytest.raises(ValueError, match=words):
+        trace.add(good, bad)
+    assert trace.spans == ()
+    trace.add(good)
+    assert trace.summary().busy_ms(0, "h2d") == 1.0 and trace.to_chrome()["traceEvents"]

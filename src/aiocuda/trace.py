@@ -286,7 +286,20 @@ class Trace:
             self._collect(reschedule=True)
 
     def add(self, *spans: Span) -> None:
-        """Add finished spans measured elsewhere (another trace, host-side timings)."""
+        """Add finished spans measured elsewhere (another trace, host-side timings).
+
+        Raises ValueError, adding none of them, for a span whose unit is not one of
+        :data:`UNITS` or whose device or track is not an int >= 0.
+        """
+        # Checked here: a bad span once accepted made every later summary() and
+        # to_chrome() fail, with errors that did not name it.
+        for span in spans:
+            if span.unit not in UNITS:
+                raise ValueError(f"{span!r}: unknown unit {span.unit!r}; expected one of {UNITS}")
+            for field in ("device", "track"):
+                value = getattr(span, field)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ValueError(f"{span!r}: {field} must be an int >= 0, got {value!r}")
         for span in spans:
             self._keep(span)
 
