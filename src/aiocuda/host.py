@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import weakref
 from typing import Any, final
 
@@ -90,9 +91,12 @@ def pinned_empty(
     if dt.itemsize == 0:
         raise invalid_value(f"dtype {dt} has elements of no bytes: give it a size (e.g. 'V8')")
     nbytes = math.prod(dims) * dt.itemsize
-    if nbytes >= 1 << 64:
+    if nbytes > sys.maxsize:
+        # (numpy indexes an array's bytes with a signed pointer-sized int; beyond it,
+        # numpy and ctypes raised their own ValueError or OverflowError)
         raise invalid_value(
-            f"a pinned array of shape {dims} and dtype {dt} would take {nbytes} bytes, more than a 64-bit size"
+            f"a pinned array of shape {dims} and dtype {dt} would take {nbytes} bytes, "
+            f"more than numpy can address ({sys.maxsize})"
         )
     dev = _as_device(device)
     owner = PinnedAllocation(dev, max(nbytes, 1))
