@@ -14,7 +14,7 @@ from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
 from aiocuda.errors import ArgumentError, OutOfMemoryError
-from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty
+from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty, pinned_zeros
 
 from ._control import forked_while_held
 
@@ -103,6 +103,15 @@ def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver
         pinned_empty(2**63, np.uint8)  # (was a ValueError from numpy)
     with pytest.raises(ArgumentError, match="objects"):
         pinned_empty(4, object)
+
+
+def test_a_subarray_dtype_makes_a_pinned_array_as_numpy_does(backend: _driver.Driver) -> None:
+    """numpy's ``np.empty(3, ("f4", (2, 2)))`` is a (3, 2, 2) float32 array; pinned_empty
+    failed with numpy's ValueError (cannot reshape) instead."""
+    array = pinned_zeros(3, ("f4", (2, 2)))
+    expected = np.zeros(3, ("f4", (2, 2)))
+    assert array.shape == expected.shape == (3, 2, 2) and array.dtype == expected.dtype
+    assert is_pinned(array) and not array.any()
 
 
 def test_views_of_pinned_memory_are_pinned_whatever_their_strides(backend: _driver.Driver) -> None:

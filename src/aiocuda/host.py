@@ -75,6 +75,10 @@ def pinned_empty(
 ) -> npt.NDArray[Any]:
     """A new C-contiguous numpy array in page-locked memory (contents undefined).
 
+    ``shape`` and ``dtype`` as :func:`numpy.empty` takes them, but ``shape`` an int or
+    a tuple of ints; a subarray dtype such as ``("f4", (2, 2))`` adds its dimensions to
+    the shape.
+
     ``device`` only chooses which context performs the allocation; the memory is
     portable, usable with every device.
 
@@ -86,6 +90,10 @@ def pinned_empty(
     """
     dims = shape_tuple(shape)
     dt = np.dtype(dtype)
+    if dt.subdtype is not None:
+        # As numpy does: a subarray dtype ("f4", (2, 2)) adds its dimensions to the
+        # shape; np.frombuffer would otherwise return more dimensions than asked.
+        dt, dims = dt.base, dims + dt.shape
     if dt.hasobject:
         raise invalid_value(f"dtype {dt} holds Python objects and cannot live in pinned memory")
     if dt.itemsize == 0:
