@@ -14,7 +14,7 @@ from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
 from aiocuda.errors import ArgumentError, OutOfMemoryError
-from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty, pinned_zeros
+from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty, pinned_zeros, register_host
 
 from ._control import forked_while_held
 
@@ -123,6 +123,25 @@ def test_views_of_pinned_memory_are_pinned_whatever_their_strides(backend: _driv
         is_pinned([1, 2])  # type: ignore[arg-type]
     with pytest.raises(ArgumentError, match="no bytes"):
         pinned_empty(3, np.dtype("V0"))
+
+
+def test_registering_memory_already_pinned_says_so_without_asking_the_driver(
+    backend: _driver.Driver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pinned array, a registered one, or a view of either: the driver was asked (after
+    waiting for every queued unpin), and its answer, if it took the range, left two
+    owners at one address in the registry of pinned ranges."""
+    block = pinned_empty(100, np.float32)
+    array = np.zeros(100)
+    with register_host(array):
+        asked: list[tuple[int, int]] = []
+        monkeypatch.setattr(backend, "mem_host_register", lambda ptr, size: asked.append((ptr, size)))
+        for pinned in (block, block[10:20], array, array[5:]):
+            with pytest.raises(ArgumentError, match="already page-locked"):
+                register_host(pinned)
+        assert asked == []
+        assert is_pinned(array)
+    assert is_pinned(block)
 
 
 def test_more_than_the_host_can_lock_is_an_out_of_memory_error(sim_backend: _driver.Driver) -> None:

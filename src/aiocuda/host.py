@@ -125,6 +125,9 @@ class HostRegistration:
     """An existing host array pinned in place; unpinned by :meth:`close`, on leaving a
     ``with`` block, or when collected.
 
+    Memory already page-locked (a :func:`pinned_empty` array, an array registered and
+    not yet closed, or a view of either) is refused with :class:`~aiocuda.errors.ArgumentError`.
+
     The registration keeps the array alive; do not resize it while registered. The
     driver unpins only once the kernels running at the time have finished, so the
     unpinning itself happens on a background thread; the array is kept alive until it
@@ -145,6 +148,13 @@ class HostRegistration:
             raise invalid_value("only a contiguous array can be registered")
         if array.nbytes == 0:
             raise invalid_value("an empty array cannot be registered")
+        if pinned_address(array):
+            # Refused before the driver: a range it took again would have two owners in
+            # pinned_ranges, and its refusal came only after draining the queued unpins.
+            raise invalid_value(
+                "the array's memory is already page-locked (made by pinned_empty or registered "
+                "by an open HostRegistration): use it as it is"
+            )
         dev = _as_device(device)
         dev.make_current()
         self.array = array
