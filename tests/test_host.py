@@ -110,8 +110,7 @@ def test_a_subarray_dtype_makes_a_pinned_array_as_numpy_does(backend: _driver.Dr
     failed with numpy's ValueError (cannot reshape) instead."""
     array = pinned_zeros(3, ("f4", (2, 2)))
     expected = np.zeros(3, ("f4", (2, 2)))
-    assert array.shape == (3, 2, 2) and array.dtype == np.float32
-    assert array.shape == expected.shape and array.dtype == expected.dtype
+    assert array.shape == (3, 2, 2) == tuple(map(int, expected.shape)) and array.dtype == expected.dtype
     assert is_pinned(array) and not array.any()
 
 
