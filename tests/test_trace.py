@@ -478,3 +478,16 @@ def test_add_refuses_a_span_the_trace_cannot_show(bad: Span, words: str) -> None
     assert trace.spans == ()
     trace.add(good)
     assert trace.summary().busy_ms(0, "h2d") == 1.0 and trace.to_chrome()["traceEvents"]
+
+
+def test_a_chrome_write_that_fails_names_the_file_asked_for(tmp_path: pathlib.Path) -> None:
+    """The OSError of a write to a missing directory named the hidden temporary file
+    (``.t.json.<pid>.<thread>.partial``), not the path given."""
+    target = tmp_path / "missing" / "t.json"
+    with pytest.raises(FileNotFoundError) as failed:
+        Trace().write_chrome(target)
+    assert failed.value.filename == str(target) and "partial" not in str(failed.value)
+    with pytest.raises(IsADirectoryError) as failed:
+        Trace().write_chrome(tmp_path)
+    assert failed.value.filename == str(tmp_path) and "partial" not in str(failed.value)
+    assert list(tmp_path.iterdir()) == []

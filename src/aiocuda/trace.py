@@ -513,13 +513,18 @@ class Trace:
 
     def write_chrome(self, path: str | pathlib.Path) -> pathlib.Path:
         """Write :meth:`to_chrome` as JSON (open it in ui.perfetto.dev or chrome://tracing).
-        The file is replaced whole: a write that fails (a full disk) leaves what was there."""
+        The file is replaced whole: a write that fails (a full disk, a missing or read-only
+        directory) raises OSError naming ``path`` and leaves what was there."""
         target = pathlib.Path(path)
         text = json.dumps(self.to_chrome())
         partial = target.with_name(f".{target.name}.{os.getpid()}.{threading.get_ident()}.partial")
         try:
             partial.write_text(text)
             os.replace(partial, target)
+        except OSError as exc:
+            # The error named the hidden temporary file, which the caller never heard of.
+            exc.filename, exc.filename2 = str(target), None
+            raise
         finally:
             partial.unlink(missing_ok=True)
         return target
