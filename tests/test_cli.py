@@ -215,3 +215,28 @@ def test_bench_on_the_simulator_says_that_nothing_is_kept(
         assert "on the SIMULATED backend (no GPU): figures to look at, not to keep" in out
         assert "nothing is written to benchmarks/results/" in out
         assert f"ARGS {passed_on}" in out
+
+
+def test_a_demo_trace_that_cannot_be_written_is_one_line_naming_it(
+    sim_backend: object, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The demo had Trace.write_chrome write its temporary file, which wrote its own
+    inside it: a failed write named ``..trace.json.<pid>.partial.<pid>.<thread>.partial``,
+    and a Ctrl-C during the write left that inner file (the handler removes the outer)."""
+    from aiocuda._cli.main import main
+
+    trace = tmp_path / "trace.json"
+    written: list[str] = []
+
+    def full_disk(self: pathlib.Path, text: str, *args: object, **kwargs: object) -> int:
+        written.append(self.name)
+        with self.open("w") as f:
+            f.write(text[: len(text) // 2])
+        raise OSError(28, "No space left on device", str(self))
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    assert main(["demo", "--chunks", "2", "--trace", str(trace)]) == 1
+    err = capfd.readouterr().err
+    assert f"demo: error: No space left on device: {trace}\n" in err and "partial" not in err, err
+    assert written == [f".trace.json.{os.getpid()}.partial"]  # the name Ctrl-C's handler removes
+    assert list(tmp_path.iterdir()) == []

@@ -23,6 +23,7 @@ in :mod:`aiocuda._cli.workload`, shared with ``benchmarks/pipeline.py`` and the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import time
@@ -36,6 +37,7 @@ from ..device import Device, devices
 from ..executor import Executor
 from ..host import pinned_empty
 from ..testing import current_simulator
+from ..trace import Trace
 from .common import UsageError, exit_at_once_on_interrupt, positive_float, positive_int, writable_file
 from .workload import ScaleStage, scale_reference
 
@@ -207,11 +209,23 @@ async def _run(args: argparse.Namespace, ui: _Plain, chosen: list[Device], n: in
         f"chunks per device: {placed}; overlap ratio = GPU wall / bound (1.0 is perfect; the bound is the "
         "busiest unit plus one fill and drain)"
     )
-    ex.trace.write_chrome(partial)
-    os.replace(partial, args.trace)  # the trace file is complete or absent
+    _write_trace(ex.trace, partial, args.trace)
     ui.say(f"trace: {args.trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     ui.say("results match numpy" if ok else "RESULTS DIFFER FROM NUMPY")
     return 0 if ok else 1
+
+
+def _write_trace(trace: Trace, partial: pathlib.Path, target: pathlib.Path) -> None:
+    """Write the trace to ``partial``, then rename it ``target``: the file is complete or
+    absent. OSError names ``target``."""
+    # Not Trace.write_chrome: its own temporary file, nested in `partial`, was left behind
+    # by a Ctrl-C during the write (the handler removes only `partial`).
+    try:
+        partial.write_text(json.dumps(trace.to_chrome()))
+        os.replace(partial, target)
+    except OSError as exc:
+        exc.filename, exc.filename2 = str(target), None  # not our temporary name
+        raise
 
 
 def _host_memory() -> int:
