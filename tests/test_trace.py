@@ -460,6 +460,30 @@ def test_a_span_open_when_its_trace_closed_is_dropped_and_the_trace_stays_readab
         assert len(sim_backend._events) == before
 
 
+def test_a_span_whose_stream_closed_in_its_block_gives_its_event_back(sim_backend: Any) -> None:
+    """The end's record on the closed stream raises (ArgumentError), and the span's start
+    event was kept by nobody, not even close()."""
+    from aiocuda.errors import ArgumentError
+
+    def events_left(traced: bool) -> int:
+        before = len(sim_backend._events)
+        trace = Trace()
+        with Stream(0) as keeper:
+            trace.begin(keeper)
+            s = Stream(0)
+            if traced:
+                with pytest.raises(ArgumentError, match="closed"), trace.span(s, "compute", "closed inside"):
+                    s.close()
+            else:
+                s.close()
+            s.synchronize()
+            trace.close()
+        return len(sim_backend._events) - before
+
+    events_left(traced=False)  # (the first fills the pools)
+    assert events_left(traced=True) == events_left(traced=False)
+
+
 @pytest.mark.parametrize(
     ("bad", "words"),
     [

@@ -165,7 +165,11 @@ class _Clock:
 
     def mark(self, stream: Stream) -> Any:
         handle = self.acquire()
-        self.driver.event_record(handle, stream.handle)
+        try:
+            self.driver.event_record(handle, stream.handle)
+        except BaseException:  # (a closed stream, say: the event goes back)
+            self.release(handle)
+            raise
         return handle
 
     def release(self, handle: Any) -> None:
@@ -279,7 +283,11 @@ class Trace:
             if pending.clock.closed:
                 self._discard(pending)
                 return
-            self._stop(pending, stream)
+            try:
+                self._stop(pending, stream)
+            except BaseException:  # (the stream closed in the block: its start event went with nothing)
+                self._discard(pending)
+                raise
             self._pending.append(pending)
             full = len(self._pending) >= self._collect_at
         if full:
