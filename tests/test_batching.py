@@ -13,9 +13,6 @@ import functools
 import gc
 import math
 import pathlib
-import subprocess
-import sys
-import textwrap
 import traceback
 import weakref
 from typing import Any
@@ -31,6 +28,8 @@ from aiocuda._cli.demo import ScaleStage, scale_reference
 from aiocuda.batching import Batcher
 from aiocuda.errors import ClosedError, QueueFullError
 from aiocuda.lanes import Lanes
+
+from ._mypy import assert_passes_mypy_strict
 
 pytestmark = pytest.mark.anyio
 
@@ -1031,15 +1030,4 @@ async def serve() -> None:
 def test_batch_functions_returning_what_the_batcher_takes_pass_mypy_strict(tmp_path: pathlib.Path) -> None:
     """``BatchFn`` says what the batcher takes: a batch function returning an array, a
     list (exceptions in it included) or a tuple passes ``mypy --strict``."""
-    pytest.importorskip("mypy")
-    user = tmp_path / "user_service.py"
-    user.write_text(textwrap.dedent(USER_CODE))
-    src = pathlib.Path(__file__).resolve().parents[1] / "src"
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), str(user)],
-        env={"MYPYPATH": str(src), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_passes_mypy_strict(tmp_path, "user_service.py", USER_CODE)

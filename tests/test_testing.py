@@ -21,6 +21,8 @@ import aiocuda
 import aiocuda.testing
 from aiocuda.errors import ContextPoisonedError, CudaError, ResultCode
 
+from ._mypy import assert_passes_mypy_strict
+
 SOURCE = r"""
 extern "C" __global__ void add_one(float* x, int n) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -292,15 +294,4 @@ def test_service() -> None:
 @pytest.mark.slow
 def test_user_code_passes_mypy_strict(tmp_path: pathlib.Path) -> None:
     """The testing API is typed: a user's test module using it passes ``mypy --strict``."""
-    pytest.importorskip("mypy")
-    user = tmp_path / "test_user_service.py"
-    user.write_text(textwrap.dedent(USER_CODE))
-    src = pathlib.Path(__file__).resolve().parents[1] / "src"
-    done = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--cache-dir", str(tmp_path / "cache"), str(user)],
-        env={"MYPYPATH": str(src), "PATH": "/usr/bin:/bin"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert_passes_mypy_strict(tmp_path, "test_user_service.py", USER_CODE)
