@@ -615,10 +615,8 @@ def current_stream(device: Device | int | None = None) -> Stream:
         dev = device if type(device) is Device else _as_device(device)
         if chosen is not None and chosen.device is dev:
             return chosen
-    stream = _defaults.get(dev)
-    if stream is None or stream._closed:
-        stream = _defaults[dev] = Stream(dev)
-    return stream
+    stream = _defaults.get(dev)  # (read here: a call to _default_stream costs the hot paths)
+    return stream if stream is not None and not stream._closed else _default_stream(dev)
 
 
 def _stream_for_new(device: Device | int | None, given: str = "device") -> Stream:

@@ -205,19 +205,10 @@ class Capture:
             if stream in self._left:
                 continue
             try:
-                self._join_one(stream)
+                self.origin.wait(stream)
             except CudaError:
                 if not quietly:
                     raise
-
-    def _join_one(self, stream: Stream) -> None:
-        pool = stream._pool
-        event = pool.acquire()
-        try:
-            self.driver.event_record(event, stream._handle)
-            self.driver.stream_wait_event(self.origin._handle, event)
-        finally:
-            pool.release(event)  # (the wait keeps the point it was given)
 
     def _unjoined(self) -> CaptureError | None:
         """Before the driver's end of a capture whose block ended: work forked onto
