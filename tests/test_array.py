@@ -176,6 +176,17 @@ async def test_iteration_gives_views_along_the_first_axis(backend: _driver.Drive
         iter(dev[1, 1])
 
 
+async def test_an_array_has_no_truth_value(backend: _driver.Driver, anyio_backend: object) -> None:
+    """Python took len() as the truth value: an empty array was false and a full one
+    true, so `if out:` passed for a None check, and a 0-d array raised len()'s error.
+    Reading an element would wait for the GPU: every array refuses, saying what to use."""
+    for array in (ga.empty(0), ga.empty(3), ga.empty(()), ga.empty((2, 2))[0, :1]):
+        with pytest.raises(TypeError, match=r"truth value of a DeviceArray.*array is not None"):
+            bool(array)
+        with pytest.raises(TypeError, match="truth value of a DeviceArray"):
+            _ = array or None
+
+
 async def test_fill(backend: _driver.Driver, anyio_backend: object) -> None:
     for dtype, value in [
         (np.uint8, 7),

@@ -396,6 +396,43 @@ async def test_a_cai_import_refuses_what_it_would_get_wrong(
     assert as_device_array(_Interface(dict(interface, mask=None, stream=1, strides=None))).ptr == dev.ptr
 
 
+async def test_an_array_imported_read_only_refuses_writes_and_exports_read_only(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The interface's read-only flag (``data[1]``) was dropped: copies and fills wrote
+    into memory its owner exported read-only, and the array, its views and arrays over
+    its buffer exported it as writable. It is still read, and a copy of it is writable."""
+    from aiocuda.errors import ArgumentError
+
+    host = np.arange(8, dtype=np.float32)
+    dev = await ga.to_device(host)
+    interface = dev.__cuda_array_interface__
+    assert interface["data"] == (dev.ptr, False) and not dev.readonly
+    imported = as_device_array(_Interface(dict(interface, data=(dev.ptr, True))))
+    views = [imported, imported[1:], imported.reshape(2, 4), imported.view(np.int32)]
+    views.append(ga.DeviceArray((4,), np.float32, buffer=imported.buffer, offset=16))
+    assert all(view.readonly for view in views) and "readonly" in repr(imported)
+    writes = [
+        lambda target: target.fill(0),
+        lambda target: target.copy_from(np.zeros(target.shape, target.dtype)),
+        lambda target: target.copy_from(ga.empty(target.shape, target.dtype)),
+        lambda target: ga.copy(target, ga.empty(target.shape, target.dtype)),
+    ]
+    for view in views:
+        for write in writes:
+            with pytest.raises(ArgumentError, match="read-only"):
+                await write(view)
+        assert view.__cuda_array_interface__["data"] == (view.ptr, True)
+        with pytest.raises(BufferError, match="read-only"):
+            view.__dlpack__(stream=-1)
+    np.testing.assert_array_equal(await imported.to_host(), host)  # untouched, and readable
+    writable = await imported.copy()
+    assert not writable.readonly
+    await writable.fill(1)
+    await ga.copy(dev, imported)  # (a read-only source is fine)
+    assert not as_device_array(_Interface(interface)).readonly
+
+
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
     with pytest.raises(TypeError):
         as_device_array(np.zeros(3))

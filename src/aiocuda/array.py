@@ -29,7 +29,9 @@ Other libraries take a DeviceArray without copying: through DLPack
 after the array's work on the GPU, or through ``__cuda_array_interface__``
 (``torch.as_tensor(x, device="cuda")``, ``cupy.asarray(x)``, ``numba.cuda.as_cuda_array(x)``),
 which first waits for the array's pending work: await the array's stream before handing
-it over from an event loop. ``np.asarray(x)`` raises ``TypeError``: use ``to_host()``.
+it over from an event loop. ``np.asarray(x)`` raises ``TypeError``: use ``to_host()``;
+so does ``bool(x)``, which would have to read the elements: test ``x is not None`` or
+``x.size``.
 """
 
 from __future__ import annotations
@@ -205,6 +207,32 @@ class DeviceArray:
             if d != 1
         )
 
+    @property
+    def readonly(self) -> bool:
+        """Whether the memory may only be read: an array imported from another library
+        that exported it read-only (``__cuda_array_interface__``'s ``data`` flag), and
+        its views. Copies into it and :meth:`fill` raise ArgumentError; a kernel is
+        still given its address (aiocuda cannot tell which parameters a kernel writes).
+        ``await array.copy()`` makes a writable copy."""
+        # (buffers are duck-typed -- pool buffers, imported memory, managed memory --
+        # and only an import's read-only buffer says so; the flag is the memory's, so
+        # every view and DeviceArray(..., buffer=) over it shares it)
+        return getattr(self.buffer, "readonly", False) is True
+
+    def __bool__(self) -> NoReturn:
+        """Refuses, as for any array: its elements are in device memory, and reading
+        one waits for the GPU (numpy raises for arrays of more than one element)."""
+        # CuPy and PyTorch copy a one-element array to the host here, blocking the
+        # thread until the GPU gets there: on an event loop that stalls every task.
+        # Without this, Python took len() as the truth value (an empty array false, a
+        # 0-d one raising len()'s TypeError), so `if out:` looked like a None check
+        # and silently took an empty array for a missing one.
+        raise TypeError(
+            "the truth value of a DeviceArray is not defined (its elements are in device memory): test "
+            "`array is not None`, `array.size` for emptiness, or copy the values first "
+            "(`(await array.to_host()).any()`)"
+        )
+
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d DeviceArray")
@@ -221,7 +249,11 @@ class DeviceArray:
 
     def __repr__(self) -> str:
         layout = "" if self.is_c_contiguous else f" strides={self.strides}"
-        return f"<{type(self).__name__} shape={self.shape} dtype={self.dtype}{layout} device={self.device.ordinal}>"
+        access = " readonly" if self.readonly else ""
+        return (
+            f"<{type(self).__name__} shape={self.shape} dtype={self.dtype}{layout} device={self.device.ordinal}"
+            f"{access}>"
+        )
 
     # -- views -----------------------------------------------------------------------------------
     def __getitem__(self, key: Any) -> DeviceArray:
@@ -382,7 +414,8 @@ class DeviceArray:
     async def copy_from(self, source: DeviceArray | npt.NDArray[Any], *, stream: Stream | None = None) -> None:
         """Overwrite this array with ``source`` (a DeviceArray on any device, or a numpy
         array); shapes and dtypes must match, layouts may differ (a non-contiguous side
-        is copied with 2D/3D copies)."""
+        is copied with 2D/3D copies). ArgumentError if this array is :attr:`readonly`."""
+        _check_writable(self, "the array copied into")
         if isinstance(source, DeviceArray):
             await copy(self, source, stream=stream)
             return
@@ -422,7 +455,9 @@ class DeviceArray:
 
     async def fill(self, value: Any, *, stream: Stream | None = None) -> None:
         """Set every element to ``value``, with memsets where the value's bytes repeat a
-        1, 2 or 4-byte word (2D memsets for a non-contiguous view)."""
+        1, 2 or 4-byte word (2D memsets for a non-contiguous view). ArgumentError if
+        the array is :attr:`readonly`."""
+        _check_writable(self, "the array filled")
         if self.size == 0:
             return
         pattern = np.array(value, dtype=self.dtype)
@@ -469,6 +504,15 @@ class DeviceArray:
         from ._memory.interop import DLPACK_CUDA
 
         return (DLPACK_CUDA, self.device.ordinal)
+
+
+def _check_writable(array: DeviceArray, what: str) -> None:
+    """ArgumentError if ``array`` is read-only (see :attr:`DeviceArray.readonly`)."""
+    if array.readonly:
+        raise invalid_value(
+            f"{what} is read-only: its memory was imported from another library that exported it read-only; "
+            "write into a copy of it instead (`await array.copy()`)"
+        )
 
 
 def _enter(buffer: Any, stream: Stream) -> None:
@@ -736,6 +780,7 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
 
     Both must be DeviceArrays (TypeError otherwise): :func:`to_device` and
     :meth:`DeviceArray.copy_from` copy from host arrays, :meth:`DeviceArray.to_host` to them.
+    ``dst`` must not be :attr:`~DeviceArray.readonly` (ArgumentError).
     """
     for name, array in (("dst", dst), ("src", src)):
         if not isinstance(array, DeviceArray):
@@ -743,6 +788,7 @@ async def copy(dst: DeviceArray, src: DeviceArray, *, stream: Stream | None = No
                 f"copy_array copies between DeviceArrays; {name} is a {type(array).__name__} (to_device() and "
                 "copy_from() copy from the host, to_host() to it; as_device_array() wraps another library's)"
             )
+    _check_writable(dst, "dst")
     if dst.shape != src.shape or dst.dtype != src.dtype:
         raise invalid_value(f"copy between mismatched arrays: dst {dst.shape} {dst.dtype}, src {src.shape} {src.dtype}")
     if stream is not None:

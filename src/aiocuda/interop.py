@@ -42,7 +42,10 @@ aiocuda's own driver calls.
 (DLPack first, then ``__cuda_array_interface__``), ordering the producer's pending work
 before the stream given; ``torch.from_dlpack(array)`` / ``cupy.from_dlpack(array)`` go
 the other way, ordering the array's pending work before the consumer's current stream.
-Both directions stay stream-ordered: no host waits.
+Both directions stay stream-ordered: no host waits. An array exported read-only through
+``__cuda_array_interface__`` is imported :attr:`~aiocuda.DeviceArray.readonly` (aiocuda's
+copies into it raise); a read-only array exports that flag, and refuses DLPack, whose
+legacy capsules cannot carry it.
 
 Neither PyTorch nor CuPy is a dependency: each is imported on first use.
 """

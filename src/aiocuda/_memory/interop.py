@@ -22,6 +22,13 @@ Import (:func:`as_device_array`): DLPack first, then the array interface, then N
 library; aiocuda keeps the foreign object alive until work it enqueued on the memory has
 completed. An interface with a ``mask``, or naming the stream 0 (which v3 forbids), is
 refused.
+
+Read-only memory: an interface whose ``data`` flag says read-only is imported as a
+:attr:`~aiocuda.DeviceArray.readonly` array (copies into it and fills raise), and a
+read-only array is exported with that flag. Legacy DLPack capsules, the only ones made and
+requested here, cannot say read-only: a read-only array's ``__dlpack__`` raises
+``BufferError`` (as numpy's does), and a DLPack import is as writable as its producer
+exported it.
 """
 
 from __future__ import annotations
@@ -165,7 +172,7 @@ def cuda_array_interface(array: DeviceArray) -> dict[str, Any]:
         "shape": array.shape,
         "typestr": array.dtype.str,
         "descr": [("", array.dtype.str)],
-        "data": (array.ptr, False),
+        "data": (array.ptr, array.readonly),
         "strides": None if array.is_c_contiguous else array.strides,
         "version": 3,
         "stream": None,
@@ -323,6 +330,13 @@ def to_dlpack(
             f"strides {array.strides} are not whole multiples of the item size ({itemsize} bytes), which "
             "DLPack cannot describe: copy the array first (array.copy())"
         )
+    if array.readonly:
+        # (a legacy capsule has no read-only flag, and consumers write what they get;
+        # DLPack 1.0's versioned capsules carry one, but aiocuda makes legacy ones only)
+        raise BufferError(
+            "a read-only array cannot be exported through DLPack, whose (legacy) capsules cannot mark it "
+            "read-only: export a copy (`await array.copy()`), or use __cuda_array_interface__, which can"
+        )
     consumer = _order_consumer(array, stream)
     # One constructor call per struct and one int64 array for the shape and strides:
     # setting the fields one by one, with a ctypes.cast for each pointer, took 13 us on
@@ -413,6 +427,14 @@ def _call_deleter(address: int, deleter: Any) -> None:
         deleter(ctypes.cast(address, ctypes.POINTER(_DLManagedTensor)))
 
 
+class _ReadOnlyBuffer(OwnedBuffer):
+    """Foreign memory its owner exported read-only: arrays over it are
+    :attr:`~aiocuda.DeviceArray.readonly`."""
+
+    __slots__ = ()
+    readonly = True
+
+
 def _wrap(
     ptr: int,
     shape: tuple[int, ...],
@@ -421,12 +443,16 @@ def _wrap(
     device: Device,
     stream: Stream,
     owner: Any,
+    *,
+    readonly: bool = False,
 ) -> DeviceArray:
     """A DeviceArray over foreign memory at ``ptr`` (its first element), ``shape`` and
-    ``dtype`` valid (non-negative dimensions, no Python objects)."""
+    ``dtype`` valid (non-negative dimensions, no Python objects); ``readonly`` where its
+    owner exported it so."""
     byte_strides = strides if strides is not None else c_strides(shape, dtype.itemsize)
     lo, hi = byte_span(shape, byte_strides, dtype.itemsize)
-    buffer = OwnedBuffer(ptr + lo, hi - lo, device, stream, owner)
+    kind = _ReadOnlyBuffer if readonly else OwnedBuffer
+    buffer = kind(ptr + lo, hi - lo, device, stream, owner)
     return _over_new_buffer(shape, dtype, byte_strides, buffer, -lo)
 
 
@@ -443,7 +469,7 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
             "or a stream handle (1 the legacy default stream, 2 the per-thread one); 0 is not allowed, being "
             "ambiguous (the producer's work would go unordered)"
         )
-    ptr, _readonly = cai["data"]
+    ptr, readonly = cai["data"]
     dtype = _check_dtype(cai["typestr"])
     shape = shape_tuple(tuple(int(d) for d in cai["shape"]))
     strides = tuple(int(s) for s in cai["strides"]) if cai.get("strides") else None
@@ -460,7 +486,10 @@ def _from_cai(obj: Any, stream: Stream | None) -> DeviceArray:
     target = _stream_on(device, stream)
     if foreign is not None:  # the producer's stream: order our work after its pending writes
         target.wait(Stream.wrap(int(foreign), device=device))
-    return _wrap(int(ptr), shape, dtype, strides, device, target, obj)
+    # The flag is kept rather than the import refused: a read-only array is mostly read
+    # (a kernel's input, a download), which a refusal would forbid too; the flag makes
+    # aiocuda's own writes into it raise, and travels on to consumers of its exports.
+    return _wrap(int(ptr), shape, dtype, strides, device, target, obj, readonly=bool(readonly))
 
 
 def _producer_stream(obj: Any, ordinal: int) -> int | None:
@@ -483,7 +512,8 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     cuda.core) or ``__cuda_array_interface__`` (CuPy, Numba, PyTorch). ``stream`` (default:
     the current stream of the object's device) is where aiocuda's subsequent work on the
     array will go, a stream of the array's device (else ArgumentError); the producer is
-    told to order its pending work before it.
+    told to order its pending work before it. An array its producer exported read-only
+    (through ``__cuda_array_interface__``) is :attr:`~aiocuda.DeviceArray.readonly`.
     """
     if isinstance(obj, DeviceArray):
         if stream is not None:
