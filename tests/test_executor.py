@@ -1223,6 +1223,149 @@ async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
         np.testing.assert_array_equal(results[name], hosts[name])
 
 
+async def test_leaving_lets_chunks_of_a_map_in_another_task_finish_and_refuses_its_next_inputs(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """A lifespan leaves its executor while another task reads a map: chunks 0 and 1 are
+    held in their stage, the feeder waits for room for chunk 2. The map admits nothing
+    more; leaving waits for chunks 0 and 1, which finish on open streams (no closed
+    stream's ArgumentError); the reader takes their results, then ClosedError; the
+    device's memory and admission are idle again."""
+    gate, leave = anyio.Event(), anyio.Event()
+    left = False
+    got: list[Any] = []
+    inputs = chunks(6)
+    baseline = used_bytes()
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async def read(ex: Executor) -> None:
+        try:
+            async with ex.map(held, inputs, in_flight=len(inputs)) as results:
+                async for r in results:
+                    got.append(r)
+        except ClosedError as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+
+        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
+            nonlocal left
+            async with Executor([0], chunks_per_device=2) as ex:
+                task_status.started(ex)
+                await leave.wait()
+            left = True
+
+        ex = await tg.start(lifespan)
+        tg.start_soon(read, ex)
+        await checkpoints()
+        assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
+        leave.set()
+        await checkpoints()
+        assert not left and ex.device_streams[0].chunks == 2
+        gate.set()
+    assert left
+    *results, end = got
+    assert [r.index for r in results] == [0, 1]
+    for r in results:
+        np.testing.assert_array_equal(r.value, inputs[r.index])
+    assert isinstance(end, ClosedError) and "closed while this map ran" in str(end)
+    assert used_bytes() == baseline
+    assert (ex.device_streams[0].chunks, ex.device_streams[0].reserved) == (0, 0)
+
+
+async def test_leaving_does_not_wait_for_a_map_reader_that_stopped_reading(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """A map's reader has stopped reading while its chunks are on the GPU (its download
+    stream paused) and its feeder waits for room. Leaving waits for those chunks, not for
+    the reader: once the stream resumes, the block is left with the device's memory and
+    admission idle, the results waiting for the reader, who takes them later and then
+    ClosedError."""
+    reading, leave, exited = anyio.Event(), anyio.Event(), anyio.Event()
+    got: list[Any] = []
+    inputs = chunks(6, pinned=True)
+    baseline = used_bytes()
+
+    async def read(ex: Executor) -> None:
+        try:
+            async with ex.map(lambda ctx, x: None, inputs, in_flight=len(inputs)) as results:
+                await reading.wait()
+                async for r in results:
+                    got.append(r)
+        except ClosedError as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+
+        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
+            async with Executor([0], chunks_per_device=2) as ex:
+                task_status.started(ex)
+                await leave.wait()
+            exited.set()
+
+        ex = await tg.start(lifespan)
+        d2h = ex.device_streams[0].d2h
+        handle = d2h.handle
+        sim_backend.pause(handle)
+        tg.start_soon(read, ex)
+        await checkpoints()
+        assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
+        leave.set()
+        await checkpoints()
+        assert not exited.is_set() and not d2h.closed
+        sim_backend.resume(handle)
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            await exited.wait()
+        assert used_bytes() == baseline
+        assert (ex.device_streams[0].chunks, ex.device_streams[0].reserved) == (0, 0)
+        assert not got
+        reading.set()
+    *results, end = got
+    assert [r.index for r in results] == [0, 1]
+    for r in results:
+        np.testing.assert_array_equal(r.value, inputs[r.index])
+    assert isinstance(end, ClosedError)
+
+
+async def test_leaving_cancelled_closes_at_once_under_a_running_map(sim_backend: Any, anyio_backend: Any) -> None:
+    """Left cancelled, the executor does not wait for the chunks of a map that another
+    task reads (on the GPU behind a paused stream): it closes its streams at once, and the
+    map admits nothing more. Once the stream resumes, the map ends with ClosedError after
+    its chunks' results, and their admission is given back."""
+    got: list[Any] = []
+    inputs = chunks(6, pinned=True)
+
+    async def read(ex: Executor) -> None:
+        try:
+            async with ex.map(lambda ctx, x: None, inputs, in_flight=len(inputs)) as results:
+                async for r in results:
+                    got.append(r)
+        except ClosedError as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        ex = Executor([0], chunks_per_device=2)
+        with anyio.CancelScope() as scope:
+            async with ex:
+                d2h = ex.device_streams[0].d2h
+                handle = d2h.handle
+                sim_backend.pause(handle)
+                tg.start_soon(read, ex)
+                await checkpoints()
+                assert ex.device_streams[0].chunks == 2
+                scope.cancel()
+                await anyio.sleep_forever()
+        assert scope.cancelled_caught and d2h.closed
+        assert ex.device_streams[0].chunks == 2  # (not waited for)
+        sim_backend.resume(handle)
+    *results, end = got
+    assert [r.index for r in results] == [0, 1]
+    assert isinstance(end, ClosedError)
+    assert (ex.device_streams[0].chunks, ex.device_streams[0].reserved) == (0, 0)
+
+
 @pytest.mark.parametrize("other_loop", ["asyncio", "trio"])
 async def test_a_submit_from_another_threads_loop_is_refused(
     sim_backend: Any, anyio_backend: Any, other_loop: str

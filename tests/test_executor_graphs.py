@@ -10,6 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import anyio
+import anyio.abc
+import anyio.lowlevel
 import numpy as np
 import pytest
 
@@ -17,7 +19,7 @@ from aiocuda import _driver
 from aiocuda._cli.workload import ScaleStage, scale_reference
 from aiocuda._executor import graph_mode
 from aiocuda.array import DeviceArray
-from aiocuda.errors import ContextPoisonedError
+from aiocuda.errors import ClosedError, ContextPoisonedError
 from aiocuda.executor import ChunkContext, Executor
 from aiocuda.host import is_pinned, pinned_empty
 from aiocuda.kernel import register_sim_kernel
@@ -318,3 +320,63 @@ async def test_a_cancelled_pipeline_keeps_its_lanes_until_its_replays_have_run(
     for values in (meanwhile, again):
         for value, host in zip(values, later, strict=True):
             np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
+
+
+async def test_leaving_lets_replays_of_a_map_in_another_task_finish(sim_backend: Any, anyio_backend: Any) -> None:
+    """Another task's map of a captured stage has its replays waiting on the GPU (the
+    lanes paused), its feeder waiting for room, and its reader not reading yet. Leaving
+    the executor refuses the map's next inputs and waits for the replays (not for the
+    reader) before closing the lanes; the reader then takes their results, and
+    ClosedError."""
+    stage = CountingStage()
+    inputs = pinned_chunks(6)
+    reading, leave, exited = anyio.Event(), anyio.Event(), anyio.Event()
+    got: list[Any] = []
+
+    async def read(ex: Executor) -> None:
+        try:
+            async with ex.map(stage, inputs, graph=True, in_flight=len(inputs)) as results:
+                await reading.wait()
+                async for r in results:
+                    got.append(r)
+        except ClosedError as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+
+        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
+            async with Executor([0], chunks_per_device=2) as ex:
+                await ex.run(stage, pinned_chunks(8, seed=1), graph=True, in_flight=2)  # warmed up and captured
+                task_status.started(ex)
+                await leave.wait()
+            exited.set()
+
+        ex = await tg.start(lifespan)
+        calls = stage.calls[0]
+        lanes = ex.device_streams[0].graph_lanes
+        handles = [stream.handle for stream in lanes]
+        for handle in handles:
+            sim_backend.pause(handle)
+        tg.start_soon(read, ex)
+        await _checkpoints()
+        assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
+        leave.set()
+        await _checkpoints()
+        assert not exited.is_set() and not any(stream.closed for stream in lanes)
+        for handle in handles:
+            sim_backend.resume(handle)
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            await exited.wait()
+        assert [(d.chunks, d.reserved) for d in ex.device_streams] == [(0, 0)]
+        reading.set()
+    *results, end = got
+    assert [r.index for r in results] == [0, 1] and stage.calls[0] == calls  # replays
+    for r in results:
+        np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+    assert isinstance(end, ClosedError)
+
+
+async def _checkpoints(n: int = 50) -> None:
+    """Let every other task run as far as it can (no time involved)."""
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()

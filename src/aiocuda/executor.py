@@ -68,7 +68,7 @@ from ._executor.device_streams import DeviceStreams
 from ._executor.graph_lanes import GraphLanes
 from ._executor.lane import PRIORITIES, Priority
 from ._executor.lanes import Lanes, default_count
-from ._executor.pipeline import Pipeline, reserve
+from ._executor.pipeline import Pipeline, Pipelines, reserve
 from ._executor.placement import Admission, PlacementName
 from ._util import a_number, at_least
 from .device import Device, devices
@@ -115,12 +115,16 @@ class Executor:
     gracefully: new :meth:`submit` and :meth:`map` calls raise
     :class:`~aiocuda.errors.ClosedError`, submits already started (waiting for room, for a
     lane, or running) finish, then the GPU work the executor enqueued is awaited (on
-    devices that have not failed) and its streams are closed. Left cancelled, or by an
-    asyncio task unwinding from its cancellation, it closes them at once: enqueued work
-    still runs, and nothing is freed under it. Maps are not waited for: end each one
-    (its ``async with``) inside the executor's block; a map another task still reads
-    when the block is left ends with :class:`~aiocuda.errors.ClosedError`, and chunks it
-    had in flight may fail with the closed streams' error.
+    devices that have not failed) and its streams are closed. End each map (its ``async
+    with``) inside the executor's block; a map that another task still runs when the block
+    is left takes no more inputs: its iteration ends with
+    :class:`~aiocuda.errors.ClosedError` after the results of the chunks it had admitted.
+    Those chunks finish first -- leaving waits for them as for submits, but not for the
+    map's reader, which takes their results later or never (their device memory and
+    their room on the device are given back either way). Left cancelled, or by an asyncio
+    task unwinding from its cancellation, it closes the streams at once: enqueued work
+    still runs, and nothing is freed under it, but chunks of maps still running may then
+    fail with the closed streams' :class:`~aiocuda.errors.ArgumentError`.
     """
 
     def __init__(
@@ -153,6 +157,8 @@ class Executor:
         self._device_streams: tuple[DeviceStreams, ...] = ()
         self._by_ordinal: dict[int, DeviceStreams] = {}
         self._admission = Admission()
+        self._pipelines = Pipelines()
+        """The maps' share of the executor: refused new chunks and awaited on leaving."""
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._submitting = 0
         """Submits started and not yet returned: what leaving the block waits for."""
@@ -198,12 +204,17 @@ class Executor:
             self.close()
             return
         self._state = "closing"  # new submits and maps are refused from here on
+        self._pipelines.close()  # and new chunks of maps still running
         try:
             if not being_cancelled():  # (a task unwinding from its cancellation: no waiting)
                 while self._submitting:
                     self._drained = anyio.Event()
                     await self._drained.wait()
                 self._drained = None
+                # Chunks of maps that other tasks run are enqueued, awaited and freed on
+                # these streams until they are over (not until they are read: a reader
+                # that stopped reading holds nothing up).
+                await self._pipelines.drain()
                 await self.synchronize()
         except CudaError:
             if exc[0] is None:
@@ -234,6 +245,7 @@ class Executor:
                 )
             )
         self._device_streams = tuple(device_streams)
+        self._pipelines = Pipelines()  # (those of an earlier opening stay refused)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._state = "open"
         self._thread = _thread_id()
@@ -260,9 +272,11 @@ class Executor:
         """Close the streams (work already enqueued still completes). :attr:`device_streams`
         and :attr:`trace` stay readable. Submits still running keep their lanes until they
         return; those still waiting for room or for a lane raise
-        :class:`~aiocuda.errors.ClosedError` when they would start. Prefer leaving the
-        ``async with`` block, which lets them finish."""
+        :class:`~aiocuda.errors.ClosedError` when they would start; so do the next chunks of
+        maps still running, whose chunks in flight may fail with the closed streams'
+        error. Prefer leaving the ``async with`` block, which lets them finish."""
         self._state = "closed"
+        self._pipelines.close()
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 stream.close()
@@ -360,6 +374,7 @@ class Executor:
             inputs,
             device_streams=self._device_streams,
             admission=self._admission,
+            pipelines=self._pipelines,
             ordered=ordered,
             in_flight=limit,
             on_error=on_error,

@@ -17,13 +17,19 @@ Cancellation and failure: leaving the block early, cancelling the consumer, or (
 cancelled in flight frees its device memory stream-ordered (after the GPU work already
 enqueued on it) and its host arrays stay held by their streams until the copies that use
 them have finished, so no later run can see torn or reused memory.
+
+The executor closing: every pipeline of an executor shares its :class:`Pipelines`. Once
+the executor's block is being left, feeders admit no more chunks (the next one, or one
+waiting for room, raises :class:`~aiocuda.errors.ClosedError` into the iteration), and the
+executor waits until the chunks already admitted are over -- their results queued for the
+consumer, not taken by it -- before it closes the streams they use.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterable, Iterable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import numpy.typing as npt
@@ -36,9 +42,76 @@ from .device_streams import DeviceStreams
 from .eager import EagerMode
 from .graph_lanes import GraphLanes
 from .graph_mode import GraphMode
-from .placement import Admission, PlacementName
+from .placement import Admission, Loaded, PlacementName
 
-__all__ = ["Pipeline", "reserve"]
+__all__ = ["Pipeline", "Pipelines", "reserve"]
+
+L = TypeVar("L", bound=Loaded)
+
+
+class Pipelines:
+    """What an executor knows of its pipelines: whether they may still admit chunks, and
+    how many of the chunks they admitted are running.
+
+    :meth:`close` (the executor's block is being left, or it closes) refuses their next
+    chunks with :class:`~aiocuda.errors.ClosedError`, those waiting for room included;
+    :meth:`drain` then waits until the chunks they had admitted are over.
+    """
+
+    __slots__ = ("_idle", "_waiting", "closed", "running")
+
+    def __init__(self) -> None:
+        self.closed = False
+        self.running = 0
+        """Chunks admitted to a device and not over yet (:meth:`Pipeline._done`)."""
+        self._idle: anyio.Event | None = None
+        """Set when ``running`` falls to zero while :meth:`drain` waits."""
+        self._waiting: set[anyio.CancelScope] = set()
+        """The admissions waiting for room, cancelled by :meth:`close`."""
+
+    def close(self) -> None:
+        """Admit no more chunks: the next one, and those waiting for room, raise
+        :class:`~aiocuda.errors.ClosedError` in their pipeline's feeder."""
+        self.closed = True
+        for scope in self._waiting:
+            scope.cancel()
+
+    async def drain(self) -> None:
+        """Wait until every chunk admitted is over: its GPU work done (or failed) and its
+        result queued for its consumer, whether that consumer reads it or not."""
+        try:
+            while self.running:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        finally:
+            self._idle = None
+
+    async def admit(
+        self, admission: Admission, policy: PlacementName, candidates: Sequence[L], nbytes: int, cursor: int
+    ) -> tuple[L, int]:
+        """``admission.admit(...)``, refused with :class:`~aiocuda.errors.ClosedError`
+        when the executor closes while it waits."""
+        with anyio.CancelScope() as scope:
+            self._waiting.add(scope)
+            try:
+                placed, cursor = await admission.admit(policy, candidates, nbytes, cursor)
+            finally:
+                self._waiting.discard(scope)
+            if not self.closed:
+                return placed, cursor
+            # (admitted as it closed: on trio a task already woken is not cancelled)
+            admission.release(placed, nbytes)
+        raise _closed()
+
+    def over(self) -> None:
+        """One of the ``running`` chunks is over."""
+        self.running -= 1
+        if not self.running and self._idle is not None:
+            self._idle.set()
+
+
+def _closed() -> ClosedError:
+    return ClosedError("the executor closed while this map ran: it takes no more inputs")
 
 
 class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
@@ -62,6 +135,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         *,
         device_streams: Sequence[DeviceStreams],
         admission: Admission,
+        pipelines: Pipelines,
         ordered: bool,
         in_flight: int,
         on_error: OnError,
@@ -77,6 +151,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         self._eager: EagerMode | None = None
         self._device_streams = device_streams
         self._admission = admission
+        self._pipelines = pipelines
         self._limit = in_flight
         self._placement = placement
         self._cursor = 0
@@ -112,19 +187,21 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
 
     async def _start_chunk(self, index: int, array: npt.NDArray[Any]) -> None:
         assert self._task_group is not None
-        if self._device_streams[0].h2d.closed:
-            raise ClosedError("the executor closed while this map ran")
+        pipelines = self._pipelines
+        if pipelines.closed:
+            raise _closed()
         admission, nbytes = self._admission, reserve(array)
         placed, self._cursor = admission.try_admit(self._placement, self._device_streams, nbytes, self._cursor)
         if placed is None:  # no device has room: wait for one (the executor's back-pressure)
             try:
-                placed, self._cursor = await admission.admit(
-                    self._placement, self._device_streams, nbytes, self._cursor
+                placed, self._cursor = await pipelines.admit(
+                    admission, self._placement, self._device_streams, nbytes, self._cursor
                 )
             except ContextPoisonedError as exc:  # every device has failed: so does the chunk
                 self._admitted()
                 self._send_result(ChunkResult(index, self._device_streams[0].device.ordinal, None, exc))
                 return
+        pipelines.running += 1  # until _done: what the executor's exit waits for
         self._admitted()
         graphs = self._graphs
         if graphs is None:
@@ -137,6 +214,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
                 await graphs.settled(placed)
             except BaseException:  # cancelled: the chunk never started
                 admission.release(placed, nbytes)
+                pipelines.over()
                 raise
             route = graphs.route(index, array, placed)
         if route == "capture":
@@ -183,6 +261,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         device_streams.completed += 1
         device_streams.saw(error)
         self._admission.release(device_streams, reserve(host))
+        self._pipelines.over()
         if output is not None or error is not None:
             self._send_result(ChunkResult(index, device_streams.device.ordinal, output, error))
 
