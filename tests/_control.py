@@ -8,6 +8,9 @@ ticks stretches with the load instead of breaking.
 A race test makes another thread act at one exact point and then waits until that thread
 has finished or is blocked: :class:`WatchedLock` tells the second, with no sleep.
 
+:func:`reserve_thread_done` waits for what aiocuda asked its reserve thread to make
+(signal streams, events, spare pinned blocks) so far.
+
 Fork tests run code in a forked child and read what it did (:func:`forked_outcomes`), or
 fork while another thread holds a lock (:func:`forked_while_held`); a hung child fails
 its test instead of the whole run.
@@ -24,8 +27,10 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
+import anyio.to_thread
 import pytest
 
+from aiocuda._completion.reserve import run_off_loop
 from aiocuda.errors import NoDeviceError
 
 
@@ -66,6 +71,13 @@ class WatchedLock:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self._lock.release()
+
+
+async def reserve_thread_done() -> None:
+    """Wait until the jobs queued for aiocuda's reserve thread so far have run."""
+    done = threading.Event()
+    run_off_loop(done.set)
+    await anyio.to_thread.run_sync(done.wait)
 
 
 def unload_after(module: Any, backend: Any, call: str, monkeypatch: pytest.MonkeyPatch) -> list[threading.Thread]:

@@ -8,6 +8,7 @@ speed (``benchmarks/pipeline.py`` measures that).
 from __future__ import annotations
 
 import gc
+import threading
 import traceback
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -31,6 +32,8 @@ from aiocuda.executor import ChunkContext, Executor
 from aiocuda.host import pinned_empty
 from aiocuda.lanes import default_count
 from aiocuda.memory import MemoryPool
+
+from ._control import reserve_thread_done
 
 pytestmark = pytest.mark.anyio
 
@@ -1056,11 +1059,14 @@ async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory
     backend: Any, anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A submit's result that fits the lane's staging is copied out of it into a plain
-    array; a larger one, up to PINNED_RESULT_BYTES, is a page-locked array (its download
-    one DMA); above that, or with a pipeline's map, a plain one."""
+    array; a larger one, up to PINNED_RESULT_BYTES, is a page-locked array from the
+    cache of pinned blocks (its download one DMA), or, when the cache has none, a plain
+    one, no memory being pinned on the loop's thread for it (1-40 ms there) but one
+    block off the loop for the next; above that, or with a pipeline's map, a plain one."""
     from aiocuda import executor
     from aiocuda._executor import chunk
-    from aiocuda.host import is_pinned
+    from aiocuda._memory import pinned_cache
+    from aiocuda.host import empty_cache, is_pinned
 
     scale = ScaleStage(REPS)
     host = chunks(1)[0]
@@ -1075,7 +1081,25 @@ async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory
             await ex.submit(lambda ctx, x: ctx.empty((x.size // 2, 2))[:, 0], host)
         assert ex.device_streams[0].chunks == 0
     monkeypatch.setattr(executor, "_SUBMIT_STAGING", host.nbytes)  # room for the upload only
+    pinning_threads = []
+    driver = _driver.driver()
+    alloc = driver.mem_host_alloc
+
+    def noting_alloc(nbytes: int) -> int:
+        pinning_threads.append(threading.get_ident())
+        return alloc(nbytes)
+
     async with Executor([0]) as ex:
+        await ex.submit(scale, host)  # (the staging's copy-out slot of that size: made on the loop, once)
+        await reserve_thread_done()
+        empty_cache()
+        monkeypatch.setattr(driver, "mem_host_alloc", noting_alloc)
+        plain = await ex.submit(scale, host)
+        assert not is_pinned(plain)
+        np.testing.assert_allclose(plain, expected, rtol=1e-5)
+        assert threading.get_ident() not in pinning_threads
+        await reserve_thread_done()  # its block for the next result, pinned off the loop
+        assert pinned_cache.holds(pinned_cache.size_class(host.nbytes))
         pinned = await ex.submit(scale, host)
         assert is_pinned(pinned)
         np.testing.assert_allclose(pinned, expected, rtol=1e-5)

@@ -11,6 +11,8 @@ import asyncio
 import gc
 import sys
 import threading
+import warnings
+from types import SimpleNamespace
 from typing import Any, Literal
 
 import anyio
@@ -27,11 +29,14 @@ from aiocuda._completion.engine import current_engine
 from aiocuda._executor import lane as lane_module
 from aiocuda._executor import lanes as lanes_module
 from aiocuda.device import Device
-from aiocuda.errors import ArgumentError, ClosedError, ContextPoisonedError, OutOfMemoryError
-from aiocuda.host import pinned_empty
+from aiocuda.errors import ArgumentError, BlockingCallWarning, ClosedError, ContextPoisonedError, OutOfMemoryError
+from aiocuda.host import empty_cache, pinned_empty
+from aiocuda.interop import as_device_array
 from aiocuda.lanes import Lane, Lanes, Priority
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
+
+from ._control import reserve_thread_done
 
 pytestmark = pytest.mark.anyio
 
@@ -83,6 +88,7 @@ async def test_requests_on_lanes_compute_and_return_results(backend: Any, anyio_
         np.testing.assert_allclose(results[i], scale_reference(host, REPS), rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore::aiocuda.errors.BlockingCallWarning")  # (its spill may pin memory)
 async def test_download_into_given_arrays_and_upload_into_given_device_array(backend: Any, anyio_backend: Any) -> None:
     host = np.arange(4096, dtype=np.float32)
     pinned_out = pinned_empty(4096, np.float32)
@@ -104,6 +110,10 @@ async def test_download_into_given_arrays_and_upload_into_given_device_array(bac
         async with lanes.lease() as lane:
             with pytest.raises(ArgumentError, match="shape"):
                 lane.upload(np.zeros(3, np.float32), out=lane.state)
+            interface = dict(lane.state.__cuda_array_interface__, data=(lane.state.ptr, True))
+            readonly = as_device_array(SimpleNamespace(__cuda_array_interface__=interface))
+            with pytest.raises(ArgumentError, match="read-only"):
+                lane.upload(host, out=readonly)
             with pytest.raises(ArgumentError, match="C-contiguous and writeable"):
                 lane.download(lane.state, out=np.zeros(8192, np.float32)[::2])
             with pytest.raises(TypeError):
@@ -114,6 +124,27 @@ async def test_download_into_given_arrays_and_upload_into_given_device_array(bac
                 lane.download(lane.upload(host + 1, out=lane.state), out=pinned_out)
                 await lane
             np.testing.assert_array_equal(pinned_out, host + 1)
+
+
+async def test_a_spill_pins_memory_on_the_loop_only_when_the_cache_has_none(backend: Any, anyio_backend: Any) -> None:
+    """A lane's copy of pageable memory beyond what is left of its staging goes through a
+    block of the pinned cache. When the cache has none of that size, pinning one blocks
+    the loop's thread: the copy warns (BlockingCallWarning, at the caller's line), and the
+    reserve thread pins a spare, so that the next such copy takes it without pinning."""
+    host = np.arange(1 << 14, dtype=np.float32)  # 64 KiB, beyond the staging
+    async with Lanes(count=1, staging=4096) as lanes:
+        await reserve_thread_done()
+        empty_cache()
+        async with lanes.lease() as lane:
+            with pytest.warns(BlockingCallWarning, match=r"Lanes\(staging=") as caught:
+                x = lane.upload(host)
+            assert [w.filename for w in caught] == [__file__]
+            await reserve_thread_done()  # the spare, pinned off the loop
+            with warnings.catch_warnings():
+                warnings.simplefilter("error", BlockingCallWarning)
+                out = lane.download(x)  # spills too, into the spare
+            await lane
+        np.testing.assert_array_equal(out, host)
 
 
 async def test_request_memory_is_freed_when_the_lease_ends(backend: Any, anyio_backend: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numbers
 import operator
 import os
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any, Generic, NoReturn, TypeVar
@@ -23,6 +24,7 @@ __all__ = [
     "c_strides",
     "format_bytes",
     "invalid_value",
+    "outside_aiocuda",
     "shape_tuple",
 ]
 
@@ -156,3 +158,12 @@ def byte_span(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -
     lo = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s < 0)
     hi = sum(s * (d - 1) for d, s in zip(shape, strides, strict=True) if s > 0) + itemsize
     return lo, hi
+
+
+def outside_aiocuda() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside aiocuda (call
+    it in the ``warnings.warn`` call's arguments)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "aiocuda":
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    return level

@@ -35,8 +35,8 @@ for the situations callers branch on:
 :class:`SimulatedBackendWarning` says that no GPU was found and the simulator runs
 instead (see :mod:`aiocuda.backend`).
 
-:class:`BlockingCallWarning` says that a blocking call (``synchronize()``) ran on an
-event loop's thread.
+:class:`BlockingCallWarning` says that a blocking call (``synchronize()``, pinning new
+host memory) ran on an event loop's thread.
 
 This module imports nothing from aiocuda so that every layer, the driver seam
 included, may raise these.
@@ -330,9 +330,11 @@ class QueueFullError(RuntimeError):
 
 
 class BlockingCallWarning(RuntimeWarning):
-    """A call that blocks the calling thread until the GPU is done (``synchronize()``)
-    ran on the thread of a running event loop, stalling every task of the loop: await
-    instead. A warning category, so that a service can turn it into an error
+    """A call that blocks the calling thread ran on the thread of a running event loop,
+    stalling every task of the loop: waiting until the GPU is done (``synchronize()``:
+    await instead), or pinning new host memory for a lane's copy that did not fit its
+    staging (1-40 ms: give ``Lanes(staging=...)`` the bytes of a request's copies). A
+    warning category, so that a service can turn it into an error
     (``warnings.simplefilter("error", aiocuda.BlockingCallWarning)``) or silence it."""
 
 

@@ -406,9 +406,11 @@ class Executor:
 
         Without ``output``, the result is a new numpy array: copied out of the lane's
         page-locked staging if it fits there (1 MiB per chunk in flight, shared with the
-        upload), else, up to 4 MiB, in page-locked memory (aiocuda's cache of pinned
-        blocks; the block goes back to the cache when the array is dropped), so that its
-        download is a single DMA.
+        upload), else, up to 4 MiB, in page-locked memory taken from aiocuda's cache of
+        pinned blocks (the block goes back to the cache when the array is dropped), so that
+        its download is a single DMA. Pinning new memory would block the event loop, so
+        when the cache has no block of that size the result is ordinary memory, downloaded
+        through aiocuda's staging, while a block is pinned in the background for the next.
 
         Each submit waits for a device with room first (``chunks_per_device`` and the
         memory budget, shared with pipelines), so the executor's limits hold across all

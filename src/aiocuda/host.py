@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import offloop, pinned_cache
-from ._memory.pinned import PinnedAllocation, pinned_address, pinned_ranges
+from ._memory.pinned import PinnedAllocation, keep_spare, pinned_address, pinned_ranges
 from ._util import invalid_value, shape_tuple
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
@@ -68,6 +68,17 @@ def _array_over(owner: Any, ptr: int, shape: tuple[int, ...], dtype: np.dtype[An
     raw._aiocuda_owner = owner  # type: ignore[attr-defined]
     flat: npt.NDArray[Any] = np.frombuffer(memoryview(raw), dtype=dtype, count=nbytes // dtype.itemsize)
     return flat.reshape(shape)
+
+
+def _cached_pinned_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: Device) -> npt.NDArray[Any] | None:
+    """:func:`pinned_empty` for an event loop's thread, from the cache of freed blocks
+    only: None when it holds none of that size, where pinning new memory would block the
+    thread. Either way the cache is topped up off the loop for the next call."""
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    owner = PinnedAllocation.cached(device, nbytes)
+    if owner is None or not pinned_cache.holds(owner.size):
+        keep_spare(device, nbytes)
+    return None if owner is None else _array_over(owner, owner.ptr, shape, dtype)
 
 
 def pinned_empty(

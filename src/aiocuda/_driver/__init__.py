@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from .._util import outside_aiocuda
 from ..errors import BackendError, NoDeviceError, SimulatedBackendWarning
 from ._fork import check_not_forked, fork_error, mark_used, was_forked
 from ._jit import Fallback, JitOptions, LinkInput
@@ -106,20 +106,12 @@ def _sim_devices_from_env() -> int:
     return count
 
 
-def _outside_aiocuda() -> int:
-    """The ``stacklevel`` that points a warning at the first caller outside aiocuda."""
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "aiocuda":
-        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
-    return level
-
-
 def _fall_back(exc: NoDeviceError) -> str:
     """Announce ``auto``'s fall-back to the simulator; raise ``exc`` if the warning is an error."""
     reason = exc.name or str(exc)
     message = f"no usable GPU ({reason}); aiocuda runs on the simulated backend (AIOCUDA_BACKEND=cuda forbids this)"
     try:
-        warnings.warn(message, SimulatedBackendWarning, stacklevel=_outside_aiocuda())
+        warnings.warn(message, SimulatedBackendWarning, stacklevel=outside_aiocuda())
     except SimulatedBackendWarning:
         raise exc from None
     if _log.hasHandlers():  # with no logging configured, the warning alone is shown

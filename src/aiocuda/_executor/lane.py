@@ -16,6 +16,7 @@ See :mod:`aiocuda.lanes` for the user's view; the pool that leases lanes is
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Generator, Hashable
 from types import FrameType
 from typing import Any, Literal
@@ -24,12 +25,12 @@ import numpy as np
 import numpy.typing as npt
 
 from .._memory import copies as _copies
-from .._memory import host_copy
-from .._memory.pinned import host_address
-from .._util import invalid_value
-from ..array import DeviceArray, empty
+from .._memory import host_copy, pinned_cache
+from .._memory.pinned import PinnedAllocation, host_address, keep_spare
+from .._util import format_bytes, invalid_value, outside_aiocuda
+from ..array import DeviceArray, _check_writable, empty
 from ..device import Device
-from ..errors import ContextPoisonedError, CudaError
+from ..errors import BlockingCallWarning, ContextPoisonedError, CudaError
 from ..host import is_pinned, pinned_empty
 from ..memory import DeviceBuffer, MemoryPool
 from ..stream import Stream
@@ -43,6 +44,17 @@ PRIORITIES: tuple[Priority, ...] = ("normal", "high")
 
 _ALIGN = 256
 _memmove = host_copy.memmove
+
+
+def _warn_pinning(nbytes: int, staging: int) -> None:
+    warnings.warn(
+        f"a lane's copy of {format_bytes(nbytes)} of pageable memory did not fit what was left of its "
+        f"{format_bytes(staging)} staging and found no free page-locked block of that size: pinning one "
+        "blocked the event loop's thread (1-40 ms). Give Lanes(staging=...) the bytes of a request's copies, "
+        "or copy from and to pinned arrays (aiocuda.pinned_empty) made at start-up",
+        BlockingCallWarning,
+        stacklevel=outside_aiocuda(),
+    )
 
 
 def stream_priority(device: Device, priority: Priority) -> int:
@@ -178,7 +190,11 @@ class Lane:
 
         Pageable ``host`` memory is copied into the lane's page-locked staging first (on
         the calling thread: meant for request-sized data; stage megabytes with
-        :func:`aiocuda.to_device` instead), so it may be changed right away. Pinned
+        :func:`aiocuda.to_device` instead), so it may be changed right away. Beyond what
+        is left of the staging, a copy takes a free block of aiocuda's pinned cache; if
+        there is none of that size, pinning one blocks the loop (1-40 ms) and warns
+        (:class:`~aiocuda.errors.BlockingCallWarning`: make ``staging`` larger), and one
+        more is pinned in the background for the next such copy. Pinned
         memory (:func:`aiocuda.pinned_empty`) is copied directly by the GPU when the
         stream gets there: leave it unchanged until the lane is awaited (it is kept
         alive until then).
@@ -193,6 +209,7 @@ class Lane:
             out = self.empty(array.shape, array.dtype)
         else:
             self._check_device_array(out, array.shape, array.dtype, "out")
+            _check_writable(out, "out")
             out.buffer._used_on(self.stream)
         nbytes = array.nbytes
         if not _copies.upload(out.ptr, array, self.stream, keep=self._keep):  # pageable: staged here
@@ -208,7 +225,8 @@ class Lane:
         with its downloads not done warns (``RuntimeWarning``): they are never filled.
 
         Pinned ``out`` memory is written by the DMA directly; pageable memory goes
-        through the lane's staging and is filled when the await completes.
+        through the lane's staging (or beyond it, as for :meth:`upload`) and is filled
+        when the await completes.
         """
         self._check_leased()
         if not isinstance(array, DeviceArray):
@@ -289,9 +307,14 @@ class Lane:
         if end <= self._staging_size:
             self._staged = end + (-end % _ALIGN)
             return self._staging_ptr + start
-        spill = pinned_empty(nbytes, np.uint8, device=self.device)
+        spill = PinnedAllocation.cached(self.device, nbytes)
+        if spill is None:
+            _warn_pinning(nbytes, self._staging_size)
+            spill = PinnedAllocation(self.device, nbytes)
+        if not pinned_cache.holds(spill.size):
+            keep_spare(self.device, nbytes)  # for the next spill of that size, pinned off the loop
         self._keep.append(spill)
-        return int(spill.ctypes.data)
+        return spill.ptr
 
     # -- waiting -------------------------------------------------------------------------------
     def __await__(self) -> Generator[Any, Any, None]:

@@ -12,17 +12,19 @@ import ctypes
 import threading
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy.typing as npt
 
+from .._completion.reserve import run_off_loop
 from .._util import byte_span
 from . import pinned_cache
 
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["PinnedAllocation", "PinnedRanges", "host_address", "pinned_address", "pinned_ranges"]
+__all__ = ["PinnedAllocation", "PinnedRanges", "host_address", "keep_spare", "pinned_address", "pinned_ranges"]
 
 _Range = tuple[int, int, "weakref.ref[Any]"]
 """``(start, end, owner)`` of a pinned range."""
@@ -132,6 +134,19 @@ class PinnedAllocation:
         class: no driver call (allocating one waits for the driver)."""
         ptr = pinned_cache.take(pinned_cache.size_class(size))
         return None if ptr is None else cls(device, size, ptr)
+
+
+def keep_spare(device: Device, size: int) -> None:
+    """Have a block of ``size``'s class ready in the cache for the next allocation of that
+    class: unless the cache holds one, the reserve thread pins one (off the event loop:
+    it takes 1-40 ms) and files it there."""
+    size = pinned_cache.size_class(size)
+    run_off_loop(partial(_pin_spare, device, size), key=("pinned spare", size))
+
+
+def _pin_spare(device: Device, size: int) -> None:
+    if not pinned_cache.holds(size):
+        PinnedAllocation(device, size)  # dropped at once: its finaliser files the block in the cache
 
 
 def _free_pinned(device: Device, ptr: int, size: int) -> None:

@@ -29,7 +29,7 @@ from . import offloop
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["LIMIT", "cached_bytes", "empty", "give", "size_class", "take"]
+__all__ = ["LIMIT", "cached_bytes", "empty", "give", "holds", "size_class", "take"]
 
 LIMIT = 2 << 30
 """Bytes of freed pinned blocks kept for reuse, at most."""
@@ -146,6 +146,12 @@ os.register_at_fork(after_in_child=_new_cache_in_child)
 def take(size: int) -> int | None:
     """A cached block of exactly ``size`` bytes (a size class), or None."""
     return _cache.take(size)
+
+
+def holds(size: int) -> bool:
+    """Whether a block of exactly ``size`` bytes (a size class) is cached."""
+    _cache.file()
+    return bool(_cache.blocks.get(size))
 
 
 def give(device: Device, ptr: int, size: int) -> None:
