@@ -147,6 +147,28 @@ async def test_a_spill_pins_memory_on_the_loop_only_when_the_cache_has_none(back
         np.testing.assert_array_equal(out, host)
 
 
+async def test_a_spill_refused_by_an_error_filter_still_pins_a_spare_for_the_next(
+    backend: Any, anyio_backend: Any
+) -> None:
+    """A service that makes BlockingCallWarning an error (as its docstring suggests) gets
+    the error for a spill that found no block; the spare was asked for only after the
+    warning, so it was never pinned and every later spill of that size raised too."""
+    host = np.arange(1 << 14, dtype=np.float32)  # 64 KiB, beyond the staging
+    async with Lanes(count=1, staging=4096) as lanes:
+        await reserve_thread_done()
+        empty_cache()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", BlockingCallWarning)
+            async with lanes.lease() as lane:
+                with pytest.raises(BlockingCallWarning):
+                    lane.upload(host)
+            await reserve_thread_done()  # the spare, pinned off the loop
+            async with lanes.lease() as lane:
+                x = lane.upload(host)  # into the spare
+                await lane
+                np.testing.assert_array_equal(await x.to_host(stream=lane.stream), host)
+
+
 async def test_request_memory_is_freed_when_the_lease_ends(backend: Any, anyio_backend: Any) -> None:
     async with Lanes(count=2) as lanes:
         baseline = used_bytes()

@@ -308,11 +308,14 @@ class Lane:
             self._staged = end + (-end % _ALIGN)
             return self._staging_ptr + start
         spill = PinnedAllocation.cached(self.device, nbytes)
+        if spill is None or not pinned_cache.holds(spill.size):
+            # For the next spill of that size, pinned off the loop; asked for before the
+            # warning, which a service may have made an error (then nothing was pinned and
+            # every later spill of that size raised too).
+            keep_spare(self.device, nbytes)
         if spill is None:
             _warn_pinning(nbytes, self._staging_size)
             spill = PinnedAllocation(self.device, nbytes)
-        if not pinned_cache.holds(spill.size):
-            keep_spare(self.device, nbytes)  # for the next spill of that size, pinned off the loop
         self._keep.append(spill)
         return spill.ptr
 
