@@ -13,10 +13,12 @@ import pytest
 from aiocuda import _driver
 from aiocuda._memory import offloop as _offloop
 from aiocuda._memory import pinned_cache as _pinned_cache
+from aiocuda._memory.pinned import keep_spare
+from aiocuda.device import Device
 from aiocuda.errors import ArgumentError, OutOfMemoryError
 from aiocuda.host import cached_bytes, empty_cache, is_pinned, pinned_empty, pinned_zeros, register_host
 
-from ._control import forked_while_held
+from ._control import forked_while_held, reserve_thread_done
 
 pytestmark = pytest.mark.anyio
 
@@ -90,6 +92,36 @@ async def test_blocks_of_a_previous_backend_are_not_reused(frees: list[int], any
     _driver.use_backend("sim", devices=1)
     assert _pinned_cache.take(4096) is None  # dropped (and freed, if that backend still can)
     assert cached_bytes() == 0 and is_pinned(pinned_empty(100, np.uint8))
+
+
+async def test_no_spare_is_pinned_that_the_cache_could_not_keep(
+    backend: _driver.Driver, frees: list[int], anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spare (keep_spare, pinned on the reserve thread for the next allocation of its
+    size) was pinned even when the cache was full: the block was then freed at once, 1-40
+    ms of pinning followed by a free that waits for the GPU while holding a driver lock
+    the loop's calls need."""
+    device = Device(0)
+    pinned: list[int] = []
+    original = backend.mem_host_alloc
+
+    def noting(nbytes: int) -> int:
+        pinned.append(nbytes)
+        return original(nbytes)
+
+    monkeypatch.setattr(backend, "mem_host_alloc", noting)
+    monkeypatch.setattr(_pinned_cache, "LIMIT", 3 << 20)
+    _drop(pinned_empty(2 << 20, np.uint8))
+    pinned.clear()
+    keep_spare(device, 2 << 20)  # held already: nothing to pin
+    keep_spare(device, 3 << 20)  # beyond the limit, with the block held
+    await reserve_thread_done()
+    assert pinned == [] and cached_bytes() == 2 << 20
+    keep_spare(device, 1 << 20)  # room for it: pinned
+    await reserve_thread_done()
+    assert pinned == [1 << 20] and cached_bytes() == 3 << 20
+    assert _offloop.drain(timeout=30)
+    assert frees == []
 
 
 def test_bad_pinned_shapes_and_dtypes_raise_typed_errors(backend: _driver.Driver) -> None:

@@ -145,7 +145,9 @@ def keep_spare(device: Device, size: int) -> None:
 
 
 def _pin_spare(device: Device, size: int) -> None:
-    if not pinned_cache.holds(size):
+    # (not one the full cache would free at once: pinning it, then freeing it, which
+    # waits for the GPU under a lock the loop's driver calls need, would stall for nothing)
+    if not pinned_cache.holds(size) and pinned_cache.has_room(size):
         PinnedAllocation(device, size)  # dropped at once: its finaliser files the block in the cache
 
 

@@ -29,7 +29,7 @@ from . import offloop
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["LIMIT", "cached_bytes", "empty", "give", "holds", "size_class", "take"]
+__all__ = ["LIMIT", "cached_bytes", "empty", "give", "has_room", "holds", "size_class", "take"]
 
 LIMIT = 2 << 30
 """Bytes of freed pinned blocks kept for reuse, at most."""
@@ -152,6 +152,13 @@ def holds(size: int) -> bool:
     """Whether a block of exactly ``size`` bytes (a size class) is cached."""
     _cache.file()
     return bool(_cache.blocks.get(size))
+
+
+def has_room(size: int) -> bool:
+    """Whether a block of ``size`` bytes given back now would be kept (not freed: the
+    cache would stay within :data:`LIMIT`)."""
+    _cache.file()
+    return _cache.bytes + size <= LIMIT
 
 
 def give(device: Device, ptr: int, size: int) -> None:
