@@ -184,7 +184,7 @@ async def test_a_torch_block_gives_the_previous_stream_back(torch: Any, anyio_ba
 
 
 async def test_dlpack_exchange_is_ordered_on_the_gpu(torch: Any, anyio_backend: Any) -> None:
-    async with Lanes(count=1) as lanes:
+    async with Lanes(count=1, staging=4 << 20) as lanes:  # (room for the 4 MiB upload)
         async with lanes.lease() as lane:
             slow_op(lane.stream, 0.05)  # the upload below lands only after this
             x = lane.upload(np.full(1 << 20, 2.0, np.float32))
