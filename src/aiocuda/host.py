@@ -45,7 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ._memory import offloop, pinned_cache
-from ._memory.pinned import PinnedAllocation, keep_spare, pinned_address, pinned_ranges
+from ._memory.pinned import PinnedAllocation, pinned_address, pinned_ranges, take_cached
 from ._util import invalid_value, shape_tuple
 from .device import Device, _as_device
 from .errors import CudaError, ResultCode
@@ -75,9 +75,7 @@ def _cached_pinned_empty(shape: tuple[int, ...], dtype: np.dtype[Any], device: D
     only: None when it holds none of that size, where pinning new memory would block the
     thread. Either way the cache is topped up off the loop for the next call."""
     nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    owner = PinnedAllocation.cached(device, nbytes)
-    if owner is None or not pinned_cache.holds(owner.size):
-        keep_spare(device, nbytes)
+    owner = take_cached(device, nbytes)
     return None if owner is None else _array_over(owner, owner.ptr, shape, dtype)
 
 

@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 
 from .._memory import copies as _copies
-from .._memory import host_copy, pinned_cache
-from .._memory.pinned import PinnedAllocation, host_address, keep_spare
+from .._memory import host_copy
+from .._memory.pinned import PinnedAllocation, host_address, take_cached
 from .._util import format_bytes, invalid_value, outside_aiocuda
 from ..array import DeviceArray, _check_writable, empty
 from ..device import Device
@@ -307,12 +307,10 @@ class Lane:
         if end <= self._staging_size:
             self._staged = end + (-end % _ALIGN)
             return self._staging_ptr + start
-        spill = PinnedAllocation.cached(self.device, nbytes)
-        if spill is None or not pinned_cache.holds(spill.size):
-            # For the next spill of that size, pinned off the loop; asked for before the
-            # warning, which a service may have made an error (then nothing was pinned and
-            # every later spill of that size raised too).
-            keep_spare(self.device, nbytes)
+        # (its spare for the next spill is asked for here, before the warning, which a
+        # service may have made an error: after it, nothing was pinned, and every later
+        # spill of that size raised too)
+        spill = take_cached(self.device, nbytes)
         if spill is None:
             _warn_pinning(nbytes, self._staging_size)
             spill = PinnedAllocation(self.device, nbytes)

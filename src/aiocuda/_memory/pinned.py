@@ -24,7 +24,15 @@ from . import pinned_cache
 if TYPE_CHECKING:
     from ..device import Device
 
-__all__ = ["PinnedAllocation", "PinnedRanges", "host_address", "keep_spare", "pinned_address", "pinned_ranges"]
+__all__ = [
+    "PinnedAllocation",
+    "PinnedRanges",
+    "host_address",
+    "keep_spare",
+    "pinned_address",
+    "pinned_ranges",
+    "take_cached",
+]
 
 _Range = tuple[int, int, "weakref.ref[Any]"]
 """``(start, end, owner)`` of a pinned range."""
@@ -134,6 +142,16 @@ class PinnedAllocation:
         class: no driver call (allocating one waits for the driver)."""
         ptr = pinned_cache.take(pinned_cache.size_class(size))
         return None if ptr is None else cls(device, size, ptr)
+
+
+def take_cached(device: Device, size: int) -> PinnedAllocation | None:
+    """:meth:`PinnedAllocation.cached` for an event loop's thread, where pinning new
+    memory would block it: unless the cache still holds a block of that size class
+    afterwards, one is pinned off the loop for the next call (:func:`keep_spare`)."""
+    block = PinnedAllocation.cached(device, size)
+    if block is None or not pinned_cache.holds(block.size):
+        keep_spare(device, size)
+    return block
 
 
 def keep_spare(device: Device, size: int) -> None:
