@@ -433,6 +433,31 @@ async def test_an_array_imported_read_only_refuses_writes_and_exports_read_only(
     assert not as_device_array(_Interface(interface)).readonly
 
 
+async def test_an_array_refusing_dlpack_as_read_only_is_imported_through_its_interface(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A read-only array's ``__dlpack__`` raises BufferError (numpy's rule, and aiocuda's
+    own): the import, DLPack first, raised it instead of using the array interface, which
+    says read-only, so an exporter with both could not be imported at all."""
+
+    class _Both(_CAIOnly):
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            return self.inner.__dlpack__(**kwargs)
+
+        def __dlpack_device__(self) -> tuple[int, int]:
+            return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
+
+    host = np.arange(8, dtype=np.float32)
+    dev = await ga.to_device(host)
+    readonly = as_device_array(_Interface(dict(dev.__cuda_array_interface__, data=(dev.ptr, True))))
+    imported = as_device_array(_Both(readonly))
+    assert imported.readonly and imported.ptr == dev.ptr
+    np.testing.assert_array_equal(await imported.to_host(), host)
+    assert not as_device_array(_Both(dev)).readonly  # (through DLPack)
+    with pytest.raises(BufferError, match="read-only"):
+        as_device_array(_DLPackOnly(readonly))  # (no interface to fall back to)
+
+
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
     with pytest.raises(TypeError):
         as_device_array(np.zeros(3))

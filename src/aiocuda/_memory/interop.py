@@ -513,7 +513,9 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     the current stream of the object's device) is where aiocuda's subsequent work on the
     array will go, a stream of the array's device (else ArgumentError); the producer is
     told to order its pending work before it. An array its producer exported read-only
-    (through ``__cuda_array_interface__``) is :attr:`~aiocuda.DeviceArray.readonly`.
+    (through ``__cuda_array_interface__``) is :attr:`~aiocuda.DeviceArray.readonly`; one
+    whose ``__dlpack__`` raises ``BufferError`` (a read-only array's refusal) is imported
+    through that interface, where it has one.
     """
     if isinstance(obj, DeviceArray):
         if stream is not None:
@@ -528,8 +530,15 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
             value = _stream_value(target)
             if _producer_stream(obj, device.ordinal) == value:
                 value = -1  # its pending work is on ``target`` already: DLPack's "no synchronisation"
-            capsule = obj.__dlpack__(stream=value)
-            return _from_capsule(capsule, obj, target)
+            try:
+                capsule = obj.__dlpack__(stream=value)
+            except BufferError:
+                # (what a read-only array's export raises, as numpy's and aiocuda's do: the
+                # array interface can say read-only, so the import goes through it)
+                if not hasattr(obj, "__cuda_array_interface__"):
+                    raise
+            else:
+                return _from_capsule(capsule, obj, target)
     if hasattr(obj, "__cuda_array_interface__"):
         return _from_cai(obj, stream)
     raise TypeError(
