@@ -8,6 +8,7 @@ ticks stretches with the load instead of breaking.
 A race test makes another thread act at one exact point and then waits until that thread
 has finished or is blocked: :class:`WatchedLock` tells the second, with no sleep.
 
+:func:`checkpoints` lets every other task run as far as it can, without time;
 :func:`reserve_thread_done` waits for what aiocuda asked its reserve thread to make
 (signal streams, events, spare pinned blocks) so far.
 
@@ -27,6 +28,7 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
@@ -71,6 +73,12 @@ class WatchedLock:
 
     def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
         self._lock.release()
+
+
+async def checkpoints(n: int = 50) -> None:
+    """Let every other task run as far as it can (no time involved)."""
+    for _ in range(n):
+        await anyio.lowlevel.checkpoint()
 
 
 async def reserve_thread_done() -> None:

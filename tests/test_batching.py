@@ -29,16 +29,12 @@ from aiocuda.batching import Batcher
 from aiocuda.errors import ClosedError, QueueFullError
 from aiocuda.lanes import Lanes
 
+from ._control import checkpoints
 from ._mypy import assert_passes_mypy_strict
 
 pytestmark = pytest.mark.anyio
 
 NEVER = 3600.0  # a max_delay no test waits for
-
-
-async def checkpoints(n: int = 50) -> None:
-    for _ in range(n):
-        await anyio.lowlevel.checkpoint()
 
 
 class Recorder:

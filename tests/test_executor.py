@@ -33,7 +33,8 @@ from aiocuda.host import pinned_empty
 from aiocuda.lanes import default_count
 from aiocuda.memory import MemoryPool
 
-from ._control import reserve_thread_done
+from ._control import checkpoints, reserve_thread_done
+from ._executor_tasks import lifespan, read_map
 
 pytestmark = pytest.mark.anyio
 
@@ -54,12 +55,6 @@ def used_bytes() -> list[int]:
     gc.collect()  # buffers of earlier tests, freed on collection, must not land mid-test
     backend = _driver.driver()
     return [MemoryPool.for_device(Device(i)).statistics().used_bytes for i in range(backend.device_count())]
-
-
-async def checkpoints(n: int = 50) -> None:
-    """Let every other task run as far as it can (no time involved)."""
-    for _ in range(n):
-        await anyio.lowlevel.checkpoint()
 
 
 @pytest.fixture
@@ -1203,8 +1198,7 @@ async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
     """A lifespan leaves its executor while one submit runs (held in its stage) and one
     waits for room: new submits and maps are refused with ClosedError, both started ones
     finish with their results, and only then is the block left."""
-    gate, leave = anyio.Event(), anyio.Event()
-    left = False
+    gate, leave, exited = anyio.Event(), anyio.Event(), anyio.Event()
     results: dict[str, Any] = {}
     hosts = {name: np.arange(64, dtype=np.float32) + i for i, name in enumerate(("running", "waiting", "new"))}
 
@@ -1221,15 +1215,7 @@ async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
             results[name] = exc
 
     async with anyio.create_task_group() as tg:
-
-        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
-            nonlocal left
-            async with Executor([0], chunks_per_device=1) as ex:
-                task_status.started(ex)
-                await leave.wait()
-            left = True
-
-        ex = await tg.start(lifespan)
+        ex = await tg.start(partial(lifespan, leave, exited, chunks_per_device=1))
         tg.start_soon(submit, ex, "running", held)
         await checkpoints()
         tg.start_soon(submit, ex, "waiting", plain)
@@ -1238,12 +1224,12 @@ async def test_leaving_lets_submits_in_flight_finish_and_refuses_new_ones(
         await checkpoints()
         tg.start_soon(submit, ex, "new", plain)
         await checkpoints()
-        assert not left and set(results) == {"new"}
+        assert not exited.is_set() and set(results) == {"new"}
         assert isinstance(results["new"], ClosedError) and "closing" in str(results["new"])
         with pytest.raises(ClosedError, match="closing"):
             ex.map(plain, [hosts["new"]])
         gate.set()
-    assert left
+    assert exited.is_set()
     for name in ("running", "waiting"):
         np.testing.assert_array_equal(results[name], hosts[name])
 
@@ -1256,8 +1242,7 @@ async def test_leaving_lets_chunks_of_a_map_in_another_task_finish_and_refuses_i
     more; leaving waits for chunks 0 and 1, which finish on open streams (no closed
     stream's ArgumentError); the reader takes their results, then ClosedError; the
     device's memory and admission are idle again."""
-    gate, leave = anyio.Event(), anyio.Event()
-    left = False
+    gate, leave, exited = anyio.Event(), anyio.Event(), anyio.Event()
     got: list[Any] = []
     inputs = chunks(6)
     baseline = used_bytes()
@@ -1265,32 +1250,16 @@ async def test_leaving_lets_chunks_of_a_map_in_another_task_finish_and_refuses_i
     async def held(ctx: ChunkContext, x: DeviceArray) -> None:
         await gate.wait()
 
-    async def read(ex: Executor) -> None:
-        try:
-            async with ex.map(held, inputs, in_flight=len(inputs)) as results:
-                async for r in results:
-                    got.append(r)
-        except ClosedError as exc:
-            got.append(exc)
-
     async with anyio.create_task_group() as tg:
-
-        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
-            nonlocal left
-            async with Executor([0], chunks_per_device=2) as ex:
-                task_status.started(ex)
-                await leave.wait()
-            left = True
-
-        ex = await tg.start(lifespan)
-        tg.start_soon(read, ex)
+        ex = await tg.start(partial(lifespan, leave, exited, chunks_per_device=2))
+        tg.start_soon(read_map, ex, held, inputs, got)
         await checkpoints()
         assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
         leave.set()
         await checkpoints()
-        assert not left and ex.device_streams[0].chunks == 2
+        assert not exited.is_set() and ex.device_streams[0].chunks == 2
         gate.set()
-    assert left
+    assert exited.is_set()
     *results, end = got
     assert [r.index for r in results] == [0, 1]
     for r in results:
@@ -1313,28 +1282,12 @@ async def test_leaving_does_not_wait_for_a_map_reader_that_stopped_reading(
     inputs = chunks(6, pinned=True)
     baseline = used_bytes()
 
-    async def read(ex: Executor) -> None:
-        try:
-            async with ex.map(lambda ctx, x: None, inputs, in_flight=len(inputs)) as results:
-                await reading.wait()
-                async for r in results:
-                    got.append(r)
-        except ClosedError as exc:
-            got.append(exc)
-
     async with anyio.create_task_group() as tg:
-
-        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
-            async with Executor([0], chunks_per_device=2) as ex:
-                task_status.started(ex)
-                await leave.wait()
-            exited.set()
-
-        ex = await tg.start(lifespan)
+        ex = await tg.start(partial(lifespan, leave, exited, chunks_per_device=2))
         d2h = ex.device_streams[0].d2h
         handle = d2h.handle
         sim_backend.pause(handle)
-        tg.start_soon(read, ex)
+        tg.start_soon(read_map, ex, lambda ctx, x: None, inputs, got, reading)
         await checkpoints()
         assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
         leave.set()
@@ -1362,14 +1315,6 @@ async def test_leaving_cancelled_closes_at_once_under_a_running_map(sim_backend:
     got: list[Any] = []
     inputs = chunks(6, pinned=True)
 
-    async def read(ex: Executor) -> None:
-        try:
-            async with ex.map(lambda ctx, x: None, inputs, in_flight=len(inputs)) as results:
-                async for r in results:
-                    got.append(r)
-        except ClosedError as exc:
-            got.append(exc)
-
     async with anyio.create_task_group() as tg:
         ex = Executor([0], chunks_per_device=2)
         with anyio.CancelScope() as scope:
@@ -1377,7 +1322,7 @@ async def test_leaving_cancelled_closes_at_once_under_a_running_map(sim_backend:
                 d2h = ex.device_streams[0].d2h
                 handle = d2h.handle
                 sim_backend.pause(handle)
-                tg.start_soon(read, ex)
+                tg.start_soon(read_map, ex, lambda ctx, x: None, inputs, got)
                 await checkpoints()
                 assert ex.device_streams[0].chunks == 2
                 scope.cancel()

@@ -7,6 +7,7 @@ On the simulator with 1 and 4 devices, and on a real GPU where one is present.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import anyio
@@ -25,6 +26,8 @@ from aiocuda.host import is_pinned, pinned_empty
 from aiocuda.kernel import register_sim_kernel
 from aiocuda.program import Program
 
+from ._control import checkpoints
+from ._executor_tasks import lifespan, read_map
 from ._workload import _kernel, poison_op
 
 pytestmark = pytest.mark.anyio
@@ -333,35 +336,21 @@ async def test_leaving_lets_replays_of_a_map_in_another_task_finish(sim_backend:
     reading, leave, exited = anyio.Event(), anyio.Event(), anyio.Event()
     got: list[Any] = []
 
-    async def read(ex: Executor) -> None:
-        try:
-            async with ex.map(stage, inputs, graph=True, in_flight=len(inputs)) as results:
-                await reading.wait()
-                async for r in results:
-                    got.append(r)
-        except ClosedError as exc:
-            got.append(exc)
+    async def warm_up(ex: Executor) -> None:  # (the stage captured, its lanes made)
+        await ex.run(stage, pinned_chunks(8, seed=1), graph=True, in_flight=2)
 
     async with anyio.create_task_group() as tg:
-
-        async def lifespan(*, task_status: anyio.abc.TaskStatus[Executor]) -> None:
-            async with Executor([0], chunks_per_device=2) as ex:
-                await ex.run(stage, pinned_chunks(8, seed=1), graph=True, in_flight=2)  # warmed up and captured
-                task_status.started(ex)
-                await leave.wait()
-            exited.set()
-
-        ex = await tg.start(lifespan)
+        ex = await tg.start(partial(lifespan, leave, exited, warm_up=warm_up, chunks_per_device=2))
         calls = stage.calls[0]
         lanes = ex.device_streams[0].graph_lanes
         handles = [stream.handle for stream in lanes]
         for handle in handles:
             sim_backend.pause(handle)
-        tg.start_soon(read, ex)
-        await _checkpoints()
+        tg.start_soon(partial(read_map, ex, stage, inputs, got, reading, graph=True))
+        await checkpoints()
         assert ex.device_streams[0].chunks == 2  # (chunk 2 waits for room)
         leave.set()
-        await _checkpoints()
+        await checkpoints()
         assert not exited.is_set() and not any(stream.closed for stream in lanes)
         for handle in handles:
             sim_backend.resume(handle)
@@ -374,9 +363,3 @@ async def test_leaving_lets_replays_of_a_map_in_another_task_finish(sim_backend:
     for r in results:
         np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
     assert isinstance(end, ClosedError)
-
-
-async def _checkpoints(n: int = 50) -> None:
-    """Let every other task run as far as it can (no time involved)."""
-    for _ in range(n):
-        await anyio.lowlevel.checkpoint()

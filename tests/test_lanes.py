@@ -36,7 +36,7 @@ from aiocuda.lanes import Lane, Lanes, Priority
 from aiocuda.memory import MemoryPool
 from aiocuda.stream import Stream
 
-from ._control import reserve_thread_done
+from ._control import checkpoints, reserve_thread_done
 
 pytestmark = pytest.mark.anyio
 
@@ -50,12 +50,6 @@ def is_closed(lanes: Lanes) -> bool:
 def used_bytes() -> int:
     gc.collect()
     return MemoryPool.for_device(Device(0)).statistics().used_bytes
-
-
-async def checkpoints(n: int = 50) -> None:
-    """Let every other task run as far as it can (no time involved)."""
-    for _ in range(n):
-        await anyio.lowlevel.checkpoint()
 
 
 async def scaled(lanes: Lanes, host: np.ndarray, scale: ScaleStage, **lease: Any) -> np.ndarray:
