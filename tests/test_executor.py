@@ -1015,6 +1015,139 @@ async def test_cancelled_submit_returns_its_memory(slow_sim: Any, anyio_backend:
     np.testing.assert_allclose(value, scale_reference(chunks(1)[0], REPS), rtol=1e-5)
 
 
+async def test_statistics_count_a_running_submit_and_one_waiting_for_room(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """The device's one chunk is a submit held in its stage, a second waits for room:
+    one running on a lane, one waiting, the device full; once both return, none runs or
+    waits and both completed."""
+    gate = anyio.Event()
+    host = np.arange(64, dtype=np.float32)
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async with Executor([0], chunks_per_device=1) as ex:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ex.submit, held, host)
+            await checkpoints()
+            tg.start_soon(ex.submit, lambda ctx, x: None, host)
+            await checkpoints()
+            s = ex.statistics()
+            assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (1, 1, 0, 0)
+            (device,) = s.device_streams
+            assert (device.device, device.chunks, device.max_chunks, device.completed) == (0, 1, 1, 0)
+            assert device.reserved == 2 * host.nbytes and device.budget == ex.device_streams[0].budget > 0
+            assert not device.failed and device.lanes is not None
+            assert (device.lanes.lanes, device.lanes.leased, device.lanes.waiting) == (1, 1, 0)
+            assert "1 running, 1 waiting" in repr(ex)
+            gate.set()
+        s = ex.statistics()
+    assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 2, 0)
+    (device,) = s.device_streams
+    assert (device.chunks, device.reserved, device.completed) == (0, 0, 2)
+
+
+async def test_statistics_count_submits_waiting_for_a_lane(backend: _driver.Driver, anyio_backend: Any) -> None:
+    """A device admits one chunk more than it has lanes: with every lane held in its
+    stage, one admitted submit waits for a lane (its device's lanes say so) and one more
+    waits for room; all of them wait, none runs beyond the lanes."""
+    lanes = default_count(Device(0))
+    gate = anyio.Event()
+    host = np.arange(64, dtype=np.float32)
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async with Executor([0], chunks_per_device=lanes + 1) as ex:
+        async with anyio.create_task_group() as tg:
+            for _ in range(lanes + 2):
+                tg.start_soon(ex.submit, held, host)
+                await checkpoints(5)
+            await checkpoints()
+            s = ex.statistics()
+            assert (s.submits_running, s.submits_waiting) == (lanes, 2)
+            (device,) = s.device_streams
+            assert device.chunks == lanes + 1 and device.lanes is not None
+            assert (device.lanes.lanes, device.lanes.leased, device.lanes.waiting) == (lanes, lanes, 1)
+            gate.set()
+        s = ex.statistics()
+    assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, lanes + 2, 0)
+
+
+async def test_statistics_count_failed_and_cancelled_submits(backend: _driver.Driver, anyio_backend: Any) -> None:
+    """A submit whose stage raises and one cancelled while held in its stage both count
+    as completed and failed; the device did not fail."""
+    host = np.arange(64, dtype=np.float32)
+
+    def boom(ctx: ChunkContext, x: DeviceArray) -> None:
+        raise Boom("submitted")
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await anyio.sleep_forever()
+
+    async with Executor([0]) as ex:
+        np.testing.assert_array_equal(await ex.submit(lambda ctx, x: None, host), host)
+        with pytest.raises(Boom, match="submitted"):
+            await ex.submit(boom, host)
+        s = ex.statistics()
+        assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 2, 1)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ex.submit, held, host)
+            await checkpoints()
+            assert ex.statistics().submits_running == 1
+            tg.cancel_scope.cancel()
+        s = ex.statistics()
+    assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 3, 2)
+    (device,) = s.device_streams
+    assert device.completed == 3 and device.chunks == 0 and not device.failed
+
+
+async def test_statistics_count_a_running_map_and_its_chunks(sim_backend: Any, anyio_backend: Any) -> None:
+    """A map whose chunks cannot finish (its download stream paused) counts as running,
+    with the device's two chunks its own; once it is read to the end and its block left,
+    none runs."""
+    inputs = chunks(4, pinned=True)
+    async with Executor([0], chunks_per_device=2) as ex:
+        d2h = ex.device_streams[0].d2h
+        sim_backend.pause(d2h.handle)
+        async with ex.map(lambda ctx, x: None, inputs) as results:
+            await checkpoints()
+            s = ex.statistics()
+            assert (s.maps_running, s.map_chunks, s.submits_running, s.submits_waiting) == (1, 2, 0, 0)
+            assert s.device_streams[0].chunks == 2 and s.device_streams[0].reserved == 2 * (
+                inputs[0].nbytes + inputs[1].nbytes
+            )
+            assert "maps: 1" in repr(ex)
+            sim_backend.resume(d2h.handle)
+            assert len([r async for r in results]) == 4
+        s = ex.statistics()
+        assert (s.maps_running, s.map_chunks, s.submits_completed) == (0, 0, 0)
+        assert s.device_streams[0].completed == 4
+
+
+async def test_statistics_of_a_new_and_a_closed_executor(backend: _driver.Driver, anyio_backend: Any) -> None:
+    """Before it is entered an executor has no devices and counts nothing; once closed it
+    keeps its final counts, its lanes' included, and refuses submits without counting them."""
+    ex = Executor([0])
+    s = ex.statistics()
+    assert s.device_streams == () and (s.submits_completed, s.maps_running) == (0, 0)
+    assert repr(ex).startswith("<Executor new")
+    host = np.arange(64, dtype=np.float32)
+    async with ex:
+        await ex.submit(lambda ctx, x: None, host)
+        await ex.run(lambda ctx, x: None, [host])
+    with pytest.raises(ClosedError):
+        await ex.submit(lambda ctx, x: None, host)
+    s = ex.statistics()
+    assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 1, 0)
+    assert (s.maps_running, s.map_chunks) == (0, 0)
+    (device,) = s.device_streams
+    assert (device.chunks, device.reserved, device.completed, device.failed) == (0, 0, 2, False)
+    assert device.lanes is not None and (device.lanes.leased, device.lanes.leases) == (0, 1)
+    assert repr(ex).startswith("<Executor closed") and "0: 0 in flight" in repr(ex)
+
+
 @pytest.mark.parametrize("traced", [False, True])
 async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(
     backend: Any, anyio_backend: Any, traced: bool

@@ -56,6 +56,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -64,7 +65,7 @@ import numpy.typing as npt
 from ._completion.loops import being_cancelled
 from ._executor.chunk import ChunkContext, ChunkResult, ChunkRunner, OutputFn, Stage
 from ._executor.chunk_map import OnError, as_input, contiguous
-from ._executor.device_streams import DeviceStreams
+from ._executor.device_streams import DeviceStreams, DeviceStreamsStatistics
 from ._executor.graph_lanes import GraphLanes
 from ._executor.lane import PRIORITIES, Priority
 from ._executor.lanes import Lanes, default_count
@@ -76,13 +77,39 @@ from .errors import ClosedError, ContextPoisonedError, CudaError
 from .peer import enable_peer_access
 from .trace import Trace
 
-__all__ = ["ChunkContext", "ChunkResult", "Executor", "Pipeline"]
+__all__ = ["ChunkContext", "ChunkResult", "DeviceStreamsStatistics", "Executor", "ExecutorStatistics", "Pipeline"]
 
 _thread_id = threading.get_ident  # submits and maps from another thread are refused: 0.05 us a call
 
 _SUBMIT_STAGING = 1 << 20
 """Page-locked bytes per chunk in flight for :meth:`Executor.submit`'s pageable copies;
 larger ones go through the process's staging threads."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutorStatistics:
+    """A snapshot of an :class:`Executor` (:meth:`Executor.statistics`)."""
+
+    submits_running: int
+    """Submits whose chunk runs now: admitted to a device and holding one of its lanes."""
+    submits_waiting: int
+    """Submits started and not running yet: waiting for room on a device (its
+    ``chunks_per_device`` or memory budget; a non-contiguous input is copied first), or
+    admitted and waiting for one of its lanes (that part is each device's
+    ``lanes.waiting``)."""
+    submits_completed: int
+    """Submits that have returned so far, with their result or an error."""
+    submits_failed: int
+    """Those of them that raised: the chunk's error, a cancellation, or a refusal while
+    they waited (:class:`~aiocuda.errors.ClosedError`,
+    :class:`~aiocuda.errors.ContextPoisonedError`)."""
+    maps_running: int
+    """Maps (pipelines) whose ``async with`` block is open."""
+    map_chunks: int
+    """Chunks of maps admitted to a device and not over yet (their share of the devices'
+    ``chunks``)."""
+    device_streams: tuple[DeviceStreamsStatistics, ...]
+    """Each device's load, in the order of :attr:`Executor.devices`."""
 
 
 class Executor:
@@ -125,6 +152,11 @@ class Executor:
     task unwinding from its cancellation, it closes the streams at once: enqueued work
     still runs, and nothing is freed under it, but chunks of maps still running may then
     fail with the closed streams' :class:`~aiocuda.errors.ArgumentError`.
+
+    :meth:`statistics` is one snapshot of the load, for a service's metrics and load
+    shedding: submits running, waiting, completed and failed, maps running, and per
+    device the chunks in flight, the memory reserved against the budget, the request
+    lanes and whether the device failed.
     """
 
     def __init__(
@@ -162,6 +194,10 @@ class Executor:
         self._state: Literal["new", "open", "closing", "closed"] = "new"
         self._submitting = 0
         """Submits started and not yet returned: what leaving the block waits for."""
+        self._submits_completed = 0
+        """Submits returned (with their result or an error), for :meth:`statistics`."""
+        self._submits_failed = 0
+        """Those of them that raised."""
         self._drained: anyio.Event | None = None
         """Set when the last of them returns while the executor is closing."""
         self._thread = 0
@@ -246,6 +282,7 @@ class Executor:
             )
         self._device_streams = tuple(device_streams)
         self._pipelines = Pipelines()  # (those of an earlier opening stay refused)
+        self._submits_completed = self._submits_failed = 0  # (counted afresh, as the devices' are)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._state = "open"
         self._thread = _thread_id()
@@ -453,7 +490,13 @@ class Executor:
             finally:
                 placed.completed += 1
                 self._admission.release(placed, nbytes)
+        except BaseException:
+            self._submits_failed += 1
+            raise
         finally:
+            # (The one counter a submit adds for statistics(): what runs and what waits
+            # are read from _submitting and the lanes.)
+            self._submits_completed += 1
             self._submitting -= 1
             if self._drained is not None and not self._submitting:
                 self._drained.set()
@@ -520,6 +563,33 @@ class Executor:
         """The trace, when created with ``trace=True``."""
         return self._trace
 
+    def statistics(self) -> ExecutorStatistics:
+        """A snapshot of the submits, maps and devices' load (call it from the executor's
+        event loop). Counts start when the executor is entered; a closed executor keeps
+        its final ones (its devices' and lanes' too); one never entered has no devices
+        and counts nothing."""
+        # Derived from the counters the hot paths keep anyway: a submit's own lease is
+        # its lane's (Lanes counts it from the moment admission ends, with no await in
+        # between), so what is not leased of _submitting is waiting.
+        per_device = []
+        running = 0
+        for device_streams in self._device_streams:
+            lanes = self._request_lanes.get(device_streams.device.ordinal)
+            lanes_statistics = None
+            if lanes is not None:
+                lanes_statistics = lanes.statistics()
+                running += lanes_statistics.leased
+            per_device.append(device_streams.statistics(lanes_statistics))
+        return ExecutorStatistics(
+            submits_running=running,
+            submits_waiting=self._submitting - running,
+            submits_completed=self._submits_completed,
+            submits_failed=self._submits_failed,
+            maps_running=self._pipelines.maps,
+            map_chunks=self._pipelines.running,
+            device_streams=tuple(per_device),
+        )
+
     def _streams_of(self, device: Device) -> DeviceStreams:
         device_streams = self._by_ordinal.get(device.ordinal)
         if device_streams is None:
@@ -529,10 +599,11 @@ class Executor:
         return device_streams
 
     def __repr__(self) -> str:
-        if self._state != "open":
-            return f"<Executor {self._state} devices={[d.ordinal for d in self.devices]}>"
-        state = ", ".join(
-            f"{per_device.device.ordinal}: {'FAILED' if per_device.failure else f'{per_device.chunks} in flight'}"
-            for per_device in self._device_streams
+        s = self.statistics()
+        devices = ", ".join(
+            f"{d.device}: {'FAILED' if d.failed else f'{d.chunks} in flight'}" for d in s.device_streams
         )
-        return f"<Executor {state}>"
+        return (
+            f"<Executor {self._state} [submits: {s.submits_running} running, {s.submits_waiting} waiting | "
+            f"maps: {s.maps_running} | devices {devices or 'none'}]>"
+        )

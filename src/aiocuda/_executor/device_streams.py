@@ -6,13 +6,42 @@ per request.)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..device import Device
 from ..errors import ContextPoisonedError
 from ..memory import MemoryPool
 from ..stream import Stream
 from .lane import Priority, stream_priority
+from .lanes import LanesStatistics
 
-__all__ = ["DeviceStreams"]
+__all__ = ["DeviceStreams", "DeviceStreamsStatistics"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceStreamsStatistics:
+    """A snapshot of one device's load in an executor (part of
+    :meth:`aiocuda.executor.Executor.statistics`)."""
+
+    device: int
+    """The device's ordinal."""
+    chunks: int
+    """Chunks admitted to the device and not finished yet, maps' and submits'."""
+    max_chunks: int
+    """The most it admits at once (the executor's ``chunks_per_device``)."""
+    reserved: int
+    """Device bytes reserved for those chunks (twice each one's input)."""
+    budget: int
+    """The bytes the chunks in flight may reserve (``memory_fraction`` of the device's
+    free memory when the executor was entered); admission waits beyond it."""
+    completed: int
+    """Chunks finished on the device so far, successfully or not."""
+    failed: bool
+    """Whether a chunk found the device's context poisoned (see
+    :attr:`~aiocuda.executor.Executor.failures`): no more chunks are placed there."""
+    lanes: LanesStatistics | None
+    """The device's request lanes, on which submits run (None until the executor has
+    made them, as it is entered)."""
 
 
 class DeviceStreams:
@@ -81,6 +110,19 @@ class DeviceStreams:
         track = self._turn
         self._turn = (track + 1) % len(self.compute)
         return track, self.compute[track]
+
+    def statistics(self, lanes: LanesStatistics | None) -> DeviceStreamsStatistics:
+        """A snapshot of the load, with the statistics of the device's request ``lanes``."""
+        return DeviceStreamsStatistics(
+            device=self.device.ordinal,
+            chunks=self.chunks,
+            max_chunks=self.max_chunks,
+            reserved=self.reserved,
+            budget=self.budget,
+            completed=self.completed,
+            failed=self.failure is not None,
+            lanes=lanes,
+        )
 
     @property
     def streams(self) -> tuple[Stream, ...]:

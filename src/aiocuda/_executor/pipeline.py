@@ -50,18 +50,20 @@ L = TypeVar("L", bound=Loaded)
 
 
 class Pipelines:
-    """What an executor knows of its pipelines: whether they may still admit chunks, and
-    how many of the chunks they admitted are running.
+    """What an executor knows of its pipelines: whether they may still admit chunks, how
+    many are running, and how many of the chunks they admitted are running.
 
     :meth:`close` (the executor's block is being left, or it closes) refuses their next
     chunks with :class:`~aiocuda.errors.ClosedError`, those waiting for room included;
     :meth:`drain` then waits until the chunks they had admitted are over.
     """
 
-    __slots__ = ("_idle", "_waiting", "closed", "running")
+    __slots__ = ("_idle", "_waiting", "closed", "maps", "running")
 
     def __init__(self) -> None:
         self.closed = False
+        self.maps = 0
+        """Pipelines whose ``async with`` block is open."""
         self.running = 0
         """Chunks admitted to a device and not over yet (:meth:`Pipeline._done`)."""
         self._idle: anyio.Event | None = None
@@ -164,6 +166,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         else:
             self._eager = EagerMode(self._runner, self._done, task_group.start_soon)
         self._feed_soon()
+        self._pipelines.maps += 1
         return self
 
     async def __aexit__(
@@ -172,6 +175,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         try:
             return await self._close(exc_type, exc, tb)
         finally:
+            self._pipelines.maps -= 1
             if self._graphs is not None:
                 self._graphs.close()
             if self._eager is not None:
