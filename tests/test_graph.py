@@ -227,6 +227,167 @@ async def test_copies_move_to_new_host_memory(module: Module, anyio_backend: obj
         np.testing.assert_array_equal(host_out, 2.0)
 
 
+class _Exported:
+    """Another library's array over ``inner`` (an aiocuda array), through
+    ``__cuda_array_interface__`` or DLPack alone: what ``as_device_array`` imports as
+    memory owned elsewhere (an ``OwnedBuffer`` keeping this object), as a CuPy or PyTorch
+    tensor is."""
+
+    def __init__(self, inner: aiocuda.DeviceArray, protocol: str, readonly: bool = False) -> None:
+        self.inner = inner
+        if protocol == "cai":
+            # (aiocuda's own export would wait for the array's pending work, blocking the
+            # loop: the producer's stream orders the import after it instead)
+            self.__cuda_array_interface__ = {
+                "shape": inner.shape,
+                "typestr": inner.dtype.str,
+                "data": (inner.ptr, readonly),
+                "version": 3,
+                "stream": inner.stream.__cuda_stream__()[1],
+            }
+        else:
+            self.__dlpack__ = inner.__dlpack__
+            self.__dlpack_device__ = inner.__dlpack_device__
+
+
+def _imported(inner: aiocuda.DeviceArray, protocol: str = "cai", readonly: bool = False) -> aiocuda.DeviceArray:
+    return aiocuda.interop.as_device_array(_Exported(inner, protocol, readonly))
+
+
+async def _copy_then_add_one(add_one: Kernel, s: Stream, x: Any, y: Any) -> aiocuda.Graph:
+    """A capture on ``s`` of: ``x`` copied into ``y``, then ``add_one`` on ``y``."""
+    async with s.capture() as graph:
+        await y.copy_from(x, stream=s)
+        add_one.launch(GRID, BLOCK, y, N, stream=s)
+    return graph
+
+
+@pytest.mark.parametrize("protocol", ["cai", "dlpack"])
+async def test_updates_take_arrays_imported_from_other_libraries(
+    module: Module, anyio_backend: object, protocol: str
+) -> None:
+    """A captured graph replayed on another library's tensors (a serving pattern): rebind,
+    set_copy and set_kernel_args refused every imported array (its buffer is no pool
+    DeviceBuffer) with "expected a DeviceArray ... not DeviceArray"."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x, y = await _device(1.0, s), await _device(0.0, s)
+        graph = await _copy_then_add_one(add_one, s, x, y)
+        copy, kernel = graph.nodes
+        assert (copy.kind, copy.direction, kernel.kind) == ("memcpy", "dtod", "kernel")
+        x2, y2 = await _device(10.0, s), await _device(0.0, s)
+        graph.rebind({x: _imported(x2, protocol), y: _imported(y2, protocol)})
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y2.to_host(stream=s), 11.0)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 0.0)  # untouched now
+        x3, y3 = await _device(20.0, s), await _device(0.0, s)
+        graph.set_copy(copy, dst=_imported(y3, protocol), src=_Exported(x3, protocol))  # (imported by the graph)
+        graph.set_kernel_args(kernel, _imported(y3, protocol), N)
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y3.to_host(stream=s), 21.0)
+        assert (graph.nodes[0].dst, graph.nodes[0].src, graph.nodes[1].arguments) == (y3.ptr, x3.ptr, (y3.ptr, N))
+        with pytest.raises(TypeError, match="not str"):
+            graph.set_copy(copy, dst="y")
+
+
+async def test_a_read_only_array_is_no_copy_destination(module: Module, anyio_backend: object) -> None:
+    """An array its owner exported read-only is refused, naming it, where a copy node
+    would write into it (and the graph is unchanged); it is still read by copies and
+    given to kernels, as outside graphs."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x, y = await _device(1.0, s), await _device(0.0, s)
+        graph = await _copy_then_add_one(add_one, s, x, y)
+        copy, kernel = graph.nodes
+        target = await _device(0.0, s)
+        read_only = _imported(target, readonly=True)
+        assert read_only.readonly
+        with pytest.raises(ArgumentError, match=r"<DeviceArray .* readonly> is read-only .* copy node 0"):
+            graph.set_copy(copy, dst=read_only)
+        with pytest.raises(ArgumentError, match="destination of copy node 0"):
+            graph.rebind({y: read_only})
+        assert graph.nodes == (copy, kernel)
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 2.0)
+        source = await _device(5.0, s)
+        graph.set_copy(copy, src=_imported(source, readonly=True))  # read: allowed
+        graph.set_kernel_args(kernel, _imported(y, readonly=True), N)  # (aiocuda cannot tell what a kernel writes)
+        await graph.launch(s)
+        np.testing.assert_array_equal(await y.to_host(stream=s), 6.0)
+        np.testing.assert_array_equal(await target.to_host(stream=s), 0.0)
+
+
+@pytest.mark.parametrize("update", ["set_copy", "rebind", "set_kernel_args"])
+async def test_a_graph_keeps_an_imported_arrays_owner_while_it_can_replay(
+    module: Module, anyio_backend: object, update: str
+) -> None:
+    """The foreign owner (what keeps another library's memory) lives while a node uses
+    its memory; once the node uses other memory, or the graph is closed, it goes after the
+    replays already launched."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        x, y = await _device(1.0, s), await _device(0.0, s)
+        graph = await _copy_then_add_one(add_one, s, x, y)
+        copy, kernel = graph.nodes
+        target = await _device(0.0, s)
+        owner = _Exported(target, "cai")
+        imported = aiocuda.interop.as_device_array(owner)
+        if update == "set_copy":
+            graph.set_copy(copy, dst=imported)
+            graph.set_kernel_args(kernel, target, N)
+        elif update == "rebind":
+            graph.rebind({y: imported})
+        else:
+            graph.set_copy(copy, dst=target)
+            graph.set_kernel_args(kernel, imported, N)
+        watched = weakref.ref(owner)
+        del owner, imported
+        gc.collect()
+        assert watched() is not None
+        for expected in (2.0, 2.0):
+            await graph.launch(s)
+            gc.collect()
+            assert watched() is not None
+            np.testing.assert_array_equal(await target.to_host(stream=s), expected)
+        graph.launch(s)
+        if update == "rebind":
+            graph.close()
+        else:  # the node moves on: the replay launched keeps the owner, not the graph
+            graph.rebind({target: y})
+        for _ in range(50):  # the replay's holds let go, then the imported buffer's own (its owner)
+            await s
+            gc.collect()
+            if watched() is None:
+                break
+            await anyio.sleep(0.01)
+        assert watched() is None
+
+
+@pytest.mark.multi_gpu
+async def test_updates_refuse_memory_of_another_device(module: Module, anyio_backend: object) -> None:
+    """Memory the graph's node cannot use is refused, saying why: a kernel reaches memory
+    of its device (or managed memory), a copy node the devices it was captured with."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(1) as s1:
+        x, y = await _device(1.0, s), await _device(0.0, s)
+        graph = await _copy_then_add_one(add_one, s, x, y)
+        copy, kernel = graph.nodes
+        elsewhere = _imported(await _device(0.0, s1))
+        with pytest.raises(GraphUpdateError, match=r"argument 0 <DeviceArray .* device=1> is memory of device 1"):
+            graph.set_kernel_args(kernel, elsewhere, N)
+        with pytest.raises(
+            GraphUpdateError, match=r"dst is memory of device 0; <DeviceArray .*> is memory of device 1"
+        ):
+            graph.set_copy(copy, dst=elsewhere)
+        with pytest.raises(GraphUpdateError, match="rebind to memory of the same device"):
+            graph.rebind({y: elsewhere})
+        assert graph.nodes == (copy, kernel)
+        shared = await aiocuda.managed.zeros(N, np.float32, device=1, stream=s1)
+        graph.set_kernel_args(kernel, shared, N)  # every device reaches managed memory
+        await graph.launch(s)
+        np.testing.assert_array_equal(await shared.to_host(stream=s1), 1.0)
+
+
 async def test_whole_graph_update_from_another_capture(module: Module, anyio_backend: object) -> None:
     saxpy, add_one = module.kernel("saxpy"), module.kernel("add_one")
     with Stream(0) as s:

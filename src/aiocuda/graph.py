@@ -82,8 +82,8 @@ import numpy as np
 from ._driver import CAPTURE_MODES, CaptureMode, GraphNodeInfo, LaunchConfig
 from ._graph.capture import Capture
 from ._graph.kernels import kernel_of
+from ._graph.operands import Bound, Memory, check_destination, check_reach, move, operand, resolve
 from ._memory import offloop as _offloop
-from ._memory.pinned import pinned_ranges
 from ._util import NoPublicConstructor, invalid_value
 from .device import Device
 from .errors import CaptureError, CudaError, GraphUpdateError, ResultCode
@@ -141,17 +141,13 @@ class _Replays:
         self.externals: dict[int, DeviceBuffer] = {}
         """Buffers from outside the capture its work uses, by ``id``: each launch orders the
         replay after their other work."""
-        self.bound: dict[int, tuple[_Bound, ...]] = {}
+        self.bound: dict[int, tuple[Bound, ...]] = {}
         """Memory node updates gave each node (by index), kept while the node uses it."""
         weakref.finalize(self, _offloop.dispose, device, _destroy, device._driver, self.handles)
 
     @property
     def graph_exec(self) -> Any:
         return self.handles[1]
-
-
-_Bound = tuple[Any, int, int, "DeviceBuffer | None"]
-"""Memory a node update gave: ``(object to keep, start, end, buffer to order launches after)``."""
 
 
 def _destroy(backend: Any, handles: list[Any]) -> None:
@@ -340,7 +336,10 @@ class Graph(metaclass=NoPublicConstructor):
     def set_kernel_args(self, node: GraphNode | int, *args: Any) -> None:
         """New arguments for kernel node ``node`` (a node or its index) in later replays:
         what its kernel takes, checked as for a launch (:class:`~aiocuda.errors.LaunchError`
-        naming a bad argument). Arrays and buffers passed are kept alive by the graph."""
+        naming a bad argument). Arrays and buffers passed -- other libraries' arrays
+        included -- are kept alive by the graph, with their owners, while the node uses
+        them; each must be memory of the graph's device, or managed memory
+        (:class:`~aiocuda.errors.GraphUpdateError`)."""
         replays = self._ready()
         index, current = self._node(node, "kernel")
         kernel = current.kernel
@@ -350,7 +349,12 @@ class Graph(metaclass=NoPublicConstructor):
                 name="AIOCUDA_GRAPH_UPDATE",
             )
         params = kernel._pack(args)
-        given = [_bound(arg) for arg in args if not isinstance(arg, (int, float, bool, np.number)) and arg is not None]
+        given: list[Bound] = []
+        for i, (param, arg) in enumerate(zip(kernel.signature, args, strict=True)):
+            if param.takes_address and arg is not None and not isinstance(arg, (int, np.integer)):
+                memory = resolve(arg)
+                check_reach(memory, self.device, f"argument {i}")
+                given.append(memory.bound())
         self.device.make_current()
         self._set_kernel_params(replays, index, current.config, params)
         self._nodes[index] = dataclasses.replace(current, arguments=tuple(params.values))
@@ -363,15 +367,42 @@ class Graph(metaclass=NoPublicConstructor):
 
     def set_copy(self, node: GraphNode | int, *, dst: Any = None, src: Any = None) -> None:
         """New addresses for memcpy node ``node`` in later replays: ``dst`` and ``src``
-        (None keeps one) are device arrays, buffers or int addresses on the device side,
-        page-locked numpy arrays or int addresses on the host side, of at least the
-        node's size. The graph keeps the objects alive."""
+        (None keeps one) are device arrays (other libraries' arrays and arrays imported
+        from them included), buffers or int addresses on the device side, page-locked
+        numpy arrays or int addresses on the host side, of at least the node's size. The
+        graph keeps the objects alive (an imported array's owner with it) while the node
+        uses them. Device memory must be of the device of the memory it replaces
+        (:class:`~aiocuda.errors.GraphUpdateError`); a read-only array
+        (:attr:`~aiocuda.DeviceArray.readonly`) cannot be ``dst``
+        (:class:`~aiocuda.errors.ArgumentError`)."""
         self._ready()
         index, current = self._node(node, "memcpy")
-        new_dst, kept_dst = _operand(dst, current.dst, current.size, current.direction[-1:] == "h", "dst")
-        new_src, kept_src = _operand(src, current.src, current.size, current.direction[:1] == "h", "src")
+        new_dst, dst_memory = operand(dst, current.dst, current.size, current.direction[-1:] == "h", "dst")
+        new_src, src_memory = operand(src, current.src, current.size, current.direction[:1] == "h", "src")
+        if dst_memory is not None:
+            check_destination(dst_memory, index)
+            self._check_copy_device(dst_memory, current.dst, "dst")
+        if src_memory is not None:
+            self._check_copy_device(src_memory, current.src, "src")
         self._move_copy(index, current, new_dst, new_src)
-        self._bind(index, kept_dst + kept_src)
+        self._bind(index, [memory.bound() for memory in (dst_memory, src_memory) if memory is not None])
+
+    def _check_copy_device(self, memory: Memory, current: int, what: str) -> None:
+        """GraphUpdateError unless device ``memory`` is of the device of the memory at
+        ``current`` (the driver takes a copy node's memory of the contexts it was captured
+        with only); memory the driver cannot place is left to the driver."""
+        if memory.host or memory.managed or memory.device is None:
+            return
+        try:
+            ordinal = self._driver.pointer_device_ordinal(current)
+        except CudaError:
+            return
+        if ordinal != memory.device.ordinal:
+            raise GraphUpdateError(
+                f"the copy's {what} is memory of device {ordinal}; {memory.name} is memory of device "
+                f"{memory.device.ordinal}: a copy node keeps the devices it was captured with (capture it again)",
+                name="AIOCUDA_GRAPH_UPDATE",
+            )
 
     def _move_copy(self, index: int, current: GraphNode, dst: int, src: int) -> None:
         setter = self._copy_setter(index)
@@ -398,23 +429,31 @@ class Graph(metaclass=NoPublicConstructor):
         to the same offset in the new one. ``mapping`` is ``{old: new}`` or pairs
         ``[(old, new), ...]`` (numpy arrays cannot be dict keys).
 
-        Old and new are device arrays or buffers, or page-locked numpy arrays; each new
-        one must have at least the old one's bytes, on the same side (device or host).
-        Kernels of other libraries are left as they are. Nodes are checked before any is
-        changed: a memset or an allocation inside a key raises
-        :class:`~aiocuda.errors.GraphUpdateError`.
+        Old and new are device arrays or buffers -- other libraries' arrays and arrays
+        imported from them included: the graph keeps a new one's owner alive while a node
+        uses it -- or page-locked numpy arrays; each new one must have at least the old
+        one's bytes, on the same side (device or host), of the same device (or managed
+        memory). Kernels of other libraries are left as they are. Nodes are checked
+        before any is changed: a memset or an allocation inside a key raises
+        :class:`~aiocuda.errors.GraphUpdateError`, a read-only new array
+        (:attr:`~aiocuda.DeviceArray.readonly`) that a copy node would write into
+        :class:`~aiocuda.errors.ArgumentError`.
         """
         self._ready()
         pairs = list(mapping.items() if isinstance(mapping, Mapping) else mapping)
         if not all(isinstance(pair, tuple) and len(pair) == 2 for pair in pairs):
             raise TypeError("rebind takes {old: new} or (old, new) pairs")
-        moves = [_move(old, new) for old, new in pairs]
+        moves = [move(old, new) for old, new in pairs]
+
+        def moved_into(address: int) -> tuple[int, Memory] | None:
+            for start, end, target, memory in moves:
+                if start <= address < end:
+                    return target + (address - start), memory
+            return None
 
         def moved(address: int) -> int | None:
-            for start, end, target in moves:
-                if start <= address < end:
-                    return target + (address - start)
-            return None
+            found = moved_into(address)
+            return None if found is None else found[0]
 
         kernel_updates: list[tuple[int, tuple[Any, ...]]] = []
         copy_updates: list[tuple[int, int, int]] = []
@@ -422,13 +461,16 @@ class Graph(metaclass=NoPublicConstructor):
             if node.kind == "kernel" and node.arguments is not None and node.kernel is not None:
                 values, changed = list(node.arguments), False
                 for i, param in enumerate(node.kernel.signature):
-                    target = moved(values[i]) if param.pointer and values[i] else None
+                    target = moved(values[i]) if param.takes_address and values[i] else None
                     if target is not None:
                         values[i], changed = target, True
                 if changed:
                     kernel_updates.append((node.index, tuple(values)))
             elif node.kind == "memcpy":
-                dst, src = moved(node.dst), moved(node.src)
+                into = moved_into(node.dst)
+                if into is not None:
+                    check_destination(into[1], node.index)
+                dst, src = None if into is None else into[0], moved(node.src)
                 if dst is not None or src is not None:
                     copy_updates.append(
                         (node.index, node.dst if dst is None else dst, node.src if src is None else src)
@@ -439,7 +481,7 @@ class Graph(metaclass=NoPublicConstructor):
                     "can be: capture the work again",
                     name="AIOCUDA_GRAPH_UPDATE",
                 )
-        given = [_bound(new) for _, new in pairs]
+        given = [memory.bound() for _, _, _, memory in moves]
         for index, arguments in kernel_updates:
             self.set_kernel_args(index, *arguments)
             self._bind(index, given)
@@ -495,17 +537,17 @@ class Graph(metaclass=NoPublicConstructor):
             raise GraphUpdateError(f"node {index} is a {current.kind} node, not {kind}", name="AIOCUDA_GRAPH_UPDATE")
         return index, current
 
-    def _bind(self, index: int, given: list[_Bound]) -> None:
+    def _bind(self, index: int, given: list[Bound]) -> None:
         """Node ``index`` was updated: keep, of the memory given now and before, what its
         addresses fall in; what it no longer uses stays with the replays already launched."""
         replays = self._ready()
         node = self._nodes[index]
         if node.kind == "kernel" and node.arguments is not None and node.kernel is not None:
-            addresses = [v for p, v in zip(node.kernel.signature, node.arguments, strict=True) if p.pointer and v]
+            addresses = [v for p, v in zip(node.kernel.signature, node.arguments, strict=True) if p.takes_address and v]
         else:
             addresses = [node.dst, node.src]
-        kept: list[_Bound] = []
-        dropped: list[_Bound] = []
+        kept: list[Bound] = []
+        dropped: list[Bound] = []
         seen: set[tuple[int, int, int]] = set()
         for entry in (*replays.bound.get(index, ()), *given):
             keep, start, end, _ = entry
@@ -599,59 +641,3 @@ class GraphCapture(metaclass=NoPublicConstructor):
             # be launched; it takes effect at the next checkpoint instead)
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(graph._instantiate)
-
-
-def _buffer_of(obj: Any) -> DeviceBuffer | None:
-    if isinstance(obj, DeviceBuffer):
-        return obj
-    buffer = getattr(obj, "buffer", None)
-    return buffer if isinstance(buffer, DeviceBuffer) else None
-
-
-def _span(obj: Any) -> tuple[int, int, bool, Any]:
-    """``(address, bytes, on the host, what to keep alive)`` of a device array or buffer,
-    or of a page-locked numpy array."""
-    if isinstance(obj, np.ndarray):
-        address, nbytes = int(obj.ctypes.data), int(obj.nbytes)
-        owner = pinned_ranges.owner(address, max(nbytes, 1))
-        if owner is None:
-            raise invalid_value("a graph copies only page-locked host memory (aiocuda.pinned_empty), not this array")
-        return address, nbytes, True, (owner, obj)
-    if isinstance(obj, DeviceBuffer):
-        return obj.ptr, obj.size, False, obj
-    if _buffer_of(obj) is not None and hasattr(obj, "nbytes"):
-        return int(obj.ptr), int(obj.nbytes), False, obj
-    raise TypeError(f"expected a DeviceArray, DeviceBuffer or page-locked numpy array, not {type(obj).__name__}")
-
-
-def _bound(obj: Any) -> _Bound:
-    """``obj`` as memory a node update gave (see ``_Replays.bound``)."""
-    address, nbytes, _, keep = _span(obj)
-    return (keep, address, address + max(nbytes, 1), _buffer_of(obj))
-
-
-def _move(old: Any, new: Any) -> tuple[int, int, int]:
-    start, size, host, _ = _span(old)
-    target, room, new_host, _ = _span(new)
-    if host != new_host:
-        raise GraphUpdateError(
-            "memory can only be rebound to memory of the same side (device or host)", name="AIOCUDA_GRAPH_UPDATE"
-        )
-    if room < size:
-        raise GraphUpdateError(f"rebinding {size} bytes to only {room}", name="AIOCUDA_GRAPH_UPDATE")
-    return start, start + size, target
-
-
-def _operand(obj: Any, current: int, size: int, host: bool, what: str) -> tuple[int, list[_Bound]]:
-    """The address ``obj`` gives a copy's ``what`` side, and the memory to keep for it."""
-    if obj is None:
-        return current, []
-    if isinstance(obj, int):
-        return obj, []
-    address, nbytes, on_host, _ = _span(obj)
-    if on_host != host:
-        side = "host" if host else "device"
-        raise GraphUpdateError(f"the copy's {what} is {side} memory", name="AIOCUDA_GRAPH_UPDATE")
-    if nbytes < size:
-        raise GraphUpdateError(f"the copy moves {size} bytes; {what} has {nbytes}", name="AIOCUDA_GRAPH_UPDATE")
-    return address, [_bound(obj)]
