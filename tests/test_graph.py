@@ -363,6 +363,144 @@ async def test_a_graph_keeps_an_imported_arrays_owner_while_it_can_replay(
         assert watched() is None
 
 
+async def _owner_released(watched: weakref.ref[Any], *streams: Stream) -> bool:
+    """Whether the object ``watched`` goes once the work of ``streams`` (those the graph
+    was launched on) has run: the holds of the replays let go, then the imported buffer's
+    own (its owner)."""
+    for _ in range(50):
+        for stream in streams:
+            await stream
+        gc.collect()
+        if watched() is None:
+            return True
+        await anyio.sleep(0.01)
+    return False
+
+
+@pytest.mark.parametrize("protocol", ["cai", "dlpack"])
+async def test_a_graph_captured_over_an_imported_array_keeps_its_owner_while_it_can_replay(
+    module: Module, anyio_backend: object, protocol: str
+) -> None:
+    """Work captured on memory imported from another library (an OwnedBuffer): the graph
+    did not keep it, so a tensor dropped after the capture was released -- its memory
+    freed -- while the graph still replayed on it. Its owner now lives while the graph can
+    replay, and goes after the replays in flight once the graph is closed, as a pool
+    buffer does."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s, Stream(0) as request:
+        backend = s.device._driver
+        x, target = await _device(1.0, s), await _device(0.0, s)
+        owner = _Exported(target, protocol)
+        imported = aiocuda.interop.as_device_array(owner, stream=s)
+        graph = await _copy_then_add_one(add_one, s, x, imported)
+        assert imported.buffer.stream is s  # its record of streams is about the work outside the graph
+        watched = weakref.ref(owner)
+        del owner, imported
+        gc.collect()
+        assert watched() is not None
+        for _ in range(2):
+            await target.fill(0.0, stream=s)
+            await graph.launch(s)
+            gc.collect()
+            assert watched() is not None
+            np.testing.assert_array_equal(await target.to_host(stream=s), 2.0)
+        await target.fill(0.0, stream=s)
+        await s
+        if backend.name == "sim":
+            backend.pause(request.handle)  # type: ignore[attr-defined]
+        done = graph.launch(request)  # after s's fill: the replay is ordered after the memory's other work
+        graph.close()
+        gc.collect()
+        if backend.name == "sim":
+            assert watched() is not None  # the replay in flight uses it
+            assert not done.query()  # type: ignore[attr-defined]
+            backend.resume(request.handle)  # type: ignore[attr-defined]
+        await done
+        np.testing.assert_array_equal(await target.to_host(stream=request), 2.0)
+        assert await _owner_released(watched, s, request)
+
+
+async def test_an_imported_array_last_used_on_another_stream_is_captured_in_order(
+    module: Module, anyio_backend: object
+) -> None:
+    """Memory imported from another library, last used on another stream than the
+    capturing one: its first captured use made the capturing stream wait for that stream,
+    work outside the capture, which was refused (CaptureError). The capture now orders it
+    as a pool buffer's: each replay runs after the memory's other work (here a kernel on
+    the other stream, held back), and the buffer keeps its record of streams."""
+    add_one, saxpy = module.kernel("add_one"), module.kernel("saxpy")
+    with Stream(0) as s, Stream(0) as other:
+        backend = s.device._driver
+        target = await _device(1.0, s)
+        imported = aiocuda.interop.as_device_array(_Exported(target, "cai"), stream=other)
+        async with s.capture() as graph:
+            add_one.launch(GRID, BLOCK, imported, N, stream=s)  # (was: CaptureError)
+        assert imported.buffer.stream is other
+        if backend.name == "sim":
+            backend.pause(other.handle)  # type: ignore[attr-defined]
+        saxpy.launch(GRID, BLOCK, 2.0, imported, imported, N, stream=other)  # y = 3 y, before the replay
+        done = graph.launch(s)
+        if backend.name == "sim":
+            assert not done.query()  # type: ignore[attr-defined]
+            backend.resume(other.handle)  # type: ignore[attr-defined]
+        await done
+        np.testing.assert_array_equal(await target.to_host(stream=s), 4.0)  # (1 + 1) * 3 had it come first
+        assert imported.buffer.stream is s  # the launch moved its last use: later work waits for the replay
+
+
+async def test_imported_memory_is_ordered_across_the_streams_of_a_capture(
+    module: Module, anyio_backend: object
+) -> None:
+    """Captured uses of imported memory on two streams of the capture are ordered inside
+    the graph, as a pool buffer's are, and the buffer's own record of streams stays."""
+    add_one, saxpy = module.kernel("add_one"), module.kernel("saxpy")
+    with Stream(0) as s, Stream(0) as side:
+        target = await _device(1.0, s)
+        imported = aiocuda.interop.as_device_array(_Exported(target, "cai"), stream=s)
+        async with s.capture() as graph:
+            side.wait(s)  # side joins the capture
+            add_one.launch(GRID, BLOCK, imported, N, stream=side)
+            saxpy.launch(GRID, BLOCK, 2.0, imported, imported, N, stream=s)  # waits for side's work
+        kernels = [node for node in graph.nodes if node.kind == "kernel"]
+        assert [node.kernel for node in kernels] == [add_one, saxpy]
+        assert _depends(graph, kernels[1].index, kernels[0].index)
+        assert imported.buffer.stream is s
+        await graph.launch(s)
+        np.testing.assert_array_equal(await target.to_host(stream=s), 6.0)
+
+
+async def test_imported_memory_let_go_during_a_failed_capture_waits_for_the_work_before_it(
+    module: Module, anyio_backend: object
+) -> None:
+    """An imported array freed inside a capture of its last-use stream: its owner went to
+    the capture's holds, dropped at once when the capture failed, while the stream's work
+    from before the capture could still use the memory. It is now released once the
+    capture has ended, after that work, as a pool buffer's free is."""
+    add_one = module.kernel("add_one")
+    with Stream(0) as s:
+        backend = s.device._driver
+        target = await _device(0.0, s)
+        owner = _Exported(target, "cai")
+        imported = aiocuda.interop.as_device_array(owner, stream=s)
+        watched = weakref.ref(owner)
+        del owner
+        if backend.name == "sim":
+            backend.pause(s.handle)  # type: ignore[attr-defined]
+        add_one.launch(GRID, BLOCK, imported, N, stream=s)  # before the capture, held back
+        with pytest.raises(RuntimeError, match="the block fails"):
+            with s.capture():
+                imported.buffer.free()
+                del imported
+                gc.collect()
+                raise RuntimeError("the block fails")
+        gc.collect()
+        if backend.name == "sim":
+            assert watched() is not None  # the work before the capture still uses it
+            backend.resume(s.handle)  # type: ignore[attr-defined]
+        assert await _owner_released(watched, s)
+        np.testing.assert_array_equal(await target.to_host(stream=s), 1.0)
+
+
 @pytest.mark.multi_gpu
 async def test_updates_refuse_memory_of_another_device(module: Module, anyio_backend: object) -> None:
     """Memory the graph's node cannot use is refused, saying why: a kernel reaches memory

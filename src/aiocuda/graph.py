@@ -43,7 +43,9 @@ record it with ``external=True`` for every replay to record it.
 and frees it, at the same address; the buffer counts as freed after the capture and must
 not be used outside it. Buffers from outside that captured work uses are kept alive by
 the graph, and each launch orders the replay after their other work (as any aiocuda
-operation does); host objects given to ``Stream.hold`` during the capture (page-locked
+operation does) -- pool memory and memory imported from other libraries
+(:func:`aiocuda.interop.as_device_array`) alike, an imported array's owner kept with
+it; host objects given to ``Stream.hold`` during the capture (page-locked
 arrays copied from or to) are kept for every replay.
 
 **Replays**: :meth:`Graph.launch` enqueues one replay on any stream of the graph's device
@@ -74,7 +76,7 @@ import weakref
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
 import numpy as np
@@ -87,8 +89,11 @@ from ._memory import offloop as _offloop
 from ._util import NoPublicConstructor, invalid_value
 from .device import Device
 from .errors import CaptureError, CudaError, GraphUpdateError, ResultCode
-from .memory import DeviceBuffer, MemoryPool
+from .memory import MemoryPool
 from .stream import Stream
+
+if TYPE_CHECKING:
+    from ._graph.capture import Buffer
 
 __all__ = ["CaptureMode", "Graph", "GraphCapture", "GraphNode"]
 
@@ -138,9 +143,9 @@ class _Replays:
         self.handles: list[Any] = [graph, None]
         """The graph and its executable graph, destroyed together."""
         self.holds: list[Any] = []
-        self.externals: dict[int, DeviceBuffer] = {}
-        """Buffers from outside the capture its work uses, by ``id``: each launch orders the
-        replay after their other work."""
+        self.externals: dict[int, Buffer] = {}
+        """Buffers from outside the capture its work uses, by ``id`` (pool buffers, and memory
+        owned elsewhere with its owner): each launch orders the replay after their other work."""
         self.bound: dict[int, tuple[Bound, ...]] = {}
         """Memory node updates gave each node (by index), kept while the node uses it."""
         weakref.finalize(self, _offloop.dispose, device, _destroy, device._driver, self.handles)

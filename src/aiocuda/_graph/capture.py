@@ -31,7 +31,12 @@ paths:
   after the buffer's other work and the graph keeps it alive. A free of such a buffer
   during the capture is carried out once the capture has ended (:meth:`Capture.freeing`);
   work outside the capture on a buffer last used before it is ordered after the point
-  where the capture began (:meth:`Capture.crossing`).
+  where the capture began (:meth:`Capture.crossing`). "A buffer" is any that orders
+  work through ``_used_on``, duck-typed: a pool's ``DeviceBuffer``, and an
+  ``OwnedBuffer`` (memory owned elsewhere: imported from another library, managed,
+  shared between processes), which the graph keeps with its owner; such a buffer let go
+  while its last-use stream captures releases its owner once the capture has ended
+  (:meth:`Capture.releasing`).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import memory
@@ -47,8 +53,13 @@ from ..errors import CaptureError, CudaError, ResultCode
 from ..stream import Stream
 
 if TYPE_CHECKING:
+    from .._memory.buffers import OwnedBuffer
     from ..event import Event
     from ..memory import DeviceBuffer, MemoryPool
+
+    Buffer = DeviceBuffer | OwnedBuffer
+    """Memory whose uses aiocuda orders (duck-typed: ``_used_on``, ``stream``, ``_ptr``):
+    a pool's buffer, or one over memory owned elsewhere (kept with its owner)."""
 
 __all__ = ["Capture"]
 
@@ -80,17 +91,19 @@ class Capture:
         self.mode = mode
         self.streams: list[Stream] = [origin]
         """The origin and every stream that joined, in the order they did."""
-        self.externals: dict[int, DeviceBuffer] = {}
-        """Buffers from outside the capture its work uses, by ``id``."""
+        self.externals: dict[int, Buffer] = {}
+        """Buffers from outside the capture its work uses, by ``id`` (pool buffers, and
+        memory owned elsewhere, which keeps its owner)."""
         self.holds: list[Any] = []
         """Objects ``Stream.hold`` was given during the capture: kept for every replay."""
         self._allocated: dict[int, DeviceBuffer] = {}
         """The capture's own allocations (graph memory), by address."""
         self._before: dict[Stream, Event] = {}
         """Each stream's last point before it entered the capture."""
-        self._deferred: list[tuple[MemoryPool, Any, Stream, Any]] = []
-        """Frees of outside buffers asked for during the capture: ``(pool, ptr, stream, waits)``."""
-        self._last_use: dict[int, tuple[DeviceBuffer, Stream]] = {}
+        self._deferred: list[Callable[[], None]] = []
+        """What is let go during the capture and carried out once it has ended: frees of
+        outside pool buffers, releases of the owners of memory owned elsewhere."""
+        self._last_use: dict[int, tuple[Buffer, Stream]] = {}
         """Each buffer's last stream of the capture, by ``id`` (what the next captured use
         on another stream waits for)."""
         self._left: list[Stream] = []
@@ -167,10 +180,10 @@ class Capture:
             for buffer in self._allocated.values():
                 buffer._forget()  # its memory is the graph's (or went with a failed capture)
             self._allocated.clear()
-            for pool, ptr, stream, waits in self._deferred:
+            deferred, self._deferred = self._deferred, []
+            for release in deferred:
                 with contextlib.suppress(CudaError):
-                    pool._free_on(ptr, stream, waits)
-            self._deferred.clear()
+                    release()
             memory._end_deferral()
         if lost and graph is not None:
             with contextlib.suppress(CudaError):
@@ -364,15 +377,16 @@ class Capture:
         """``buffer`` was just allocated on a capturing stream: graph memory."""
         self._allocated[int(buffer._ptr)] = buffer
 
-    def use(self, buffer: DeviceBuffer, stream: Stream) -> None:
+    def use(self, buffer: Buffer, stream: Stream) -> None:
         """Captured work on ``stream`` is about to use ``buffer``: order it, inside the
         graph, after the buffer's captured work on another stream of the capture. The
-        buffer's own record of its streams is left alone (it is about the work outside)."""
+        buffer's own record of its streams is left alone (it is about the work outside).
+        A buffer from outside the capture is listed (:attr:`externals`)."""
         key = id(buffer)
         found = self._last_use.get(key)
         if found is None:
-            owner = buffer._stream
-            last = owner if owner is not None and owner._capture is self else stream
+            owner = buffer.stream  # (the last recorded use: not freed, its _used_on checked)
+            last = owner if owner._capture is self else stream
             if self._allocated.get(int(buffer._ptr)) is not buffer:
                 self.externals[key] = buffer
         else:
@@ -381,7 +395,7 @@ class Capture:
             stream.wait(last.record())
         self._last_use[key] = (buffer, stream)
 
-    def crossing(self, buffer: DeviceBuffer, previous: Stream, stream: Stream) -> Event | None:
+    def crossing(self, buffer: Buffer, previous: Stream, stream: Stream) -> Event | None:
         """``buffer``, last used on ``previous`` (outside the capture's work), is about to
         be used on ``stream``, and one of them is capturing: None when the use is
         captured (ordered by :meth:`use`), else the event ``stream`` must wait for."""
@@ -408,8 +422,16 @@ class Capture:
         if buffer is not None:
             found = self._last_use.get(id(buffer))
             return stream if found is None else found[1]
-        self._deferred.append((pool, ptr, stream, waits))
+        self._deferred.append(lambda: pool._free_on(ptr, stream, waits))
         return None
+
+    def releasing(self, release: Callable[[], None]) -> None:
+        """Memory owned elsewhere (an ``OwnedBuffer``), last used on a stream of the capture,
+        is let go during it (freed, or collected): ``release``, which hands its owner to
+        that stream, is called once the capture has ended -- after the stream's work from
+        before the capture, as :meth:`freeing` does for a pool buffer (a hold now would be
+        the graph's, dropped at once if the capture fails)."""
+        self._deferred.append(release)
 
 
 def _note(exc: BaseException | None, text: str) -> None:

@@ -6,11 +6,14 @@ release (a library's deleter, a ``cuMemFree`` off the loop, a message to the exp
 process) must wait until the work aiocuda enqueued on the memory has completed.
 :class:`OwnedBuffer` does exactly that: freed or collected, it hands the owner to its
 last-use stream's ``hold``, and the owner goes once that stream's work so far is done.
+Captured uses are the capture's to order and keep, as for a pool buffer: the graph keeps
+the buffer, and so its owner, while it can replay (see ``aiocuda._graph.capture``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -67,12 +70,32 @@ class OwnedBuffer:
         return self._unusable is not None
 
     def _used_on(self, stream: Stream) -> None:
+        """Record that work about to be enqueued on ``stream`` (same device) uses the memory:
+        ordered after the work on the previous stream, as a pool buffer's uses are.
+
+        Captured work is ordered by the capture, exactly as for a pool buffer (see
+        ``aiocuda._graph.capture``): inside the graph, after the memory's previous captured
+        use; the graph keeps the buffer (and so its owner) while it can replay, and each
+        launch orders the replay after the memory's other work. The record of the last-use
+        stream stays about the work outside the graph.
+        """
         if self._unusable is not None:
             raise self._unusable
-        previous: Stream = self._state[0]
-        if stream is not previous:
+        state = self._state
+        previous: Stream = state[0]
+        if stream is previous:
+            if stream._capture is not None:  # captured work (see aiocuda.graph): the capture orders it
+                stream._capture.use(self, stream)
+            return
+        capture = stream._capture or previous._capture
+        if capture is None:
             stream.wait(previous)
-            self._state[0] = stream
+        else:  # a capture is involved: a capturing stream cannot wait for work outside it
+            crossing = capture.crossing(self, previous, stream)
+            if crossing is None:  # a captured use, ordered by the capture
+                return
+            stream.wait(crossing)  # the point before the capture: the captured work is the graph's
+        state[0] = stream
 
     def _free_after(self, event: Any) -> None:
         """Release the owner only once ``event`` has completed, besides the work on the
@@ -103,6 +126,20 @@ class OwnedBuffer:
 def _hand_over(state: list[Any]) -> None:
     stream, owner, *after = state
     state[1] = None
+    capture = stream._capture
+    if capture is not None:
+        # Freed or collected while its last-use stream captures: a hold now would be
+        # the graph's, dropped at once by a capture that fails while the stream's work
+        # from before it may still use the memory. The capture releases the owner once
+        # it has ended, as it frees a pool buffer let go meanwhile (Capture.releasing).
+        # (A buffer captured work uses is kept by the graph: never collected meanwhile.)
+        capture.releasing(functools.partial(_release, stream, owner, after))
+        return
+    _release(stream, owner, after)
+
+
+def _release(stream: Stream, owner: Any, after: list[Any]) -> None:
+    """Hold ``owner`` on ``stream``, after its work so far and the events ``after``."""
     with contextlib.suppress(Exception):  # the context is gone: nothing is in flight
         if after and stream.closed:
             # A closed stream takes no waits: the device's current stream keeps the
