@@ -1207,7 +1207,10 @@ async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory
         with pytest.raises(aiocuda.errors.ArgumentError, match="C-contiguous"):
             await ex.submit(lambda ctx, x: ctx.empty((x.size // 2, 2))[:, 0], host)
         assert ex.device_streams[0].chunks == 0
-    monkeypatch.setattr(executor, "_SUBMIT_STAGING", host.nbytes)  # room for the upload only
+    # A result beyond the staging's copy-out slots (INLINE_LIMIT): in ordinary memory it
+    # is downloaded through the copier threads, so nothing of it is pinned on the loop.
+    big = np.random.default_rng(7).random(1 << 19, dtype=np.float32)  # 2 MiB
+    monkeypatch.setattr(executor, "_SUBMIT_STAGING", big.nbytes)  # room for the upload only
     pinning_threads = []
     driver = _driver.driver()
     alloc = driver.mem_host_alloc
@@ -1217,17 +1220,19 @@ async def test_submit_returns_results_through_the_lanes_staging_or_pinned_memory
         return alloc(nbytes)
 
     async with Executor([0]) as ex:
-        await ex.submit(scale, host)  # (the staging's copy-out slot of that size: made on the loop, once)
         await reserve_thread_done()
         empty_cache()
         monkeypatch.setattr(driver, "mem_host_alloc", noting_alloc)
-        plain = await ex.submit(scale, host)
+        plain = await ex.submit(scale, big)
         assert not is_pinned(plain)
-        np.testing.assert_allclose(plain, expected, rtol=1e-5)
+        np.testing.assert_allclose(plain, scale_reference(big, REPS), rtol=1e-5)
         assert threading.current_thread().name not in pinning_threads
         await reserve_thread_done()
         assert "aiocuda-reserve" in pinning_threads  # a block for the next result, pinned off the loop
-        # (which other pinned memory of that size may take first: the staging's slots)
+        monkeypatch.setattr(executor, "_SUBMIT_STAGING", host.nbytes)
+    async with Executor([0]) as ex:
+        # (the block the next result takes, made here: other pinned memory of its size,
+        # the staging's copy-out slots, may take the reserve thread's spares first)
         pinned_empty(host.shape, host.dtype)  # dropped at once: its block goes to the cache
         pinned = await ex.submit(scale, host)
         assert is_pinned(pinned)
