@@ -6,6 +6,7 @@ On the simulator with 1 and 4 devices, and on a real GPU where one is present.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from functools import partial
 from typing import Any
@@ -26,7 +27,7 @@ from aiocuda.host import is_pinned, pinned_empty
 from aiocuda.kernel import register_sim_kernel
 from aiocuda.program import Program
 
-from ._control import checkpoints
+from ._control import checkpoints, reserve_thread_done
 from ._executor_tasks import lifespan, read_map
 from ._workload import _kernel, poison_op
 
@@ -77,7 +78,7 @@ class CountingStage:
         self.scale(ctx, x)
 
 
-async def test_same_results_and_order_as_eager(devices: int, anyio_backend: Any) -> None:
+async def test_same_results_and_order_as_eager(devices: int, anyio_backend: Any, lane_kind: str) -> None:
     inputs = pinned_chunks(12 * devices)
     stage = CountingStage()
     async with Executor(list(range(devices)), trace=True) as ex:
@@ -105,7 +106,8 @@ async def test_same_results_and_order_as_eager(devices: int, anyio_backend: Any)
         ran_eagerly = sum(1 for r in got if r.device == device) - sum(1 for s in replays if s.device == device)
         assert stage.calls[device] == ran_eagerly + lanes[device]
     assert not trace.notes
-    assert all(is_pinned(r.value) for r in got if any(s.chunk == r.index for s in replays))
+    if lane_kind == "pointed":  # (a staged lane's result is ordinary memory when the pinned cache has none)
+        assert all(is_pinned(r.value) for r in got if any(s.chunk == r.index for s in replays))
 
 
 async def test_stage_with_its_own_output_and_pageable_memory(devices: int, anyio_backend: Any) -> None:
@@ -126,6 +128,121 @@ async def test_stage_with_its_own_output_and_pageable_memory(devices: int, anyio
     for r in got:
         assert r.value is outputs[r.index]
         np.testing.assert_allclose(r.value, scale_reference(inputs[r.index], REPS), rtol=1e-5)
+
+
+def spy_pinning(
+    monkeypatch: pytest.MonkeyPatch, entered: threading.Event | None = None, hold: threading.Event | None = None
+) -> list[str]:
+    """The names of the threads that pin host memory from now on (the driver's
+    ``mem_host_alloc``); with ``entered`` and ``hold``, one off the loop's thread sets
+    the first and waits for the second to be set before pinning."""
+    threads: list[str] = []
+    driver = _driver.driver()
+    alloc = driver.mem_host_alloc
+    loop_thread = threading.current_thread()
+
+    def noting_alloc(nbytes: int) -> int:
+        threads.append(threading.current_thread().name)
+        if entered is not None and hold is not None and threading.current_thread() is not loop_thread:
+            entered.set()
+            hold.wait()
+        return alloc(nbytes)
+
+    monkeypatch.setattr(driver, "mem_host_alloc", noting_alloc)
+    return threads
+
+
+@pytest.mark.parametrize("output_kind", ["new", "pageable"])
+@pytest.mark.parametrize("input_kind", ["pinned", "pageable"])
+async def test_a_map_whose_results_are_kept_pins_no_memory_on_the_loop(
+    backend: Any, anyio_backend: Any, lane_kind: str, input_kind: str, output_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every replay's page-locked arrays (its result, copies of a pageable input or for a
+    pageable destination) come from the cache of pinned blocks. Kept results leave it
+    empty (here the reserve thread pins no spares either): then no memory is pinned on
+    the loop's thread (1-40 ms each there), not at the capture nor for a replay. A
+    pointed lane's chunk waits for blocks pinned on a worker thread; a staged lane's
+    result is ordinary memory (copied out of the lane's page-locked buffer)."""
+    from aiocuda._memory import pinned
+    from aiocuda.host import empty_cache
+
+    count = 8
+    rng = np.random.default_rng(3)
+    inputs = pinned_chunks(count) if input_kind == "pinned" else rng.random((count, N), dtype=np.float32)
+    outputs = [np.zeros(N, np.float32) for _ in range(count)]  # pageable destinations
+    output = None if output_kind == "new" else (lambda i, _: outputs[i])
+    stage = CountingStage()
+    async with Executor([0], trace=True) as ex:
+        # (the staging's slots that the eager warm-up's copies take: of each size the
+        # first are made on the loop's thread, by design)
+        await ex.run(ScaleStage(REPS), inputs[:1], output=output)
+        await reserve_thread_done()
+        empty_cache()
+        monkeypatch.setattr(pinned, "keep_spare", lambda device, size: None)
+        threads = spy_pinning(monkeypatch)
+        got = await ex.run(stage, inputs, graph=True, in_flight=1, output=output)
+        assert ex.trace is not None
+        replays = [s for s in ex.trace.spans if s.unit == "graph"]
+    assert threading.current_thread().name not in threads
+    assert len(replays) == count - 1  # (chunk 0 warmed the device up)
+    for i, value in enumerate(got):
+        np.testing.assert_allclose(value, scale_reference(inputs[i], REPS), rtol=1e-5)
+        if output is not None:
+            assert value is outputs[i]
+        elif lane_kind == "pointed" and i > 0:
+            assert is_pinned(value)  # (its download one DMA)
+    if output is None and lane_kind == "pointed":
+        assert len(threads) >= len(replays)  # kept: a block for each, pinned off the loop
+
+
+async def test_a_block_pinned_for_a_cancelled_chunk_goes_to_the_cache(
+    backend: Any, anyio_backend: Any, lane_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk for a pointed lane that waits for a page-locked block pinned on a worker
+    thread, cancelled meanwhile: its admission comes back at once, and the block, made
+    after the cancellation, goes to the cache of pinned blocks."""
+    from aiocuda._memory import pinned, pinned_cache
+    from aiocuda.host import empty_cache
+
+    if lane_kind == "staged":
+        pytest.skip("a staged lane's chunk never waits for pinned memory")
+    stage = CountingStage()
+    inputs = pinned_chunks(4)
+    entered, hold, cached = threading.Event(), threading.Event(), threading.Event()
+    async with Executor([0]) as ex:
+        await ex.run(stage, inputs, graph=True, in_flight=1)  # warmed up and captured
+        await reserve_thread_done()
+        empty_cache()
+        monkeypatch.setattr(pinned, "keep_spare", lambda device, size: None)
+        threads = spy_pinning(monkeypatch, entered, hold)
+        size = pinned_cache.size_class(inputs[0].nbytes)
+        give = pinned_cache.give
+
+        def noting_give(device: Any, ptr: int, nbytes: int) -> None:
+            give(device, ptr, nbytes)
+            if nbytes == size:
+                cached.set()
+
+        monkeypatch.setattr(pinned_cache, "give", noting_give)
+        try:
+            with anyio.fail_after(30):  # (a hang guard)
+                with anyio.CancelScope() as scope:
+                    async with ex.map(stage, inputs, graph=True) as results:
+                        await anyio.to_thread.run_sync(entered.wait)  # the first replay's result, pinned off the loop
+                        scope.cancel()
+                        async for _ in results:
+                            pass
+                assert ex.device_streams[0].chunks == 0
+                assert not cached.is_set()
+                hold.set()
+                await anyio.to_thread.run_sync(cached.wait)  # (the block dropped once the abandoned thread is done)
+                assert pinned_cache.holds(size)
+        finally:
+            hold.set()
+        assert threading.current_thread().name not in threads
+        got = await ex.run(stage, inputs, graph=True)
+    for host, value in zip(inputs, got, strict=True):
+        np.testing.assert_allclose(value, scale_reference(host, REPS), rtol=1e-5)
 
 
 def _copy_into(out: DeviceArray, x: DeviceArray, ctx: ChunkContext) -> DeviceArray:

@@ -387,7 +387,10 @@ class Executor:
                 cannot be captured runs normally, with a note in the trace. The graphs
                 are kept for later pipelines of the same stage object until the executor
                 closes (a stage whose work changes must be a new object). Results of
-                replays are page-locked arrays by default. Same results, ordering,
+                replays are page-locked arrays by default, taken from aiocuda's cache of
+                pinned blocks (no memory is pinned on the event loop: when the cache has
+                none of their size, a chunk waits for one pinned on a worker thread, or,
+                up to 32 KiB, is an ordinary array). Same results, ordering,
                 back-pressure and errors as without.
         """
         self._check_open()

@@ -23,6 +23,15 @@ result or error is the eager path's. Chunks of another shape or dtype, pageable 
 larger than ``staging.INLINE_LIMIT``, and small chunks that find every lane busy run
 eagerly too. Results default to page-locked arrays; a pageable ``output=`` destination
 is filled from page-locked memory once the replay is done.
+
+No memory is pinned on the event loop's thread (``cuMemHostAlloc`` takes 1-40 ms). A
+replay's page-locked arrays -- its result, and the copies of a pageable input or for a
+pageable destination -- are blocks of aiocuda's cache of pinned blocks, each take asking
+the reserve thread for a spare of its size (:func:`~aiocuda._memory.pinned.take_cached`).
+When the cache has none, a staged lane's result is ordinary memory (the replay downloads
+into the lane's own buffer anyway), and a pointed lane's chunk waits in the feeder
+(``"wait"``) while :meth:`GraphMode.settled` pins what it lacks on a worker thread. A
+capture's page-locked buffers are made the same way, once per lane.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -41,12 +51,14 @@ import numpy.typing as npt
 from .._completion.engine import current_engine
 from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
+from .._memory import pinned_cache
 from .._memory import staging as _staging
-from .._memory.pinned import host_address, pinned_address
+from .._memory.pinned import PinnedAllocation, host_address, pinned_address, take_cached
 from ..array import DeviceArray, empty
+from ..device import Device
 from ..errors import CaptureError, CudaError
 from ..graph import Graph
-from ..host import is_pinned, pinned_empty
+from ..host import _array_over, _cached_pinned_empty, is_pinned
 from ..stream import Stream
 from ..trace import Trace, _PendingSpan
 from .chunk import ChunkContext, ChunkRunner
@@ -59,8 +71,8 @@ __all__ = ["GraphMode", "Route"]
 _log = logging.getLogger("aiocuda")
 
 Route = Literal["replay", "capture", "eager", "wait"]
-"""How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself)
-or one the pipeline starts."""
+"""How :meth:`GraphMode.route` sends a chunk: ``"replay"`` (enqueued by ``route`` itself),
+one the pipeline starts, or ``"wait"``: route it again after :meth:`GraphMode.settled`."""
 
 
 class _Replay:
@@ -92,16 +104,37 @@ class _Replay:
         self.span = span
 
 
+class _Waiting:
+    """A chunk for a pointed lane that found no page-locked block of some size in the
+    cache: what it has, and what :meth:`GraphMode.settled` pins for it off the loop."""
+
+    __slots__ = ("blocks", "dest", "error", "index", "missing")
+
+    def __init__(
+        self, index: int, dest: npt.NDArray[Any] | None, blocks: list[PinnedAllocation], missing: list[int]
+    ) -> None:
+        self.index = index
+        self.dest = dest
+        """``output()``'s array (called once per chunk), or None."""
+        self.blocks = blocks
+        """The blocks it took (from the cache) and those pinned for it."""
+        self.missing = missing
+        """Bytes of each block still to pin."""
+        self.error: Exception | None = None
+        """Why they could not be pinned (the chunk fails with it)."""
+
+
 class _Queue(Deliveries[_Replay]):
     """One pipeline's replays on one device: the stage's graphs there, the next lane,
-    and the replays awaiting delivery."""
+    the replays awaiting delivery, and a chunk waiting for page-locked memory."""
 
-    __slots__ = ("lanes", "turn")
+    __slots__ = ("lanes", "turn", "waiting")
 
     def __init__(self, lanes: GraphLanes) -> None:
         super().__init__()
         self.lanes = lanes
         self.turn = 0
+        self.waiting: _Waiting | None = None
 
 
 class GraphMode:
@@ -110,7 +143,8 @@ class GraphMode:
     ``route`` tells the pipeline how to run each admitted chunk: as a replay (enqueued
     by ``route`` itself), a capture (:meth:`capture`, in a task of its own), eagerly
     (``ChunkRunner.run``, which reports to :meth:`warmed`), or not yet: ``"wait"`` while
-    the device warms up or is captured (:meth:`settled`), then route it again. ``shared`` holds the
+    the device warms up or is captured, or while page-locked memory for the chunk's
+    replay is pinned off the loop (:meth:`settled`), then route it again. ``shared`` holds the
     stage's :class:`GraphLanes` by device ordinal: the executor's for the stage, or None
     for graphs of this pipeline alone.
     """
@@ -136,6 +170,7 @@ class GraphMode:
         finish is left to the next pipeline, replays no collector has left (queued for
         one that never ran) are left, and graphs of its own are released."""
         for device_streams, queue in self._queues.items():
+            queue.waiting = None  # (its blocks go back to the cache when collected)
             self._leave(queue, device_streams, EventPool.for_device(device_streams.device))
         for lanes in self._shared.values():
             if lanes.state == "warming" and lanes.owner[0] is self:
@@ -177,10 +212,23 @@ class GraphMode:
         return "eager"
 
     async def settled(self, device_streams: DeviceStreams) -> None:
-        """Wait until the device's warm-up or capture in progress has ended."""
-        settled = self._lanes(device_streams).settled
+        """Wait until the device's warm-up or capture in progress has ended, and until the
+        page-locked blocks a chunk found none of in the cache are pinned, on a worker
+        thread (1-40 ms each: never on the loop's)."""
+        queue = self._queue(device_streams)
+        settled = queue.lanes.settled
         if settled is not None:
             await settled.wait()
+        waiting = queue.waiting
+        if waiting is not None and waiting.missing:
+            missing, waiting.missing = waiting.missing, []
+            try:
+                # Abandoned if cancelled: blocks pinned after it are collected into the cache.
+                waiting.blocks += await anyio.to_thread.run_sync(
+                    _pin_blocks, device_streams.device, missing, abandon_on_cancel=True
+                )
+            except Exception as exc:  # (out of page-locked memory, say: the chunk fails with it)
+                waiting.error = exc
 
     def warmed(self, index: int, device_streams: DeviceStreams, ok: bool) -> None:
         """An eager chunk finished: the device may be captured next, if it was warming up."""
@@ -254,13 +302,13 @@ class GraphMode:
             device_streams.graph_lanes += await anyio.to_thread.run_sync(
                 _make_streams, device, count - len(device_streams.graph_lanes), device_streams.h2d.priority
             )
-        staged_in = None if staged or is_pinned(host) else await _pin(host)
+        staged_in = None if staged or is_pinned(host) else await _pin(host, device)
         dest: npt.NDArray[Any] | None = None
         staged_out: npt.NDArray[Any] | None = None
         for k, stream in enumerate(device_streams.graph_lanes[:count]):
             lane_in = lane_out = None
             if staged:
-                source = lane_in = pinned_empty(host.shape, host.dtype, device=device)
+                source = lane_in = await _pinned_array(host.shape, host.dtype, device)
             else:
                 source = host if staged_in is None else staged_in
             src = host_address(source)
@@ -280,11 +328,13 @@ class GraphMode:
                     raise CaptureError("the stage moved the chunk to another device", name="AIOCUDA_NOT_CAPTURABLE")
                 if dest is None:
                     dest = self._destination(index, result, contiguous=False)
+                    if dest is None:  # (a spare for the replays' results is being pinned)
+                        dest = await _pinned_array(result.shape, result.dtype, device)
                     if not (staged or is_pinned(dest)):
-                        staged_out = pinned_empty(dest.shape, dest.dtype, device=device)
+                        staged_out = await _pinned_array(dest.shape, dest.dtype, device)
                     lanes.template, lanes.shape, lanes.dtype = result, host.shape, host.dtype
                 if staged:
-                    target = lane_out = pinned_empty(result.shape, result.dtype, device=device)
+                    target = lane_out = await _pinned_array(result.shape, result.dtype, device)
                 else:
                     target = dest if staged_out is None else staged_out
                 dst = host_address(target)
@@ -305,13 +355,15 @@ class GraphMode:
             return dest, first.staged_in, first.staged_out
         return dest, staged_in, staged_out
 
-    def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any]:
-        """Where chunk ``index``'s result goes: ``output()``'s array, or a page-locked one.
-        ``result`` is the capture's (checked C-contiguous then, when ``contiguous``)."""
+    def _destination(self, index: int, result: DeviceArray, *, contiguous: bool = True) -> npt.NDArray[Any] | None:
+        """Where chunk ``index``'s result goes: ``output()``'s array, or a page-locked one
+        from the cache of pinned blocks (a spare asked for off the loop), None when it
+        has none of its size. ``result`` is the capture's (checked C-contiguous then, when
+        ``contiguous``)."""
         if self._runner.output is None:
             if not (contiguous or result.is_c_contiguous):
                 return self._runner.destination(index, result)  # raises its error
-            return pinned_empty(result.shape, result.dtype, device=result.device)
+            return _cached_pinned_empty(result.shape, result.dtype, result.device)
         return self._runner.destination(index, result, contiguous=contiguous)
 
     # -- replays -----------------------------------------------------------------------------------
@@ -339,18 +391,24 @@ class GraphMode:
                     break
             else:
                 return "eager"
-        queue.turn = (lane.index + 1) % count
         try:
-            assert lanes.template is not None
-            dest = self._destination(index, lanes.template)
+            template = lanes.template
+            assert template is not None
             if lanes.staged:
+                dest = self._destination(index, template)
+                if dest is None:  # no cached block: the replay downloads into the lane's own anyway
+                    dest = np.empty(template.shape, template.dtype)
                 staged_in, staged = lane.staged_in, lane.staged_out
                 assert staged_in is not None
                 keep: tuple[Any, ...] = (staged_in, staged)
                 lane.busy = True
                 staged_in[...] = host
             else:
-                staged, keep = self._point(lane, host, dest)
+                pointed = self._point(queue, lane, index, host, template)
+                if pointed is None:
+                    return "wait"  # for page-locked blocks pinned off the loop (settled())
+                dest, staged, keep = pointed
+            queue.turn = (lane.index + 1) % count
             stream = lane.stream
             trace = self._runner.trace
             span = None if trace is None else self._span(trace, lane, index)
@@ -370,26 +428,56 @@ class GraphMode:
         queue.add(_Replay(index, host, dest, staged, keep, lane, event, span))
         return "replay"
 
-    @staticmethod
     def _point(
-        lane: GraphLane, host: npt.NDArray[Any], dest: npt.NDArray[Any]
-    ) -> tuple[npt.NDArray[Any] | None, tuple[Any, ...]]:
+        self, queue: _Queue, lane: GraphLane, index: int, host: npt.NDArray[Any], template: DeviceArray
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any] | None, tuple[Any, ...]] | None:
         """Point a pointed lane's copies at the chunk (through page-locked copies of
-        pageable memory); ``(staged output, host memory to keep)``."""
-        source = host
+        pageable memory); ``(destination, staged output, host memory to keep)``, or None
+        when the cache of pinned blocks lacks one it needs (``queue.waiting`` says which:
+        :meth:`settled` pins them)."""
+        device = template.device
+        blocks: list[PinnedAllocation] = []
+        dest: npt.NDArray[Any] | None = None
+        waiting = queue.waiting
+        if waiting is not None:  # (this chunk again, once its blocks are pinned)
+            queue.waiting = None
+            if waiting.index == index:
+                if waiting.error is not None:
+                    raise waiting.error
+                blocks, dest = waiting.blocks, waiting.dest
+        missing: list[int] = []
+        dest_block = out_block = None
+        if self._runner.output is None:
+            dest_block = _take(blocks, device, template.nbytes, missing)
+            dst = 0
+        else:
+            if dest is None:
+                dest = self._runner.destination(index, template, contiguous=True)
+            dst = pinned_address(dest)
+            if not dst:
+                out_block = _take(blocks, device, dest.nbytes, missing)
         src = pinned_address(host)
-        if not src:
-            source = pinned_empty(host.shape, host.dtype)
-            source[...] = host
-            src = host_address(source)
+        in_block = None if src else _take(blocks, device, host.nbytes, missing)
+        if missing:
+            blocks += [block for block in (dest_block, out_block, in_block) if block is not None]
+            queue.waiting = _Waiting(index, dest, blocks, missing)
+            return None
+        if dest_block is not None:
+            dest = _array_over(dest_block, dest_block.ptr, template.shape, template.dtype)
+            dst = dest_block.ptr
+        assert dest is not None
         target, staged = dest, None
-        dst = pinned_address(dest)
-        if not dst:
-            target = staged = pinned_empty(dest.shape, dest.dtype)
-            dst = host_address(staged)
+        if out_block is not None:
+            target = staged = _array_over(out_block, out_block.ptr, dest.shape, dest.dtype)
+            dst = out_block.ptr
+        source = host
+        if in_block is not None:
+            source = _array_over(in_block, in_block.ptr, host.shape, host.dtype)
+            source[...] = host
+            src = in_block.ptr
         lane.set_upload(lane.x_ptr, src)
         lane.set_download(dst, lane.result_ptr)
-        return staged, (source, target)
+        return dest, staged, (source, target)
 
     def _span(self, trace: Trace, lane: GraphLane, index: int) -> _PendingSpan:
         name = f"{self._runner.name} (graph, {len(lane.graph.nodes)} nodes)"
@@ -449,11 +537,43 @@ class GraphMode:
             self._finish(replay.index, replay.host, device_streams, None, None)
 
 
-async def _pin(host: npt.NDArray[Any]) -> npt.NDArray[Any]:
-    """A page-locked copy of ``host`` (made on a worker thread when large)."""
-    copied = pinned_empty(host.shape, host.dtype)
+async def _pin(host: npt.NDArray[Any], device: Device) -> npt.NDArray[Any]:
+    """A page-locked copy of ``host`` (copied on a worker thread when large)."""
+    copied = await _pinned_array(host.shape, host.dtype, device)
     await _copy(copied, host)
     return copied
+
+
+async def _pinned_array(shape: tuple[int, ...], dtype: np.dtype[Any], device: Device) -> npt.NDArray[Any]:
+    """A page-locked array (a capture's, once per lane): a block of the pinned cache, or
+    one pinned on a worker thread (1-40 ms: never on the loop's)."""
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
+    block = PinnedAllocation.cached(device, nbytes)
+    if block is None:  # (abandoned if cancelled: the block then goes to the cache when collected)
+        block = await anyio.to_thread.run_sync(PinnedAllocation, device, nbytes, abandon_on_cancel=True)
+    return _array_over(block, block.ptr, shape, dtype)
+
+
+def _take(blocks: list[PinnedAllocation], device: Device, nbytes: int, missing: list[int]) -> PinnedAllocation | None:
+    """A page-locked block for ``nbytes``: one of ``blocks`` of its size class, else one
+    of the pinned cache (a spare asked for off the loop); None, with ``nbytes`` added to
+    ``missing``, when neither has one."""
+    nbytes = max(nbytes, 1)
+    if blocks:
+        size = pinned_cache.size_class(nbytes)
+        for k, block in enumerate(blocks):
+            if block.size == size:
+                return blocks.pop(k)
+    cached = take_cached(device, nbytes)
+    if cached is None:
+        missing.append(nbytes)
+    return cached
+
+
+def _pin_blocks(device: Device, sizes: list[int]) -> list[PinnedAllocation]:
+    """On a worker thread: a page-locked block for each of ``sizes`` (from the cache, or
+    pinned: the driver's ``cuMemHostAlloc``)."""
+    return [PinnedAllocation(device, size) for size in sizes]
 
 
 def _copy_inline(dst: npt.NDArray[Any], src: npt.NDArray[Any]) -> bool:
