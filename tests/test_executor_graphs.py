@@ -216,12 +216,21 @@ async def test_a_block_pinned_for_a_cancelled_chunk_goes_to_the_cache(
         monkeypatch.setattr(pinned, "keep_spare", lambda device, size: None)
         threads = spy_pinning(monkeypatch, entered, hold)
         size = pinned_cache.size_class(inputs[0].nbytes)
-        give = pinned_cache.give
+        driver = _driver.driver()
+        alloc, give = driver.mem_host_alloc, pinned_cache.give
+        made: list[int] = []  # (other blocks of that size, given back meanwhile, are not the one)
+
+        def noting_alloc(nbytes: int) -> int:
+            ptr = alloc(nbytes)
+            made.append(ptr)
+            return ptr
 
         def noting_give(device: Any, ptr: int, nbytes: int) -> None:
             give(device, ptr, nbytes)
-            if nbytes == size:
+            if ptr in made:
                 cached.set()
+
+        monkeypatch.setattr(driver, "mem_host_alloc", noting_alloc)
 
         monkeypatch.setattr(pinned_cache, "give", noting_give)
         try:
