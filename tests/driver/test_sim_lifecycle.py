@@ -160,6 +160,34 @@ def test_a_collection_while_a_worker_starts_may_enqueue_work(
     fresh.stream_synchronize(idle)
 
 
+def test_a_shutdown_while_a_worker_is_being_started(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker is started outside the pool's lock, so a shutdown may find one listed and
+    not started yet: it is not joined (join() refuses an unstarted thread: the suite's
+    backend switches raised so), and it leaves as soon as it runs."""
+    stream = fresh.stream_create(non_blocking=True, priority=0)
+    entered, release = threading.Event(), threading.Event()
+    start = threading.Thread.start
+
+    def held_start(thread: threading.Thread) -> None:
+        if thread.name == "aiocuda-sim-worker":
+            monkeypatch.setattr(threading.Thread, "start", start)
+            entered.set()
+            release.wait()
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", held_start)
+    enqueuer = threading.Thread(target=fresh.enqueue, args=(stream, lambda: None, "op"), daemon=True)
+    enqueuer.start()
+    assert entered.wait(60)  # (only a hang reaches the limit)
+    try:
+        fresh.shutdown()
+    finally:
+        release.set()
+    enqueuer.join(60)
+    assert not enqueuer.is_alive()
+    assert wait_until(lambda: fresh._workers.thread_count == 0)
+
+
 def test_waiting_streams_hold_no_thread(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams in a latency or waiting for another stream's event cost no worker: once
     idle, all workers leave but the one that keeps time for the latencies."""

@@ -129,7 +129,8 @@ class Workers:
         with self._cond:
             threads = list(self._threads)
         for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():  # (one being started by _start, which stop() makes leave at once, is not yet)
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the worker threads ---------------------------------------------------------------
     def _wake_or_start(self) -> bool:
