@@ -72,10 +72,7 @@ class Workers:
         """Makes a context current on the calling (worker) thread."""
         self.idle_exit = idle_exit
         """Seconds an idle worker waits for work before leaving (read at each wait)."""
-        # Reentrant: the garbage collector may run finalisers at any allocation under it
-        # (starting a thread allocates), and a collected DeviceBuffer frees itself on its
-        # stream, whose scheduling takes this lock again on the same thread.
-        lock = threading.RLock()
+        lock = threading.Lock()
         self._cond = threading.Condition(lock)  # idle workers wait here
         self._keeper_cond = threading.Condition(lock)  # the timekeeper waits here
         self._keeper = False  # whether a timekeeper waits
@@ -101,9 +98,7 @@ class Workers:
         """Queue a scheduled stream for the next free worker."""
         with self._cond:
             self._ready.append(stream)
-            more = self._wake_or_start()
-        if more:
-            self._start()
+            self._wake_or_start()
 
     def after(self, due: float, stream: Schedulable) -> None:
         """Queue a scheduled stream once ``time.monotonic()`` reaches ``due``."""
@@ -129,39 +124,20 @@ class Workers:
         with self._cond:
             threads = list(self._threads)
         for thread in threads:
-            if thread.is_alive():  # (one being started by _start, which stop() makes leave at once, is not yet)
-                thread.join(max(0.0, deadline - time.monotonic()))
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the worker threads ---------------------------------------------------------------
-    def _wake_or_start(self) -> bool:
-        """(Lock held.) Let an idle worker take queued work; True when one more worker
-        must be started instead, which the caller does once it has let go of the lock
-        (:meth:`_start`)."""
+    def _wake_or_start(self) -> None:
+        """(Lock held.) Let an idle worker take queued work, or start one more."""
         if self._idle:
             self._cond.notify()
         elif self._keeper:
             self._keeper_cond.notify()
         elif not self._starting and len(self._threads) < MAX_WORKERS and not self.stopping.is_set():
             self._starting = True
-            return True
-        return False
-
-    def _start(self) -> None:
-        """Start one more worker (lock not held)."""
-        # Not under the lock: Thread.start() waits until the new thread runs, and that
-        # thread may run the garbage collector first, whose finalisers enqueue work (a
-        # collected DeviceBuffer frees itself on its stream) and so take the lock: the
-        # suite hung so, now and then.
-        thread = threading.Thread(target=self._work, name="aiocuda-sim-worker", daemon=True)
-        with self._cond:
+            thread = threading.Thread(target=self._work, name="aiocuda-sim-worker", daemon=True)
             self._threads.add(thread)
-        try:
             thread.start()
-        except BaseException:
-            with self._cond:
-                self._threads.discard(thread)
-                self._starting = False
-            raise
 
     def _work(self) -> None:
         with self._cond:
@@ -172,9 +148,8 @@ class Workers:
                 if stream is None:
                     self._threads.discard(threading.current_thread())
                     return
-                more = bool(self._ready) and self._wake_or_start()
-            if more:
-                self._start()
+                if self._ready:
+                    self._wake_or_start()
             stream.run_turn()
 
     def _take(self) -> Schedulable | None:
