@@ -53,7 +53,7 @@ from .._completion.event_pool import EventPool
 from .._memory import copies as _copies
 from .._memory import pinned_cache
 from .._memory import staging as _staging
-from .._memory.pinned import PinnedAllocation, host_address, pinned_address, take_cached
+from .._memory.pinned import PinnedAllocation, host_address, pinned_address, pinned_block, take_cached
 from ..array import DeviceArray, empty
 from ..device import Device
 from ..errors import CaptureError, CudaError
@@ -547,10 +547,7 @@ async def _pin(host: npt.NDArray[Any], device: Device) -> npt.NDArray[Any]:
 async def _pinned_array(shape: tuple[int, ...], dtype: np.dtype[Any], device: Device) -> npt.NDArray[Any]:
     """A page-locked array (a capture's, once per lane): a block of the pinned cache, or
     one pinned on a worker thread (1-40 ms: never on the loop's)."""
-    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
-    block = PinnedAllocation.cached(device, nbytes)
-    if block is None:  # (abandoned if cancelled: the block then goes to the cache when collected)
-        block = await anyio.to_thread.run_sync(PinnedAllocation, device, nbytes, abandon_on_cancel=True)
+    block = await pinned_block(device, max(math.prod(shape) * dtype.itemsize, 1))
     return _array_over(block, block.ptr, shape, dtype)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import anyio.to_thread
 import numpy.typing as npt
 
 from .._completion.reserve import run_off_loop
@@ -30,6 +31,7 @@ __all__ = [
     "host_address",
     "keep_spare",
     "pinned_address",
+    "pinned_block",
     "pinned_ranges",
     "take_cached",
 ]
@@ -142,6 +144,15 @@ class PinnedAllocation:
         class: no driver call (allocating one waits for the driver)."""
         ptr = pinned_cache.take(pinned_cache.size_class(size))
         return None if ptr is None else cls(device, size, ptr)
+
+
+async def pinned_block(device: Device, nbytes: int) -> PinnedAllocation:
+    """A block of the pinned cache, made on a worker thread if the cache has none (1-40
+    ms: never on the event loop's)."""
+    block = PinnedAllocation.cached(device, nbytes)
+    if block is None:  # (abandoned if cancelled: the block then goes back to the cache)
+        block = await anyio.to_thread.run_sync(PinnedAllocation, device, nbytes, abandon_on_cancel=True)
+    return block
 
 
 def take_cached(device: Device, size: int) -> PinnedAllocation | None:

@@ -58,7 +58,7 @@ from ..stream import Stream
 from . import copies as _copies
 from . import host_copy, offloop, pinned_cache
 from .copiers import Copiers, Job, Slot
-from .pinned import PinnedAllocation, host_address
+from .pinned import host_address, pinned_block
 
 __all__ = [
     "CHUNK",
@@ -296,14 +296,6 @@ async def host_to_device(dst: int, host: npt.NDArray[Any], stream: Stream) -> No
         release(slot)
 
 
-async def _pinned_block(device: Device, nbytes: int) -> PinnedAllocation:
-    """A block of the pinned cache, made off the loop if the cache has none."""
-    block = PinnedAllocation.cached(device, nbytes)
-    if block is None:  # (abandoned if cancelled: the block then goes back to the cache)
-        block = await anyio.to_thread.run_sync(PinnedAllocation, device, nbytes, abandon_on_cancel=True)
-    return block
-
-
 async def _upload_elsewhere(dst: int, host: npt.NDArray[Any], stream: Stream) -> None:
     """An upload that found no inline slot ready: a small one through a block of the
     pinned cache the stream keeps until its DMA is done (through the copier threads, a
@@ -312,7 +304,7 @@ async def _upload_elsewhere(dst: int, host: npt.NDArray[Any], stream: Stream) ->
     if nbytes > INLINE_LIMIT or stream._capture is not None:
         await upload_staged(dst, host, stream)
         return
-    block = await _pinned_block(stream.device, nbytes)
+    block = await pinned_block(stream.device, nbytes)
     # Cancelled between slices: nothing is enqueued, and the block goes back unused.
     await _host_copy(block.ptr, host_address(host), nbytes, finish_on_cancel=False)
     stream.device.make_current()  # (a task that ran between the slices may have changed it)
@@ -409,7 +401,7 @@ async def _download_through_block(host: npt.NDArray[Any], src: int, stream: Stre
     be abandoned at its await as an inline one can. (Through the copier threads, it
     could not: a cancelled request waited for the stream.)"""
     nbytes = int(host.nbytes)
-    block = await _pinned_block(stream.device, nbytes)
+    block = await pinned_block(stream.device, nbytes)
     stream.device.make_current()
     _copies.enqueue_download(block.ptr, src, nbytes, stream)
     try:
