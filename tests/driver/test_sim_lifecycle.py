@@ -116,6 +116,53 @@ def test_many_streams_share_a_few_worker_threads(fresh: SimDriver, monkeypatch: 
     assert wait_until(lambda: fresh._workers.thread_count == 0)
 
 
+@pytest.mark.parametrize("where", ["_bootstrap_inner", "start"])
+def test_a_collection_while_a_worker_starts_may_enqueue_work(
+    fresh: SimDriver, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """The garbage collector may run at any allocation and run finalisers that enqueue
+    work (a collected DeviceBuffer frees itself on its stream), which takes the pool's
+    lock. A worker is started under that lock, and ``Thread.start()`` waits until the
+    new thread runs: an automatic collection in the new thread before it says so
+    (``_bootstrap_inner``) hung the test suite now and then; one in the starter itself
+    (``start``, the lock held by the same thread) would hang it too."""
+    import gc
+
+    queued, idle = (fresh.stream_create(non_blocking=True, priority=0) for _ in range(2))
+
+    class FreedWhenCollected:
+        def __init__(self) -> None:
+            self.cycle = self
+
+        def __del__(self) -> None:
+            fresh.enqueue(idle, lambda: None, "free")  # (a stream not scheduled yet)
+
+    original = getattr(threading.Thread, where)
+
+    def collecting_first(thread: threading.Thread) -> None:
+        monkeypatch.setattr(threading.Thread, where, original)  # (once)
+        if where == "start" or gc.isenabled():  # (the new thread's: as an automatic one)
+            gc.collect()
+        original(thread)
+
+    go = threading.Event()
+
+    def enqueue() -> None:  # (its work starts the pool's first worker)
+        go.wait()
+        fresh.enqueue(queued, lambda: None, "op")
+
+    enqueuer = threading.Thread(target=enqueue, daemon=True)
+    enqueuer.start()
+    FreedWhenCollected()  # garbage, for the collection
+    monkeypatch.setattr(threading.Thread, where, collecting_first)
+    go.set()
+    enqueuer.join(30)  # (only a hang reaches the limit)
+    assert not enqueuer.is_alive()
+    gc.collect()  # (the garbage, where no collection ran while the worker started)
+    fresh.stream_synchronize(queued)
+    fresh.stream_synchronize(idle)
+
+
 def test_waiting_streams_hold_no_thread(fresh: SimDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     """Streams in a latency or waiting for another stream's event cost no worker: once
     idle, all workers leave but the one that keeps time for the latencies."""

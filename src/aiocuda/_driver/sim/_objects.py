@@ -156,7 +156,7 @@ class SimDevice:
         self.peers: set[int] = set()
         self.poison: Poison | None = None
         self.async_error: CudaError | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (reentrant: see Workers' lock)
         self._streams: weakref.WeakSet[SimStream] = weakref.WeakSet()
 
     @property
@@ -376,7 +376,7 @@ class SimStream:
         self.submitted = 0
         self.finished = 0
         self._workers = workers
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(threading.RLock())  # (reentrant: see Workers' lock)
         self._ops: collections.deque[tuple[Operation, str]] = collections.deque()
         self._paused = False
         self._scheduled = False  # in the pool's queue or timers, or being run by a worker
