@@ -22,8 +22,10 @@ The rules every benchmark keeps through this module:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
+import functools
 import gc
 import inspect
 import json
@@ -295,3 +297,43 @@ async def stalls_reported(threshold: float = 0.004) -> AsyncIterator[None]:
         gc.callbacks.remove(on_gc)
         stop.set()
         watcher.join()
+
+
+class SeamMeter:
+    """Counts and times the backend's calls, by wrapping its public methods on the
+    instance (installed before anything caches a bound method of the backend)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.seconds = 0.0
+        self._depth = 0
+        names = [n for n in dir(type(backend)) if not n.startswith("_") and callable(getattr(backend, n))]
+        for name in names:
+            setattr(backend, name, self._wrap(name, getattr(backend, name)))
+        if backend.name == "sim":  # the sim's prepared launches call this, not launch_kernel
+            backend._launch_result = self._wrap("launch_kernel", backend._launch_result)
+
+    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        clock = time.perf_counter
+
+        @functools.wraps(method)
+        def metered(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # a call made by another call (none expected): count once
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = clock()
+            try:
+                result = method(*args, **kwargs)
+            finally:
+                self.seconds += clock() - start
+                self._depth -= 1
+                self.calls[name] += 1
+            if name == "graph_exec_copy_setter":  # the setter it returns is a driver call too
+                return self._wrap("graph_exec_memcpy_node_set_params", result)
+            return result
+
+        return metered
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.seconds = 0.0

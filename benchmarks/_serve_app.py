@@ -157,12 +157,12 @@ class Server:
         # Every GPU endpoint behind one route and a dict: Starlette tries its routes in
         # order, so with a route each, a path further down the list paid a few
         # microseconds more per request than one near the top.
-        self.endpoints: dict[str, Callable[[Request], Awaitable[Response]]] = {
-            "lanes": self.lanes_endpoint,
+        self.ways: dict[str, Callable[[bytes, int], Awaitable[bytes]]] = {
+            "lanes": self.lanes_way,
             "lanes_alloc": self.lanes_alloc,
             "readme": self.readme,
             "submit": self.submit,
-            "batch": self.batch_endpoint,
+            "batch": self.batched,
             "to_thread": self.to_thread,
             "blocking": self.blocking,
             "poll": self.poll,
@@ -190,9 +190,6 @@ class Server:
         self.model = torch.nn.Sequential(*layers).to("cuda", torch.float16).eval()
         torch.cuda.synchronize()
 
-    def cycles(self, request: Request) -> int:
-        return int(float(request.query_params.get("w", "0")) * 1e-6 * self.clock_hz)
-
     # -- the shared enqueue step ---------------------------------------------------------------
     def enqueue(self, lane: Lane, body: bytes, cycles: int) -> Scratch:
         s: Scratch = lane.state
@@ -209,16 +206,14 @@ class Server:
             y = self.model(torch.from_dlpack(x))
             return lane.download(interop.as_device_array(y, stream=lane.stream))
 
-    # -- endpoints -----------------------------------------------------------------------------
-    async def lanes_endpoint(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    # -- the ways: one request's work, from its body and the kernel's cycles to its reply's -----
+    async def lanes_way(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             s = self.enqueue(lane, body, cycles)
             await lane
             return self.reply(s.out)
 
-    async def lanes_alloc(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def lanes_alloc(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             x = lane.upload(np.frombuffer(body, np.float32))
             y = lane.empty(N)
@@ -227,17 +222,14 @@ class Server:
             await lane
             return self.reply(out)
 
-    async def readme(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def readme(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             x = await aiocuda.to_device(np.frombuffer(body, np.float32), stream=lane.stream)
             y = aiocuda.empty(N, stream=lane.stream)
             self.kernel.launch(1, BLOCK, x, y, N, cycles, stream=lane.stream)
             return self.reply(await y.to_host(stream=lane.stream))
 
-    async def submit(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
-
+    async def submit(self, body: bytes, cycles: int) -> bytes:
         def stage(ctx: Any, x: aiocuda.DeviceArray) -> aiocuda.DeviceArray:
             y = ctx.empty(N)
             self.kernel.launch(1, BLOCK, x, y, N, cycles, stream=ctx.stream)
@@ -256,22 +248,20 @@ class Server:
             await lane
         return list(out.reshape(len(items), -1))  # the benchmark's items are all one size
 
-    async def batch_endpoint(self, request: Request) -> Response:
-        return self.reply(await self.batcher.submit(np.frombuffer(await request.body(), np.float32)))
+    async def batched(self, body: bytes, cycles: int) -> bytes:
+        return self.reply(await self.batcher.submit(np.frombuffer(body, np.float32)))
 
     # The baselines: the same enqueue, another way to wait. They call the lane's private
     # _settle() (what ``await lane`` does after its wait) so that the lease does not hold
     # their pinned output for them: the same work as /lanes after the wait.
-    async def to_thread(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def to_thread(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             s = self.enqueue(lane, body, cycles)
             await asyncio.to_thread(lane.stream.synchronize)
             lane._settle()
             return self.reply(s.out)
 
-    async def blocking(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def blocking(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             s = self.enqueue(lane, body, cycles)
             with warnings.catch_warnings():  # blocking the loop is this baseline's point
@@ -280,8 +270,7 @@ class Server:
             lane._settle()
             return self.reply(s.out)
 
-    async def poll(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def poll(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             s = self.enqueue(lane, body, cycles)
             event = lane.stream.record()
@@ -290,8 +279,7 @@ class Server:
             lane._settle()
             return self.reply(s.out)
 
-    async def oracle(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def oracle(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             s = self.enqueue(lane, body, cycles)
             event = lane.stream.record()
@@ -301,22 +289,19 @@ class Server:
             lane._settle()
             return self.reply(s.out)
 
-    async def unwaited(self, request: Request) -> Response:
-        body, cycles = await request.body(), self.cycles(request)
+    async def unwaited(self, body: bytes, cycles: int) -> bytes:
         lane = next(self.ring)
         s = self.enqueue(lane, body, cycles)
         lane._settle()  # (its staging is reused a ring's length of requests later)
         return self.reply(s.out)
 
-    async def torch_lanes(self, request: Request) -> Response:
-        body = await request.body()
+    async def torch_lanes(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             out = self.torch_enqueue(lane, body)
             await lane
         return self.reply(out)
 
-    async def torch_poll(self, request: Request) -> Response:
-        body = await request.body()
+    async def torch_poll(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             out = self.torch_enqueue(lane, body)
             with interop.torch_stream(lane.stream):
@@ -327,17 +312,16 @@ class Server:
             lane._settle()
         return self.reply(out)
 
-    async def torch_to_thread(self, request: Request) -> Response:
-        body = await request.body()
+    async def torch_to_thread(self, body: bytes, cycles: int) -> bytes:
         async with self.lanes.lease() as lane:
             out = self.torch_enqueue(lane, body)
             await asyncio.to_thread(lane.stream.synchronize)
             lane._settle()
         return self.reply(out)
 
-    async def torch_unwaited(self, request: Request) -> Response:
+    async def torch_unwaited(self, body: bytes, cycles: int) -> bytes:
         lane = next(self.ring)
-        out = self.torch_enqueue(lane, await request.body())
+        out = self.torch_enqueue(lane, body)
         lane._settle()
         # The upload's memory is the lease's to free, and this lease never ends: end it
         # and begin it again (stream-ordered frees, no wait).
@@ -345,18 +329,21 @@ class Server:
         lane._begin("normal")
         return self.reply(out)
 
+    # -- HTTP ----------------------------------------------------------------------------------
     async def dispatch(self, request: Request) -> Response:
-        endpoint = self.endpoints.get(request.path_params["endpoint"])
-        if endpoint is None:
+        way = self.ways.get(request.path_params["endpoint"])
+        if way is None:
             return Response(status_code=404)
         start = time.perf_counter()
-        response = await endpoint(request)
+        cycles = int(float(request.query_params.get("w", "0")) * 1e-6 * self.clock_hz)
+        response = Response(await way(await request.body(), cycles), media_type="application/octet-stream")
         self.handled_s.append(time.perf_counter() - start)
         return response
 
-    def reply(self, out: np.ndarray) -> Response:
+    def reply(self, out: np.ndarray) -> bytes:
+        """The response's body, copied while the request still holds its memory."""
         self.requests += 1
-        return Response(out.tobytes(), media_type="application/octet-stream")
+        return out.tobytes()
 
     # -- measurement ---------------------------------------------------------------------------
     async def stats(self, request: Request) -> JSONResponse:

@@ -32,7 +32,6 @@ not counted; everything else is.
 from __future__ import annotations
 
 import collections
-import functools
 import gc
 import statistics
 import time
@@ -50,52 +49,12 @@ from aiocuda.host import pinned_empty
 from aiocuda.kernel import register_sim_kernel
 
 try:
-    from benchmarks._common import Result, parser
+    from benchmarks._common import Result, SeamMeter, parser
 except ImportError:  # run as a script from the benchmarks folder
-    from _common import Result, parser  # type: ignore[no-redef]
+    from _common import Result, SeamMeter, parser  # type: ignore[no-redef]
 
 CHUNK_FLOATS = 1024
 LOOPS = {"asyncio": ("asyncio", {}), "uvloop": ("asyncio", {"use_uvloop": True}), "trio": ("trio", {})}
-
-
-class SeamMeter:
-    """Counts and times the backend's calls, by wrapping its public methods on the
-    instance (installed before anything caches a bound method of the backend)."""
-
-    def __init__(self, backend: Any) -> None:
-        self.calls: collections.Counter[str] = collections.Counter()
-        self.seconds = 0.0
-        self._depth = 0
-        names = [n for n in dir(type(backend)) if not n.startswith("_") and callable(getattr(backend, n))]
-        for name in names:
-            setattr(backend, name, self._wrap(name, getattr(backend, name)))
-        if backend.name == "sim":  # the sim's prepared launches call this, not launch_kernel
-            backend._launch_result = self._wrap("launch_kernel", backend._launch_result)
-
-    def _wrap(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.perf_counter
-
-        @functools.wraps(method)
-        def metered(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:  # a call made by another call (none expected): count once
-                return method(*args, **kwargs)
-            self._depth += 1
-            start = clock()
-            try:
-                result = method(*args, **kwargs)
-            finally:
-                self.seconds += clock() - start
-                self._depth -= 1
-                self.calls[name] += 1
-            if name == "graph_exec_copy_setter":  # the setter it returns is a driver call too
-                return self._wrap("graph_exec_memcpy_node_set_params", result)
-            return result
-
-        return metered
-
-    def reset(self) -> None:
-        self.calls.clear()
-        self.seconds = 0.0
 
 
 @contextmanager
