@@ -196,10 +196,14 @@ def test_peer_access_between_simulated_devices(sim_backend: _driver.Driver) -> N
     a, b = Device(0), Device(1)
     assert a.can_access_peer(b) and not a.can_access_peer(a)
     assert a.can_access_peer(1) and a.peer_attributes(1).access_supported  # an ordinal will do
-    a.enable_peer_access(b)
-    a.enable_peer_access(b)  # idempotent
+    assert a.enable_peer_access(b) is True
+    assert a.enable_peer_access(b) is False  # idempotent: on already
     with pytest.raises(ArgumentError):
         a.enable_peer_access(a)
+    a.disable_peer_access(b)
+    with pytest.raises(CudaError) as info:
+        a.disable_peer_access(b)
+    assert info.value.code == ResultCode.PEER_ACCESS_NOT_ENABLED
 
 
 def test_unknown_backend_name() -> None:

@@ -402,8 +402,9 @@ class Device:
             performance_rank=get("performance_rank"),
         )
 
-    def enable_peer_access(self, other: Device | int) -> None:
-        """Let this device access ``other``'s memory (idempotent).
+    def enable_peer_access(self, other: Device | int) -> bool:
+        """Let this device access ``other``'s memory (idempotent): True if this call
+        enabled it, False if it was on already.
 
         Raises :class:`ArgumentError` (``CUDA_ERROR_PEER_ACCESS_UNSUPPORTED``) where
         ``cuDeviceCanAccessPeer`` says no.
@@ -417,7 +418,17 @@ class Device:
                 "cuCtxEnablePeerAccess",
             )
         self.make_current()
-        self._driver.enable_peer_access(other._context)
+        return self._driver.enable_peer_access(other._context)
+
+    def disable_peer_access(self, other: Device | int) -> None:
+        """Take back what :meth:`enable_peer_access` gave (``cuCtxDisablePeerAccess``).
+
+        Raises :class:`CudaError` (``CUDA_ERROR_PEER_ACCESS_NOT_ENABLED``) where access
+        to ``other`` is not enabled.
+        """
+        other = _as_device(other)
+        self.make_current()
+        self._driver.disable_peer_access(other._context)
 
 
 def device_count() -> int:

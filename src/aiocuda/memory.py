@@ -634,6 +634,19 @@ class MemoryPool(metaclass=NoPublicConstructor):
             )
         self._driver.mempool_set_access(self._handle, peer_dev.ordinal)
 
+    def has_access(self, device: Device | int) -> bool:
+        """Whether kernels on ``device`` may read and write this pool's memory
+        (``cuMemPoolGetAccess``); the owner always may."""
+        return self._driver.mempool_get_access(self._handle, _as_device(device).ordinal)
+
+    def revoke_access(self, peer: Device | int) -> None:
+        """Undo :meth:`grant_access` (``cuMemPoolSetAccess`` with ``PROT_NONE``); nothing to
+        undo is no error. The pool's own device keeps its access."""
+        peer_dev = _as_device(peer)
+        if peer_dev is self.device:
+            return  # the driver rejects changing the owner's access
+        self._driver.mempool_revoke_access(self._handle, peer_dev.ordinal)
+
     def __repr__(self) -> str:
         kind = "created" if self._owned else "default"
         try:

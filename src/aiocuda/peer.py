@@ -3,7 +3,8 @@
 ``cuDeviceCanAccessPeer`` can say yes for a pair whose link is misconfigured (IOMMU,
 virtualisation, ACS settings) and copies then silently corrupt data or hang. So
 :func:`enable_peer_access` enables access, grants the peer's memory pool to the device,
-then copies a known pattern over the link and checks it before reporting success.
+then copies a known pattern over the link and checks it before reporting success; where
+the check fails or is interrupted, it takes back the access it enabled.
 
 Peer copies (:func:`aiocuda.array.copy` between devices) work without peer access (the
 driver stages them); peer access is what lets kernels on one device dereference the
@@ -32,14 +33,42 @@ async def enable_peer_access(device: Device | int, peer: Device | int) -> bool:
     Returns False (changing nothing) where the driver says the pair cannot be peers, and
     True once access is enabled -- for the context and for ``peer``'s default aiocuda
     pool -- and a real copy from ``peer`` to ``device`` over it returned the right bytes.
-    Raises :class:`~aiocuda.errors.CudaError` if that check fails. Idempotent.
+    Idempotent.
+
+    Raises :class:`~aiocuda.errors.CudaError` if that check returns wrong data. Then, as
+    when the check raises or is cancelled, the access this call enabled is disabled again
+    (``cuCtxDisablePeerAccess``, and ``cuMemPoolSetAccess`` revoking the pool's grant);
+    access that was on before the call stays on.
     """
     dev = _as_device(device)
     other = peer if isinstance(peer, Device) else Device(peer)
     if dev is other or not dev.can_access_peer(other):
         return False
-    dev.enable_peer_access(other)
-    MemoryPool.for_device(other).grant_access(dev)
+    pool = MemoryPool.for_device(other)
+    enabled = dev.enable_peer_access(other)
+    granted = False
+    try:
+        granted = not pool.has_access(dev)
+        if granted:
+            pool.grant_access(dev)
+        await _check_link(dev, other)
+    except BaseException:
+        # The undo makes the same two driver calls as the enable, on the loop as those
+        # did; it does not wait for a cancelled check's copy: on a link that hangs, that
+        # copy never ends. The pool first: its grant rests on the context's access.
+        try:
+            if granted:
+                pool.revoke_access(dev)
+        finally:
+            if enabled:
+                dev.disable_peer_access(other)
+        raise
+    return True
+
+
+async def _check_link(dev: Device, other: Device) -> None:
+    """Copy a known pattern from ``other`` to ``dev`` over the link; CudaError if it
+    arrives changed."""
     pattern = np.arange(_PROBE_WORDS, dtype=np.uint32) * np.uint32(2654435761)
     with Stream(other) as peer_stream, Stream(dev) as stream:
         source = await _array.to_device(pattern, stream=peer_stream)
@@ -57,4 +86,3 @@ async def enable_peer_access(device: Device | int, peer: Device | int) -> bool:
             code=ResultCode.PEER_ACCESS_UNSUPPORTED,
             name="CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
         )
-    return True

@@ -16,6 +16,7 @@ from aiocuda import _driver
 from aiocuda._driver.sim import SimDriver
 from aiocuda.errors import (
     ArgumentError,
+    CudaError,
     ResultCode,
 )
 
@@ -92,15 +93,34 @@ def test_peers_and_contexts(sim: SimDriver) -> None:
     assert sim.primary_context_retain(d0) is ctx0
     assert sim.handle_value(ctx0) != sim.handle_value(ctx1)
     sim.set_current(ctx0)
-    sim.enable_peer_access(ctx1)
-    sim.enable_peer_access(ctx1)  # idempotent
+    assert sim.enable_peer_access(ctx1) is True
+    assert sim.enable_peer_access(ctx1) is False  # idempotent: CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
     assert sim._devices[0].peers == {1}
     with pytest.raises(ArgumentError):
         sim.enable_peer_access(ctx0)
+    sim.disable_peer_access(ctx1)
+    assert sim._devices[0].peers == set()
+    for ctx in (ctx1, ctx0):  # disabled now; never enabled
+        with pytest.raises(CudaError, match="cuCtxDisablePeerAccess") as info:
+            sim.disable_peer_access(ctx)
+        assert info.value.code == ResultCode.PEER_ACCESS_NOT_ENABLED
     sim.primary_context_release(d0)
     sim.primary_context_release(d0)
     with pytest.raises(ArgumentError):
         sim.primary_context_release(d0)
+
+
+def test_pool_access_granted_and_revoked(sim: SimDriver) -> None:
+    pool = sim.mempool_default(sim.device_get(1))
+    assert sim.mempool_get_access(pool, 1) and not sim.mempool_get_access(pool, 0)
+    sim.mempool_revoke_access(pool, 0)  # PROT_NONE where there was no access: no error
+    sim.mempool_set_access(pool, 0)
+    assert sim.mempool_get_access(pool, 0)
+    sim.mempool_revoke_access(pool, 0)
+    assert not sim.mempool_get_access(pool, 0)
+    with pytest.raises(CudaError, match="cuMemPoolSetAccess"):
+        sim.mempool_revoke_access(pool, 1)  # the owner's
+    assert sim.mempool_get_access(pool, 1)
 
 
 def test_current_context_is_per_thread(sim: SimDriver) -> None:

@@ -218,8 +218,13 @@ class Driver(Protocol):
     def set_current(self, ctx: Handle) -> None:
         """Make ``ctx`` current on the calling thread (cheap when it already is)."""
 
-    def enable_peer_access(self, peer_ctx: Handle) -> None:
-        """Let the current context access ``peer_ctx``'s memory; idempotent."""
+    def enable_peer_access(self, peer_ctx: Handle) -> bool:
+        """Let the current context access ``peer_ctx``'s memory; idempotent. True if this
+        call enabled it, False if it was enabled already (``CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED``)."""
+
+    def disable_peer_access(self, peer_ctx: Handle) -> None:
+        """Undo :meth:`enable_peer_access` (``cuCtxDisablePeerAccess``); raises
+        ``CUDA_ERROR_PEER_ACCESS_NOT_ENABLED`` where it is not enabled."""
 
     def mem_get_info(self) -> tuple[int, int]:
         """``(free, total)`` bytes of the current context's device."""
@@ -356,6 +361,10 @@ class Driver(Protocol):
 
     def mempool_set_access(self, pool: Handle, peer_ordinal: int) -> None:
         """Grant read/write access to the pool's memory to device ``peer_ordinal``."""
+
+    def mempool_revoke_access(self, pool: Handle, peer_ordinal: int) -> None:
+        """Take device ``peer_ordinal``'s access to the pool's memory away
+        (``cuMemPoolSetAccess`` with ``PROT_NONE``); nothing to take is no error."""
 
     def mempool_get_access(self, pool: Handle, device_ordinal: int) -> bool:
         """Whether device ``device_ordinal`` may read and write the pool's memory

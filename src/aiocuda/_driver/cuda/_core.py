@@ -295,10 +295,16 @@ class CudaCore:
     def set_current(self, ctx: Any) -> None:
         check(drv.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
-    def enable_peer_access(self, peer_ctx: Any) -> None:
+    def enable_peer_access(self, peer_ctx: Any) -> bool:
         err = drv.cuCtxEnablePeerAccess(peer_ctx, 0)[0]
-        if err != _SUCCESS and err != drv.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+        if err == drv.CUresult.CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED:
+            return False
+        if err != _SUCCESS:
             _raise(err, "cuCtxEnablePeerAccess")
+        return True
+
+    def disable_peer_access(self, peer_ctx: Any) -> None:
+        check(drv.cuCtxDisablePeerAccess(peer_ctx), "cuCtxDisablePeerAccess")
 
     def mem_get_info(self) -> tuple[int, int]:
         free, total = check(drv.cuMemGetInfo(), "cuMemGetInfo")

@@ -118,11 +118,17 @@ class CudaMemory:
         check(_core.drv.cuCtxSynchronize(), "cuCtxSynchronize")
 
     def mempool_set_access(self, pool: Any, peer_ordinal: int) -> None:
+        self._set_access(pool, peer_ordinal, _core.drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+
+    def mempool_revoke_access(self, pool: Any, peer_ordinal: int) -> None:
+        self._set_access(pool, peer_ordinal, _core.drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_NONE)
+
+    def _set_access(self, pool: Any, peer_ordinal: int, flags: Any) -> None:
         drv = _core.drv
         desc = drv.CUmemAccessDesc()
         desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         desc.location.id = peer_ordinal
-        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        desc.flags = flags
         check(drv.cuMemPoolSetAccess(pool, [desc], 1), "cuMemPoolSetAccess")
 
     def mempool_get_access(self, pool: Any, device_ordinal: int) -> bool:

@@ -513,7 +513,7 @@ class SimCore:
             raise sim_error(ResultCode.INVALID_CONTEXT, call, f"not a live simulated context: {ctx!r}")
         return ctx
 
-    def enable_peer_access(self, peer_ctx: Any) -> None:
+    def enable_peer_access(self, peer_ctx: Any) -> bool:
         self._context(peer_ctx, "enable_peer_access")
         ordinal = self._device_of_current()
         self._api("enable_peer_access", ordinal)
@@ -523,7 +523,24 @@ class SimCore:
                 "enable_peer_access",
                 f"device {ordinal} cannot enable peer access to its own context",
             )
-        self._devices[ordinal].peers.add(peer_ctx.device_ordinal)
+        peers = self._devices[ordinal].peers
+        if peer_ctx.device_ordinal in peers:
+            return False  # the driver's CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED, which the seam reports so
+        peers.add(peer_ctx.device_ordinal)
+        return True
+
+    def disable_peer_access(self, peer_ctx: Any) -> None:
+        self._context(peer_ctx, "disable_peer_access")
+        ordinal = self._device_of_current()
+        self._api("disable_peer_access", ordinal)
+        peers = self._devices[ordinal].peers
+        if peer_ctx.device_ordinal not in peers:  # its own context included: never enabled
+            raise sim_error(
+                ResultCode.PEER_ACCESS_NOT_ENABLED,
+                "disable_peer_access",
+                f"device {ordinal} has no peer access to device {peer_ctx.device_ordinal} to disable",
+            )
+        peers.discard(peer_ctx.device_ordinal)
 
     def mem_get_info(self) -> tuple[int, int]:
         self._api("mem_get_info")

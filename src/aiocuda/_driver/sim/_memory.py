@@ -291,6 +291,19 @@ class SimMemory:
         self._check_ordinal(peer_ordinal, "cuMemPoolSetAccess")
         pool.access.add(peer_ordinal)
 
+    def mempool_revoke_access(self, pool: SimPool, peer_ordinal: int) -> None:
+        self._api("mempool_revoke_access", pool.ordinal)
+        self._check_pool(pool, "cuMemPoolSetAccess")
+        self._check_ordinal(peer_ordinal, "cuMemPoolSetAccess")
+        if peer_ordinal == pool.ordinal:
+            raise error_for_code(
+                ResultCode.INVALID_DEVICE,
+                "CUDA_ERROR_INVALID_DEVICE",
+                "the owning device's access to its pool cannot be taken away",
+                "cuMemPoolSetAccess",
+            )
+        pool.access.discard(peer_ordinal)  # PROT_NONE where there was none is no error
+
     def mempool_get_access(self, pool: SimPool, device_ordinal: int) -> bool:
         self._api("mempool_get_access", pool.ordinal)
         self._check_pool(pool, "cuMemPoolGetAccess")
