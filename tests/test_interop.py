@@ -15,7 +15,7 @@ import pytest
 
 import aiocuda.array as ga
 from aiocuda import _driver
-from aiocuda._memory import interop as _interop
+from aiocuda._memory import dlpack as _dlpack
 from aiocuda._memory.copies import copy_device
 from aiocuda._memory.interop import DLPACK_CUDA, as_device_array
 from aiocuda.errors import CaptureError
@@ -126,16 +126,16 @@ async def test_dlpack_export_describes_the_array(backend: _driver.Driver, anyio_
     assert view.__dlpack_device__() == (DLPACK_CUDA, 0)
     capsule = view.__dlpack__(stream=-1)
     address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
-    tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
+    tensor = _dlpack._DLManagedTensor.from_address(address).dl_tensor
     assert tensor.data == view.ptr and tensor.ndim == 2
     assert (tensor.device.device_type, tensor.device.device_id) == (DLPACK_CUDA, 0)
     assert (tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes) == (0, 16, 1)
-    assert list(_interop._int64s(2).from_address(tensor.shape)) == [4, 3]
-    assert list(_interop._int64s(2).from_address(tensor.strides)) == [6, 2]  # in elements
-    assert len(_interop._exports) >= 1
+    assert list(_dlpack._int64s(2).from_address(tensor.shape)) == [4, 3]
+    assert list(_dlpack._int64s(2).from_address(tensor.strides)) == [6, 2]  # in elements
+    assert len(_dlpack._exports) >= 1
     del capsule, tensor
     gc.collect()
-    assert all(entry[2] is not view for entry in _interop._exports.values())
+    assert all(entry[2] is not view for entry in _dlpack._exports.values())
     with pytest.raises(BufferError):
         view.__dlpack__(copy=True)
     with pytest.raises(BufferError):
@@ -148,7 +148,7 @@ def test_dlpack_callbacks_need_no_module_globals() -> None:
     what they were bound to."""
     import dis
 
-    for callback in (_interop._destroy_capsule, _interop._forget_export):
+    for callback in (_dlpack._destroy_capsule, _dlpack._forget_export):
         loaded = {i.argval for i in dis.get_instructions(callback) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
         assert not loaded, f"{callback.__name__} reads module globals {loaded}"
 
@@ -176,8 +176,8 @@ async def test_a_dlpack_import_refuses_what_it_cannot_describe(backend: _driver.
     def exported() -> tuple[Any, Any, Any]:
         capsule = dev.__dlpack__(stream=-1)
         address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
-        tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
-        return capsule, tensor, _interop._int64s(2).from_address(tensor.shape)
+        tensor = _dlpack._DLManagedTensor.from_address(address).dl_tensor
+        return capsule, tensor, _dlpack._int64s(2).from_address(tensor.shape)
 
     capsule, tensor, _ = exported()
     tensor.dtype.lanes = 2
@@ -221,7 +221,7 @@ async def test_a_dlpack_import_refuses_dtypes_numpy_lacks(
     dev = await ga.to_device(np.arange(12, dtype=np.float32))
     capsule = dev.__dlpack__(stream=-1)
     address = ctypes.pythonapi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor")
-    tensor = _interop._DLManagedTensor.from_address(address).dl_tensor
+    tensor = _dlpack._DLManagedTensor.from_address(address).dl_tensor
     tensor.dtype.code, tensor.dtype.bits = code, bits
     with pytest.raises(ArgumentError, match=rf"DLPack dtype {name} .*no numpy equivalent"):
         as_device_array(_Capsule(capsule))
@@ -294,9 +294,9 @@ async def test_memory_exported_by_dlpack_outlives_the_consumers_stream_work(
         out = ga.empty(n, np.float32, stream=consumer)
         with Gate(consumer) as gate:  # the consumer's kernels are still to run
             capsule = exported.__dlpack__(stream=int(consumer))
-            address = _interop._capi.PyCapsule_GetPointer(capsule, b"dltensor")
-            managed = _interop._DLManagedTensor.from_address(address)
-            _interop._capi.PyCapsule_SetName(capsule, b"used_dltensor")
+            address = _dlpack._capi.PyCapsule_GetPointer(capsule, b"dltensor")
+            managed = _dlpack._DLManagedTensor.from_address(address)
+            _dlpack._capi.PyCapsule_SetName(capsule, b"used_dltensor")
             copy_device(out.ptr, managed.dl_tensor.data, 4 * n, consumer)  # the consumer reads it
             managed.deleter(ctypes.pointer(managed))  # ... and drops its tensor at once
             buffer = exported.buffer  # its free, or its owner's release, waits for the consumer:
@@ -327,9 +327,9 @@ async def test_a_foreign_owner_outlives_the_consumers_work_after_its_last_stream
         exported = as_device_array(owner, stream=ours)
         with Gate(consumer) as gate:  # the consumer's kernels are still to run
             capsule = exported.__dlpack__(stream=int(consumer))
-            address = _interop._capi.PyCapsule_GetPointer(capsule, b"dltensor")
-            managed = _interop._DLManagedTensor.from_address(address)
-            _interop._capi.PyCapsule_SetName(capsule, b"used_dltensor")
+            address = _dlpack._capi.PyCapsule_GetPointer(capsule, b"dltensor")
+            managed = _dlpack._DLManagedTensor.from_address(address)
+            _dlpack._capi.PyCapsule_SetName(capsule, b"used_dltensor")
             managed.deleter(ctypes.pointer(managed))  # the consumer drops its tensor at once
             ours.close()
             del x, owner, exported, capsule, managed
@@ -433,29 +433,256 @@ async def test_an_array_imported_read_only_refuses_writes_and_exports_read_only(
     assert not as_device_array(_Interface(interface)).readonly
 
 
+class _LegacyDLPack(_DLPackOnly):
+    """A producer older than DLPack 1.0: its ``__dlpack__`` takes no ``max_version``."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.calls: list[dict[str, Any]] = []
+
+    def __dlpack__(self, *, stream: Any = None) -> Any:  # type: ignore[override]
+        self.calls.append({"stream": stream})
+        return super().__dlpack__(stream=stream)
+
+
 async def test_an_array_refusing_dlpack_as_read_only_is_imported_through_its_interface(
     backend: _driver.Driver, anyio_backend: object
 ) -> None:
-    """A read-only array's ``__dlpack__`` raises BufferError (numpy's rule, and aiocuda's
-    own): the import, DLPack first, raised it instead of using the array interface, which
-    says read-only, so an exporter with both could not be imported at all."""
+    """A read-only array's legacy ``__dlpack__`` raises BufferError (numpy's rule, and
+    aiocuda's own): the import, DLPack first, raised it instead of using the array
+    interface, which says read-only, so an exporter with both could not be imported."""
 
-    class _Both(_CAIOnly):
-        def __dlpack__(self, **kwargs: Any) -> Any:
-            return self.inner.__dlpack__(**kwargs)
-
-        def __dlpack_device__(self) -> tuple[int, int]:
-            return self.inner.__dlpack_device__()  # type: ignore[no-any-return]
+    class _LegacyBoth(_LegacyDLPack):
+        @property
+        def __cuda_array_interface__(self) -> dict[str, Any]:
+            return self.inner.__cuda_array_interface__  # type: ignore[no-any-return]
 
     host = np.arange(8, dtype=np.float32)
     dev = await ga.to_device(host)
     readonly = as_device_array(_Interface(dict(dev.__cuda_array_interface__, data=(dev.ptr, True))))
-    imported = as_device_array(_Both(readonly))
+    imported = as_device_array(_LegacyBoth(readonly))
     assert imported.readonly and imported.ptr == dev.ptr
     np.testing.assert_array_equal(await imported.to_host(), host)
-    assert not as_device_array(_Both(dev)).readonly  # (through DLPack)
+    assert not as_device_array(_LegacyBoth(dev)).readonly  # (through DLPack)
     with pytest.raises(BufferError, match="read-only"):
-        as_device_array(_DLPackOnly(readonly))  # (no interface to fall back to)
+        as_device_array(_LegacyDLPack(readonly))  # (no interface to fall back to)
+
+
+# -- DLPack 1.0: versioned capsules and the read-only flag --------------------------------------
+
+
+def _versioned(capsule: Any) -> Any:
+    """The ``DLManagedTensorVersioned`` of an unconsumed versioned capsule."""
+    address = _dlpack._capi.PyCapsule_GetPointer(ctypes.py_object(capsule), b"dltensor_versioned")
+    return _dlpack._DLManagedTensorVersioned.from_address(address)
+
+
+def _capsule_name(capsule: Any) -> bytes:
+    get_name = ctypes.pythonapi.PyCapsule_GetName
+    get_name.restype, get_name.argtypes = ctypes.c_char_p, [ctypes.py_object]
+    return get_name(capsule)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("max_version", "name"),
+    [(None, b"dltensor"), ((0, 8), b"dltensor"), ((1, 0), b"dltensor_versioned"), ((1, 3), b"dltensor_versioned")],
+)
+async def test_dlpack_export_is_versioned_where_the_consumer_asks(
+    backend: _driver.Driver, anyio_backend: object, max_version: Any, name: bytes
+) -> None:
+    """``max_version`` 1.0 or later gets a DLPack 1.0 ``DLManagedTensorVersioned``
+    (never a newer version than asked), without it or below 1.0 a legacy capsule."""
+    dev = await ga.to_device(np.arange(24, dtype=np.int16).reshape(4, 6))
+    view = dev[:, 1::2]
+    capsule = view.__dlpack__(stream=-1, max_version=max_version)
+    assert _capsule_name(capsule) == name
+    if name == b"dltensor_versioned":
+        managed = _versioned(capsule)
+        assert (managed.version.major, managed.version.minor) == (1, 0)
+        assert managed.flags == 0 and not managed.manager_ctx
+        tensor = managed.dl_tensor
+        assert tensor.data == view.ptr and tensor.ndim == 2
+        assert (tensor.device.device_type, tensor.device.device_id) == (DLPACK_CUDA, 0)
+        assert list(_dlpack._int64s(2).from_address(tensor.shape)) == [4, 3]
+        assert list(_dlpack._int64s(2).from_address(tensor.strides)) == [6, 2]
+    imported = as_device_array(_Capsule(capsule))
+    assert (imported.ptr, imported.shape, imported.strides, imported.readonly) == (
+        view.ptr,
+        view.shape,
+        view.strides,
+        False,
+    )
+    assert _capsule_name(capsule) == b"used_" + name
+    np.testing.assert_array_equal(await imported.to_host(), await view.to_host())
+    with pytest.raises(BufferError, match="copy=True"):
+        view.__dlpack__(max_version=(1, 0), copy=True)
+    assert view.__dlpack__(max_version=(1, 0), copy=False, dl_device=(DLPACK_CUDA, 0)) is not None
+    with pytest.raises(BufferError, match="cannot export to DLPack device"):
+        view.__dlpack__(max_version=(1, 0), dl_device=(1, 0))
+    with pytest.raises(TypeError, match="max_version"):
+        view.__dlpack__(max_version=1)  # type: ignore[arg-type]
+
+
+async def test_a_read_only_array_exports_a_read_only_versioned_capsule(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """A read-only array's ``__dlpack__`` raised BufferError for every consumer, legacy
+    capsules having no read-only flag: a consumer asking for a versioned capsule gets one
+    flagged ``READ_ONLY``, and aiocuda's own import of it is read-only again; a legacy
+    request is still refused."""
+    from aiocuda.errors import ArgumentError
+
+    host = np.arange(8, dtype=np.float32)
+    dev = await ga.to_device(host)
+    readonly = as_device_array(_Interface(dict(dev.__cuda_array_interface__, data=(dev.ptr, True))))
+    with pytest.raises(BufferError, match="read-only"):
+        readonly.__dlpack__(stream=-1)
+    capsule = readonly.__dlpack__(stream=-1, max_version=(1, 0))
+    assert _versioned(capsule).flags == 1  # DLPACK_FLAG_BITMASK_READ_ONLY, not IS_COPIED
+    imported = as_device_array(_Capsule(capsule))
+    assert imported.readonly and imported.ptr == dev.ptr
+    with pytest.raises(ArgumentError, match="read-only"):
+        await imported.fill(0)
+    np.testing.assert_array_equal(await imported.to_host(), host)
+    via_protocol = as_device_array(_DLPackOnly(readonly))  # (aiocuda asks for max_version=(1, 0))
+    assert via_protocol.readonly and via_protocol.ptr == dev.ptr
+
+
+async def test_a_dlpack_import_asks_for_versioned_capsules_and_falls_back_for_old_producers(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """The import passes ``max_version=(1, 0)`` and the stream; a producer whose
+    ``__dlpack__`` takes no ``max_version`` (TypeError) is asked again without it."""
+    dev = await ga.to_device(np.arange(6, dtype=np.float64))
+    seen: list[dict[str, Any]] = []
+
+    class _Recording(_DLPackOnly):
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            seen.append(kwargs)
+            return self.inner.__dlpack__(**kwargs)
+
+    assert as_device_array(_Recording(dev)).ptr == dev.ptr
+    assert seen[-1]["max_version"] == (1, 0) and "stream" in seen[-1]
+    old = _LegacyDLPack(dev)
+    imported = as_device_array(old)
+    assert imported.ptr == dev.ptr and not imported.readonly
+    assert len(old.calls) == 1  # (the call with max_version failed before reaching it)
+    np.testing.assert_array_equal(await imported.to_host(), np.arange(6, dtype=np.float64))
+
+
+class _ForeignTensor:
+    """A producer's own ``DLManagedTensorVersioned`` over an aiocuda array's memory, with a
+    deleter that counts its calls (what PyTorch or CuPy would hand over)."""
+
+    def __init__(self, array: ga.DeviceArray, *, flags: int = 0, major: int = 1) -> None:
+        self.array = array
+        self.deleted: list[int] = []
+        self.shape = (ctypes.c_int64 * 1)(array.size)
+        self.managed = _dlpack._DLManagedTensorVersioned(
+            _dlpack._DLPackVersion(major, 0),
+            None,
+            _dlpack._VERSIONED_DELETER(lambda managed: self.deleted.append(ctypes.addressof(managed.contents))),
+            flags,
+            _dlpack._DLTensor(
+                array.ptr,
+                _dlpack._DLDevice(DLPACK_CUDA, 0),
+                1,
+                _dlpack._DLDataType(2, 32, 1),
+                ctypes.addressof(self.shape),
+                None,
+                0,
+            ),
+        )
+        self.address = ctypes.addressof(self.managed)
+
+    def capsule(self) -> Any:
+        # (no destructor: the test drives the deleter's calls itself)
+        return _dlpack._capi.PyCapsule_New(self.address, b"dltensor_versioned", None)
+
+
+@pytest.mark.parametrize("flags", [0, 1, 2, 3], ids=["writable", "read-only", "copied", "read-only-copied"])
+async def test_a_foreign_versioned_capsule_is_imported_with_its_flag_and_deleted_once(
+    backend: _driver.Driver, anyio_backend: object, flags: int
+) -> None:
+    """A producer's versioned tensor: its READ_ONLY flag makes the import read-only
+    (IS_COPIED changes nothing), the capsule is renamed consumed, and the producer's
+    deleter runs once, when the import is gone."""
+    dev = await ga.to_device(np.arange(5, dtype=np.float32))
+    producer = _ForeignTensor(dev, flags=flags)
+    capsule = producer.capsule()
+    imported = as_device_array(_Capsule(capsule))
+    assert imported.readonly == bool(flags & 1) and imported.ptr == dev.ptr and imported.shape == (5,)
+    assert _capsule_name(capsule) == b"used_dltensor_versioned"
+    np.testing.assert_array_equal(await imported.to_host(), np.arange(5, dtype=np.float32))
+    assert producer.deleted == []
+    view = imported[1:]
+    del imported, capsule
+    gc.collect()
+    assert producer.deleted == []  # (a view still uses the memory)
+    stream = view.stream
+    del view
+    gc.collect()
+    await stream  # (the memory's last-use stream lets its owners go on its next await)
+    assert producer.deleted == [producer.address]
+    gc.collect()
+    await stream
+    assert producer.deleted == [producer.address]
+
+
+async def test_a_versioned_capsule_of_another_major_version_is_refused_unconsumed(
+    backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """DLPack: a consumer must not read a tensor of another major version (its layout may
+    differ); the capsule is left as it was, for its producer's destructor."""
+    dev = await ga.to_device(np.arange(5, dtype=np.float32))
+    producer = _ForeignTensor(dev, major=2)
+    capsule = producer.capsule()
+    with pytest.raises(BufferError, match=r"version 2\.0"):
+        as_device_array(_Capsule(capsule))
+    assert _capsule_name(capsule) == b"dltensor_versioned" and producer.deleted == []
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)], ids=["legacy", "versioned"])
+async def test_an_exported_tensor_is_released_exactly_once(
+    backend: _driver.Driver, anyio_backend: object, max_version: Any
+) -> None:
+    """Whoever owns an exported tensor ends it once: the capsule's destructor when it is
+    dropped unconsumed, the deleter when a consumer took it (the destructor of the
+    renamed capsule then leaves it alone); the array lives exactly as long."""
+    dev = await ga.to_device(np.arange(4, dtype=np.float32))
+    name = b"dltensor" if max_version is None else b"dltensor_versioned"
+
+    def exported(array: ga.DeviceArray) -> list[int]:
+        return [address for address, entry in _dlpack._exports.items() if entry[2] is array]
+
+    # Dropped unconsumed: the destructor ends it.
+    capsule = dev.__dlpack__(stream=-1, max_version=max_version)
+    assert len(exported(dev)) == 1
+    del capsule
+    gc.collect()
+    assert exported(dev) == []
+    # Consumed: renamed, and the deleter (through the import's keeper) ends it.
+    capsule = dev.__dlpack__(stream=-1, max_version=max_version)
+    (address,) = exported(dev)
+    imported = as_device_array(_Capsule(capsule))
+    assert _capsule_name(capsule) == b"used_" + name
+    stream = imported.stream
+    del capsule
+    gc.collect()
+    assert exported(dev) == [address]  # (the renamed capsule's destructor left it to the consumer)
+    del imported
+    gc.collect()
+    await stream
+    assert exported(dev) == []
+    # The array itself is kept by the export alone.
+    tracked = weakref.ref(dev)
+    capsule = dev.__dlpack__(stream=-1, max_version=max_version)
+    del dev
+    gc.collect()
+    assert tracked() is not None
+    del capsule
+    gc.collect()
+    assert tracked() is None
 
 
 async def test_import_rejects_non_device_objects(backend: _driver.Driver, anyio_backend: object) -> None:
@@ -493,6 +720,37 @@ async def test_torch_round_trips(cuda_backend: _driver.Driver, anyio_backend: ob
     await contiguous.fill(7)
     torch.cuda.synchronize()
     assert int(torch.from_dlpack(contiguous).sum()) == 700
+
+
+@pytest.mark.skipif(not _have_torch, reason="PyTorch not installed")
+async def test_torch_reads_a_read_only_array_and_exports_versioned_capsules(
+    cuda_backend: _driver.Driver, anyio_backend: object
+) -> None:
+    """PyTorch (2.11) asks for versioned capsules: a read-only aiocuda array, which a
+    legacy capsule cannot carry, reaches ``torch.from_dlpack``; and aiocuda's import of a
+    PyTorch tensor gets a versioned capsule (no fallback call), writable."""
+    import torch
+
+    host = np.arange(64, dtype=np.float32)
+    dev = await ga.to_device(host)
+    readonly = as_device_array(_Interface(dict(dev.__cuda_array_interface__, data=(dev.ptr, True))))
+    assert readonly.readonly
+    tensor = torch.from_dlpack(readonly)
+    assert tensor.data_ptr() == dev.ptr
+    np.testing.assert_array_equal(tensor.cpu().numpy(), host)
+
+    source = torch.arange(12, device="cuda", dtype=torch.float32).reshape(3, 4)
+    calls: list[dict[str, Any]] = []
+
+    class _Recording(_DLPackOnly):
+        def __dlpack__(self, **kwargs: Any) -> Any:
+            calls.append(kwargs)
+            return self.inner.__dlpack__(**kwargs)
+
+    imported = as_device_array(_Recording(source))
+    assert [call.get("max_version") for call in calls] == [(1, 0)]  # accepted: no legacy retry
+    assert imported.ptr == source.data_ptr() and not imported.readonly
+    np.testing.assert_array_equal(await imported.to_host(), source.cpu().numpy())
 
 
 class _Consumer:

@@ -210,9 +210,11 @@ class DeviceArray:
     @property
     def readonly(self) -> bool:
         """Whether the memory may only be read: an array imported from another library
-        that exported it read-only (``__cuda_array_interface__``'s ``data`` flag), and
-        its views. Copies into it and :meth:`fill` raise ArgumentError; a kernel is
-        still given its address (aiocuda cannot tell which parameters a kernel writes).
+        that exported it read-only (``__cuda_array_interface__``'s ``data`` flag, or a
+        versioned DLPack capsule's ``READ_ONLY`` flag), and its views. It exports that
+        flag through both; a legacy DLPack capsule, which cannot, is refused. Copies
+        into it and :meth:`fill` raise ArgumentError; a kernel is still given its address
+        (aiocuda cannot tell which parameters a kernel writes).
         ``await array.copy()`` makes a writable copy."""
         # (buffers are duck-typed -- pool buffers, imported memory, managed memory --
         # and only an import's read-only buffer says so; the flag is the memory's, so
@@ -496,12 +498,17 @@ class DeviceArray:
         dl_device: tuple[int, int] | None = None,
         copy: bool | None = None,
     ) -> Any:
-        from ._memory.interop import to_dlpack
+        """A DLPack capsule of the array (no copy), ordered before the work on the
+        consumer's ``stream``: ``"dltensor_versioned"`` (DLPack 1.0, marked read-only for
+        a :attr:`readonly` array) where ``max_version`` is 1.0 or later, else a legacy
+        ``"dltensor"``, which a read-only array refuses (``BufferError``). ``copy=True``,
+        and a ``dl_device`` other than the array's, raise ``BufferError``."""
+        from ._memory.dlpack import to_dlpack
 
-        return to_dlpack(self, stream=stream, dl_device=dl_device, copy=copy)
+        return to_dlpack(self, stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        from ._memory.interop import DLPACK_CUDA
+        from ._memory.dlpack import DLPACK_CUDA
 
         return (DLPACK_CUDA, self.device.ordinal)
 

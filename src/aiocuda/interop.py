@@ -43,9 +43,10 @@ aiocuda's own driver calls.
 before the stream given; ``torch.from_dlpack(array)`` / ``cupy.from_dlpack(array)`` go
 the other way, ordering the array's pending work before the consumer's current stream.
 Both directions stay stream-ordered: no host waits. An array exported read-only through
-``__cuda_array_interface__`` is imported :attr:`~aiocuda.DeviceArray.readonly` (aiocuda's
-copies into it raise); a read-only array exports that flag, and refuses DLPack, whose
-legacy capsules cannot carry it.
+``__cuda_array_interface__`` or a DLPack 1.0 versioned capsule is imported
+:attr:`~aiocuda.DeviceArray.readonly` (aiocuda's copies into it raise); a read-only array
+exports that flag through both (``torch.from_dlpack`` asks for versioned capsules), and
+refuses only legacy DLPack capsules, which cannot carry it.
 
 Neither PyTorch nor CuPy is a dependency: each is imported on first use.
 """

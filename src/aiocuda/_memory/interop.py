@@ -9,37 +9,32 @@ Export (``DeviceArray.__cuda_array_interface__`` / ``__dlpack__``):
   otherwise the export synchronises that stream, blocking the calling thread -- on an
   event loop's thread it warns (``RuntimeWarning``): await the array's stream first, or
   use DLPack, which orders the consumer's stream on the GPU instead.
-* ``__dlpack__(stream=s)`` honours the *consumer's* stream: ``s`` is made to wait, on
-  the GPU, for the array's pending work (``None`` means the legacy default stream, 1;
-  ``-1`` asks for no synchronisation). The capsule keeps the array -- hence its memory
-  -- alive until the consumer's deleter runs, and the memory is freed only after the
-  work the consumer's stream had by then (consumers such as PyTorch call the deleter
-  when the host drops the tensor, not when their stream's work on it has run). Legacy (unversioned) ``"dltensor"``
-  capsules are produced; every consumer accepts them.
+* ``__dlpack__(stream=s)`` honours the *consumer's* stream, on the GPU; a versioned
+  capsule where the consumer's ``max_version`` allows it, else a legacy one (see
+  :mod:`.dlpack`).
 
-Import (:func:`as_device_array`): DLPack first, then the array interface, then Numba's
-``__cuda_array_interface__`` via the same path. The foreign memory stays owned by its
-library; aiocuda keeps the foreign object alive until work it enqueued on the memory has
-completed. An interface with a ``mask``, or naming the stream 0 (which v3 forbids), is
+Import (:func:`as_device_array`): DLPack first (asking for a versioned capsule, with a
+plain call for producers that predate ``max_version``), then the array interface, then
+Numba's ``__cuda_array_interface__`` via the same path. The foreign memory stays owned by
+its library; aiocuda keeps the foreign object alive until work it enqueued on the memory
+has completed. An interface with a ``mask``, or naming the stream 0 (which v3 forbids), is
 refused.
 
-Read-only memory: an interface whose ``data`` flag says read-only is imported as a
+Read-only memory: an interface whose ``data`` flag says read-only, or a versioned DLPack
+capsule with the ``READ_ONLY`` flag, is imported as a
 :attr:`~aiocuda.DeviceArray.readonly` array (copies into it and fills raise), and a
-read-only array is exported with that flag. Legacy DLPack capsules, the only ones made and
-requested here, cannot say read-only: a read-only array's ``__dlpack__`` raises
-``BufferError`` (as numpy's does), and a DLPack import is as writable as its producer
-exported it.
+read-only array is exported with that flag, by the interface and by versioned capsules. A
+legacy capsule cannot say read-only: a read-only array's ``__dlpack__`` without
+``max_version`` raises ``BufferError`` (as numpy's does), and a legacy import is as
+writable as its producer exported it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import sys
-import threading
 import time
 import warnings
-import weakref
 from typing import Any
 
 import numpy as np
@@ -47,107 +42,14 @@ import numpy as np
 from .._util import byte_span, c_strides, invalid_value, shape_tuple
 from ..array import DeviceArray, _check_dtype, _over_new_buffer, _stream_on
 from ..device import Device
-from ..errors import ArgumentError
 from ..stream import Stream
 from . import library_streams
 from .buffers import OwnedBuffer
+from .dlpack import DLPACK_CUDA, DLPACK_CUDA_MANAGED, DLPACK_VERSION, read_capsule, stream_value
 
-__all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface", "to_dlpack"]
-
-DLPACK_CPU = 1
-DLPACK_CUDA = 2
-DLPACK_CUDA_HOST = 3
-DLPACK_CUDA_MANAGED = 13
-
-_DL_INT, _DL_UINT, _DL_FLOAT, _DL_COMPLEX, _DL_BOOL = 0, 1, 2, 5, 6
-
-# The element types both sides store alike, DLPack ``(code, bits)`` <-> numpy. Numpy's
-# other dtypes have no DLPack twin: its longdouble is x87's 80-bit format padded to 16
-# bytes (exported as DLPack's 128-bit float, a consumer reads IEEE quads; clongdouble's
-# 256 bits did not even fit the field), and DLPack's bfloat16, complex32, float8s and
-# sub-byte ints have no numpy dtype (numpy's own DLPack refuses the same ones).
-_DL_OF_NUMPY: dict[str, tuple[int, int]] = {
-    np.dtype(f"{kind}{size}").str: (code, size * 8)  # (native byte order: DLPack's)
-    for kind, code, sizes in (
-        ("i", _DL_INT, (1, 2, 4, 8)),
-        ("u", _DL_UINT, (1, 2, 4, 8)),
-        ("f", _DL_FLOAT, (2, 4, 8)),
-        ("c", _DL_COMPLEX, (8, 16)),
-        ("b", _DL_BOOL, (1,)),
-    )
-    for size in sizes
-}
-_NUMPY_OF_DL = {dl: np.dtype(name) for name, dl in _DL_OF_NUMPY.items()}
-
-_DL_TYPE_NAMES = {0: "int", 1: "uint", 2: "float", 3: "opaque handle", 4: "bfloat", 5: "complex", 6: "bool"}
-_DL_TYPE_NAMES.update(dict.fromkeys(range(7, 15), "float8"))  # (the e4m3, e5m2, ... variants)
-_DL_TYPE_NAMES.update({15: "float6", 16: "float6", 17: "float4"})
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.c_void_p),  # int64_t*, set and read as an address
-        ("strides", ctypes.c_void_p),  # int64_t* (NULL: C-contiguous)
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
-
-_CAPSULE_NAME = b"dltensor"
-_USED_CAPSULE_NAME = b"used_dltensor"
-
-_capi = ctypes.pythonapi
-_capi.PyCapsule_New.restype = ctypes.py_object
-_capi.PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-_capi.PyCapsule_IsValid.restype = ctypes.c_int
-_capi.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capi.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_capi.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_capi.PyCapsule_SetName.restype = ctypes.c_int
-_capi.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-_int64_arrays: dict[int, Any] = {}
-"""``ctypes.c_int64 * n`` by ``n`` (a type made once per length)."""
-
-
-def _int64s(n: int) -> Any:
-    kind = _int64_arrays.get(n)
-    if kind is None:
-        kind = _int64_arrays[n] = ctypes.c_int64 * n
-    return kind
-
-
-# Exported tensors still owned by a capsule or a consumer: address -> (struct, shape
-# and strides storage, the array, the consumer's stream where it is another than the
-# array's, else None).
-_exports: dict[int, tuple[Any, ...]] = {}
-_exports_lock = threading.Lock()
-
+__all__ = ["DLPACK_CUDA", "as_device_array", "cuda_array_interface"]
 
 # -- export -----------------------------------------------------------------------------------
-
-
-def _stream_value(stream: Stream) -> int:
-    value = stream.device._driver.handle_value(stream.handle)
-    return value or 1  # CAI v3 forbids 0; 1 is the legacy default stream
 
 
 # Why the interface is exported finished, with "stream": None (CAI v3 allows it when the
@@ -211,220 +113,6 @@ def _on_event_loop() -> bool:
         except RuntimeError:
             pass
     return False
-
-
-# The deleter and the capsule destructor are called by C code, also while the interpreter
-# tears down its modules (a capsule or consumer collected then): what they use is bound
-# as default arguments, which outlive the module's globals, and their ctypes thunks are
-# never freed (a capsule destroyed after its destructor's thunk would call freed memory).
-# Seen on the GPU machine: "TypeError: 'NoneType' object is not callable" in the
-# destructor at the end of the gpu tests.
-
-
-def _immortal(thunk: Any) -> Any:
-    """Keep a ctypes callback alive for the life of the process."""
-    ctypes.pythonapi.Py_IncRef(ctypes.py_object(thunk))
-    return thunk
-
-
-def _forget_export(
-    managed: Any,
-    _addressof: Any = ctypes.addressof,
-    _lock: Any = _exports_lock,
-    _exported: Any = _exports,
-    _finalizing: Any = sys.is_finalizing,
-    _failure: type[BaseException] = Exception,
-) -> None:
-    with _lock:
-        entry = _exported.pop(_addressof(managed.contents), None)
-    if entry is None or entry[3] is None or _finalizing():
-        return
-    _, _, array, consumer = entry
-    # The consumer lets the tensor go when the host drops it, not when its stream's work
-    # on it has run: the array's memory is freed only after what that stream has so far
-    # (PyTorch's record_stream). Called from C: nothing may raise.
-    try:
-        consumer.device.make_current()
-        array.buffer._free_after(consumer.record())
-    except _failure:  # e.g. the consumer's context is gone: nothing left to order
-        pass
-
-
-_deleter = _immortal(_DELETER(_forget_export))
-
-
-# The capsule destructor receives a capsule that is being deallocated: it must not be
-# turned into a Python reference, so these prototypes take the raw address.
-_capsule_is_valid_raw = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_IsValid", ctypes.pythonapi)
-)
-_capsule_pointer_raw = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
-    ("PyCapsule_GetPointer", ctypes.pythonapi)
-)
-
-
-def _destroy_capsule(
-    capsule_address: int,
-    _is_valid: Any = _capsule_is_valid_raw,
-    _pointer: Any = _capsule_pointer_raw,
-    _name: bytes = _CAPSULE_NAME,
-    _lock: Any = _exports_lock,
-    _exported: Any = _exports,
-) -> None:
-    if _is_valid(capsule_address, _name):  # never consumed: still ours
-        address = _pointer(capsule_address, _name)
-        with _lock:
-            _exported.pop(address, None)
-
-
-_capsule_destructor = _immortal(ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_destroy_capsule))
-_CAPSULE_DESTRUCTOR = ctypes.cast(_capsule_destructor, ctypes.c_void_p).value
-
-
-def _order_consumer(array: DeviceArray, stream: int | None) -> Stream | None:
-    """Make the consumer's ``stream`` (a DLPack stream value) wait for ``array``'s pending
-    work; return it, wrapped, where it is another stream than the array's."""
-    if stream is not None and (isinstance(stream, bool) or not isinstance(stream, int) or stream == 0 or stream < -1):
-        # (the DLPack protocol for CUDA: None or 1 the legacy default stream, 2 the
-        # per-thread one, a larger int a stream handle, -1 no ordering; 0 is ambiguous)
-        raise ValueError(
-            f"__dlpack__(stream=) takes None, -1, 1, 2 or a CUDA stream handle, got {stream!r} "
-            "(0 is not allowed: it could mean the legacy or the per-thread default stream)"
-        )
-    if stream == -1:
-        return None
-    producer = array.stream
-    value = 1 if stream is None else stream
-    if value == _stream_value(producer):
-        return None  # the consumer's stream is the producer's: ordered already
-    try:
-        consumer = Stream.wrap(value, device=array.device)
-        consumer.wait(producer)
-    except ArgumentError:  # a stream value this backend cannot wrap: wait on the host
-        producer.synchronize()
-        return None
-    return consumer
-
-
-def to_dlpack(
-    array: DeviceArray, *, stream: int | None = None, dl_device: tuple[int, int] | None = None, copy: bool | None = None
-) -> Any:
-    """A ``"dltensor"`` capsule for ``array``, ordered before work on the consumer's stream."""
-    if copy:
-        raise BufferError("aiocuda exports device arrays without copying (copy=True is not supported)")
-    if dl_device is not None and tuple(dl_device) != (DLPACK_CUDA, array.device.ordinal):
-        raise BufferError(
-            f"cannot export to DLPack device {dl_device}: the array is on {(DLPACK_CUDA, array.device.ordinal)}"
-        )
-    dl_type = _DL_OF_NUMPY.get(array.dtype.str)
-    if dl_type is None:
-        raise BufferError(
-            f"dtype {array.dtype} ({array.dtype.str}) has no DLPack equivalent: DLPack exchanges bool, "
-            "ints of 1 to 8 bytes, IEEE float16/32/64 and complex64/128, in native byte order"
-        )
-    itemsize = array.dtype.itemsize
-    if any(step % itemsize for step in array.strides):
-        # (DLPack counts strides in elements: such a stride was rounded down, and the
-        # consumer read other elements than the array's)
-        raise BufferError(
-            f"strides {array.strides} are not whole multiples of the item size ({itemsize} bytes), which "
-            "DLPack cannot describe: copy the array first (array.copy())"
-        )
-    if array.readonly:
-        # (a legacy capsule has no read-only flag, and consumers write what they get;
-        # DLPack 1.0's versioned capsules carry one, but aiocuda makes legacy ones only)
-        raise BufferError(
-            "a read-only array cannot be exported through DLPack, whose (legacy) capsules cannot mark it "
-            "read-only: export a copy (`await array.copy()`), or use __cuda_array_interface__, which can"
-        )
-    consumer = _order_consumer(array, stream)
-    # One constructor call per struct and one int64 array for the shape and strides:
-    # setting the fields one by one, with a ctypes.cast for each pointer, took 13 us on
-    # the development machine, this 8.5 (a PyTorch request through a lane crosses DLPack
-    # twice).
-    shape = array.shape
-    ndim = len(shape)
-    storage = _int64s(2 * ndim or 1)(*shape, *(s // itemsize for s in array.strides))
-    dims = ctypes.addressof(storage)
-    tensor = _DLTensor(
-        array.ptr,
-        _DLDevice(DLPACK_CUDA, array.device.ordinal),
-        ndim,
-        _DLDataType(*dl_type, 1),
-        dims,
-        dims + 8 * ndim,
-        0,
-    )
-    managed = _DLManagedTensor(tensor, None, _deleter)
-    address = ctypes.addressof(managed)
-    with _exports_lock:
-        _exports[address] = (managed, storage, array, consumer)
-    return _capi.PyCapsule_New(address, _CAPSULE_NAME, _CAPSULE_DESTRUCTOR)
-
-
-# -- import -----------------------------------------------------------------------------------
-
-
-_dtypes: dict[tuple[int, int, int], np.dtype[Any]] = {}
-"""DLPack ``(code, bits, lanes)`` -> numpy dtype, for those seen."""
-
-
-def _dtype_of(code: int, bits: int, lanes: int) -> np.dtype[Any]:
-    dtype = _dtypes.get((code, bits, lanes))
-    if dtype is None:
-        found = _NUMPY_OF_DL.get((code, bits)) if lanes == 1 else None
-        if found is None:
-            name = f"{_DL_TYPE_NAMES.get(code, 'unknown type')}{bits}" + (f"x{lanes}" if lanes != 1 else "")
-            raise invalid_value(
-                f"unsupported DLPack dtype {name} (code {code}, bits {bits}, lanes {lanes}): it has no numpy "
-                "equivalent; convert it first (PyTorch: tensor.float() for bfloat16, tensor.cfloat() for "
-                "complex32, or tensor.view(torch.int16) to move the bits unchanged)"
-            )
-        dtype = _dtypes[code, bits, lanes] = found
-    return dtype
-
-
-def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
-    try:
-        address = _capi.PyCapsule_GetPointer(capsule, _CAPSULE_NAME)
-    except (ValueError, TypeError):  # another name (a consumed capsule's), or no capsule
-        address = None
-    if not address:
-        raise invalid_value("not a DLPack capsule (or one already consumed)")
-    managed = _DLManagedTensor.from_address(address)
-    tensor = managed.dl_tensor
-    device = tensor.device
-    if device.device_type not in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
-        raise invalid_value(f"DLPack device type {device.device_type} is not CUDA memory")
-    dl_dtype = tensor.dtype
-    dtype = _dtype_of(dl_dtype.code, dl_dtype.bits, dl_dtype.lanes)
-    ndim = tensor.ndim
-    shape: tuple[int, ...] = tuple(_int64s(ndim).from_address(tensor.shape)) if ndim else ()
-    if shape and min(shape) < 0:
-        raise invalid_value(f"negative dimension in DLPack shape {shape}")
-    at = tensor.strides
-    strides = tuple(s * dtype.itemsize for s in _int64s(ndim).from_address(at)) if at and ndim else None
-    _capi.PyCapsule_SetName(capsule, _USED_CAPSULE_NAME)
-    keeper = _CapsuleKeeper(address, managed.deleter)
-    ptr = (tensor.data or 0) + tensor.byte_offset
-    return _wrap(ptr, shape, dtype, strides, Device(device.device_id), stream, (owner, keeper))
-
-
-class _CapsuleKeeper:
-    """Calls a consumed DLPack tensor's deleter when aiocuda no longer needs it."""
-
-    __slots__ = ("__weakref__",)
-
-    def __init__(self, address: int, deleter: Any) -> None:
-        # A finalizer, not __del__: it runs at exit, before the interpreter tears down
-        # modules -- a keeper collected later called PyTorch's deleter after PyTorch was
-        # gone, and the process crashed on exit (GPU machine, the gpu tests).
-        weakref.finalize(self, _call_deleter, address, deleter)
-
-
-def _call_deleter(address: int, deleter: Any) -> None:
-    if deleter:
-        deleter(ctypes.cast(address, ctypes.POINTER(_DLManagedTensor)))
 
 
 class _ReadOnlyBuffer(OwnedBuffer):
@@ -505,6 +193,32 @@ def _producer_stream(obj: Any, ordinal: int) -> int | None:
     return library_streams.torch_current_stream(ordinal)
 
 
+def _dlpack_capsule(obj: Any, stream: int) -> Any:
+    """``obj``'s DLPack capsule for a consumer on ``stream``: a versioned one where ``obj``
+    makes them, else (a producer older than DLPack 1.0, whose ``__dlpack__`` takes no
+    ``max_version``: TypeError) a legacy one."""
+    try:
+        return obj.__dlpack__(stream=stream, max_version=DLPACK_VERSION)
+    except TypeError:
+        return obj.__dlpack__(stream=stream)
+
+
+def _from_capsule(capsule: Any, owner: Any, stream: Stream) -> DeviceArray:
+    """A DeviceArray over what ``capsule`` (consumed here) describes, owned by ``owner``
+    and the capsule's keeper, ``stream`` its stream."""
+    tensor = read_capsule(capsule)
+    return _wrap(
+        tensor.ptr,
+        tensor.shape,
+        tensor.dtype,
+        tensor.strides,
+        Device(tensor.ordinal),
+        stream,
+        (owner, tensor.keeper),
+        readonly=tensor.readonly,
+    )
+
+
 def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     """A zero-copy :class:`DeviceArray` over another library's device array.
 
@@ -513,9 +227,10 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
     the current stream of the object's device) is where aiocuda's subsequent work on the
     array will go, a stream of the array's device (else ArgumentError); the producer is
     told to order its pending work before it. An array its producer exported read-only
-    (through ``__cuda_array_interface__``) is :attr:`~aiocuda.DeviceArray.readonly`; one
-    whose ``__dlpack__`` raises ``BufferError`` (a read-only array's refusal) is imported
-    through that interface, where it has one.
+    (through ``__cuda_array_interface__``, or a versioned DLPack capsule's flag) is
+    :attr:`~aiocuda.DeviceArray.readonly`; one whose ``__dlpack__`` raises ``BufferError``
+    (a read-only array's refusal of a legacy capsule) is imported through that interface,
+    where it has one.
     """
     if isinstance(obj, DeviceArray):
         if stream is not None:
@@ -527,14 +242,15 @@ def as_device_array(obj: Any, *, stream: Stream | None = None) -> DeviceArray:
         if int(device_type) in (DLPACK_CUDA, DLPACK_CUDA_MANAGED):
             device = Device(int(device_id))
             target = _stream_on(device, stream)
-            value = _stream_value(target)
+            value = stream_value(target)
             if _producer_stream(obj, device.ordinal) == value:
                 value = -1  # its pending work is on ``target`` already: DLPack's "no synchronisation"
             try:
-                capsule = obj.__dlpack__(stream=value)
+                capsule = _dlpack_capsule(obj, value)
             except BufferError:
-                # (what a read-only array's export raises, as numpy's and aiocuda's do: the
-                # array interface can say read-only, so the import goes through it)
+                # (what a read-only array's legacy export raises, as numpy's and aiocuda's
+                # do, from producers without versioned capsules: the array interface can say
+                # read-only, so the import goes through it)
                 if not hasattr(obj, "__cuda_array_interface__"):
                     raise
             else:
