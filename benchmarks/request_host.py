@@ -46,12 +46,29 @@ TASKS = 64
 BODY = bytes(64 << 10)
 
 
-async def window(way: Any, per_task: int, cycles: int) -> None:
-    async def task() -> None:
-        for _ in range(per_task):
-            await way(BODY, cycles)
+async def window(way: Any, args: Any, cycles: int, per_task: int | None = None) -> int:
+    """One window of requests: closed-loop (``TASKS`` tasks back to back), or open-loop at
+    ``args.rate`` per second; returns how many were made."""
+    per_task = args.per_task if per_task is None else per_task
+    if not args.rate:
 
-    await asyncio.gather(*(task() for _ in range(TASKS)))
+        async def task() -> None:
+            for _ in range(per_task):
+                await way(BODY, cycles)
+
+        await asyncio.gather(*(task() for _ in range(TASKS)))
+        return TASKS * per_task
+    loop = asyncio.get_running_loop()
+    count = TASKS * per_task
+    start = loop.time()
+    made = []
+    for i in range(count):  # each request sent when due, whatever the others do
+        delay = start + i / args.rate - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        made.append(asyncio.ensure_future(way(BODY, cycles)))
+    await asyncio.gather(*made)
+    return count
 
 
 async def measure(args: Any, meter: SeamMeter) -> dict[str, Any]:
@@ -65,16 +82,15 @@ async def measure(args: Any, meter: SeamMeter) -> dict[str, Any]:
     profiles: dict[str, str] = {}
     async with server.lifespan(None):  # type: ignore[arg-type]  # (the app is not used)
         for way in args.ways:  # warm-up: pools, launchers, predictions
-            await window(server.ways[way], max(1, args.per_task // 4), cycles)
+            await window(server.ways[way], args, cycles, max(1, args.per_task // 4))
         for round_ in range(args.rounds):
             shift = round_ % len(args.ways)
             for way in args.ways[shift:] + args.ways[:shift]:
                 gc.collect()
                 meter.reset()
                 before = time.thread_time()
-                await window(server.ways[way], args.per_task, cycles)
+                requests = await window(server.ways[way], args, cycles)
                 spent = time.thread_time() - before
-                requests = TASKS * args.per_task
                 figures[way]["us_per_request"].append(1e6 * spent / requests)
                 figures[way]["seam_us_per_request"].append(1e6 * meter.seconds / requests)
                 figures[way]["seam_calls_per_request"].append(sum(meter.calls.values()) / requests)
@@ -83,7 +99,7 @@ async def measure(args: Any, meter: SeamMeter) -> dict[str, Any]:
             for way in args.ways:
                 profiler = cProfile.Profile()
                 with profiler:
-                    await window(server.ways[way], args.per_task, cycles)
+                    await window(server.ways[way], args, cycles)
                 text = io.StringIO()
                 pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
                 profiles[way] = text.getvalue()
@@ -106,6 +122,7 @@ def main() -> None:
     p.add_argument("--ways", nargs="+", default=WAYS, help=f"ways to measure (default: {' '.join(WAYS)})")
     p.add_argument("--loops", nargs="+", default=["asyncio", "uvloop"], choices=["asyncio", "uvloop"])
     p.add_argument("--w", type=float, default=0.0, help="microseconds the kernel spins (default 0)")
+    p.add_argument("--rate", type=float, default=0.0, help="open loop: requests per second (default: closed loop)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--per-task", type=int, default=100, help="requests per task and window (default 100)")
     p.add_argument("--profile", type=pathlib.Path, default=None, help="a folder for one profile per way")
@@ -139,7 +156,13 @@ def main() -> None:
             args.profile.mkdir(parents=True, exist_ok=True)
             for way, text in measured["profiles"].items():
                 (args.profile / f"{loop}-{way}.txt").write_text(text)
-    result.extra["config"] = {"tasks": TASKS, "per_task": args.per_task, "w_us": args.w, "rounds": args.rounds}
+    result.extra["config"] = {
+        "tasks": TASKS,
+        "per_task": args.per_task,
+        "w_us": args.w,
+        "rate": args.rate,
+        "rounds": args.rounds,
+    }
     result.write(args.out)
 
 

@@ -16,16 +16,18 @@ lease and answers without waiting for the GPU at all: polling's throughput and C
 request against its own bound what any way of waiting could gain on polling
 (``unwaited_*`` metrics).
 
-Per loop and W (1 and 5 ms), in each of 3 rounds (``--rounds``), every endpoint runs
-closed-loop windows (64 connections, saturation) in turn -- interleaved, the order
-rotating from round to round, each endpoint's time split between a window in that order
-and one in the reverse order (A B C C B A), so that the machine's drift weighs alike on
-all -- then open-loop windows there and back likewise, each of them whole (a tail
-latency needs many samples; requests due at half the polling endpoint's saturation rate
-of that round, each sent when due: the clients spin through the last 2 ms before it, a
-loop's timers being a millisecond coarse) for ``/lanes``, ``/poll``, ``/oracle`` and
-``/unwaited``. Ratios are taken per round and reported as their median, each target with
-its rounds' values. CPU per request is the server process's own CPU time (every thread)
+Per loop and W (1 and 5 ms), in each of 3 rounds (``--rounds``), closed-loop windows (64
+connections, saturation; 0.4 s each) measure every pair compared (``WORK``: the
+idiomatic path against polling, ``to_thread``, ``submit``, per-request memory...) in a
+block of its own, A B B A, the pairs' order rotating from round to round: the machine's
+speed drifts and jumps over seconds, so a ratio comes from windows a second apart, a
+linear drift weighing alike on both. Then open-loop windows there and back (O U L P P L
+U O: the pair compared adjacent), each of them whole (a tail latency needs many
+samples; requests due at half the polling endpoint's saturation rate of that round,
+each sent when due: the clients spin through the last 2 ms before it, a loop's timers
+being a millisecond coarse) for ``/oracle``, ``/unwaited``, ``/lanes`` and ``/poll``.
+Ratios are taken per round and reported as their median, each target with its rounds'
+values. CPU per request is the server process's own CPU time (every thread)
 over the requests it served in the window (per thread too, in the baselines, and the
 part spent in the garbage collector, and its minor page faults); loop lag is how late a
 1 ms sleep on the server's loop wakes. The open-loop windows also report how long
@@ -83,16 +85,28 @@ sys.path.insert(0, str(HERE))
 from _common import Result, parser  # noqa: E402
 from _serve_client import serve_commands  # noqa: E402
 
-WORK = ["lanes", "lanes_alloc", "readme", "submit", "to_thread", "blocking", "poll", "oracle", "unwaited"]
-TINY = ["lanes", "batch", "poll"]
+WORK = [
+    ("lanes", "poll"),
+    ("lanes", "to_thread"),
+    ("submit", "lanes"),
+    ("lanes_alloc", "lanes"),
+    ("readme", "lanes"),
+    ("oracle", "poll"),
+    ("unwaited", "poll"),
+    ("blocking", "poll"),
+]
+"""The closed-loop windows' pairs (a, b): each measured in a block of its own, ``a b b a``."""
+TINY = [("batch", "lanes"), ("lanes", "poll")]
 LAUNCH_BOUND_FLOATS = 256
 """Values per request of ``serve_batched_speedup``'s work: 1 KiB, so that a request's cost
 is its launch and copies' overhead, not moving its data (the issue's "kernel whose cost is
 mostly launch overhead"); ``batched_speedup_64k`` reports the 64 KiB requests beside it,
 where concatenating and splitting the batch's data weighs as much as the launches saved."""
-TORCH = ["torch_lanes", "torch_poll", "torch_to_thread", "torch_unwaited"]
-OPEN = ["lanes", "poll", "oracle", "unwaited"]  # (the rate: half of the second's saturation)
-TORCH_OPEN = ["torch_lanes", "torch_poll", "torch_unwaited"]
+TORCH = [("torch_lanes", "torch_poll"), ("torch_lanes", "torch_to_thread"), ("torch_unwaited", "torch_poll")]
+# Open-loop windows, there and back: the pair compared sits in the middle (O U L P P L U O),
+# measured in adjacent windows. The rate: half of the last endpoint's saturation rate.
+OPEN = ["oracle", "unwaited", "lanes", "poll"]
+TORCH_OPEN = ["torch_unwaited", "torch_lanes", "torch_poll"]
 FIRST_RATE = 200.0  # requests per second of the first torch requests: a light load
 FIRST_SECONDS = 0.5
 FIRST_CONNECTIONS = 4  # (connected before the window, as for every window: _serve_client.connect)
@@ -249,7 +263,32 @@ def there_and_back(
     }
 
 
-def rotated(items: list[str], by: int) -> list[str]:
+def paired(
+    server: Server, clients: Clients, pairs: list[tuple[str, str]], w_us: int, seconds: float
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """Closed-loop windows of ``seconds`` at ``?w=w_us``, each pair (a, b) in a block of
+    four: a b b a. Returns each endpoint's figures (the mean of its windows) and each
+    pair's ratios ``"a/b"`` of throughput and CPU per request, from its block alone: the
+    machine's speed drifts and jumps over seconds (a window's CPU per request varied by
+    up to 40% from one window to the next on the H200 machine, for every endpoint alike),
+    so a ratio is taken between windows a second apart, and a linear drift within the
+    block weighs the same on both."""
+    windows: dict[str, list[dict[str, float]]] = {}
+    ratios: dict[str, dict[str, float]] = {}
+    for a, b in pairs:
+        block = [(e, window(server, clients, "closed", f"/{e}?w={w_us}", seconds=seconds)) for e in (a, b, b, a)]
+        for endpoint, figures in block:
+            windows.setdefault(endpoint, []).append(figures)
+        (_, a1), (_, b1), (_, b2), (_, a2) = block
+        ratios[f"{a}/{b}"] = {key: (a1[key] + a2[key]) / (b1[key] + b2[key]) for key in ("req_per_s", "cpu_ms_per_req")}
+    means = {
+        endpoint: {key: statistics.fmean(f.get(key, 0.0) for f in runs) for key in {k for f in runs for k in f}}
+        for endpoint, runs in windows.items()
+    }
+    return means, ratios
+
+
+def rotated(items: list[Any], by: int) -> list[Any]:
     by %= len(items)
     return items[by:] + items[:by]
 
@@ -273,16 +312,17 @@ def measure_loop(loop: str, args: Any, clients: Clients, server_cpus: list[int],
         scenarios = [("w1", 1000, WORK), ("w5", 5000, WORK), ("tiny", 0, TINY)]
         if with_torch:
             scenarios.append(("torch", 0, TORCH))
-        halves = args.seconds / 2  # (an endpoint's closed-loop time, split there and back)
         for round_ in range(args.rounds):
-            for name, w_us, endpoints in scenarios:
+            for name, w_us, pairs in scenarios:
                 figures = out.setdefault(name, {})
-                closed = there_and_back(server, clients, "closed", rotated(endpoints, round_), w_us, halves)
+                closed, block_ratios = paired(server, clients, rotated(pairs, round_), w_us, args.seconds)
                 for endpoint, result in closed.items():
                     figures.setdefault(endpoint, []).append(result)
+                for pair, result in block_ratios.items():
+                    out.setdefault(f"{name}_pairs", {}).setdefault(pair, []).append(result)
                 opened = {"w1": OPEN, "w5": OPEN, "torch": TORCH_OPEN}.get(name, [])
                 if opened:
-                    rate = 0.5 * figures[opened[1]][-1]["req_per_s"]
+                    rate = 0.5 * figures[opened[-1]][-1]["req_per_s"]
                     # (whole windows there and back: the tail latency needs their samples)
                     results = there_and_back(server, clients, "open", opened, w_us, args.open_seconds, rate=rate)
                     for endpoint, result in results.items():
@@ -302,6 +342,10 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
     def ratios(figures: dict[str, list[dict[str, float]]], a: str, b: str, key: str = "req_per_s") -> list[float]:
         return [x[key] / y[key] for x, y in zip(figures[a], figures[b], strict=True)]
 
+    def blocks(data: dict[str, Any], name: str, a: str, b: str, key: str = "req_per_s") -> list[float]:
+        """A closed-loop pair's ratios, one per round, each from its own a b b a block."""
+        return [r[key] for r in data[f"{name}_pairs"][f"{a}/{b}"]]
+
     for loop, data in measured.items():
         for name in ("w1", "w5", "tiny", "torch"):
             for endpoint, rounds in data.get(name, {}).items():
@@ -311,27 +355,29 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
         for name, w_ms in (("w1", 1.0), ("w5", 5.0)):
             f = data[name]
             suffix = f"{loop}_w{int(w_ms)}"
-            target(f"serve_throughput_vs_poll_{suffix}", ratios(f, "lanes", "poll"), 1.1, ">=")
-            target(f"serve_throughput_vs_to_thread_{suffix}", ratios(f, "lanes", "to_thread"), 1.5, ">=")
+            target(f"serve_throughput_vs_poll_{suffix}", blocks(data, name, "lanes", "poll"), 1.1, ">=")
+            target(f"serve_throughput_vs_to_thread_{suffix}", blocks(data, name, "lanes", "to_thread"), 1.5, ">=")
             cpu = ratios(f, "open_lanes", "open_poll", "cpu_ms_per_req")
             target(f"serve_cpu_per_request_vs_poll_{suffix}", cpu, 0.9, "<=")
-            saturated = ratios(f, "lanes", "poll", "cpu_ms_per_req")
+            saturated = blocks(data, name, "lanes", "poll", "cpu_ms_per_req")
             result.metrics[f"serve_cpu_per_request_vs_poll_saturated_{suffix}"] = round(statistics.median(saturated), 4)
-            target(f"serve_submit_vs_direct_{suffix}", ratios(f, "submit", "lanes"), 0.9, ">=")
-            target(f"serve_alloc_vs_prealloc_{suffix}", ratios(f, "lanes_alloc", "lanes"), 0.9, ">=")
+            target(f"serve_submit_vs_direct_{suffix}", blocks(data, name, "submit", "lanes"), 0.9, ">=")
+            target(f"serve_alloc_vs_prealloc_{suffix}", blocks(data, name, "lanes_alloc", "lanes"), 0.9, ">=")
             target(f"serve_loop_lag_p99_ms_{suffix}", [r["lag_p99_ms"] for r in f["open_lanes"]], 3.0, "<=")
             over = [r["lat_p99_ms"] - w_ms for r in f["open_lanes"]]
             target(f"serve_latency_p99_over_w_ms_{suffix}", over, 2.0, "<=")
-            result.metrics[f"readme_vs_lanes_{suffix}"] = round(statistics.median(ratios(f, "readme", "lanes")), 4)
+            result.metrics[f"readme_vs_lanes_{suffix}"] = round(
+                statistics.median(blocks(data, name, "readme", "lanes")), 4
+            )
             for way in ("poll", "oracle"):
                 way_over = [r["lat_p99_ms"] - w_ms for r in f[f"open_{way}"]]
                 result.metrics[f"{way}_latency_p99_over_w_ms_{suffix}"] = round(statistics.median(way_over), 4)
             for control in ("oracle", "unwaited"):
-                for name, value in (
-                    ("throughput_vs_poll", ratios(f, control, "poll")),
+                for metric, value in (
+                    ("throughput_vs_poll", blocks(data, name, control, "poll")),
                     ("cpu_per_request_vs_poll", ratios(f, f"open_{control}", "open_poll", "cpu_ms_per_req")),
                 ):
-                    result.metrics[f"{control}_{name}_{suffix}"] = round(statistics.median(value), 4)
+                    result.metrics[f"{control}_{metric}_{suffix}"] = round(statistics.median(value), 4)
         batched = data["inprocess_batched"]
         speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
         target(f"serve_batched_speedup_{loop}", speedups, 3.0, ">=")
@@ -339,20 +385,22 @@ def report(measured: dict[str, dict[str, Any]], result: Result) -> None:
         speedups = [b / p for b, p in zip(batched["batched"], batched["per_request"], strict=True)]
         result.metrics[f"batched_speedup_64k_{loop}"] = round(statistics.median(speedups), 4)
         result.metrics[f"batched_http_vs_lanes_{loop}"] = round(
-            statistics.median(ratios(data["tiny"], "batch", "lanes")), 4
+            statistics.median(blocks(data, "tiny", "batch", "lanes")), 4
         )
         if "torch" in data:
             t = data["torch"]
-            target(f"serve_torch_throughput_vs_poll_{loop}", ratios(t, "torch_lanes", "torch_poll"), 1.1, ">=")
+            target(
+                f"serve_torch_throughput_vs_poll_{loop}", blocks(data, "torch", "torch_lanes", "torch_poll"), 1.1, ">="
+            )
             cpu = ratios(t, "open_torch_lanes", "open_torch_poll", "cpu_ms_per_req")
             target(f"serve_torch_cpu_vs_poll_{loop}", cpu, 0.9, "<=")
-            saturated = ratios(t, "torch_lanes", "torch_poll", "cpu_ms_per_req")
+            saturated = blocks(data, "torch", "torch_lanes", "torch_poll", "cpu_ms_per_req")
             result.metrics[f"serve_torch_cpu_vs_poll_saturated_{loop}"] = round(statistics.median(saturated), 4)
             result.metrics[f"torch_throughput_vs_to_thread_{loop}"] = round(
-                statistics.median(ratios(t, "torch_lanes", "torch_to_thread")), 4
+                statistics.median(blocks(data, "torch", "torch_lanes", "torch_to_thread")), 4
             )
             for name, value in (
-                ("throughput_vs_poll", ratios(t, "torch_unwaited", "torch_poll")),
+                ("throughput_vs_poll", blocks(data, "torch", "torch_unwaited", "torch_poll")),
                 ("cpu_vs_poll", ratios(t, "open_torch_unwaited", "open_torch_poll", "cpu_ms_per_req")),
             ):
                 result.metrics[f"torch_unwaited_{name}_{loop}"] = round(statistics.median(value), 4)
@@ -385,7 +433,7 @@ def main() -> None:
         p.error("--rounds must be at least 1")
     if args.quick:
         args.rounds = 1
-    args.seconds = 0.3 if args.quick else 1.5
+    args.seconds = 0.1 if args.quick else 0.4  # (each closed-loop window)
     args.open_seconds = 0.5 if args.quick else 2.0
     from aiocuda import _driver
 
