@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib.util
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -820,6 +821,57 @@ def test_torch_arrays_kept_until_exit_let_the_process_end_cleanly(cuda_backend: 
     done = subprocess.run([sys.executable, "-c", _KEPT_TO_EXIT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok 256.0" and "Exception ignored" not in done.stderr
+
+
+_RELEASED_AT_EXIT = """
+import numpy as np
+import aiocuda
+from aiocuda import _driver
+from aiocuda._memory.interop import as_device_array
+from aiocuda._util import exiting
+
+base = aiocuda.empty(16, np.float32)
+
+
+class Producer:
+    def __init__(self):
+        self.__cuda_array_interface__ = {
+            "shape": (16,), "typestr": "<f4", "data": (base.ptr, False), "version": 3, "stream": None
+        }
+
+    def __del__(self):
+        print("owner released", flush=True)
+
+
+stream = aiocuda.Stream(0)
+KEPT = as_device_array(Producer(), stream=stream)
+KEPT.fill(1.0, stream=stream)
+stream.close()  # (its release waits for the closed stream's end event, made after it)
+driver = _driver.driver()
+for name in ("stream_wait_event", "event_record"):
+    def spy(*args, _call=getattr(driver, name), _name=name):
+        if exiting():
+            print("driver call at exit:", _name, flush=True)
+        return _call(*args)
+    setattr(driver, name, spy)
+print("ok", flush=True)
+"""
+
+
+def test_an_imported_array_kept_until_exit_is_let_go_without_driver_calls(sim_backend: Any) -> None:
+    """An imported array alive at exit lets its owner go at once: the finalisers that
+    ran before its own at exit may have destroyed the events a release would wait for
+    (on the GPU, waiting for a closed stream's destroyed end event crashed the process
+    at exit, code 139)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, AIOCUDA_BACKEND="sim")
+    done = subprocess.run(
+        [sys.executable, "-c", _RELEASED_AT_EXIT], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "owner", "released"], (done.stdout, done.stderr[-2000:])
 
 
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")

@@ -7,11 +7,13 @@ may use it too; it imports nothing else from aiocuda.
 
 from __future__ import annotations
 
+import atexit
 import numbers
 import operator
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, Generic, NoReturn, TypeVar
 
@@ -167,3 +169,25 @@ def outside_aiocuda() -> int:
     while frame is not None and str(frame.f_globals.get("__name__", "")).partition(".")[0] == "aiocuda":
         level, frame = level + 1, frame.f_back  # type: ignore[assignment]
     return level
+
+
+_exiting = False
+
+
+def exiting() -> bool:
+    """Whether the interpreter is exiting: true from before the first finaliser that
+    runs at exit (``weakref.finalize``'s), whose driver handles may be gone already."""
+    return _exiting
+
+
+def _mark_exiting() -> None:
+    global _exiting
+    _exiting = True
+
+
+# atexit calls the last registered first. weakref.finalize's own exit hook, which runs
+# every finaliser still pending (newest first: an Event made after an imported array is
+# destroyed before the array's release waits for it), is registered when the first
+# finalize is made: make one first, so that the exit is marked before any of them runs.
+weakref.finalize(_mark_exiting, int).atexit = False
+atexit.register(_mark_exiting)

@@ -50,7 +50,6 @@ memory to be freed: back-pressure for services.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import operator
 import os
@@ -64,7 +63,7 @@ import anyio
 from . import _driver
 from ._memory import offloop as _offloop
 from ._memory.observed_frees import FreedStreams
-from ._util import NoPublicConstructor, format_bytes, invalid_value
+from ._util import NoPublicConstructor, exiting, format_bytes, invalid_value
 from .device import Device, _as_device
 from .errors import ArgumentError, CudaError, OutOfMemoryError, ResultCode
 from .stream import Stream, _check_stream, current_stream
@@ -84,22 +83,12 @@ _SPARE_KEYS = 128
 and, if none is, gives every spare back: streams used once (one per request, say) are
 not kept alive for long. Request lanes need one or two a lane (33 lanes on an H100)."""
 
-_exiting = False
-"""Set at interpreter exit: the process's memory goes with its contexts, and buffers
-collected during teardown must not call into a driver that may be gone."""
-
 _last_finaliser_error: BaseException | None = None
 """The last error a buffer's finaliser swallowed (finalisers cannot raise); for debugging."""
 
 _RETRY_FIRST = 0.0005
 _RETRY_MAX = 0.02
 """Back-off of :meth:`MemoryPool.allocate_wait` between tries (seconds, doubling)."""
-
-
-@atexit.register
-def _mark_exiting() -> None:
-    global _exiting
-    _exiting = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -930,7 +919,7 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
             self._pool._frees += 1
 
     def __del__(self) -> None:
-        if self._stream is not None and not _exiting:
+        if self._stream is not None and not exiting():
             if _threads_capturing and _capturing.collected is not None:
                 # Collected while this thread captures a stream: a free now would be a
                 # driver call in the capture's way (the driver invalidates the capture).

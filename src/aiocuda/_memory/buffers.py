@@ -18,7 +18,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._util import invalid_value
+from .._util import exiting, invalid_value
 from ..errors import CudaError
 from ..stream import Stream, current_stream
 
@@ -126,6 +126,11 @@ class OwnedBuffer:
 def _hand_over(state: list[Any]) -> None:
     stream, owner, *after = state
     state[1] = None
+    if exiting():
+        # Let go now, before the owner's library is torn down: the finalisers that ran
+        # before this one at exit may have destroyed the events and streams a hold
+        # would wait for (a wait for a destroyed event crashed the process).
+        return
     capture = stream._capture
     if capture is not None:
         # Freed or collected while its last-use stream captures: a hold now would be
