@@ -872,6 +872,7 @@ def test_an_imported_array_kept_until_exit_is_let_go_without_driver_calls(sim_ba
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["ok", "owner", "released"], (done.stdout, done.stderr[-2000:])
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
 
 
 @pytest.mark.skipif(not _have_cupy, reason="CuPy not installed")

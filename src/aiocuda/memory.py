@@ -55,6 +55,7 @@ import operator
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn, final
 
@@ -918,8 +919,10 @@ class DeviceBuffer(metaclass=NoPublicConstructor):
             self._waits = None
             self._pool._frees += 1
 
-    def __del__(self) -> None:
-        if self._stream is not None and not exiting():
+    def __del__(self, _exiting: Callable[[], bool] = exiting) -> None:
+        # (bound as a default: a buffer collected in the interpreter's last moments finds
+        # this module's globals set to None)
+        if self._stream is not None and not _exiting():
             if _threads_capturing and _capturing.collected is not None:
                 # Collected while this thread captures a stream: a free now would be a
                 # driver call in the capture's way (the driver invalidates the capture).
