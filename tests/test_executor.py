@@ -1148,6 +1148,51 @@ async def test_statistics_of_a_new_and_a_closed_executor(backend: _driver.Driver
     assert repr(ex).startswith("<Executor closed") and "0: 0 in flight" in repr(ex)
 
 
+async def test_statistics_count_maps_of_an_earlier_opening_until_their_block_is_left(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """An executor left and entered again: a map whose block another task keeps open from
+    the earlier opening still counts as running (once; its chunks are over, so none of
+    them counts), and so does a map made then and entered now (refused: ClosedError); each
+    stops counting when its block is left, and the counts never go below zero."""
+    ex = Executor([0])
+    inputs = chunks(2)
+    read, leave_map, left = anyio.Event(), anyio.Event(), anyio.Event()
+
+    async def reader() -> None:
+        async with ex.map(lambda ctx, x: None, inputs) as results:
+            assert len([r async for r in results]) == 2
+            read.set()
+            await leave_map.wait()
+        left.set()
+
+    async with anyio.create_task_group() as tg:
+        async with ex:
+            tg.start_soon(reader)
+            await read.wait()
+            made_early = ex.map(lambda ctx, x: None, inputs)
+            assert ex.statistics().maps_running == 1
+        assert (ex.statistics().maps_running, ex.statistics().map_chunks) == (1, 0)
+        async with ex:
+            s = ex.statistics()
+            assert (s.maps_running, s.map_chunks) == (1, 0)
+            async with made_early as results:
+                assert ex.statistics().maps_running == 2
+                with pytest.raises(ClosedError):
+                    [r async for r in results]
+            assert ex.statistics().maps_running == 1
+            leave_map.set()
+            await left.wait()
+            s = ex.statistics()
+            assert (s.maps_running, s.map_chunks) == (0, 0)
+            async with ex.map(lambda ctx, x: None, inputs) as results:
+                assert ex.statistics().maps_running == 1
+                assert len([r async for r in results]) == 2
+            s = ex.statistics()
+            assert (s.maps_running, s.map_chunks) == (0, 0)
+            assert s.device_streams[0].completed == 2
+
+
 @pytest.mark.parametrize("traced", [False, True])
 async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(
     backend: Any, anyio_backend: Any, traced: bool

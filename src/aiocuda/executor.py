@@ -104,7 +104,8 @@ class ExecutorStatistics:
     they waited (:class:`~aiocuda.errors.ClosedError`,
     :class:`~aiocuda.errors.ContextPoisonedError`)."""
     maps_running: int
-    """Maps (pipelines) whose ``async with`` block is open."""
+    """Maps (pipelines) whose ``async with`` block is open, a map of an earlier opening
+    of the executor (left and entered again) included."""
     map_chunks: int
     """Chunks of maps admitted to a device and not over yet (their share of the devices'
     ``chunks``)."""
@@ -281,7 +282,8 @@ class Executor:
                 )
             )
         self._device_streams = tuple(device_streams)
-        self._pipelines = Pipelines()  # (those of an earlier opening stay refused)
+        # (those of an earlier opening stay refused; its maps still open count on)
+        self._pipelines = self._pipelines.reopened()
         self._submits_completed = self._submits_failed = 0  # (counted afresh, as the devices' are)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._state = "open"
@@ -570,7 +572,8 @@ class Executor:
         """A snapshot of the submits, maps and devices' load (call it from the executor's
         event loop). Counts start when the executor is entered; a closed executor keeps
         its final ones (its devices' and lanes' too); one never entered has no devices
-        and counts nothing."""
+        and counts nothing. A map counts as running while its block is open, whichever
+        opening of the executor made it (its chunks count with the opening's devices)."""
         # Derived from the counters the hot paths keep anyway: a submit's own lease is
         # its lane's (Lanes counts it from the moment admission ends, with no await in
         # between), so what is not leased of _submitting is waiting.

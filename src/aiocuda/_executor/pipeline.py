@@ -49,27 +49,58 @@ __all__ = ["Pipeline", "Pipelines", "reserve"]
 L = TypeVar("L", bound=Loaded)
 
 
+class _OpenMaps:
+    """The maps of an executor whose ``async with`` block is open, over all its openings."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class Pipelines:
-    """What an executor knows of its pipelines: whether they may still admit chunks, how
-    many are running, and how many of the chunks they admitted are running.
+    """What an executor knows of the pipelines of one opening (one ``async with`` block):
+    whether they may still admit chunks and how many of the chunks they admitted are
+    running; and how many maps of the executor are running, whichever opening made them.
 
     :meth:`close` (the executor's block is being left, or it closes) refuses their next
     chunks with :class:`~aiocuda.errors.ClosedError`, those waiting for room included;
-    :meth:`drain` then waits until the chunks they had admitted are over.
+    :meth:`drain` then waits until the chunks they had admitted are over. The executor
+    entered again starts afresh with :meth:`reopened`.
     """
 
-    __slots__ = ("_idle", "_waiting", "closed", "maps", "running")
+    __slots__ = ("_idle", "_open_maps", "_waiting", "closed", "running")
 
-    def __init__(self) -> None:
+    def __init__(self, open_maps: _OpenMaps | None = None) -> None:
         self.closed = False
-        self.maps = 0
-        """Pipelines whose ``async with`` block is open."""
+        self._open_maps = _OpenMaps() if open_maps is None else open_maps
         self.running = 0
         """Chunks admitted to a device and not over yet (:meth:`Pipeline._done`)."""
         self._idle: anyio.Event | None = None
         """Set when ``running`` falls to zero while :meth:`drain` waits."""
         self._waiting: set[anyio.CancelScope] = set()
         """The admissions waiting for room, cancelled by :meth:`close`."""
+
+    def reopened(self) -> Pipelines:
+        """The pipelines of the executor's next opening: none of this one's chunks, and
+        open to new ones, while this one stays refused; the maps still running from this
+        one (or earlier: a map made here whose block another task keeps open, or enters
+        later) count on among :attr:`maps` until their block is left."""
+        return Pipelines(self._open_maps)
+
+    @property
+    def maps(self) -> int:
+        """Maps whose ``async with`` block is open, made in this opening of the executor
+        or an earlier one (:meth:`entered`, :meth:`left`)."""
+        return self._open_maps.count
+
+    def entered(self) -> None:
+        """A map's ``async with`` block opened."""
+        self._open_maps.count += 1
+
+    def left(self) -> None:
+        """A map's ``async with`` block was left."""
+        self._open_maps.count -= 1
 
     def close(self) -> None:
         """Admit no more chunks: the next one, and those waiting for room, raise
@@ -166,7 +197,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         else:
             self._eager = EagerMode(self._runner, self._done, task_group.start_soon)
         self._feed_soon()
-        self._pipelines.maps += 1
+        self._pipelines.entered()
         return self
 
     async def __aexit__(
@@ -175,7 +206,7 @@ class Pipeline(ChunkMap, metaclass=NoPublicConstructor):
         try:
             return await self._close(exc_type, exc, tb)
         finally:
-            self._pipelines.maps -= 1
+            self._pipelines.left()
             if self._graphs is not None:
                 self._graphs.close()
             if self._eager is not None:
