@@ -56,7 +56,6 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -71,6 +70,7 @@ from ._executor.lane import PRIORITIES, Priority
 from ._executor.lanes import Lanes, default_count
 from ._executor.pipeline import Pipeline, Pipelines, reserve
 from ._executor.placement import Admission, PlacementName
+from ._executor.statistics import ExecutorStatistics, executor_statistics
 from ._util import a_number, at_least
 from .device import Device, devices
 from .errors import ClosedError, ContextPoisonedError, CudaError
@@ -84,33 +84,6 @@ _thread_id = threading.get_ident  # submits and maps from another thread are ref
 _SUBMIT_STAGING = 1 << 20
 """Page-locked bytes per chunk in flight for :meth:`Executor.submit`'s pageable copies;
 larger ones go through the process's staging threads."""
-
-
-@dataclass(frozen=True, slots=True)
-class ExecutorStatistics:
-    """A snapshot of an :class:`Executor` (:meth:`Executor.statistics`)."""
-
-    submits_running: int
-    """Submits whose chunk runs now: admitted to a device and holding one of its lanes."""
-    submits_waiting: int
-    """Submits started and not running yet: waiting for room on a device (its
-    ``chunks_per_device`` or memory budget; a non-contiguous input is copied first), or
-    admitted and waiting for one of its lanes (that part is each device's
-    ``lanes.waiting``)."""
-    submits_completed: int
-    """Submits that have returned so far, with their result or an error."""
-    submits_failed: int
-    """Those of them that raised: the chunk's error, a cancellation, or a refusal while
-    they waited (:class:`~aiocuda.errors.ClosedError`,
-    :class:`~aiocuda.errors.ContextPoisonedError`)."""
-    maps_running: int
-    """Maps (pipelines) whose ``async with`` block is open, a map of an earlier opening
-    of the executor (left and entered again) included."""
-    map_chunks: int
-    """Chunks of maps admitted to a device and not over yet (their share of the devices'
-    ``chunks``)."""
-    device_streams: tuple[DeviceStreamsStatistics, ...]
-    """Each device's load, in the order of :attr:`Executor.devices`."""
 
 
 class Executor:
@@ -574,26 +547,13 @@ class Executor:
         its final ones (its devices' and lanes' too); one never entered has no devices
         and counts nothing. A map counts as running while its block is open, whichever
         opening of the executor made it (its chunks count with the opening's devices)."""
-        # Derived from the counters the hot paths keep anyway: a submit's own lease is
-        # its lane's (Lanes counts it from the moment admission ends, with no await in
-        # between), so what is not leased of _submitting is waiting.
-        per_device = []
-        running = 0
-        for device_streams in self._device_streams:
-            lanes = self._request_lanes.get(device_streams.device.ordinal)
-            lanes_statistics = None
-            if lanes is not None:
-                lanes_statistics = lanes.statistics()
-                running += lanes_statistics.leased
-            per_device.append(device_streams.statistics(lanes_statistics))
-        return ExecutorStatistics(
-            submits_running=running,
-            submits_waiting=self._submitting - running,
+        return executor_statistics(
+            self._device_streams,
+            self._request_lanes,
+            self._pipelines,
+            submitting=self._submitting,
             submits_completed=self._submits_completed,
             submits_failed=self._submits_failed,
-            maps_running=self._pipelines.maps,
-            map_chunks=self._pipelines.running,
-            device_streams=tuple(per_device),
         )
 
     def _streams_of(self, device: Device) -> DeviceStreams:
