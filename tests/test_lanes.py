@@ -643,6 +643,101 @@ async def test_a_lease_inside_a_lease_of_the_same_lanes_raises_instead_of_waitin
     assert lanes.statistics().leased == 0
 
 
+async def test_a_lease_inside_a_lease_an_async_generator_holds_raises_instead_of_waiting_for_itself(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """An async generator's lease block is off the stack while its consumer runs the
+    body of its loop (or the block of an asynccontextmanager around it): a lease there,
+    in the same task, would wait for itself all the same. It raises; the generator's
+    lease goes on and ends as the generator closes."""
+    from contextlib import asynccontextmanager
+
+    async def yields_in_the_block(lanes: Lanes) -> Any:
+        async with lanes.lease() as lane:
+            yield lane
+
+    @asynccontextmanager
+    async def lane_of(lanes: Lanes) -> Any:
+        async with lanes.lease() as lane:
+            yield lane
+
+    async with Lanes(count=1) as lanes:
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            agen = yields_in_the_block(lanes)
+            async for lane in agen:
+                with pytest.raises(RuntimeError, match="holds lane 0 of these lanes"):
+                    async with lanes.lease():
+                        pass
+                np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 3, np.float32)), 3)
+            assert lanes.statistics().leased == 0 and not lanes._in_generators
+            async with lane_of(lanes) as lane:
+                with pytest.raises(RuntimeError, match="holds lane 0 of these lanes"):
+                    async with lanes.lease():
+                        pass
+                with pytest.raises(RuntimeError, match="called by a request holding lane 0"):
+                    await lanes.aclose()
+                np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 4, np.float32)), 4)
+            assert lanes.statistics().leased == 0 and not lanes._in_generators
+            async with lanes.lease() as lane:  # the record went with the lease
+                np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 5, np.float32)), 5)
+
+
+async def test_a_lease_another_tasks_async_generator_holds_is_waited_for(sim_backend: Any, anyio_backend: Any) -> None:
+    """A lane another request holds in its async generator comes back when that request
+    goes on: a request of its own waits for it, as for any lease."""
+
+    async def lane_of(lanes: Lanes) -> Any:
+        async with lanes.lease() as lane:
+            yield lane
+
+    async with Lanes(count=1) as lanes, anyio.create_task_group() as tg:
+        holding, go_on, got_it = anyio.Event(), anyio.Event(), anyio.Event()
+
+        async def generator_request() -> None:
+            agen = lane_of(lanes)
+            async for lane in agen:
+                holding.set()
+                await go_on.wait()
+                await scaled_copy(lane, np.ones(8, np.float32))
+            await agen.aclose()
+
+        async def other_request() -> None:
+            async with lanes.lease() as lane:
+                await scaled_copy(lane, np.ones(8, np.float32))
+                got_it.set()
+
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            tg.start_soon(generator_request)
+            await holding.wait()
+            tg.start_soon(other_request)
+            await checkpoints()
+            assert lanes.statistics().waiting == 1 and not got_it.is_set()
+            go_on.set()
+            await got_it.wait()
+    assert lanes.statistics().leased == 0 and not lanes._in_generators
+
+
+async def test_a_lane_of_an_async_generator_dropped_unclosed_comes_back_to_its_task(
+    sim_backend: Any, anyio_backend: Any
+) -> None:
+    """A generator left unclosed while it holds a lane (a break out of its loop) is
+    closed by the loop's finaliser, in a task of its own: a lease of the same request
+    that has to wait meanwhile gets the lane, as it did before generators were watched."""
+
+    async def lane_of(lanes: Lanes) -> Any:
+        async with lanes.lease() as lane:
+            yield lane
+
+    async with Lanes(count=1) as lanes:
+        with anyio.fail_after(30):  # (only the hang this prevents reaches it)
+            async for _lane in lane_of(lanes):
+                break
+            gc.collect()  # (dropped at once under reference counting; else by the collector)
+            async with lanes.lease() as lane:
+                np.testing.assert_array_equal(await scaled_copy(lane, np.full(8, 6, np.float32)), 6)
+        assert lanes.statistics().leased == 0 and not lanes._in_generators
+
+
 async def test_aclose_from_a_request_holding_a_lane_raises_instead_of_waiting_for_it(
     sim_backend: Any, anyio_backend: Any
 ) -> None:

@@ -59,12 +59,13 @@ the lease does not wait for it, but the next lease of the lane does. A ``lanes.l
 serves one request at a time: call it per request. A request holds one lane of a pool at
 a time: a lease inside a lease of the same pool (in the block, or in a function it calls)
 would wait for itself once every lane is leased, so there it raises ``RuntimeError``
-instead of waiting (while a lane is free it is granted: do not rely on it). Two cases are
-not detected and deadlock the same way once every lane is leased: waiting, while holding
-a lane, for a task the request started that leases one (its task group's end inside the
-block), and an outer lease taken inside an async generator (an ``asynccontextmanager``
-around ``lease()``, a dependency that yields the lane), which is off the request's stack
-while it runs the block.
+instead of waiting (while a lane is free it is granted: do not rely on it), also when the
+outer lease was taken inside an async generator the same request runs (an
+``asynccontextmanager`` around ``lease()``, a dependency that yields the lane; one the
+request dropped unclosed is first given a few loop turns to be closed by the loop's
+finaliser). One case is not detected and deadlocks the same way once every lane is
+leased: waiting, while holding a lane, for a task the request started that leases one
+(its task group's end inside the block).
 """
 
 from __future__ import annotations

@@ -20,8 +20,11 @@ See :mod:`aiocuda.lanes` for the user's view. Invariants the code keeps:
   own callers (:meth:`Lanes._check_not_holding`) and raises instead. (The block's frame
   rather than the task: asyncio's ``current_task()`` cost 0.3 us a lease, a
   ``ContextVar`` set and reset 0.25 and would take a task started inside the block for
-  the request itself. A block in an async generator is off the stack while its consumer
-  runs, and goes unseen.)
+  the request itself.) A block in an async generator is off the stack while its consumer
+  runs: its lease alone also notes its task (``Lanes._in_generators``, a flag test on the
+  others), and a lease that has to wait in that task raises too, once the loop has had a
+  few turns to close a generator dropped unclosed (its finaliser ends the lease in
+  another task). A lease in another task's generator is waited for as any other.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from types import FrameType, TracebackType
 from typing import Any, Literal, NoReturn
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from .._completion.event_pool import EventPool
@@ -57,6 +61,15 @@ Setup = Callable[["Lane"], Any]
 """``setup(lane)`` (sync or async) prepares one lane at start-up; its result is ``lane.state``."""
 
 _thread_id = threading.get_ident  # a lease from another thread is refused: 0.05 us a lease
+
+_CO_ASYNC_GENERATOR = inspect.CO_ASYNC_GENERATOR
+
+_FINALISER_TURNS = 8
+"""Loop turns a lease that would wait, in a task whose async generator holds a lane, gives
+the loop to close that generator if it was dropped unclosed, before it raises."""
+# A generator dropped unclosed is handed to the loop's finaliser hook at once (refcount),
+# which closes it in a task of its own: asyncio and uvloop within 2 turns, trio within 3
+# (its entry queue, then a system task). Unclosed and still referenced, it never is.
 
 MAX_COUNT = 1024
 """The most lanes a pool may have."""
@@ -121,6 +134,8 @@ class _Lease:
             self._entered = False
             raise
         lane._holder = holder
+        if holder.f_code.co_flags & _CO_ASYNC_GENERATOR:  # off the stack while its consumer runs
+            self._lanes._in_generators[lane.index] = anyio.get_current_task().coro
         return lane
 
     async def __aexit__(
@@ -212,6 +227,9 @@ class Lanes:
         self._closed: anyio.Event | None = None
         """Set once :meth:`aclose` has closed the pool: other calls of it wait for it."""
         self._leases = 0
+        self._in_generators: dict[int, object] = {}
+        """Lanes leased by a block in an async generator: the index of each, and the coroutine
+        of the task that leased it (identity: a strong reference, so never another task's)."""
         self._thread = 0
         """The thread of the event loop that started the pool: leases come from it."""
         self.failure: ContextPoisonedError | None = None
@@ -457,7 +475,11 @@ class Lanes:
 
     def _held_here(self) -> Lane | None:
         """The lane of this pool that the calling request holds, if any: the lane whose
-        lease's block is among the caller's frames (see ``Lane._holder``)."""
+        lease's block is among the caller's frames (see ``Lane._holder``), else one that
+        an async generator of the calling task leased."""
+        return self._held_on_stack() or self._held_by_generator_here()
+
+    def _held_on_stack(self) -> Lane | None:
         holders = {lane._holder: lane for lane in self._lanes if lane._holder is not None}
         frame: FrameType | None = sys._getframe(2) if holders else None
         while frame is not None:
@@ -467,10 +489,31 @@ class Lanes:
             frame = frame.f_back
         return None
 
-    def _check_not_holding(self) -> None:
+    def _held_by_generator_here(self) -> Lane | None:
+        """A lane that a block in an async generator of the calling task holds, if any."""
+        if not self._in_generators:
+            return None
+        task = anyio.get_current_task().coro
+        for index, owner in self._in_generators.items():
+            if owner is task:
+                return self._lanes[index]
+        return None
+
+    async def _check_not_holding(self) -> bool:
         """Refuse to wait for a lane in a request that holds one of this pool already
-        (nested leases): its own lane would never come back."""
-        lane = self._held_here()
+        (nested leases): its own lane would never come back. A lane its async generator
+        holds may be coming back, if the generator was dropped unclosed: the loop closes
+        it within a few turns (``_FINALISER_TURNS``), and then the request may wait.
+        Whether the loop turned (the pool may have changed meanwhile)."""
+        lane = self._held_on_stack()
+        turned = False
+        if lane is None and self._held_by_generator_here() is not None:
+            turned = True
+            for _ in range(_FINALISER_TURNS):
+                await anyio.lowlevel.checkpoint()
+                lane = self._held_by_generator_here()
+                if lane is None:
+                    break
         if lane is not None:
             raise RuntimeError(
                 f"this request holds lane {lane.index} of these lanes (device {self._device.ordinal}) and "
@@ -478,9 +521,15 @@ class Lanes:
                 "holding one wait for each other, or for themselves. Do the inner work on the lane "
                 "it holds, or lease once per request"
             )
+        return turned
 
     async def _wait_for_lane(self, priority: Priority) -> Lane:
-        self._check_not_holding()
+        if await self._check_not_holding():  # the loop turned: the pool may have changed
+            if self._state != "open" or self.failure is not None:
+                self._refuse()
+            if self._free:  # (the dropped generator's lane came back)
+                self._out += 1
+                return self._free.pop()
         waiter = _Waiter()
         queue = self._waiters[priority]
         queue.append(waiter)
@@ -503,6 +552,8 @@ class Lanes:
 
     def _release(self, lane: Lane, exc: BaseException | None) -> None:
         lane._end()
+        if self._in_generators:
+            self._in_generators.pop(lane.index, None)
         self._leases += 1
         failure = exc if isinstance(exc, ContextPoisonedError) else lane._failure
         lane._failure = None
