@@ -431,6 +431,7 @@ def test_wrap_takes_a_library_default_streams_device(backend: _driver.Driver) ->
         assert Stream.wrap(foreign).device is Device(1), foreign
     assert Stream.wrap(CupyLike(), device=0).device is Device(0)  # device= still decides
     assert Stream.wrap(1).device is Device(0) and Stream.wrap(1, device=1).device is Device(1)
+    assert Stream.wrap(2).device is Device(0) and Stream.wrap(2, device=1).device is Device(1)
     with Stream(1) as s1:  # a handle of its own names its device: the driver's answer stands
         assert Stream.wrap(TorchLike(int(s1))).device is Device(1)
 
@@ -439,12 +440,12 @@ def test_wrap_takes_a_library_default_streams_device(backend: _driver.Driver) ->
 async def test_a_wrapped_default_stream_is_its_devices_whatever_is_current(
     backend: _driver.Driver, anyio_backend: object
 ) -> None:
-    """A default stream's value (0 or 1) means the default stream of the context current
+    """A default stream's value (0, 1 or 2) means the default stream of the context current
     on the calling thread. The wrapper of device 1's, used while device 0's context was
     current, failed to await, record and hold (an event of device 1 recorded into device
     0's stream), and its query asked about device 0's stream."""
     Stream(0).close()  # device 0 current on this thread
-    for value in (0, 1):
+    for value in (0, 1, 2):
         wrapped = Stream.wrap(value, device=1)
         with Gate(wrapped):
             Stream(0).close()
@@ -455,6 +456,39 @@ async def test_a_wrapped_default_stream_is_its_devices_whatever_is_current(
         await wrapped
         await event
         assert wrapped.query()
+
+
+async def test_a_wrapped_per_thread_default_stream_orders_work(backend: _driver.Driver, anyio_backend: object) -> None:
+    """``Stream.wrap(2)`` (``CU_STREAM_PER_THREAD``, PyTorch's and CuPy's per-thread
+    default stream) is the calling thread's own default stream: a blocking stream, so the
+    legacy default stream waits for its work and it waits for the legacy stream's; another
+    thread's per-thread stream does not wait for it. (The simulator refused the value.)"""
+    Stream(0).close()  # device 0 current on this thread
+    wrapped = Stream.wrap(2)
+    assert int(wrapped) == 2 and wrapped.device is Device(0)
+    legacy = Stream.wrap(1)
+    with Gate(wrapped) as gate:
+        assert not wrapped.query(), "the per-thread stream is busy"
+        event = wrapped.record()
+
+        def on_another_thread() -> None:
+            Stream.wrap(2).record().synchronize()  # that thread's own: not held by the gate
+
+        await anyio.to_thread.run_sync(on_another_thread)
+        # (before it: work on the legacy stream makes every blocking stream wait, the other
+        # thread's per-thread stream too)
+        after = legacy.record()  # the legacy stream waits for the per-thread stream's work
+        assert not event.query() and not after.query()
+    await wrapped
+    await event
+    await after
+    assert not gate.timed_out
+    with Gate(legacy) as gate:
+        event = wrapped.record()  # waits for the legacy stream's earlier work
+        assert not event.query()
+    await event
+    await legacy
+    assert not gate.timed_out
 
 
 @pytest.mark.multi_gpu

@@ -8,8 +8,10 @@ These test the sim itself (its controls have no real-driver counterpart), so the
 from __future__ import annotations
 
 import functools
+import gc
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -20,10 +22,11 @@ from hypothesis import strategies as st
 from aiocuda._driver.sim import SimDriver
 from aiocuda.errors import (
     ArgumentError,
+    CudaError,
     ResultCode,
 )
 
-from ._helpers import WAIT, on_device, recorder
+from ._helpers import WAIT, on_device, recorder, wait_until
 
 
 # -- streams ----------------------------------------------------------------------------------
@@ -149,10 +152,152 @@ def test_streams_accept_raw_values(sim: SimDriver) -> None:
     sim.stream_synchronize(0)
     assert sorted(log) == ["by value", "null stream"]
     assert sim.stream_device_ordinal(0) == 0
-    with pytest.raises(ArgumentError):
-        sim.enqueue(2, op("per-thread stream"), "op")  # CU_STREAM_PER_THREAD: not simulated
+    sim.enqueue(2, op("per-thread stream"), "op")  # CU_STREAM_PER_THREAD
+    sim.stream_synchronize(2)
+    assert log[-1] == "per-thread stream"
     with pytest.raises(ArgumentError):
         sim.enqueue("stream", op("nonsense"), "op")
+
+
+# -- the per-thread default stream (value 2, CU_STREAM_PER_THREAD) ----------------------------
+def in_thread(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a new thread (and so with that thread's per-thread streams); its result."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(fn()))
+    thread.start()
+    thread.join(WAIT)
+    assert not thread.is_alive() and len(result) == 1
+    return result[0]
+
+
+def test_per_thread_stream_is_the_calling_threads_own(sim: SimDriver) -> None:
+    mine = sim.stream_from_value(2)
+    assert sim.stream_from_value(2) is mine
+    assert sim.handle_value(mine) == 2
+    assert sim.stream_device_ordinal(mine) == 0
+    assert not sim.stream_is_non_blocking(mine)
+    assert mine is not sim.stream_from_value(0)
+    other = in_thread(lambda: sim.stream_from_value(2))
+    assert other is not mine and sim.handle_value(other) == 2
+
+    def on_device_1() -> Any:
+        on_device(sim, 1)
+        return sim.stream_from_value(2)
+
+    assert sim.stream_device_ordinal(in_thread(on_device_1)) == 1
+
+
+def test_per_thread_streams_of_two_threads_are_independent(sim: SimDriver) -> None:
+    log, op = recorder()
+    sim.pause(2)  # this thread's
+    sim.enqueue(2, op("mine"), "op")
+
+    def other_thread() -> bool:
+        sim.enqueue(2, op("other"), "op")
+        sim.stream_synchronize(2)  # waits for this thread's only: it would never end otherwise
+        return sim.stream_query(2)
+
+    try:
+        assert in_thread(other_thread)
+        assert log == ["other"] and not sim.stream_query(2)
+    finally:
+        sim.resume(2)
+    sim.stream_synchronize(2)
+    assert log == ["other", "mine"]
+
+
+def test_null_stream_waits_for_per_thread_streams(sim: SimDriver) -> None:
+    log, op = recorder()
+    non_blocking = sim.stream_create(non_blocking=True, priority=0)
+    other = in_thread(lambda: sim.stream_from_value(2))  # another thread's, paused from here
+    sim.pause(2)
+    sim.pause(other)
+    try:
+        sim.enqueue(2, op("mine"), "op")
+        sim.enqueue(other, op("other"), "op")
+        sim.enqueue(0, op("null"), "op")
+        sim.enqueue(non_blocking, op("non-blocking"), "op")
+        sim.stream_synchronize(non_blocking)
+        assert log == ["non-blocking"] and not sim.stream_query(0)
+        sim.resume(2)
+        sim.stream_synchronize(2)
+        assert log == ["non-blocking", "mine"] and not sim.stream_query(0)  # still waits for the other thread's
+    finally:
+        sim.resume(2)
+        sim.resume(other)
+    sim.stream_synchronize(0)
+    assert log == ["non-blocking", "mine", "other", "null"]
+
+
+def test_per_thread_stream_waits_for_the_null_stream(sim: SimDriver) -> None:
+    log, op = recorder()
+    non_blocking = sim.stream_create(non_blocking=True, priority=0)
+    event = sim.event_create(timing=False, blocking_sync=False)
+    sim.pause(0)
+    try:
+        sim.enqueue(0, op("null"), "op")
+        sim.enqueue(2, op("mine"), "op")
+        sim.event_record(event, 2)
+
+        def other_thread() -> None:
+            sim.enqueue(2, op("other"), "op")
+
+        in_thread(other_thread)
+        sim.enqueue(non_blocking, op("non-blocking"), "op")
+        sim.stream_synchronize(non_blocking)
+        assert log == ["non-blocking"] and not sim.stream_query(2) and not sim.event_query(event)
+    finally:
+        sim.resume(0)
+    sim.event_synchronize(event)
+    sim.stream_synchronize(0)
+    assert log[:2] == ["non-blocking", "null"] and sorted(log[2:]) == ["mine", "other"]
+
+
+def test_per_thread_stream_cannot_be_destroyed(sim: SimDriver) -> None:
+    mine = sim.stream_from_value(2)
+    for handle in (2, mine):
+        with pytest.raises(ArgumentError, match="per-thread default stream cannot be destroyed"):
+            sim.stream_destroy(handle)
+    assert sim.stream_from_value(2) is mine
+    sim.stream_synchronize(mine)
+
+
+def test_a_thread_that_exits_leaves_its_per_thread_stream(fresh: SimDriver) -> None:
+    log, op = recorder()
+
+    def other_thread() -> weakref.ref[Any]:
+        fresh.enqueue(2, op("queued"), "op")
+        return weakref.ref(fresh.stream_from_value(2))
+
+    streams = [in_thread(other_thread) for _ in range(20)]
+    fresh.enqueue(0, op("null"), "op")  # after their queued work, which still runs
+    fresh.stream_synchronize(0)
+    assert log == ["queued"] * 20 + ["null"]
+    gc.collect()
+    assert wait_until(lambda: all(ref() is None for ref in streams))
+
+
+def test_shutdown_drops_per_thread_streams_work(fresh: SimDriver) -> None:
+    log, op = recorder()
+    mine = fresh.stream_from_value(2)
+    fresh.pause(mine)
+    fresh.enqueue(mine, op("dropped"), "op")
+
+    def wait() -> int | None:
+        try:
+            fresh.stream_synchronize(mine)  # (waiting, or not yet: either way it must end)
+        except CudaError as exc:
+            return exc.code
+        return None
+
+    waiter: list[int | None] = []
+    thread = threading.Thread(target=lambda: waiter.append(wait()))
+    thread.start()
+    fresh.shutdown()
+    thread.join(WAIT)
+    assert not thread.is_alive() and waiter == [ResultCode.DEINITIALIZED]
+    fresh.resume(mine)
+    assert log == []
 
 
 def test_concurrent_producers_keep_their_own_order(sim: SimDriver) -> None:

@@ -22,6 +22,21 @@ Streams
     waits for the null stream's work already enqueued. Stream priorities are recorded
     (clamped to ``(0, -5)``) but do not change scheduling.
 
+    Value 2 (``CU_STREAM_PER_THREAD``) names the calling thread's per-thread default
+    stream of the current context (so of the current device, with primary contexts):
+    made on first use, one per (thread, context), each thread's its own. It is a
+    blocking stream, so it keeps the legacy synchronisation with the null stream like
+    any other, and none with other threads' per-thread streams. It cannot be destroyed
+    (``CUDA_ERROR_INVALID_HANDLE``, as for the null stream); destroying its context
+    ends it, and the thread's next use of value 2 makes a fresh one. The thread keeps
+    it in a ``threading.local``: a thread that exits leaves its streams (work already
+    queued still runs), so tests that spawn many threads do not pile them up, and
+    :meth:`SimCore.shutdown` drops their queued work like every other stream's.
+    Departure: a value 0, 1 or 2 is resolved when the call is made, and the handle
+    ``stream_from_value`` returns keeps naming that stream (its ``handle_value`` is 0
+    or 2): used from another thread, or with another device current, it still names
+    the stream it was resolved to, where the driver would resolve the value again.
+
 Events
     ``event_record`` captures the point after everything enqueued so far on the stream;
     re-recording moves the event; a never-recorded event is complete. Recording into a
@@ -92,6 +107,7 @@ __all__ = ["SimCore"]
 _SIM_DRIVER_VERSION = 13000
 _PRIORITY_LEAST, _PRIORITY_GREATEST = 0, -5
 _LEGACY_STREAM_VALUES = (0, 1)  # 0: the null stream; 1: CU_STREAM_LEGACY
+_PER_THREAD_STREAM_VALUE = 2  # CU_STREAM_PER_THREAD
 _SHUTDOWN_JOIN_S = 2.0
 _UUID_NAMESPACE = uuid.UUID("6b3c1f3e-5a0e-4d4e-9a57-a10c0da51a70")
 
@@ -257,11 +273,33 @@ class SimCore:
         if isinstance(stream, int) and not isinstance(stream, bool):
             if stream in _LEGACY_STREAM_VALUES:
                 return self._devices[self._device_of_current()].null_stream
+            if stream == _PER_THREAD_STREAM_VALUE:
+                return self._per_thread_stream()
             found = self._streams.get(stream)
             if found is not None:
                 return found
             raise sim_error(ResultCode.INVALID_HANDLE, "stream", f"no simulated stream has value {stream:#x}")
         raise sim_error(ResultCode.INVALID_HANDLE, "stream", f"not a simulated stream: {stream!r}")
+
+    def _per_thread_stream(self) -> SimStream:
+        """The calling thread's per-thread default stream of its current context (made now
+        if it has none, or its context was destroyed since)."""
+        ordinal = self._device_of_current()
+        context = self._current_context() or self._devices[ordinal].context
+        # Kept in the thread's local storage, keyed by context: the streams go when the
+        # thread does (a stream with queued work lives on in the worker pool until it is
+        # done), so threads that come and go leave nothing behind here.
+        streams: dict[SimContext, SimStream] | None = getattr(self._tls, "per_thread", None)
+        if streams is None:
+            streams = self._tls.per_thread = {}
+        stream = streams.get(context)
+        if stream is None or stream.destroyed:
+            for gone in [key for key, old in streams.items() if old.destroyed]:
+                del streams[gone]  # (their contexts were destroyed: nothing keeps them here)
+            stream = SimStream(self._workers, self._devices[ordinal], _PER_THREAD_STREAM_VALUE, False, 0)
+            stream.context = context
+            streams[context] = stream
+        return stream
 
     def _stream_ordinal(self, stream: Any) -> int:
         """The ordinal of a stream's device (ArgumentError for a bad handle)."""
@@ -563,11 +601,16 @@ class SimCore:
         self._api("stream_destroy", sim.device.ordinal)
         if sim.value in _LEGACY_STREAM_VALUES:
             raise sim_error(ResultCode.INVALID_HANDLE, "stream_destroy", "the null stream cannot be destroyed")
+        if sim.value == _PER_THREAD_STREAM_VALUE:
+            raise sim_error(
+                ResultCode.INVALID_HANDLE, "stream_destroy", "a per-thread default stream cannot be destroyed"
+            )
         self._streams.pop(sim.value, None)
         sim.destroy()
 
     def stream_from_value(self, value: int) -> SimStream:
-        """The live sim stream with that value; 0 or 1 is the current device's null stream."""
+        """The live sim stream with that value; 0 or 1 is the current device's null stream,
+        2 the calling thread's per-thread default stream of the current context."""
         self._counted("stream_from_value")
         return self._resolve_stream(int(value))
 

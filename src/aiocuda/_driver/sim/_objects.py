@@ -336,7 +336,8 @@ class StreamWait:
 
 
 class SimStream:
-    """A simulated stream. ``value`` is its handle value (0 for a device's legacy null stream).
+    """A simulated stream. ``value`` is its handle value (0 for a device's legacy null stream,
+    2 for a per-thread default stream).
 
     ``submitted`` counts operations ever enqueued and ``finished`` those completed, so
     "everything enqueued so far" is the point ``submitted`` and it is reached once
