@@ -1193,6 +1193,102 @@ async def test_statistics_count_maps_of_an_earlier_opening_until_their_block_is_
             assert s.device_streams[0].completed == 2
 
 
+@pytest.mark.parametrize("left_by", ["close", "cancelled exit"])
+async def test_statistics_count_submits_of_an_earlier_opening_where_they_started(
+    backend: _driver.Driver, anyio_backend: Any, left_by: str
+) -> None:
+    """Submits held in their stage outlive their opening (the executor closed directly, or
+    its exit cancelled) and the executor is entered again: they count as running there
+    (on their own opening's lanes), not as waiting; once they return, one with its result
+    and one with its error, none runs or waits and neither counts as this opening's
+    completed or failed submit."""
+    gate = anyio.Event()
+    host = np.arange(64, dtype=np.float32)
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async def held_then_boom(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+        raise Boom("held")
+
+    async def submit_expecting_boom() -> None:
+        with pytest.raises(Boom, match="held"):
+            await ex.submit(held_then_boom, host)
+
+    ex = Executor([0])
+    async with anyio.create_task_group() as tg:
+        try:
+            with anyio.CancelScope() as scope:
+                async with ex:
+                    tg.start_soon(ex.submit, held, host)
+                    tg.start_soon(submit_expecting_boom)
+                    await checkpoints()
+                    assert ex.statistics().submits_running == 2
+                    if left_by == "close":
+                        ex.close()
+                    else:
+                        scope.cancel()
+                        await anyio.lowlevel.checkpoint()
+            assert repr(ex).startswith("<Executor closed")
+            async with ex:
+                try:
+                    s = ex.statistics()
+                    assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (2, 0, 0, 0)
+                    assert s.device_streams[0].lanes is not None and s.device_streams[0].lanes.leased == 0
+                finally:
+                    gate.set()  # (before leaving, which may wait for them)
+                await checkpoints()
+                s = ex.statistics()
+                assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 0, 0)
+                await ex.submit(lambda ctx, x: None, host)
+                s = ex.statistics()
+                assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 1, 0)
+        finally:
+            gate.set()  # (the held submits return, whatever failed above)
+
+
+async def test_leaving_waits_for_the_submits_of_its_own_opening_only(
+    backend: _driver.Driver, anyio_backend: Any
+) -> None:
+    """An exit waits for a submit held in its stage; the executor is closed directly and
+    entered again meanwhile. Leaving the new opening does not wait for the earlier
+    opening's submit, and the earlier exit, once that submit returns, ends without
+    waiting for the next opening's submits or closing it."""
+    gate = anyio.Event()
+    host = np.arange(64, dtype=np.float32)
+    first_left = anyio.Event()
+
+    async def held(ctx: ChunkContext, x: DeviceArray) -> None:
+        await gate.wait()
+
+    async def first_opening(task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with ex:
+            tg.start_soon(ex.submit, held, host)
+            await checkpoints()
+            task_status.started()
+        first_left.set()
+
+    ex = Executor([0])
+    async with anyio.create_task_group() as tg:
+        await tg.start(first_opening)
+        await checkpoints()
+        assert repr(ex).startswith("<Executor closing")  # (waiting for the held submit)
+        ex.close()
+        with anyio.fail_after(5):
+            async with ex:  # the second opening, left while the first's submit is held
+                await ex.submit(lambda ctx, x: None, host)
+        assert not first_left.is_set()
+        async with ex:  # the third, open while the first's exit ends
+            gate.set()
+            with anyio.fail_after(5):
+                await first_left.wait()
+            assert repr(ex).startswith("<Executor open")
+            np.testing.assert_array_equal(await ex.submit(lambda ctx, x: None, host), host)
+            s = ex.statistics()
+            assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 1, 0)
+
+
 @pytest.mark.parametrize("traced", [False, True])
 async def test_submit_runs_every_kind_of_stage_and_returns_its_memory(
     backend: Any, anyio_backend: Any, traced: bool

@@ -58,7 +58,6 @@ import weakref
 from collections.abc import AsyncIterable, Iterable, Sequence
 from typing import Any, Literal
 
-import anyio
 import numpy.typing as npt
 
 from ._completion.loops import being_cancelled
@@ -71,6 +70,7 @@ from ._executor.lanes import Lanes, default_count
 from ._executor.pipeline import Pipeline, Pipelines, reserve
 from ._executor.placement import Admission, PlacementName
 from ._executor.statistics import ExecutorStatistics, executor_statistics
+from ._executor.submits import Submits
 from ._util import a_number, at_least
 from .device import Device, devices
 from .errors import ClosedError, ContextPoisonedError, CudaError
@@ -115,7 +115,8 @@ class Executor:
     :meth:`ChunkContext.move` copies GPU to GPU directly. Leaving the block shuts down
     gracefully: new :meth:`submit` and :meth:`map` calls raise
     :class:`~aiocuda.errors.ClosedError`, submits already started (waiting for room, for a
-    lane, or running) finish, then the GPU work the executor enqueued is awaited (on
+    lane, or running) finish (those of this opening: an executor left and entered again
+    does not wait for submits that outlived an earlier opening), then the GPU work the executor enqueued is awaited (on
     devices that have not failed) and its streams are closed. End each map (its ``async
     with``) inside the executor's block; a map that another task still runs when the block
     is left takes no more inputs: its iteration ends with
@@ -166,20 +167,14 @@ class Executor:
         self._pipelines = Pipelines()
         """The maps' share of the executor: refused new chunks and awaited on leaving."""
         self._state: Literal["new", "open", "closing", "closed"] = "new"
-        self._submitting = 0
-        """Submits started and not yet returned: what leaving the block waits for."""
-        self._submits_completed = 0
-        """Submits returned (with their result or an error), for :meth:`statistics`."""
-        self._submits_failed = 0
-        """Those of them that raised."""
-        self._drained: anyio.Event | None = None
-        """Set when the last of them returns while the executor is closing."""
+        self._submits = Submits()
+        """This opening's submits: their devices, lanes and counts; what leaving waits for."""
+        self._earlier_submits: list[Submits] = []
+        """Those of earlier openings that had not all returned when it was entered again."""
         self._thread = 0
         """The thread of the event loop that entered the executor: submits and maps come from it."""
         self._cursor = 0
         self._submitted = 0  # chunks run by submit(), for their index in traces
-        self._request_lanes: dict[int, Lanes] = {}
-        """submit()'s lanes, by device ordinal."""
         self._graph_lanes: weakref.WeakKeyDictionary[Any, dict[int, GraphLanes]] = weakref.WeakKeyDictionary()
         """Graph mode's captured graphs, by stage and device ordinal: every pipeline of a
         stage replays them."""
@@ -202,7 +197,7 @@ class Executor:
                 # uvicorn on the H100 about 35 us by the medians, logs/submit-lanes-h100.txt)
                 count = min(self._chunks_per_device, default_count(device))
                 lanes = Lanes(device, count=count, priorities=PRIORITIES, staging=_SUBMIT_STAGING)
-                self._request_lanes[device.ordinal] = lanes
+                self._submits.lanes[device.ordinal] = lanes
                 await lanes.start()
         except BaseException:
             self.close()
@@ -215,22 +210,24 @@ class Executor:
             return
         self._state = "closing"  # new submits and maps are refused from here on
         self._pipelines.close()  # and new chunks of maps still running
+        # (This opening's: closed directly meanwhile, the executor may be entered again,
+        # and its next opening is not this exit's to wait for or to close.)
+        submits, pipelines = self._submits, self._pipelines
         try:
             if not being_cancelled():  # (a task unwinding from its cancellation: no waiting)
-                while self._submitting:
-                    self._drained = anyio.Event()
-                    await self._drained.wait()
-                self._drained = None
+                await submits.finished()
                 # Chunks of maps that other tasks run are enqueued, awaited and freed on
                 # these streams until they are over (not until they are read: a reader
                 # that stopped reading holds nothing up).
-                await self._pipelines.drain()
-                await self.synchronize()
+                await pipelines.drain()
+                if self._submits is submits:
+                    await self.synchronize()
         except CudaError:
             if exc[0] is None:
                 raise
         finally:
-            self.close()
+            if self._submits is submits:
+                self.close()
 
     def _open_devices(self) -> None:
         chosen = (
@@ -257,7 +254,9 @@ class Executor:
         self._device_streams = tuple(device_streams)
         # (those of an earlier opening stay refused; its maps still open count on)
         self._pipelines = self._pipelines.reopened()
-        self._submits_completed = self._submits_failed = 0  # (counted afresh, as the devices' are)
+        # (counted afresh, as the devices' are; earlier submits still running count on)
+        self._earlier_submits = [earlier for earlier in (*self._earlier_submits, self._submits) if earlier.unfinished]
+        self._submits = Submits(self._device_streams)
         self._by_ordinal = {per_device.device.ordinal: per_device for per_device in device_streams}
         self._state = "open"
         self._thread = _thread_id()
@@ -275,7 +274,7 @@ class Executor:
                 continue
             for stream in per_device.streams:
                 await stream
-            lanes = self._request_lanes.get(per_device.device.ordinal)
+            lanes = self._submits.lanes.get(per_device.device.ordinal)
             for lane in lanes.lanes if lanes is not None else ():
                 for stream in lane.streams:
                     await stream
@@ -292,7 +291,7 @@ class Executor:
         for per_device in self._device_streams:
             for stream in per_device.streams:
                 stream.close()
-        for lanes in self._request_lanes.values():
+        for lanes in self._submits.lanes.values():
             lanes.close()
         for per_stage in self._graph_lanes.values():
             for graph_lanes in per_stage.values():
@@ -451,16 +450,17 @@ class Executor:
             raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
         array = as_input(host)
         nbytes = reserve(array)
-        self._submitting += 1
+        submits = self._submits  # (this opening's to the end, though the executor be entered again)
+        submits.unfinished += 1
         try:
             if not array.flags.c_contiguous:
                 array = await contiguous(array)
             placed, self._cursor = await self._admission.admit(
-                placement, self._device_streams, nbytes, self._cursor, urgent=priority == "high"
+                placement, submits.device_streams, nbytes, self._cursor, urgent=priority == "high"
             )
             index, self._submitted = self._submitted, self._submitted + 1
             try:
-                async with self._request_lanes[placed.device.ordinal].lease(priority=priority) as lane:
+                async with submits.lanes[placed.device.ordinal].lease(priority=priority) as lane:
                     return await self._runner(stage, output, name).run(index, array, placed, lane)
             except BaseException as exc:
                 placed.saw(exc)
@@ -469,15 +469,15 @@ class Executor:
                 placed.completed += 1
                 self._admission.release(placed, nbytes)
         except BaseException:
-            self._submits_failed += 1
+            submits.failed += 1
             raise
         finally:
             # (The one counter a submit adds for statistics(): what runs and what waits
-            # are read from _submitting and the lanes.)
-            self._submits_completed += 1
-            self._submitting -= 1
-            if self._drained is not None and not self._submitting:
-                self._drained.set()
+            # are read from unfinished and the lanes.)
+            submits.completed += 1
+            submits.unfinished -= 1
+            if submits.drained is not None and not submits.unfinished:
+                submits.drained.set()
 
     def _check_open(self) -> None:
         if self._state != "open" or _thread_id() != self._thread:
@@ -545,16 +545,13 @@ class Executor:
         """A snapshot of the submits, maps and devices' load (call it from the executor's
         event loop). Counts start when the executor is entered; a closed executor keeps
         its final ones (its devices' and lanes' too); one never entered has no devices
-        and counts nothing. A map counts as running while its block is open, whichever
-        opening of the executor made it (its chunks count with the opening's devices)."""
-        return executor_statistics(
-            self._device_streams,
-            self._request_lanes,
-            self._pipelines,
-            submitting=self._submitting,
-            submits_completed=self._submits_completed,
-            submits_failed=self._submits_failed,
-        )
+        and counts nothing. Entered again, it counts what is still going on of earlier
+        openings with the rest: a map counts as running while its block is open, whichever
+        opening made it (its chunks count with that opening's devices), and a submit of an
+        earlier opening (one that outlived a cancelled exit or :meth:`close`) as running
+        or waiting until it returns; submits completed and failed are those started in
+        this opening."""
+        return executor_statistics(self._device_streams, self._pipelines, self._submits, self._earlier_submits)
 
     def _streams_of(self, device: Device) -> DeviceStreams:
         device_streams = self._by_ordinal.get(device.ordinal)
