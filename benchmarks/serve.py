@@ -254,13 +254,13 @@ def there_and_back(
 
     there = {endpoint: measure(endpoint) for endpoint in endpoints}
     back = {endpoint: measure(endpoint) for endpoint in reversed(endpoints)}
-    return {
-        endpoint: {
-            key: (there[endpoint].get(key, 0.0) + back[endpoint].get(key, 0.0)) / 2
-            for key in there[endpoint] | back[endpoint]
-        }
-        for endpoint in endpoints
-    }
+    return {endpoint: mean_figures([there[endpoint], back[endpoint]]) for endpoint in endpoints}
+
+
+def mean_figures(windows: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's mean over ``windows`` (0 where a window lacks it: a thread that did
+    not run there)."""
+    return {key: statistics.fmean(w.get(key, 0.0) for w in windows) for key in {k for w in windows for k in w}}
 
 
 def paired(
@@ -281,11 +281,7 @@ def paired(
             windows.setdefault(endpoint, []).append(figures)
         (_, a1), (_, b1), (_, b2), (_, a2) = block
         ratios[f"{a}/{b}"] = {key: (a1[key] + a2[key]) / (b1[key] + b2[key]) for key in ("req_per_s", "cpu_ms_per_req")}
-    means = {
-        endpoint: {key: statistics.fmean(f.get(key, 0.0) for f in runs) for key in {k for f in runs for k in f}}
-        for endpoint, runs in windows.items()
-    }
-    return means, ratios
+    return {endpoint: mean_figures(runs) for endpoint, runs in windows.items()}, ratios
 
 
 def rotated(items: list[Any], by: int) -> list[Any]:

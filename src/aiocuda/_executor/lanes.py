@@ -433,12 +433,8 @@ class Lanes:
         return _Lease(self, priority)
 
     async def _acquire(self, priority: Priority) -> Lane:
-        if self._state != "open" or self.failure is not None or _thread_id() != self._thread:
-            self._refuse()
-        if self._free:
-            lane = self._free.pop()
-            self._out += 1
-        else:
+        lane = self._take_free()
+        if lane is None:
             lane = await self._wait_for_lane(priority)
         try:
             last = self._last[lane.index]
@@ -455,6 +451,16 @@ class Lanes:
         lane._begin(priority)
         self._last[lane.index] = lane.stream
         return lane
+
+    def _take_free(self) -> Lane | None:
+        """A free lane, counted out, or None; refuses a lease the pool cannot take (closed,
+        failed, or from another thread)."""
+        if self._state != "open" or self.failure is not None or _thread_id() != self._thread:
+            self._refuse()
+        if self._free:
+            self._out += 1
+            return self._free.pop()
+        return None
 
     def _refuse(self) -> NoReturn:
         if self._state not in ("new", "starting") and _thread_id() != self._thread:
@@ -525,11 +531,9 @@ class Lanes:
 
     async def _wait_for_lane(self, priority: Priority) -> Lane:
         if await self._check_not_holding():  # the loop turned: the pool may have changed
-            if self._state != "open" or self.failure is not None:
-                self._refuse()
-            if self._free:  # (the dropped generator's lane came back)
-                self._out += 1
-                return self._free.pop()
+            lane = self._take_free()  # (the dropped generator's lane came back)
+            if lane is not None:
+                return lane
         waiter = _Waiter()
         queue = self._waiters[priority]
         queue.append(waiter)

@@ -189,11 +189,10 @@ def _start_uncollected(thread: threading.Thread) -> None:
     # the suite hung so, about once in 14 runs of test_graph.py. Starting the thread
     # outside the lock instead changed the pool's timing enough to break a completion
     # test under load (session 21), so the collector waits for the start (microseconds).
-    if not gc.isenabled():
-        thread.start()
-        return
+    enabled = gc.isenabled()
     gc.disable()
     try:
         thread.start()
     finally:
-        gc.enable()
+        if enabled:
+            gc.enable()
