@@ -1212,16 +1212,27 @@ async def test_statistics_count_submits_of_an_earlier_opening_where_they_started
         await gate.wait()
         raise Boom("held")
 
+    returned = [anyio.Event(), anyio.Event()]
+
+    async def submit_held() -> None:
+        try:
+            await ex.submit(held, host)
+        finally:
+            returned[0].set()
+
     async def submit_expecting_boom() -> None:
-        with pytest.raises(Boom, match="held"):
-            await ex.submit(held_then_boom, host)
+        try:
+            with pytest.raises(Boom, match="held"):
+                await ex.submit(held_then_boom, host)
+        finally:
+            returned[1].set()
 
     ex = Executor([0])
     async with anyio.create_task_group() as tg:
         try:
             with anyio.CancelScope() as scope:
                 async with ex:
-                    tg.start_soon(ex.submit, held, host)
+                    tg.start_soon(submit_held)
                     tg.start_soon(submit_expecting_boom)
                     await checkpoints()
                     assert ex.statistics().submits_running == 2
@@ -1238,7 +1249,8 @@ async def test_statistics_count_submits_of_an_earlier_opening_where_they_started
                     assert s.device_streams[0].lanes is not None and s.device_streams[0].lanes.leased == 0
                 finally:
                     gate.set()  # (before leaving, which may wait for them)
-                await checkpoints()
+                for event in returned:  # (their downloads run on the simulated GPU: no fixed number of turns)
+                    await event.wait()
                 s = ex.statistics()
                 assert (s.submits_running, s.submits_waiting, s.submits_completed, s.submits_failed) == (0, 0, 0, 0)
                 await ex.submit(lambda ctx, x: None, host)
@@ -1275,13 +1287,13 @@ async def test_leaving_waits_for_the_submits_of_its_own_opening_only(
         await checkpoints()
         assert repr(ex).startswith("<Executor closing")  # (waiting for the held submit)
         ex.close()
-        with anyio.fail_after(5):
+        with anyio.fail_after(60):  # (only a wait for the wrong submits reaches it)
             async with ex:  # the second opening, left while the first's submit is held
                 await ex.submit(lambda ctx, x: None, host)
         assert not first_left.is_set()
         async with ex:  # the third, open while the first's exit ends
             gate.set()
-            with anyio.fail_after(5):
+            with anyio.fail_after(60):  # (only a wait for the wrong submits reaches it)
                 await first_left.wait()
             assert repr(ex).startswith("<Executor open")
             np.testing.assert_array_equal(await ex.submit(lambda ctx, x: None, host), host)
